@@ -1,0 +1,37 @@
+/*
+ * Library-wide internal error helpers. Every failing path calls one of these
+ * so the caller gets a status code plus a detail text that names the cause.
+ */
+#ifndef STEPQ_PLUGIN_ERR_H
+#define STEPQ_PLUGIN_ERR_H
+
+#include <stdarg.h>
+#include <stddef.h>
+
+#include "stepq/common.h"
+
+/** Size of every per-object last-error buffer. */
+#define STEPQ__ERRLEN 512
+
+#if defined(__GNUC__)
+#define STEPQ__PRINTF(fmt_idx, arg_idx) __attribute__((format(printf, fmt_idx, arg_idx)))
+#else
+#define STEPQ__PRINTF(fmt_idx, arg_idx)
+#endif
+
+/** Records a thread-local detail text for status and returns status. */
+int stepq__error(int status, const char *fmt, ...) STEPQ__PRINTF(2, 3);
+
+/**
+ * Records the detail text in obj_buf (an object's STEPQ__ERRLEN buffer; may be
+ * NULL) and in the thread-local slot, and returns status.
+ */
+int stepq__error_obj(char *obj_buf, int status, const char *fmt, ...) STEPQ__PRINTF(3, 4);
+
+/** va_list form of stepq__error_obj. */
+int stepq__verror_obj(char *obj_buf, int status, const char *fmt, va_list ap);
+
+/** Checks a versioned config struct header; returns STEPQ_EVERSION with a message if wrong. */
+int stepq__check_config(const void *cfg, size_t min_size, unsigned max_version, const char *what);
+
+#endif /* STEPQ_PLUGIN_ERR_H */

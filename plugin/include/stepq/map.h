@@ -1,0 +1,220 @@
+/*
+ * Precision maps: the per-checkpoint, per-budget description of how each
+ * recurrent-state unit is stored (schema: config/SCHEMA.md).
+ *
+ * A unit is a whole value head (GDN) or one key row of a head (KDA). Unit ids
+ * inside a layer are `head` for GDN and `head * d_k + row` for KDA.
+ *
+ * A map handle is immutable once loaded or validated and may then be read
+ * from any number of threads. Building a map (stepq_map_create + setters) is
+ * single-threaded. Every failing call leaves the map unchanged, returns a
+ * status and sets stepq_map_last_error() / stepq_last_error().
+ */
+#ifndef STEPQ_MAP_H
+#define STEPQ_MAP_H
+
+#include "stepq/common.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Opaque precision map. */
+typedef struct stepq_map stepq_map_t;
+
+/** Linear-attention family of the recurrent layers. */
+typedef enum stepq_arch {
+    STEPQ_ARCH_GDN = 0, /**< Gated DeltaNet: scalar gate per head; unit = head. */
+    STEPQ_ARCH_KDA = 1, /**< Kimi Delta Attention: gate per key channel; unit = key row. */
+} stepq_arch;
+
+/** Storage method of a map (DESIGN.md section 2). */
+typedef enum stepq_method {
+    STEPQ_METHOD_FP32 = 0,     /**< unquantized fp32 state */
+    STEPQ_METHOD_BF16 = 1,     /**< unquantized bf16 state */
+    STEPQ_METHOD_FP16 = 2,     /**< unquantized fp16 state */
+    STEPQ_METHOD_UNIFORM = 3,  /**< row absmax scales, one bit width (paper baseline) */
+    STEPQ_METHOD_DSQ = 4,      /**< row + column scales, no row impact, one bit width */
+    STEPQ_METHOD_SPATIAL = 5,  /**< key-row-aware dual-axis fit, one bit width */
+    STEPQ_METHOD_TEMPORAL = 6, /**< per-unit bits + fp16 pivots, row absmax scales */
+    STEPQ_METHOD_STEPQ = 7,    /**< per-unit bits + pivots + key-row-aware dual-axis fit */
+    STEPQ_METHOD_COUNT
+} stepq_method;
+
+/** Element type of a dense tensor (conv state, unquantized states, server tensors). */
+typedef enum stepq_dtype {
+    STEPQ_DTYPE_FP32 = 0,
+    STEPQ_DTYPE_BF16 = 1,
+    STEPQ_DTYPE_FP16 = 2,
+} stepq_dtype;
+
+/** Unit bit widths: integer formats 2..8, STEPQ_BITS_PIVOT for an fp16 pivot unit. */
+#define STEPQ_BITS_PIVOT 16
+/** Unit "bits" value reported for every unit of an unquantized (fp32/bf16/fp16) map. */
+#define STEPQ_BITS_DENSE 0
+
+/** Maximum rank of the conv-state shape. */
+#define STEPQ_CONV_MAX_RANK 4
+
+/** Model shape as the server sees it (whole model, before tensor parallelism). */
+typedef struct stepq_model_shape {
+    stepq_arch arch;
+    int n_layers;          /**< number of recurrent (linear-attention) layers */
+    const int *layer_ids;  /**< n_layers model layer indices, strictly increasing */
+    int num_k_heads;       /**< H: q/k heads */
+    int num_v_heads;       /**< HV: value heads (state heads), a multiple of H */
+    int head_k_dim;        /**< d_k: state rows */
+    int head_v_dim;        /**< d_v: state columns */
+    int conv_rank;         /**< rank of the per-layer conv state shape (0 = no conv state) */
+    int64_t conv_shape[STEPQ_CONV_MAX_RANK];
+    stepq_dtype conv_dtype;
+} stepq_model_shape;
+
+/** Options for loading a map. */
+typedef struct stepq_map_load_config {
+    size_t size;
+    unsigned magic;
+    unsigned version;
+    size_t max_bytes; /**< refuse files larger than this (0 = 256 MiB default) */
+} stepq_map_load_config;
+
+#define STEPQ_MAP_LOAD_CONFIG_VERSION 1
+#define STEPQ_MAP_LOAD_CONFIG_INITIALIZER                                      \
+    { sizeof(stepq_map_load_config), STEPQ_CONFIG_MAGIC, STEPQ_MAP_LOAD_CONFIG_VERSION, 0 }
+
+/**
+ * Loads and validates a map from a file. On success *out owns a new map
+ * (release with stepq_map_close). On failure *out is NULL and the returned
+ * status is STEPQ_EIO / STEPQ_EPARSE / STEPQ_ESCHEMA / STEPQ_ESHAPE /
+ * STEPQ_ERANGE / STEPQ_ENONFINITE / STEPQ_ENOMEM with stepq_last_error()
+ * naming the JSON path and the reason. cfg may be NULL for defaults.
+ */
+STEPQ_API int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg,
+                                  stepq_map_t **out);
+
+/** Same as stepq_map_load_file, from a buffer of len bytes (need not be NUL-terminated). */
+STEPQ_API int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_config *cfg,
+                                    stepq_map_t **out);
+
+/**
+ * Serializes a map to JSON (schema v1). *out is NUL-terminated and owned by
+ * the caller (free with stepq_free); *len excludes the NUL. The output is
+ * deterministic: the same map always gives the same bytes.
+ */
+STEPQ_API int stepq_map_write_buffer(const stepq_map_t *map, char **out, size_t *len);
+
+/** Writes stepq_map_write_buffer's output to a file (atomically: temp file + rename). */
+STEPQ_API int stepq_map_write_file(const stepq_map_t *map, const char *path);
+
+/** Releases a map. NULL is a no-op. */
+STEPQ_API void stepq_map_close(stepq_map_t *map);
+
+/** The detail text of the last failure on this map, or "" if none. */
+STEPQ_API const char *stepq_map_last_error(const stepq_map_t *map);
+
+/* --- Building a map (calibrator, tools, tests) --- */
+
+/**
+ * Creates a map for a shape and method. Every unit starts at `bits` (the
+ * nominal budget for quantized methods; ignored for fp32/bf16/fp16), with no
+ * pivots, unit row-impact factors (all 1) and no statistics. budget_bits is
+ * the nominal bits per value (32 / 16 for dense methods). The shape is copied.
+ */
+STEPQ_API int stepq_map_create(const stepq_model_shape *shape, stepq_method method,
+                               double budget_bits, stepq_map_t **out);
+
+/** Sets the bit width of one unit (2,3,4,5,6,8; STEPQ_BITS_PIVOT makes it a pivot). */
+STEPQ_API int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits);
+
+/** Sets the d_k row-impact factors of one head (spatial / stepq maps); copied. */
+STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, const float *w);
+
+/** Per-unit calibration statistics (DESIGN.md section 3). */
+typedef struct stepq_unit_stats {
+    double log_retention;  /**< l_u = E[log retention] (<= 0) */
+    double lambda;         /**< lifetime weight */
+    double distortion[9];  /**< d_u(b) indexed by bits 2..8; negative = not measured */
+} stepq_unit_stats;
+
+/** Sets calibration statistics of one unit; a map either has them for all units or for none. */
+STEPQ_API int stepq_map_set_unit_stats(stepq_map_t *map, int layer, int unit,
+                                       const stepq_unit_stats *stats);
+
+/**
+ * Sets a provenance field (string value): "tool", "tool_version", "data",
+ * "notes", ... (config/SCHEMA.md lists them). value NULL removes the field.
+ */
+STEPQ_API int stepq_map_set_provenance(stepq_map_t *map, const char *key, const char *value);
+
+/** Sets a numeric provenance field ("tokens", "segments", "segment_length", "horizon", ...). */
+STEPQ_API int stepq_map_set_provenance_number(stepq_map_t *map, const char *key, double value);
+
+/** Sets the model's name (free text, e.g. "Qwen3-Next-80B-A3B"). */
+STEPQ_API int stepq_map_set_model_name(stepq_map_t *map, const char *name);
+
+/**
+ * Checks every cross-field rule a loaded map must satisfy (bits allowed by
+ * the method, pivots, budget, row impact). The writer refuses maps that fail.
+ */
+STEPQ_API int stepq_map_validate(const stepq_map_t *map);
+
+/* --- Reading a map --- */
+
+/** Fills *shape; the layer_ids pointer stays owned by the map. */
+STEPQ_API int stepq_map_shape(const stepq_map_t *map, stepq_model_shape *shape);
+STEPQ_API stepq_method stepq_map_method(const stepq_map_t *map);
+STEPQ_API double stepq_map_budget_bits(const stepq_map_t *map);
+/** Model name, or "" when the map has none. */
+STEPQ_API const char *stepq_map_model_name(const stepq_map_t *map);
+/** Units per layer: HV (GDN) or HV * d_k (KDA). */
+STEPQ_API int stepq_map_units_per_layer(const stepq_map_t *map);
+/** Values per unit: d_k * d_v (GDN) or d_v (KDA). */
+STEPQ_API int stepq_map_values_per_unit(const stepq_map_t *map);
+/** Bits of one unit (2..8, STEPQ_BITS_PIVOT, or STEPQ_BITS_DENSE); negative status on bad ids. */
+STEPQ_API int stepq_map_unit_bits(const stepq_map_t *map, int layer, int unit);
+/** Row-impact factors of a head (d_k floats), or NULL when the method uses none. */
+STEPQ_API const float *stepq_map_row_impact(const stepq_map_t *map, int layer, int head);
+/** Calibration statistics of a unit; STEPQ_ENOENT when the map has none. */
+STEPQ_API int stepq_map_unit_stats(const stepq_map_t *map, int layer, int unit,
+                                   stepq_unit_stats *stats);
+
+/** Name of a method ("stepq") / arch ("gdn") / dtype ("bf16"); "?" for unknown values. */
+STEPQ_API const char *stepq_method_name(stepq_method method);
+STEPQ_API const char *stepq_arch_name(stepq_arch arch);
+STEPQ_API const char *stepq_dtype_name(stepq_dtype dtype);
+/** Parses a method name; STEPQ_EINVAL for unknown names. */
+STEPQ_API int stepq_method_from_name(const char *name, stepq_method *out);
+/** Size in bytes of one element of dtype. */
+STEPQ_API size_t stepq_dtype_size(stepq_dtype dtype);
+
+/** Whether a method stores per-column scales (dsq, spatial, stepq). */
+STEPQ_API int stepq_method_has_col_scales(stepq_method method);
+/** Whether a method is unquantized (fp32, bf16, fp16). */
+STEPQ_API int stepq_method_is_dense(stepq_method method);
+
+/* --- Memory accounting --- */
+
+/** Exact per-request byte counts of a map (whole model, no TP split). */
+typedef struct stepq_map_memory {
+    uint64_t state_bytes_fp32;    /**< n_layers * HV * d_k * d_v * 4 */
+    uint64_t state_bytes_compact; /**< codes + fp16 scales + fp16 pivots, no padding */
+    uint64_t conv_bytes;          /**< n_layers * prod(conv_shape) * dtype size */
+    uint64_t n_values;            /**< n_layers * HV * d_k * d_v */
+    uint64_t n_units;             /**< n_layers * units per layer */
+    uint64_t n_pivots;            /**< pivot units */
+    uint64_t code_bytes;          /**< integer code bytes (part of compact) */
+    uint64_t scale_bytes;         /**< fp16 row + column scale bytes (part of compact) */
+    uint64_t pivot_bytes;         /**< fp16 pivot bytes (part of compact) */
+    uint64_t dense_bytes;         /**< unquantized state bytes (dense methods) */
+    double bits_per_value;        /**< state_bytes_compact * 8 / n_values */
+    double ratio_vs_fp32;         /**< state_bytes_fp32 / state_bytes_compact */
+} stepq_map_memory;
+
+/** Computes the exact compact accounting of a map. */
+STEPQ_API int stepq_map_memory_info(const stepq_map_t *map, stepq_map_memory *out);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* STEPQ_MAP_H */

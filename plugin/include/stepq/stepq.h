@@ -1,0 +1,12 @@
+/*
+ * stepq: compressed recurrent-state pool for hybrid linear-attention models.
+ * Umbrella header: includes every public header.
+ */
+#ifndef STEPQ_STEPQ_H
+#define STEPQ_STEPQ_H
+
+#include "stepq/common.h"
+#include "stepq/map.h"
+#include "stepq/version.h"
+
+#endif /* STEPQ_STEPQ_H */

@@ -1,0 +1,112 @@
+/*
+ * Status names and texts, the thread-local last error, the version query.
+ */
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "stepq_config.h"
+
+#include "plugin/err.h"
+#include "stepq/common.h"
+
+static _Thread_local char last_error[STEPQ__ERRLEN];
+
+const char *stepq_status_name(int status)
+{
+    switch (status) {
+#define XX(name, value, text)                                                  \
+    case STEPQ_##name:                                                         \
+        return "STEPQ_" #name;
+        STEPQ_STATUS_MAP(XX)
+#undef XX
+    }
+    return "STEPQ_UNKNOWN";
+}
+
+const char *stepq_strerror(int status)
+{
+    switch (status) {
+#define XX(name, value, text)                                                  \
+    case STEPQ_##name:                                                         \
+        return text;
+        STEPQ_STATUS_MAP(XX)
+#undef XX
+    }
+    return "unknown status";
+}
+
+const char *stepq_last_error(void)
+{
+    return last_error;
+}
+
+unsigned stepq_version(void)
+{
+    return STEPQ_VERSION_NUMBER;
+}
+
+const char *stepq_version_string(void)
+{
+    return STEPQ_VERSION_STRING;
+}
+
+void stepq_free(void *ptr)
+{
+    free(ptr);
+}
+
+int stepq__verror_obj(char *obj_buf, int status, const char *fmt, va_list ap)
+{
+    char tmp[STEPQ__ERRLEN];
+
+    vsnprintf(tmp, sizeof(tmp), fmt, ap);
+    memcpy(last_error, tmp, sizeof(tmp));
+    if (obj_buf)
+        memcpy(obj_buf, tmp, sizeof(tmp));
+    return status;
+}
+
+int stepq__error_obj(char *obj_buf, int status, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    stepq__verror_obj(obj_buf, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+int stepq__error(int status, const char *fmt, ...)
+{
+    va_list ap;
+
+    va_start(ap, fmt);
+    stepq__verror_obj(NULL, status, fmt, ap);
+    va_end(ap);
+    return status;
+}
+
+/* Every versioned config struct starts with these three fields. */
+struct config_header {
+    size_t size;
+    unsigned magic;
+    unsigned version;
+};
+
+int stepq__check_config(const void *cfg, size_t min_size, unsigned max_version, const char *what)
+{
+    const struct config_header *h = cfg;
+
+    if (h->magic != STEPQ_CONFIG_MAGIC)
+        return stepq__error(STEPQ_EVERSION,
+                            "%s: bad magic 0x%08x (initialise it with its _INITIALIZER macro)",
+                            what, h->magic);
+    if (h->version == 0 || h->version > max_version)
+        return stepq__error(STEPQ_EVERSION, "%s: version %u is not supported (this library knows 1..%u)",
+                            what, h->version, max_version);
+    if (h->size < min_size)
+        return stepq__error(STEPQ_EVERSION, "%s: size %zu is smaller than version %u needs (%zu)",
+                            what, h->size, h->version, min_size);
+    return STEPQ_OK;
+}

@@ -1,0 +1,19 @@
+/*
+ * The `stepq` command's subcommands. Each lives in its own file and has the
+ * signature of main(); argv[0] is the subcommand name. They return a process
+ * exit status: 0 success, 1 failure of the job, 2 bad usage.
+ */
+#ifndef STEPQ_TOOLS_COMMANDS_H
+#define STEPQ_TOOLS_COMMANDS_H
+
+typedef int (*stepq_tool_fn)(int argc, char **argv);
+
+struct stepq_tool_command {
+    const char *name;
+    const char *summary;
+    stepq_tool_fn fn;
+};
+
+int stepq_tool_inspect(int argc, char **argv);
+
+#endif /* STEPQ_TOOLS_COMMANDS_H */

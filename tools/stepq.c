@@ -1,0 +1,44 @@
+/*
+ * stepq: the command-line front end (inspect, mkmap, capacity, calibrate,
+ * eval, synth, bench). Subcommands live in their own files; this file only
+ * dispatches.
+ */
+#include <stdio.h>
+#include <string.h>
+
+#include "stepq/stepq.h"
+#include "tools/commands.h"
+
+static const struct stepq_tool_command commands[] = {
+    {"inspect", "per-request memory of a precision map", stepq_tool_inspect},
+};
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: stepq COMMAND [ARGS...]\n\ncommands:\n");
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "\n`stepq COMMAND --help` describes a command. stepq %s\n", stepq_version_string());
+}
+
+int main(int argc, char **argv)
+{
+    if (argc < 2) {
+        usage(stderr);
+        return 2;
+    }
+    if (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "help")) {
+        usage(stdout);
+        return 0;
+    }
+    if (!strcmp(argv[1], "--version")) {
+        printf("stepq %s\n", stepq_version_string());
+        return 0;
+    }
+    for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
+        if (!strcmp(argv[1], commands[i].name))
+            return commands[i].fn(argc - 1, argv + 1);
+    fprintf(stderr, "stepq: unknown command '%s'\n\n", argv[1]);
+    usage(stderr);
+    return 2;
+}
