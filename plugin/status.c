@@ -15,8 +15,8 @@ static _Thread_local char last_error[STEPQ__ERRLEN];
 const char *stepq_status_name(int status)
 {
     switch (status) {
-#define XX(name, value, text)                                                  \
-    case STEPQ_##name:                                                         \
+#define XX(name, value, text) \
+    case STEPQ_##name:        \
         return "STEPQ_" #name;
         STEPQ_STATUS_MAP(XX)
 #undef XX
@@ -27,8 +27,8 @@ const char *stepq_status_name(int status)
 const char *stepq_strerror(int status)
 {
     switch (status) {
-#define XX(name, value, text)                                                  \
-    case STEPQ_##name:                                                         \
+#define XX(name, value, text) \
+    case STEPQ_##name:        \
         return text;
         STEPQ_STATUS_MAP(XX)
 #undef XX
@@ -103,8 +103,9 @@ int stepq__check_config(const void *cfg, size_t min_size, unsigned max_version, 
                             "%s: bad magic 0x%08x (initialise it with its _INITIALIZER macro)",
                             what, h->magic);
     if (h->version == 0 || h->version > max_version)
-        return stepq__error(STEPQ_EVERSION, "%s: version %u is not supported (this library knows 1..%u)",
-                            what, h->version, max_version);
+        return stepq__error(STEPQ_EVERSION,
+                            "%s: version %u is not supported (this library knows 1..%u)", what,
+                            h->version, max_version);
     if (h->size < min_size)
         return stepq__error(STEPQ_EVERSION, "%s: size %zu is smaller than version %u needs (%zu)",
                             what, h->size, h->version, min_size);

@@ -10,7 +10,7 @@
 #include "tools/commands.h"
 
 static const struct stepq_tool_command commands[] = {
-    {"inspect", "per-request memory of a precision map", stepq_tool_inspect},
+    { "inspect", "per-request memory of a precision map", stepq_tool_inspect },
 };
 
 static void usage(FILE *f)

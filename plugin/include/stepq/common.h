@@ -37,27 +37,27 @@ extern "C" {
  * where a matching errno exists (negated), as libuv and dav1d do, so a
  * server can log them next to its own errno-based codes.
  */
-#define STEPQ_STATUS_MAP(XX)                                                   \
-    XX(OK, 0, "success")                                                       \
-    XX(EINVAL, -22, "invalid argument")                                        \
-    XX(ENOMEM, -12, "out of memory")                                           \
-    XX(ENOENT, -2, "no such file or entry")                                    \
-    XX(EIO, -5, "input/output error")                                          \
-    XX(EBUSY, -16, "resource busy")                                            \
-    XX(ENOSPC, -28, "no free slots left")                                      \
-    XX(ERANGE, -34, "value out of range")                                      \
-    XX(EEXIST, -17, "already exists")                                          \
-    XX(EBADF, -9, "object already closed or not valid")                        \
-    XX(ENOTSUP, -95, "operation not supported by this build or backend")       \
-    XX(EVERSION, -1001, "version or ABI mismatch")                             \
-    XX(EPARSE, -1002, "malformed input (syntax)")                              \
-    XX(ESCHEMA, -1003, "input violates the schema")                            \
-    XX(ESHAPE, -1004, "tensor or model shape mismatch")                        \
-    XX(ENONFINITE, -1005, "non-finite value (NaN or Inf)")                     \
-    XX(EDOUBLEFREE, -1006, "slot is not allocated (double free)")              \
-    XX(ECUDA, -1007, "CUDA runtime error")                                     \
-    XX(ENCCL, -1008, "NCCL error")                                             \
-    XX(ENODEV, -19, "no CUDA device available")                                \
+#define STEPQ_STATUS_MAP(XX)                                             \
+    XX(OK, 0, "success")                                                 \
+    XX(EINVAL, -22, "invalid argument")                                  \
+    XX(ENOMEM, -12, "out of memory")                                     \
+    XX(ENOENT, -2, "no such file or entry")                              \
+    XX(EIO, -5, "input/output error")                                    \
+    XX(EBUSY, -16, "resource busy")                                      \
+    XX(ENOSPC, -28, "no free slots left")                                \
+    XX(ERANGE, -34, "value out of range")                                \
+    XX(EEXIST, -17, "already exists")                                    \
+    XX(EBADF, -9, "object already closed or not valid")                  \
+    XX(ENOTSUP, -95, "operation not supported by this build or backend") \
+    XX(EVERSION, -1001, "version or ABI mismatch")                       \
+    XX(EPARSE, -1002, "malformed input (syntax)")                        \
+    XX(ESCHEMA, -1003, "input violates the schema")                      \
+    XX(ESHAPE, -1004, "tensor or model shape mismatch")                  \
+    XX(ENONFINITE, -1005, "non-finite value (NaN or Inf)")               \
+    XX(EDOUBLEFREE, -1006, "slot is not allocated (double free)")        \
+    XX(ECUDA, -1007, "CUDA runtime error")                               \
+    XX(ENCCL, -1008, "NCCL error")                                       \
+    XX(ENODEV, -19, "no CUDA device available")                          \
     XX(EINTERNAL, -1009, "internal error (a bug in stepq; please report it)")
 
 /** Status codes returned by every stepq function. 0 is success; errors are negative. */

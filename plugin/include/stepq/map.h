@@ -59,13 +59,13 @@ typedef enum stepq_dtype {
 /** Model shape as the server sees it (whole model, before tensor parallelism). */
 typedef struct stepq_model_shape {
     stepq_arch arch;
-    int n_layers;          /**< number of recurrent (linear-attention) layers */
-    const int *layer_ids;  /**< n_layers model layer indices, strictly increasing */
-    int num_k_heads;       /**< H: q/k heads */
-    int num_v_heads;       /**< HV: value heads (state heads), a multiple of H */
-    int head_k_dim;        /**< d_k: state rows */
-    int head_v_dim;        /**< d_v: state columns */
-    int conv_rank;         /**< rank of the per-layer conv state shape (0 = no conv state) */
+    int n_layers;         /**< number of recurrent (linear-attention) layers */
+    const int *layer_ids; /**< n_layers model layer indices, strictly increasing */
+    int num_k_heads;      /**< H: q/k heads */
+    int num_v_heads;      /**< HV: value heads (state heads), a multiple of H */
+    int head_k_dim;       /**< d_k: state rows */
+    int head_v_dim;       /**< d_v: state columns */
+    int conv_rank;        /**< rank of the per-layer conv state shape (0 = no conv state) */
     int64_t conv_shape[STEPQ_CONV_MAX_RANK];
     stepq_dtype conv_dtype;
 } stepq_model_shape;
@@ -79,8 +79,10 @@ typedef struct stepq_map_load_config {
 } stepq_map_load_config;
 
 #define STEPQ_MAP_LOAD_CONFIG_VERSION 1
-#define STEPQ_MAP_LOAD_CONFIG_INITIALIZER                                      \
-    { sizeof(stepq_map_load_config), STEPQ_CONFIG_MAGIC, STEPQ_MAP_LOAD_CONFIG_VERSION, 0 }
+#define STEPQ_MAP_LOAD_CONFIG_INITIALIZER                                                   \
+    {                                                                                       \
+        sizeof(stepq_map_load_config), STEPQ_CONFIG_MAGIC, STEPQ_MAP_LOAD_CONFIG_VERSION, 0 \
+    }
 
 /**
  * Loads and validates a map from a file. On success *out owns a new map
@@ -131,9 +133,9 @@ STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, co
 
 /** Per-unit calibration statistics (DESIGN.md section 3). */
 typedef struct stepq_unit_stats {
-    double log_retention;  /**< l_u = E[log retention] (<= 0) */
-    double lambda;         /**< lifetime weight */
-    double distortion[9];  /**< d_u(b) indexed by bits 2..8; negative = not measured */
+    double log_retention; /**< l_u = E[log retention] (<= 0) */
+    double lambda;        /**< lifetime weight */
+    double distortion[9]; /**< d_u(b) indexed by bits 2..8; negative = not measured */
 } stepq_unit_stats;
 
 /** Sets calibration statistics of one unit; a map either has them for all units or for none. */

@@ -13,7 +13,7 @@
 /** Encodes a version as one comparable integer (major << 16 | minor << 8 | patch). */
 #define STEPQ_VERSION_ENCODE(major, minor, patch) (((major) << 16) | ((minor) << 8) | (patch))
 
-#define STEPQ_VERSION_NUMBER                                                   \
+#define STEPQ_VERSION_NUMBER \
     STEPQ_VERSION_ENCODE(STEPQ_VERSION_MAJOR, STEPQ_VERSION_MINOR, STEPQ_VERSION_PATCH)
 
 #endif /* STEPQ_VERSION_H */
