@@ -1,0 +1,320 @@
+/*
+ * Head block layouts, fp16/bf16 conversion and bit-stream packing
+ * (the storage contract is written down in kernels/format.h).
+ */
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/format.h"
+#include "plugin/err.h"
+
+static int method_is_dense(stepq_method m)
+{
+    return m == STEPQ_METHOD_FP32 || m == STEPQ_METHOD_BF16 || m == STEPQ_METHOD_FP16;
+}
+
+static int method_has_col(stepq_method m)
+{
+    return m == STEPQ_METHOD_DSQ || m == STEPQ_METHOD_SPATIAL || m == STEPQ_METHOD_STEPQ;
+}
+
+/* Methods with per-unit bits and pivots. */
+static int method_is_mixed(stepq_method m)
+{
+    return m == STEPQ_METHOD_TEMPORAL || m == STEPQ_METHOD_STEPQ;
+}
+
+static const char *method_name(stepq_method m)
+{
+    static const char *const names[STEPQ_METHOD_COUNT] = { "fp32", "bf16",    "fp16",     "uniform",
+                                                           "dsq",  "spatial", "temporal", "stepq" };
+    return (int)m >= 0 && m < STEPQ_METHOD_COUNT ? names[m] : "?";
+}
+
+static size_t dense_elem_size(stepq_method m)
+{
+    return m == STEPQ_METHOD_FP32 ? 4 : 2;
+}
+
+static size_t align_up(size_t x, size_t a)
+{
+    return (x + a - 1) & ~(a - 1);
+}
+
+int stepq__bits_is_int(int bits)
+{
+    return (bits >= 2 && bits <= 6) || bits == 8;
+}
+
+int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, stepq_arch arch,
+                            int d_k, int d_v, const uint8_t *row_bits, size_t align)
+{
+    if (!hl)
+        return stepq__error(STEPQ_EINVAL, "head layout: NULL output");
+    memset(hl, 0, sizeof(*hl));
+    if ((int)method < 0 || method >= STEPQ_METHOD_COUNT)
+        return stepq__error(STEPQ_EINVAL, "head layout: method %d is not a stepq_method",
+                            (int)method);
+    if (arch != STEPQ_ARCH_GDN && arch != STEPQ_ARCH_KDA)
+        return stepq__error(STEPQ_EINVAL, "head layout: arch %d is neither gdn nor kda", (int)arch);
+    if (d_k < 1 || d_k > STEPQ__MAX_HEAD_DIM || d_v < 1 || d_v > STEPQ__MAX_HEAD_DIM)
+        return stepq__error(STEPQ_EINVAL, "head layout: d_k=%d, d_v=%d outside 1..%d", d_k, d_v,
+                            STEPQ__MAX_HEAD_DIM);
+    if (align == 0)
+        align = STEPQ__ALIGN_DEFAULT;
+    if (align & (align - 1))
+        return stepq__error(STEPQ_EINVAL, "head layout: align %zu is not a power of two", align);
+
+    int dense = method_is_dense(method);
+    if (!dense) {
+        if (!row_bits)
+            return stepq__error(STEPQ_EINVAL, "head layout: %s needs row_bits",
+                                method_name(method));
+        for (int i = 0; i < d_k; i++) {
+            int b = row_bits[i];
+            if (!stepq__bits_is_int(b) && b != STEPQ_BITS_PIVOT)
+                return stepq__error(STEPQ_EINVAL,
+                                    "head layout: row_bits[%d]: %d is not one of 2,3,4,5,6,8,16", i,
+                                    b);
+            if (b == STEPQ_BITS_PIVOT && !method_is_mixed(method))
+                return stepq__error(STEPQ_EINVAL,
+                                    "head layout: row_bits[%d]: method %s has no pivots", i,
+                                    method_name(method));
+            if (b != row_bits[0] && (arch == STEPQ_ARCH_GDN || !method_is_mixed(method)))
+                return stepq__error(STEPQ_EINVAL,
+                                    "head layout: row_bits[%d]=%d differs from row_bits[0]=%d, but "
+                                    "%s",
+                                    i, b, row_bits[0],
+                                    arch == STEPQ_ARCH_GDN ? "a GDN head has one format"
+                                                           : "this method has one bit width");
+        }
+    }
+
+    /* One allocation for both arrays. */
+    size_t nbits = sizeof(uint64_t) * (size_t)(d_k + 1);
+    void *mem = malloc(nbits + (size_t)d_k);
+    if (!mem)
+        return stepq__error(STEPQ_ENOMEM, "head layout: out of memory");
+    hl->row_bitoff = mem;
+    hl->row_bits = (uint8_t *)mem + nbits;
+    hl->method = method;
+    hl->arch = arch;
+    hl->d_k = d_k;
+    hl->d_v = d_v;
+    hl->align = align;
+    hl->quantized = !dense;
+    hl->has_col = method_has_col(method);
+
+    if (dense) {
+        size_t es = dense_elem_size(method);
+        memset(hl->row_bits, 0, (size_t)d_k);
+        for (int i = 0; i <= d_k; i++)
+            hl->row_bitoff[i] = (uint64_t)i * (uint64_t)d_v * es * 8;
+        hl->codes_bytes = (size_t)d_k * (size_t)d_v * es;
+        hl->compact_bytes = hl->codes_bytes;
+        hl->block_bytes = align_up(hl->codes_bytes, align);
+        return STEPQ_OK;
+    }
+
+    memcpy(hl->row_bits, row_bits, (size_t)d_k);
+    if (arch == STEPQ_ARCH_GDN) {
+        /* One stream for the whole head. */
+        int b = row_bits[0];
+        for (int i = 0; i <= d_k; i++)
+            hl->row_bitoff[i] = (uint64_t)i * (uint64_t)d_v * (uint64_t)b;
+        hl->codes_bytes = stepq__stream_bytes((size_t)d_k * (size_t)d_v, b);
+        hl->n_pivot_rows = b == STEPQ_BITS_PIVOT ? d_k : 0;
+    } else {
+        /* One byte-aligned stream per row. */
+        size_t off = 0;
+        for (int i = 0; i < d_k; i++) {
+            hl->row_bitoff[i] = (uint64_t)off * 8;
+            off += stepq__stream_bytes((size_t)d_v, row_bits[i]);
+            hl->n_pivot_rows += row_bits[i] == STEPQ_BITS_PIVOT;
+        }
+        hl->row_bitoff[d_k] = (uint64_t)off * 8;
+        hl->codes_bytes = off;
+    }
+
+    size_t pos = align_up(hl->codes_bytes, align);
+    hl->row_scale_offset = pos;
+    pos = align_up(pos + 2 * (size_t)d_k, align);
+    if (hl->has_col) {
+        hl->col_scale_offset = pos;
+        pos = align_up(pos + 2 * (size_t)d_v, align);
+    }
+    hl->block_bytes = pos;
+
+    int int_rows = d_k - hl->n_pivot_rows;
+    hl->compact_bytes = hl->codes_bytes + 2 * (size_t)int_rows;
+    if (hl->has_col && int_rows > 0)
+        hl->compact_bytes += 2 * (size_t)d_v;
+    return STEPQ_OK;
+}
+
+void stepq__head_layout_free(struct stepq_head_layout *hl)
+{
+    if (!hl)
+        return;
+    free(hl->row_bitoff); /* row_bits lives in the same allocation */
+    memset(hl, 0, sizeof(*hl));
+}
+
+/* --- fp16 / bf16 --- */
+
+static uint32_t f2u(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static float u2f(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+uint16_t stepq__fp16_from_float(float f)
+{
+    uint32_t x = f2u(f);
+    uint16_t sign = (uint16_t)((x >> 16) & 0x8000u);
+    uint32_t ax = x & 0x7fffffffu;
+
+    if (ax >= 0x7f800000u) /* Inf or NaN (keep NaN quiet and non-zero) */
+        return sign | 0x7c00u | (ax > 0x7f800000u ? 0x0200u : 0);
+    if (ax >= 0x477ff000u) /* >= 65520 rounds to Inf under nearest-even */
+        return sign | 0x7c00u;
+    if (ax >= 0x38800000u) { /* normal half: rebias, round on the 13 dropped bits */
+        uint32_t odd = (ax >> 13) & 1u;
+        ax += 0xfffu + odd - ((uint32_t)(127 - 15) << 23);
+        return sign | (uint16_t)(ax >> 13);
+    }
+    /*
+     * Subnormal half or zero: adding 0.5 puts the value on a grid of 2^-24
+     * (the half subnormal step), so the float adder does the nearest-even
+     * rounding; the integer difference of the bit patterns is the mantissa.
+     */
+    float r = u2f(ax) + 0.5f;
+    return sign | (uint16_t)(f2u(r) - f2u(0.5f));
+}
+
+float stepq__fp16_to_float(uint16_t h)
+{
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16;
+    uint32_t exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu;
+
+    if (exp == 0x1f)
+        return u2f(sign | 0x7f800000u | (man << 13));
+    if (exp == 0) {
+        /* zero or subnormal: man * 2^-24, exact in float */
+        float v = (float)man * 5.9604644775390625e-08f;
+        return sign ? -v : v;
+    }
+    return u2f(sign | ((exp + 112) << 23) | (man << 13));
+}
+
+uint16_t stepq__fp16_from_float_sat(float f, int *sat)
+{
+    if (f != f) {
+        *sat = 1;
+        return 0;
+    }
+    if (f >= 65504.0f) {
+        *sat |= f > 65504.0f;
+        return 0x7bffu;
+    }
+    if (f <= -65504.0f) {
+        *sat |= f < -65504.0f;
+        return 0xfbffu;
+    }
+    return stepq__fp16_from_float(f);
+}
+
+uint16_t stepq__bf16_from_float(float f)
+{
+    uint32_t x = f2u(f);
+
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x0040u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    return (uint16_t)(x >> 16);
+}
+
+float stepq__bf16_to_float(uint16_t h)
+{
+    return u2f((uint32_t)h << 16);
+}
+
+uint16_t stepq__scale_to_fp16(float s)
+{
+    if (!(s >= STEPQ__SCALE_MIN)) /* also catches NaN */
+        return 0x0400u;
+    if (s >= STEPQ__SCALE_MAX)
+        return 0x7bffu;
+    return stepq__fp16_from_float(s);
+}
+
+/* --- Bit streams --- */
+
+void stepq__pack_codes(uint8_t *dst, uint64_t bit_off, const int8_t *z, size_t n, int bits)
+{
+    int qmax = stepq__qmax(bits);
+    uint32_t mask = (1u << bits) - 1u;
+    uint8_t *p = dst + (bit_off >> 3);
+    unsigned sh = (unsigned)(bit_off & 7);
+    size_t k = 0;
+
+    /* Whole groups of 8 values fill exactly `bits` bytes: write them whole. */
+    if (sh == 0) {
+        for (; k + 8 <= n; k += 8) {
+            uint64_t acc = 0;
+            for (int t = 0; t < 8; t++)
+                acc |= (uint64_t)((uint32_t)(z[k + t] + qmax) & mask) << (t * bits);
+            for (int t = 0; t < bits; t++)
+                *p++ = (uint8_t)(acc >> (8 * t));
+        }
+    }
+    /* The rest value by value, preserving the neighbouring bits. */
+    for (; k < n; k++) {
+        uint32_t u = ((uint32_t)(z[k] + qmax) & mask) << sh;
+        uint32_t m = mask << sh;
+        p[0] = (uint8_t)((p[0] & ~m) | u);
+        if (sh + (unsigned)bits > 8)
+            p[1] = (uint8_t)((p[1] & ~(m >> 8)) | (u >> 8));
+        sh += (unsigned)bits;
+        p += sh >> 3;
+        sh &= 7;
+    }
+}
+
+void stepq__unpack_codes(const uint8_t *src, uint64_t bit_off, int8_t *z, size_t n, int bits)
+{
+    int qmax = stepq__qmax(bits);
+    uint32_t mask = (1u << bits) - 1u;
+    const uint8_t *p = src + (bit_off >> 3);
+    unsigned sh = (unsigned)(bit_off & 7);
+    size_t k = 0;
+
+    if (sh == 0) {
+        for (; k + 8 <= n; k += 8) {
+            uint64_t acc = 0;
+            for (int t = 0; t < bits; t++)
+                acc |= (uint64_t)p[t] << (8 * t);
+            p += bits;
+            for (int t = 0; t < 8; t++)
+                z[k + t] = (int8_t)((int)((acc >> (t * bits)) & mask) - qmax);
+        }
+    }
+    for (; k < n; k++) {
+        uint32_t w = p[0];
+        if (sh + (unsigned)bits > 8)
+            w |= (uint32_t)p[1] << 8;
+        z[k] = (int8_t)((int)((w >> sh) & mask) - qmax);
+        sh += (unsigned)bits;
+        p += sh >> 3;
+        sh &= 7;
+    }
+}

@@ -1,0 +1,184 @@
+/*
+ * The packed storage format of one recurrent-state head, the binding
+ * contract between the C reference, the CUDA kernels and the pool.
+ *
+ * A head's state X is d_k x d_v: rows i are key channels, columns j value
+ * channels. The packed block of ONE head is laid out as follows.
+ *
+ * Codes
+ *   Codes are stored row-major [d_k][d_v]. Bits form a little-endian stream:
+ *   value n of a stream occupies bits [n*b, (n+1)*b), least significant bit
+ *   first within each byte. A code z in [-qmax, qmax] (qmax = 2^(b-1) - 1) is
+ *   stored offset-binary, u = z + qmax. A row of n values at b bits takes
+ *   exactly ceil(n*b/8) bytes and rows are concatenated with no padding:
+ *     GDN: one stream for the whole head, ceil(d_k*d_v*b/8) bytes; value
+ *          (i, j) is stream value i*d_v + j.
+ *     KDA: row i has its own bit width b_i and its own stream, starting at the
+ *          byte where row i-1 ended (bits left over in that last byte are 0).
+ *   Bits of the code area that belong to no value are written as 0.
+ *
+ * Pivots
+ *   A pivot unit (bits == STEPQ_BITS_PIVOT) stores IEEE fp16 values instead
+ *   of codes, in the same place: a GDN pivot head is 2*d_k*d_v bytes, a KDA
+ *   pivot row 2*d_v bytes. Pivots use no scales. Values beyond the fp16 range
+ *   saturate to +-65504 (flagged STEPQ__HEALTH_SATURATED), never to Inf.
+ *
+ * Block order
+ *   [codes / pivots] [row scales: d_k fp16] [column scales: d_v fp16]
+ *   Column scales exist only for methods that have them (dsq, spatial,
+ *   stepq). Each sub-block starts at a multiple of `align` (default 16)
+ *   relative to the block start, and block_bytes is rounded up to `align`
+ *   so that consecutive blocks stay aligned. Both scale slots are reserved
+ *   for every head, even a pivot head or a head whose rows are all pivots:
+ *   this is the paper's "analytical" layout ("reserves two scale slots for
+ *   every head, including pivots"), e.g. Qwen3.8-27B stepq@6 gives
+ *   30,015,488 B per request against a compact count of 29,999,104 B.
+ *   Unused scale slots (pivot rows, pivot heads) are written as 0.
+ *   compact_bytes is the information content: code bytes + pivot bytes +
+ *   2 B per non-pivot row + 2*d_v B for the column-scale vector when the
+ *   method has one and the head has at least one non-pivot row; no
+ *   alignment. block_bytes - compact_bytes is reported as padding.
+ *
+ * Scales
+ *   fp16 (IEEE half, stored as uint16_t), clamped to [2^-14, 65504].
+ *   Reconstruction: X_ij = r_i * c_j * z_ij / qmax_i (c_j = 1 without
+ *   column scales).
+ *
+ * Dense methods (fp32 / bf16 / fp16)
+ *   The block is d_k*d_v elements of that dtype, row-major [K][V], then
+ *   padding up to `align`. fp16 saturates like pivots; bf16 rounds to
+ *   nearest even.
+ *
+ * Non-finite values (kernels/README.md gives the reasoning)
+ *   Packing never stores NaN or Inf: non-finite elements of a state are
+ *   replaced by 0 before fitting and STEPQ__HEALTH_STATE is raised; a decode
+ *   step whose inputs for a (request, head) are non-finite leaves that head's
+ *   state untouched, writes 0 to its output and raises STEPQ__HEALTH_INPUT.
+ */
+#ifndef STEPQ_KERNELS_FORMAT_H
+#define STEPQ_KERNELS_FORMAT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "stepq/common.h"
+#include "stepq/map.h"
+
+/** Default alignment of the sub-blocks of a head block (bytes). */
+#define STEPQ__ALIGN_DEFAULT 16
+
+/** Largest head dimension the kernels accept (bounds scratch sizes). */
+#define STEPQ__MAX_HEAD_DIM 1024
+
+/** Smallest and largest stored scale (fp16 normal range). */
+#define STEPQ__SCALE_MIN 6.103515625e-05f /* 2^-14 */
+#define STEPQ__SCALE_MAX 65504.0f
+
+/*
+ * Health flags, OR-ed per slot into a uint32_t word the pool exposes to the
+ * server. A flag never clears itself; the owner of the word resets it.
+ */
+#define STEPQ__HEALTH_INPUT 0x1u /**< non-finite q/k/v/gate/beta: head left unchanged, output 0 */
+#define STEPQ__HEALTH_STATE 0x2u /**< non-finite state elements were replaced by 0 */
+#define STEPQ__HEALTH_SATURATED \
+    0x4u                          /**< a value or scale exceeded the fp16 range and was clamped */
+#define STEPQ__HEALTH_OUTPUT 0x8u /**< a readout overflowed to non-finite and was written as 0 */
+
+/** Layout of a dense fp32 state head as a server hands it over. */
+typedef enum stepq__layout {
+    STEPQ__LAYOUT_KV = 0, /**< [d_k][d_v], fla: [N, HV, K, V] */
+    STEPQ__LAYOUT_VK = 1, /**< [d_v][d_k], SGLang pool: [slots+1, HV, V, K] */
+} stepq__layout;
+
+/**
+ * Byte layout of one head block. Built by stepq__head_layout_init, released
+ * with stepq__head_layout_free. Read-only after init (thread-safe to share).
+ */
+struct stepq_head_layout {
+    stepq_method method;
+    stepq_arch arch;
+    int d_k, d_v;
+    int quantized;    /**< 1 for uniform..stepq, 0 for fp32/bf16/fp16 */
+    int has_col;      /**< the method stores column scales */
+    int n_pivot_rows; /**< rows stored as fp16 (GDN pivot head: d_k) */
+    size_t align;
+
+    /** d_k bit widths (2..8 or STEPQ_BITS_PIVOT); all 0 for dense methods. */
+    uint8_t *row_bits;
+    /**
+     * d_k + 1 bit offsets of each row's first value relative to the start
+     * of the code area (entry d_k = end of the code stream). GDN: i*d_v*b;
+     * KDA: 8 * byte offset. For dense methods: i*d_v*elem_size*8.
+     */
+    uint64_t *row_bitoff;
+
+    size_t codes_offset;     /**< always 0 */
+    size_t codes_bytes;      /**< bytes of codes / pivots / dense values */
+    size_t row_scale_offset; /**< d_k fp16; 0 and unused for dense methods */
+    size_t col_scale_offset; /**< d_v fp16; 0 and unused without column scales */
+    size_t block_bytes;      /**< allocated bytes, a multiple of align */
+    size_t compact_bytes;    /**< information bytes, no alignment, no unused scale slots */
+};
+
+/**
+ * Builds the layout of one head.
+ *
+ * @param hl       filled on success; left zeroed on failure.
+ * @param method   storage method.
+ * @param arch     GDN (one bit width per head) or KDA (per-row bit widths).
+ * @param d_k,d_v  head dimensions, 1..STEPQ__MAX_HEAD_DIM.
+ * @param row_bits d_k entries (copied): 2,3,4,5,6,8 or STEPQ_BITS_PIVOT.
+ *                 GDN needs all entries equal; uniform/dsq/spatial need one
+ *                 width and no pivot. Ignored (may be NULL) for dense methods.
+ * @param align    sub-block alignment, a power of two; 0 = STEPQ__ALIGN_DEFAULT.
+ * @return STEPQ_OK, STEPQ_EINVAL (message names the field) or STEPQ_ENOMEM.
+ */
+int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, stepq_arch arch,
+                            int d_k, int d_v, const uint8_t *row_bits, size_t align);
+
+/** Releases the arrays of a layout and zeroes it. Safe on a zeroed layout. */
+void stepq__head_layout_free(struct stepq_head_layout *hl);
+
+/** Whether a bit width is a legal integer format (2,3,4,5,6,8). */
+int stepq__bits_is_int(int bits);
+
+/** qmax(b) = 2^(b-1) - 1. */
+static inline int stepq__qmax(int bits)
+{
+    return (1 << (bits - 1)) - 1;
+}
+
+/** Bytes of a stream of n values at b bits: ceil(n*b/8). */
+static inline size_t stepq__stream_bytes(size_t n, int bits)
+{
+    return (n * (size_t)bits + 7) / 8;
+}
+
+/* --- fp16 / bf16 (round to nearest even) --- */
+
+/** float -> IEEE half, round to nearest even; overflow gives Inf, NaN stays NaN. */
+uint16_t stepq__fp16_from_float(float f);
+/** IEEE half -> float (exact). */
+float stepq__fp16_to_float(uint16_t h);
+/** float -> fp16 saturating to +-65504 (NaN -> 0); *sat set to 1 when clamped. */
+uint16_t stepq__fp16_from_float_sat(float f, int *sat);
+/** float -> bf16, round to nearest even; NaN stays NaN. */
+uint16_t stepq__bf16_from_float(float f);
+/** bf16 -> float (exact). */
+float stepq__bf16_to_float(uint16_t h);
+/** A scale as stored: fp16 of s clamped to [2^-14, 65504] (NaN -> 2^-14). */
+uint16_t stepq__scale_to_fp16(float s);
+
+/* --- Bit streams --- */
+
+/**
+ * Writes n codes z (in [-qmax, qmax], stored u = z + qmax) at b bits into the
+ * stream dst starting at bit bit_off. Bits outside [bit_off, bit_off + n*b)
+ * are preserved. b in 2..8.
+ */
+void stepq__pack_codes(uint8_t *dst, uint64_t bit_off, const int8_t *z, size_t n, int bits);
+
+/** Reads n codes written by stepq__pack_codes. */
+void stepq__unpack_codes(const uint8_t *src, uint64_t bit_off, int8_t *z, size_t n, int bits);
+
+#endif /* STEPQ_KERNELS_FORMAT_H */
