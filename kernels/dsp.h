@@ -1,0 +1,175 @@
+/*
+ * The kernel dispatch table (dav1d's pattern): one signature per kernel
+ * family and a struct of function pointers, filled with the C reference by
+ * stepq__dsp_init_c(). Faster versions (the CUDA kernels) override entries
+ * after it; every override is tested against the C entry on the same inputs.
+ *
+ * Shapes, for one recurrent layer and one decode token per request:
+ *   batch  requests, slots[b] their slot ids (-1 = padding: skipped, its
+ *          output rows are not written)
+ *   H      q/k heads, HV value (state) heads, HV a multiple of H; value head
+ *          hv reads q/k head hv / (HV / H)
+ *   q, k   [batch][H][d_k]       v [batch][HV][d_v]      o [batch][HV][d_v]
+ *   g      log-space gate: GDN [batch][HV], KDA [batch][HV][d_k]; with
+ *          gate_in_kernel it holds the raw `a` of the same shape and
+ *          g = -exp(A_log[hv]) * softplus(a + dt_bias), dt_bias GDN [HV],
+ *          KDA [HV][d_k]
+ *   beta   [batch][HV]; with beta_sigmoid it holds raw b, beta = sigmoid(b)
+ * All tensors are contiguous fp32 in those shapes. For the C entries they
+ * are host pointers; for CUDA entries device pointers, and `stream` is the
+ * cudaStream_t the work is queued on (ignored by the C entries).
+ *
+ * Per (request, value head), in this order (DESIGN.md section 1, the order
+ * of flash-linear-attention and transformers):
+ *   q <- q * rsqrt(sum q^2 + 1e-6), same for k        (if l2norm)
+ *   q <- q * scale                                    (scale <= 0: d_k^-1/2)
+ *   S <- exp(g) S        (GDN: scalar; KDA: row i scaled by exp(g_i))
+ *   u <- beta * (v - S^T k)                           (decayed state)
+ *   S <- S + k u^T
+ *   non-finite elements of S -> 0, flag STEPQ__HEALTH_STATE
+ *   o <- S^T q                                        (updated state)
+ *
+ * Health (kernels/README.md): `health` is indexed by slot id and OR-ed with
+ * STEPQ__HEALTH_* bits; `counts` (4 entries, indexed by flag bit position:
+ * input, state, saturated, output) is incremented once per (request, head)
+ * event. Either may be NULL.
+ */
+#ifndef STEPQ_KERNELS_DSP_H
+#define STEPQ_KERNELS_DSP_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/format.h"
+
+/** Number of entries of a health counter array. */
+#define STEPQ__HEALTH_NCOUNTS 4
+
+/** Recurrence options. */
+struct stepq__step_opts {
+    int l2norm;         /**< l2-normalise q and k in the kernel (eps 1e-6) */
+    float scale;        /**< query scale; <= 0 means d_k^-1/2 */
+    int gate_in_kernel; /**< g holds raw a; gate from A_log, dt_bias */
+    int beta_sigmoid;   /**< beta holds raw b; beta = sigmoid(b) */
+};
+
+/** Inputs of one decode step of one layer (shapes in the header comment). */
+struct stepq__step_args {
+    stepq_arch arch;
+    int batch, H, HV, d_k, d_v;
+    int n_slots;          /**< dense step: slot ids must be < n_slots (or -1); the
+                               packed step checks against the layer's n_slots */
+    const int32_t *slots; /**< [batch] */
+    const float *q, *k, *v, *g, *beta;
+    const float *A_log, *dt_bias; /**< only with gate_in_kernel */
+    struct stepq__step_opts opt;
+    float *o;         /**< [batch][HV][d_v] */
+    uint32_t *health; /**< [n_slots] or NULL */
+    uint64_t *counts; /**< [STEPQ__HEALTH_NCOUNTS] or NULL */
+    void *stream;     /**< cudaStream_t for CUDA entries */
+};
+
+/** Dense fp32 states as a server holds them: head hv of slot s starts at
+ *  base + s*slot_stride + hv*d_k*d_v (elements), in `layout`. */
+struct stepq__dense_states {
+    float *base;
+    size_t slot_stride;
+    stepq__layout layout;
+};
+
+/**
+ * Packed pages of one layer: head hv of slot s is the block at
+ * base + s*page_stride + head_offset[hv] with layout heads[hv].
+ */
+struct stepq__packed_layer {
+    uint8_t *base;
+    size_t page_stride;
+    int n_slots;                           /**< pages in the pool (incl. sentinel 0) */
+    int n_heads;                           /**< HV */
+    const struct stepq_head_layout *heads; /**< [n_heads], all with the same d_k, d_v */
+    const size_t *head_offset;             /**< [n_heads] */
+    const float *row_impact;               /**< [n_heads][d_k] or NULL (all 1) */
+};
+
+/** Decode step on dense fp32 states in place. */
+typedef int (*stepq__step_dense_fn)(const struct stepq__step_args *a,
+                                    const struct stepq__dense_states *st);
+
+/** Decode step on packed pages: quantize(update(dequantize(page))) (paper Eq. 4). */
+typedef int (*stepq__step_packed_fn)(const struct stepq__step_args *a,
+                                     const struct stepq__packed_layer *pl);
+
+/**
+ * Packs n dense states into pages: entry e (src + e*src_stride elements,
+ * [HV] heads in `layout`) goes to slot slots[e] (-1 skipped).
+ */
+typedef int (*stepq__pack_fn)(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                              const float *src, size_t src_stride, stepq__layout layout,
+                              uint32_t *health, uint64_t *counts, void *stream);
+
+/** Reconstructs n pages into dense states (the reverse of stepq__pack_fn). */
+typedef int (*stepq__unpack_fn)(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                                float *dst, size_t dst_stride, stepq__layout layout, void *stream);
+
+struct stepq__dsp {
+    stepq__step_dense_fn step_dense;
+    stepq__step_packed_fn step_packed;
+    stepq__pack_fn pack;
+    stepq__unpack_fn unpack;
+};
+
+/** Fills every entry with the C reference. */
+void stepq__dsp_init_c(struct stepq__dsp *dsp);
+
+/* --- The C reference entries (kernels/recurrence.c, kernels/step.c) --- */
+
+int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
+int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);
+int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                    const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
+                    uint64_t *counts, void *stream);
+int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots, float *dst,
+                      size_t dst_stride, stepq__layout layout, void *stream);
+
+/**
+ * Chunked prefill reference of one sequence: T tokens of one request, the
+ * chunkwise-parallel (WY / UT-transform) form with any chunk length >= 1,
+ * equal to T decode steps up to rounding.
+ *
+ * Tensors as in a decode step with `batch` replaced by T (token t in place of
+ * request b); slots/n_slots/health are unused. state: HV heads of d_k*d_v
+ * fp32 in `layout`, read as the initial state (NULL-equivalent: pass zeros)
+ * and overwritten with the final state. o: [T][HV][d_v].
+ * Non-finite inputs are rejected with STEPQ_ENONFINITE before anything is
+ * written (a prefill has no per-token fallback).
+ */
+int stepq__ref_prefill_chunked(const struct stepq__step_args *a, int chunk, float *state,
+                               stepq__layout layout);
+
+/* Helpers shared by the reference files. */
+int stepq__check_step_args(const struct stepq__step_args *a, const char *who);
+/**
+ * Prepares the inputs of (request b, value head hv): normalised and scaled q,
+ * k (d_k), v (d_v), the log-space gate g (1 value for GDN, d_k for KDA) and
+ * beta. Returns 0 if every input is finite, 1 otherwise.
+ */
+int stepq__prep_head(const struct stepq__step_args *a, int b, int hv, float *q, float *k, float *v,
+                     float *g, float *beta);
+/**
+ * The update of one head on an fp32 tile S (element (i, j) at S[i*rs + j*cs]):
+ * decay, delta correction, update, sanitise (non-finite -> 0), readout into
+ * o[d_v] (a non-finite readout element is written as 0). Returns the health
+ * bits raised: STEPQ__HEALTH_STATE and/or STEPQ__HEALTH_OUTPUT, or 0.
+ */
+uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_k, int d_v,
+                            const float *q, const float *k, const float *v, const float *g,
+                            float beta, float *o);
+/**
+ * Checks that slot ids are -1 or in 0..n_slots-1 and, when `distinct`, that
+ * no id appears twice (two requests writing one page is a caller bug).
+ */
+int stepq__check_slot_list(int n, const int32_t *slots, int n_slots, int distinct, const char *who);
+/** Records a health event for a slot (flags OR-ed, counts incremented). */
+void stepq__health_note(uint32_t *health, uint64_t *counts, int32_t slot, uint32_t flags);
+
+#endif /* STEPQ_KERNELS_DSP_H */

@@ -1,0 +1,320 @@
+/*
+ * Fit + pack and reconstruct of one head (arithmetic in kernels/quant.h).
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/quant.h"
+#include "plugin/err.h"
+
+int stepq__method_uses_row_impact(stepq_method method)
+{
+    return method == STEPQ_METHOD_SPATIAL || method == STEPQ_METHOD_STEPQ;
+}
+
+static int method_is_dual(stepq_method method)
+{
+    return method == STEPQ_METHOD_DSQ || method == STEPQ_METHOD_SPATIAL ||
+           method == STEPQ_METHOD_STEPQ;
+}
+
+/* Blocks may sit at any byte offset in a page: go through memcpy. */
+static uint16_t rd16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, sizeof(v));
+    return v;
+}
+
+static void wr16(uint8_t *p, uint16_t v)
+{
+    memcpy(p, &v, sizeof(v));
+}
+
+static int check_layout(const struct stepq_head_layout *hl)
+{
+    if (!hl || !hl->row_bitoff || !hl->row_bits || hl->d_k < 1 || hl->d_v < 1 ||
+        hl->d_k > STEPQ__MAX_HEAD_DIM || hl->d_v > STEPQ__MAX_HEAD_DIM)
+        return stepq__error(STEPQ_EINVAL, "head layout is NULL or not initialised");
+    return STEPQ_OK;
+}
+
+static float scale_value(float s, uint16_t *h, uint32_t *flags)
+{
+    if (s > STEPQ__SCALE_MAX)
+        *flags |= STEPQ__HEALTH_SATURATED;
+    *h = stepq__scale_to_fp16(s);
+    return stepq__fp16_to_float(*h);
+}
+
+static int8_t quant_code(float t, int qmax)
+{
+    float q = rintf(t * (float)qmax);
+    if (q > (float)qmax)
+        q = (float)qmax;
+    if (q < (float)-qmax)
+        q = (float)-qmax;
+    return (int8_t)q;
+}
+
+static void store_dense(const struct stepq_head_layout *hl, const float *x, uint8_t *blk,
+                        uint32_t *flags)
+{
+    size_t n = (size_t)hl->d_k * (size_t)hl->d_v;
+    int sat = 0;
+
+    switch (hl->method) {
+    case STEPQ_METHOD_FP32:
+        memcpy(blk, x, n * sizeof(float));
+        break;
+    case STEPQ_METHOD_BF16:
+        for (size_t e = 0; e < n; e++) {
+            uint16_t h = stepq__bf16_from_float(x[e]);
+            if ((h & 0x7f80u) == 0x7f80u) { /* rounded up to Inf: saturate */
+                h = (uint16_t)((h & 0x8000u) | 0x7f7fu);
+                sat = 1;
+            }
+            wr16(blk + 2 * e, h);
+        }
+        break;
+    default: /* FP16 */
+        for (size_t e = 0; e < n; e++)
+            wr16(blk + 2 * e, stepq__fp16_from_float_sat(x[e], &sat));
+        break;
+    }
+    if (sat)
+        *flags |= STEPQ__HEALTH_SATURATED;
+}
+
+static void store_pivot_row(const float *xr, int d_v, uint8_t *dst, uint32_t *flags)
+{
+    int sat = 0;
+
+    for (int j = 0; j < d_v; j++)
+        wr16(dst + 2 * (size_t)j, stepq__fp16_from_float_sat(xr[j], &sat));
+    if (sat)
+        *flags |= STEPQ__HEALTH_SATURATED;
+}
+
+static float row_absmax(const float *xr, int d_v)
+{
+    float m = 0.0f;
+    for (int j = 0; j < d_v; j++)
+        m = fmaxf(m, fabsf(xr[j]));
+    return m;
+}
+
+/* uniform / temporal: row absmax scales, no column scales. */
+static void fit_rowmax(const struct stepq_head_layout *hl, const float *x, uint8_t *blk,
+                       uint32_t *flags)
+{
+    int d_k = hl->d_k, d_v = hl->d_v;
+    int8_t z[STEPQ__MAX_HEAD_DIM];
+
+    for (int i = 0; i < d_k; i++) {
+        const float *xr = x + (size_t)i * d_v;
+        int b = hl->row_bits[i];
+        if (b == STEPQ_BITS_PIVOT) {
+            store_pivot_row(xr, d_v, blk + hl->row_bitoff[i] / 8, flags);
+            continue;
+        }
+        int qmax = stepq__qmax(b);
+        uint16_t rh;
+        float r = scale_value(row_absmax(xr, d_v), &rh, flags);
+        wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
+        for (int j = 0; j < d_v; j++)
+            z[j] = quant_code(xr[j] / r, qmax);
+        stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
+    }
+}
+
+/* dsq / spatial / stepq: the key-row-aware dual-axis fit (w NULL = all 1). */
+static void fit_dual(const struct stepq_head_layout *hl, const float *x, const float *w,
+                     uint8_t *blk, uint32_t *flags)
+{
+    int d_k = hl->d_k, d_v = hl->d_v;
+    float r[STEPQ__MAX_HEAD_DIM], c[STEPQ__MAX_HEAD_DIM];
+    double num[STEPQ__MAX_HEAD_DIM], den[STEPQ__MAX_HEAD_DIM];
+    int8_t z[STEPQ__MAX_HEAD_DIM];
+    int any_int = 0;
+
+    /* Step 1: row scales; pivot rows are stored as they are. */
+    for (int i = 0; i < d_k; i++) {
+        const float *xr = x + (size_t)i * d_v;
+        if (hl->row_bits[i] == STEPQ_BITS_PIVOT) {
+            store_pivot_row(xr, d_v, blk + hl->row_bitoff[i] / 8, flags);
+            continue;
+        }
+        any_int = 1;
+        float wi = w ? w[i] : 1.0f;
+        uint16_t rh;
+        r[i] = scale_value(sqrtf(row_absmax(xr, d_v) / wi), &rh, flags);
+        wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
+    }
+    if (!any_int)
+        return;
+
+    /* Step 2: column scales of Y = X / r over the integer rows. */
+    for (int j = 0; j < d_v; j++)
+        c[j] = 0.0f;
+    for (int i = 0; i < d_k; i++) {
+        if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+            continue;
+        const float *xr = x + (size_t)i * d_v;
+        for (int j = 0; j < d_v; j++)
+            c[j] = fmaxf(c[j], fabsf(xr[j] / r[i]));
+    }
+    for (int j = 0; j < d_v; j++) {
+        uint16_t ch;
+        c[j] = scale_value(c[j], &ch, flags);
+        num[j] = 0.0;
+        den[j] = 0.0;
+    }
+
+    /* Step 3: codes, packed row by row; step 4's sums ride along. */
+    for (int i = 0; i < d_k; i++) {
+        int b = hl->row_bits[i];
+        if (b == STEPQ_BITS_PIVOT)
+            continue;
+        const float *xr = x + (size_t)i * d_v;
+        int qmax = stepq__qmax(b);
+        double wi = w ? (double)w[i] : 1.0;
+        double w2r = wi * wi * (double)r[i];
+        double w2r2 = w2r * (double)r[i];
+        for (int j = 0; j < d_v; j++) {
+            z[j] = quant_code((xr[j] / r[i]) / c[j], qmax);
+            double zt = (double)((float)z[j] / (float)qmax);
+            num[j] += w2r * zt * (double)xr[j];
+            den[j] += w2r2 * zt * zt;
+        }
+        stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
+    }
+
+    /* Step 4: fixed-code column refit (weighted least squares). */
+    for (int j = 0; j < d_v; j++) {
+        uint16_t ch;
+        if (den[j] > 0.0)
+            scale_value((float)(num[j] / den[j]), &ch, flags);
+        else
+            ch = stepq__scale_to_fp16(c[j]);
+        wr16(blk + hl->col_scale_offset + 2 * (size_t)j, ch);
+    }
+}
+
+int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, const float *w,
+                         void *block, uint32_t *flags)
+{
+    uint32_t dummy = 0;
+    int rc = check_layout(hl);
+
+    if (rc < 0)
+        return rc;
+    if (!x || !block)
+        return stepq__error(STEPQ_EINVAL, "quantize head: NULL state or block");
+    if (!flags)
+        flags = &dummy;
+
+    int use_w = w && stepq__method_uses_row_impact(hl->method);
+    if (use_w)
+        for (int i = 0; i < hl->d_k; i++)
+            if (!(w[i] > 0.0f) || !isfinite(w[i]))
+                return stepq__error(STEPQ_EINVAL,
+                                    "quantize head: row impact w[%d] = %g is not finite and > 0", i,
+                                    (double)w[i]);
+
+    /* Non-finite elements become 0 (on a private copy: x stays const). */
+    size_t n = (size_t)hl->d_k * (size_t)hl->d_v;
+    float *clean = NULL;
+    for (size_t e = 0; e < n; e++) {
+        if (isfinite(x[e]))
+            continue;
+        clean = malloc(n * sizeof(float));
+        if (!clean)
+            return stepq__error(STEPQ_ENOMEM, "quantize head: out of memory");
+        for (size_t f = 0; f < n; f++)
+            clean[f] = isfinite(x[f]) ? x[f] : 0.0f;
+        *flags |= STEPQ__HEALTH_STATE;
+        x = clean;
+        break;
+    }
+
+    uint8_t *blk = block;
+    memset(blk, 0, hl->block_bytes);
+    if (!hl->quantized)
+        store_dense(hl, x, blk, flags);
+    else if (method_is_dual(hl->method))
+        fit_dual(hl, x, use_w ? w : NULL, blk, flags);
+    else
+        fit_rowmax(hl, x, blk, flags);
+    free(clean);
+    return STEPQ_OK;
+}
+
+int stepq__dequantize_head(const struct stepq_head_layout *hl, const void *block, float *x)
+{
+    int rc = check_layout(hl);
+
+    if (rc < 0)
+        return rc;
+    if (!x || !block)
+        return stepq__error(STEPQ_EINVAL, "dequantize head: NULL state or block");
+
+    const uint8_t *blk = block;
+    int d_k = hl->d_k, d_v = hl->d_v;
+    size_t n = (size_t)d_k * (size_t)d_v;
+
+    if (!hl->quantized) {
+        if (hl->method == STEPQ_METHOD_FP32)
+            memcpy(x, blk, n * sizeof(float));
+        else if (hl->method == STEPQ_METHOD_BF16)
+            for (size_t e = 0; e < n; e++)
+                x[e] = stepq__bf16_to_float(rd16(blk + 2 * e));
+        else
+            for (size_t e = 0; e < n; e++)
+                x[e] = stepq__fp16_to_float(rd16(blk + 2 * e));
+        return STEPQ_OK;
+    }
+
+    float c[STEPQ__MAX_HEAD_DIM];
+    int8_t z[STEPQ__MAX_HEAD_DIM];
+    for (int j = 0; j < d_v; j++)
+        c[j] = hl->has_col ? stepq__fp16_to_float(rd16(blk + hl->col_scale_offset + 2 * (size_t)j))
+                           : 1.0f;
+    for (int i = 0; i < d_k; i++) {
+        float *xr = x + (size_t)i * d_v;
+        int b = hl->row_bits[i];
+        if (b == STEPQ_BITS_PIVOT) {
+            const uint8_t *src = blk + hl->row_bitoff[i] / 8;
+            for (int j = 0; j < d_v; j++)
+                xr[j] = stepq__fp16_to_float(rd16(src + 2 * (size_t)j));
+            continue;
+        }
+        float r = stepq__fp16_to_float(rd16(blk + hl->row_scale_offset + 2 * (size_t)i));
+        float qmax = (float)stepq__qmax(b);
+        stepq__unpack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
+        if (hl->has_col)
+            for (int j = 0; j < d_v; j++)
+                xr[j] = (r * c[j]) * ((float)z[j] / qmax);
+        else
+            for (int j = 0; j < d_v; j++)
+                xr[j] = r * ((float)z[j] / qmax);
+    }
+    return STEPQ_OK;
+}
+
+double stepq__weighted_sq_error(const float *x, const float *y, const float *w, int d_k, int d_v)
+{
+    double total = 0.0;
+
+    for (int i = 0; i < d_k; i++) {
+        double row = 0.0;
+        for (int j = 0; j < d_v; j++) {
+            double d = (double)x[(size_t)i * d_v + j] - (double)y[(size_t)i * d_v + j];
+            row += d * d;
+        }
+        double wi = w ? (double)w[i] : 1.0;
+        total += wi * wi * row;
+    }
+    return total;
+}

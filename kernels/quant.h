@@ -1,0 +1,71 @@
+/*
+ * Quantization of one head: fit scales, compute codes, pack them into the
+ * block of kernels/format.h, and the reverse. These are the C reference of
+ * every storage method of DESIGN.md section 2; the CUDA kernels must produce
+ * the same codes from the same fp32 tile.
+ *
+ * The arithmetic, spelled out so that other implementations can match it
+ * (all float unless said otherwise; rint = round half to even; scales pass
+ * through stepq__scale_to_fp16 and are used as the float of that fp16):
+ *
+ *   qmax_i = 2^(b_i - 1) - 1,  m_i = max_j |x_ij|   (rows with b_i = 16 are
+ *   pivots: fp16 values, excluded from every scale below)
+ *
+ *   uniform, temporal (row absmax):
+ *     r_i = fp16(m_i);  z_ij = clamp(rint((x_ij / r_i) * qmax_i), +-qmax_i)
+ *     x^_ij = r_i * ((float)z_ij / (float)qmax_i)
+ *
+ *   dsq (w_i = 1), spatial, stepq (key-row-aware dual-axis fit):
+ *     1. r_i = fp16(sqrtf(m_i / w_i))
+ *     2. y_ij = x_ij / r_i;  c_j = fp16(max_i |y_ij|)
+ *     3. z_ij = clamp(rint((y_ij / c_j) * qmax_i), +-qmax_i)
+ *     4. fixed-code column refit (double accumulation over rows in order):
+ *          zt = (float)z_ij / (float)qmax_i
+ *          num_j = sum_i w_i^2 r_i zt x_ij,  den_j = sum_i w_i^2 r_i^2 zt^2
+ *          c_j = den_j > 0 ? fp16(num_j / den_j) : c_j (step 2)
+ *     x^_ij = (r_i * c_j) * ((float)z_ij / (float)qmax_i)
+ *
+ * The refit changes c_j but not the codes (they were chosen with the step-2
+ * scales), so a decoder needs nothing but the stored codes and scales.
+ */
+#ifndef STEPQ_KERNELS_QUANT_H
+#define STEPQ_KERNELS_QUANT_H
+
+#include <stdint.h>
+
+#include "kernels/format.h"
+
+/** Whether a method uses row-impact factors w (spatial, stepq). */
+int stepq__method_uses_row_impact(stepq_method method);
+
+/**
+ * Fits and packs one head.
+ *
+ * @param hl    the head's layout (stepq__head_layout_init).
+ * @param x     the state, fp32 [d_k][d_v] row-major; not modified.
+ *              Non-finite elements are treated as 0 (flag STEPQ__HEALTH_STATE).
+ * @param w     d_k row-impact factors (finite, > 0) for spatial/stepq, or
+ *              NULL for all 1; ignored by the other methods.
+ * @param block hl->block_bytes bytes, fully overwritten (padding and unused
+ *              scale slots are written as 0, so equal inputs give equal bytes).
+ * @param flags OR-ed with STEPQ__HEALTH_STATE / STEPQ__HEALTH_SATURATED; may be NULL.
+ * @return STEPQ_OK; STEPQ_EINVAL for a bad layout or w (block untouched);
+ *         STEPQ_ENOMEM (block untouched).
+ * Thread-safety: reentrant.
+ */
+int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, const float *w,
+                         void *block, uint32_t *flags);
+
+/**
+ * Reconstructs one head from its block into x, fp32 [d_k][d_v].
+ * @return STEPQ_OK or STEPQ_EINVAL for a bad layout.
+ */
+int stepq__dequantize_head(const struct stepq_head_layout *hl, const void *block, float *x);
+
+/**
+ * The weighted squared error sum_i w_i^2 sum_j (x_ij - y_ij)^2 (w NULL = 1),
+ * the objective the dual-axis fit minimises; used by tests and calibration.
+ */
+double stepq__weighted_sq_error(const float *x, const float *y, const float *w, int d_k, int d_v);
+
+#endif /* STEPQ_KERNELS_QUANT_H */

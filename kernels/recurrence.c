@@ -1,0 +1,382 @@
+/*
+ * The fp32 reference recurrence of GDN and KDA: one decode step on dense
+ * states in either native layout, and a chunked prefill that equals the
+ * token-by-token recurrence.
+ *
+ * Dot products accumulate in double; states and vectors are float, as in the
+ * fla / transformers fp32 paths, so the reference is at least as accurate as
+ * the kernels it checks.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/dsp.h"
+#include "plugin/err.h"
+
+#define L2NORM_EPS 1e-6
+
+void stepq__health_note(uint32_t *health, uint64_t *counts, int32_t slot, uint32_t flags)
+{
+    if (!flags)
+        return;
+    if (health && slot >= 0)
+        health[slot] |= flags;
+    if (counts)
+        for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+            if (flags & (1u << bit))
+                counts[bit]++;
+}
+
+int stepq__check_step_args(const struct stepq__step_args *a, const char *who)
+{
+    if (!a)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL arguments", who);
+    if (a->arch != STEPQ_ARCH_GDN && a->arch != STEPQ_ARCH_KDA)
+        return stepq__error(STEPQ_EINVAL, "%s: arch %d is neither gdn nor kda", who, (int)a->arch);
+    if (a->batch < 0 || a->H < 1 || a->HV < 1 || a->HV % a->H)
+        return stepq__error(STEPQ_EINVAL,
+                            "%s: batch=%d, H=%d, HV=%d (need batch >= 0, HV a multiple of H)", who,
+                            a->batch, a->H, a->HV);
+    if (a->d_k < 1 || a->d_k > STEPQ__MAX_HEAD_DIM || a->d_v < 1 || a->d_v > STEPQ__MAX_HEAD_DIM)
+        return stepq__error(STEPQ_EINVAL, "%s: d_k=%d, d_v=%d outside 1..%d", who, a->d_k, a->d_v,
+                            STEPQ__MAX_HEAD_DIM);
+    if (a->batch == 0)
+        return STEPQ_OK;
+    if (!a->q || !a->k || !a->v || !a->g || !a->beta || !a->o)
+        return stepq__error(STEPQ_EINVAL, "%s: q, k, v, g, beta and o must not be NULL", who);
+    if (a->opt.gate_in_kernel && (!a->A_log || !a->dt_bias))
+        return stepq__error(STEPQ_EINVAL, "%s: gate_in_kernel needs A_log and dt_bias", who);
+    if (!(a->opt.scale <= 0.0f || isfinite(a->opt.scale)))
+        return stepq__error(STEPQ_EINVAL, "%s: scale %g is not finite", who, (double)a->opt.scale);
+    return STEPQ_OK;
+}
+
+static float softplus(float x)
+{
+    /* torch's softplus (beta 1, threshold 20) */
+    return x > 20.0f ? x : (float)log1p(exp((double)x));
+}
+
+static int all_finite(const float *x, int n)
+{
+    for (int i = 0; i < n; i++)
+        if (!isfinite(x[i]))
+            return 0;
+    return 1;
+}
+
+static void l2normalize(float *x, int n)
+{
+    double ss = 0.0;
+    for (int i = 0; i < n; i++)
+        ss += (double)x[i] * (double)x[i];
+    float inv = (float)(1.0 / sqrt(ss + L2NORM_EPS));
+    for (int i = 0; i < n; i++)
+        x[i] *= inv;
+}
+
+int stepq__prep_head(const struct stepq__step_args *a, int b, int hv, float *q, float *k, float *v,
+                     float *g, float *beta)
+{
+    int d_k = a->d_k, d_v = a->d_v;
+    int hq = hv / (a->HV / a->H);
+    size_t qk_off = ((size_t)b * a->H + hq) * d_k;
+    size_t bh = (size_t)b * a->HV + hv;
+
+    memcpy(q, a->q + qk_off, sizeof(float) * d_k);
+    memcpy(k, a->k + qk_off, sizeof(float) * d_k);
+    memcpy(v, a->v + bh * d_v, sizeof(float) * d_v);
+    if (!all_finite(q, d_k) || !all_finite(k, d_k) || !all_finite(v, d_v))
+        return 1;
+
+    int n_g = a->arch == STEPQ_ARCH_KDA ? d_k : 1;
+    const float *graw = a->g + bh * n_g;
+    for (int i = 0; i < n_g; i++) {
+        if (a->opt.gate_in_kernel) {
+            float bias = a->dt_bias[(size_t)hv * n_g + i];
+            g[i] = -expf(a->A_log[hv]) * softplus(graw[i] + bias);
+        } else {
+            g[i] = graw[i];
+        }
+    }
+    if (!all_finite(g, n_g))
+        return 1;
+    float bt = a->beta[bh];
+    if (a->opt.beta_sigmoid)
+        bt = 1.0f / (1.0f + expf(-bt));
+    if (!isfinite(bt))
+        return 1;
+    *beta = bt;
+
+    if (a->opt.l2norm) {
+        l2normalize(q, d_k);
+        l2normalize(k, d_k);
+    }
+    float scale = a->opt.scale > 0.0f ? a->opt.scale : (float)(1.0 / sqrt((double)d_k));
+    for (int i = 0; i < d_k; i++)
+        q[i] *= scale;
+    return 0;
+}
+
+uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_k, int d_v,
+                            const float *q, const float *k, const float *v, const float *g,
+                            float beta, float *o)
+{
+    double acc[STEPQ__MAX_HEAD_DIM];
+    float u[STEPQ__MAX_HEAD_DIM];
+    uint32_t flags = 0;
+    float decay = expf(g[0]);
+
+    /* Decay, then the prediction S^T k from the decayed state. */
+    for (int j = 0; j < d_v; j++)
+        acc[j] = 0.0;
+    for (int i = 0; i < d_k; i++) {
+        float d = arch_kda ? expf(g[i]) : decay;
+        float *row = S + (size_t)i * rs;
+        double ki = k[i];
+        for (int j = 0; j < d_v; j++) {
+            float s = row[(size_t)j * cs] * d;
+            row[(size_t)j * cs] = s;
+            acc[j] += (double)s * ki;
+        }
+    }
+    for (int j = 0; j < d_v; j++)
+        u[j] = (v[j] - (float)acc[j]) * beta;
+
+    /* Rank-1 update, sanitise, readout from the updated state. */
+    for (int j = 0; j < d_v; j++)
+        acc[j] = 0.0;
+    for (int i = 0; i < d_k; i++) {
+        float *row = S + (size_t)i * rs;
+        float ki = k[i];
+        double qi = q[i];
+        for (int j = 0; j < d_v; j++) {
+            float s = row[(size_t)j * cs] + ki * u[j];
+            if (!isfinite(s)) {
+                s = 0.0f;
+                flags |= STEPQ__HEALTH_STATE;
+            }
+            row[(size_t)j * cs] = s;
+            acc[j] += (double)s * qi;
+        }
+    }
+    for (int j = 0; j < d_v; j++) {
+        float r = (float)acc[j];
+        if (!isfinite(r)) {
+            r = 0.0f;
+            flags |= STEPQ__HEALTH_OUTPUT;
+        }
+        o[j] = r;
+    }
+    return flags;
+}
+
+int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st)
+{
+    static const char who[] = "step (dense fp32)";
+    int rc = stepq__check_step_args(a, who);
+
+    if (rc < 0 || a->batch == 0)
+        return rc;
+    if (!st || !st->base)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL states", who);
+    size_t head = (size_t)a->d_k * (size_t)a->d_v;
+    if (st->slot_stride < head * (size_t)a->HV)
+        return stepq__error(STEPQ_EINVAL, "%s: slot stride %zu < HV*d_k*d_v = %zu", who,
+                            st->slot_stride, head * (size_t)a->HV);
+    if (st->layout != STEPQ__LAYOUT_KV && st->layout != STEPQ__LAYOUT_VK)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)st->layout);
+    if ((rc = stepq__check_slot_list(a->batch, a->slots, a->n_slots, 1, who)) < 0)
+        return rc;
+
+    size_t rs = st->layout == STEPQ__LAYOUT_KV ? (size_t)a->d_v : 1;
+    size_t cs = st->layout == STEPQ__LAYOUT_KV ? 1 : (size_t)a->d_k;
+    float q[STEPQ__MAX_HEAD_DIM], k[STEPQ__MAX_HEAD_DIM], v[STEPQ__MAX_HEAD_DIM];
+    float g[STEPQ__MAX_HEAD_DIM], beta;
+
+    for (int b = 0; b < a->batch; b++) {
+        int32_t s = a->slots[b];
+        if (s < 0)
+            continue;
+        for (int hv = 0; hv < a->HV; hv++) {
+            float *o = a->o + ((size_t)b * a->HV + hv) * a->d_v;
+            if (stepq__prep_head(a, b, hv, q, k, v, g, &beta)) {
+                memset(o, 0, sizeof(float) * a->d_v);
+                stepq__health_note(a->health, a->counts, s, STEPQ__HEALTH_INPUT);
+                continue;
+            }
+            float *S = st->base + (size_t)s * st->slot_stride + (size_t)hv * head;
+            uint32_t fl = stepq__head_update(S, rs, cs, a->arch == STEPQ_ARCH_KDA, a->d_k, a->d_v,
+                                             q, k, v, g, beta, o);
+            stepq__health_note(a->health, a->counts, s, fl);
+        }
+    }
+    return STEPQ_OK;
+}
+
+/*
+ * Chunked prefill. Inside a chunk with cumulative log gates G_t (per key
+ * channel for KDA), the state before token t's update, decayed, is
+ *   D_t S_{t-1} = e^{G_t} S0 + sum_{s<t} e^{G_t - G_s} k_s u_s^T,
+ * so the corrections u solve the unit lower-triangular system
+ *   u_t + sum_{s<t} beta_t (k_t . e^{G_t-G_s} k_s) u_s = beta_t (v_t - S0^T (e^{G_t} k_t)),
+ * solved by forward substitution (the UT transform of fla's chunk kernels).
+ * Outputs and the final state follow from the same sums. Only differences
+ * G_t - G_s with s <= t are exponentiated, so nothing overflows whatever the
+ * chunk length. The state is carried in double between chunks.
+ */
+int stepq__ref_prefill_chunked(const struct stepq__step_args *a, int chunk, float *state,
+                               stepq__layout layout)
+{
+    static const char who[] = "prefill (chunked)";
+    int rc = stepq__check_step_args(a, who);
+
+    if (rc < 0)
+        return rc;
+    if (chunk < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: chunk length %d < 1", who, chunk);
+    if (!state)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL state", who);
+    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
+
+    int T = a->batch, d_k = a->d_k, d_v = a->d_v, kda = a->arch == STEPQ_ARCH_KDA;
+    int n_g = kda ? d_k : 1;
+    int C = chunk < T ? chunk : (T > 0 ? T : 1);
+    float scratch_q[STEPQ__MAX_HEAD_DIM], scratch_k[STEPQ__MAX_HEAD_DIM];
+    float scratch_v[STEPQ__MAX_HEAD_DIM], scratch_g[STEPQ__MAX_HEAD_DIM], scratch_b;
+
+    /* Refuse non-finite inputs before writing anything. */
+    for (int t = 0; t < T; t++)
+        for (int hv = 0; hv < a->HV; hv++)
+            if (stepq__prep_head(a, t, hv, scratch_q, scratch_k, scratch_v, scratch_g, &scratch_b))
+                return stepq__error(STEPQ_ENONFINITE,
+                                    "%s: token %d, value head %d: non-finite input", who, t, hv);
+
+    size_t nS = (size_t)d_k * d_v;
+    double *S = malloc(sizeof(double) * nS);
+    double *U = malloc(sizeof(double) * (size_t)C * d_v);
+    double *G = malloc(sizeof(double) * (size_t)C * n_g);
+    double *E = malloc(sizeof(double) * (size_t)C * d_k); /* e^{G_t} for the rows, per token */
+    float *Q = malloc(sizeof(float) * (size_t)C * d_k);
+    float *K = malloc(sizeof(float) * (size_t)C * d_k);
+    float *V = malloc(sizeof(float) * (size_t)C * d_v);
+    float *B = malloc(sizeof(float) * (size_t)C);
+    double *acc = malloc(sizeof(double) * (size_t)(d_k > d_v ? d_k : d_v));
+    if (!S || !U || !G || !E || !Q || !K || !V || !B || !acc) {
+        rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+        goto out;
+    }
+
+    size_t rs = layout == STEPQ__LAYOUT_KV ? (size_t)d_v : 1;
+    size_t cs = layout == STEPQ__LAYOUT_KV ? 1 : (size_t)d_k;
+    for (int hv = 0; hv < a->HV; hv++) {
+        float *Sh = state + (size_t)hv * nS;
+        for (int i = 0; i < d_k; i++)
+            for (int j = 0; j < d_v; j++)
+                S[(size_t)i * d_v + j] = Sh[(size_t)i * rs + (size_t)j * cs];
+
+        for (int t0 = 0; t0 < T; t0 += C) {
+            int n = T - t0 < C ? T - t0 : C;
+            for (int t = 0; t < n; t++) {
+                float gt[STEPQ__MAX_HEAD_DIM];
+                stepq__prep_head(a, t0 + t, hv, Q + (size_t)t * d_k, K + (size_t)t * d_k,
+                                 V + (size_t)t * d_v, gt, &B[t]);
+                for (int c = 0; c < n_g; c++)
+                    G[(size_t)t * n_g + c] = (t ? G[(size_t)(t - 1) * n_g + c] : 0.0) + gt[c];
+                for (int i = 0; i < d_k; i++)
+                    E[(size_t)t * d_k + i] = exp(G[(size_t)t * n_g + (kda ? i : 0)]);
+            }
+            for (int t = 0; t < n; t++) {
+                const float *qt = Q + (size_t)t * d_k, *kt = K + (size_t)t * d_k;
+                const double *et = E + (size_t)t * d_k;
+                double *ut = U + (size_t)t * d_v;
+                float *ot = a->o + ((size_t)(t0 + t) * a->HV + hv) * d_v;
+
+                /* rhs_t = beta_t (v_t - S0^T (e^{G_t} k_t)); inter-chunk readout S0^T (e^{G_t} q_t)
+                 */
+                for (int j = 0; j < d_v; j++)
+                    ut[j] = 0.0;
+                for (int j = 0; j < d_v; j++)
+                    acc[j] = 0.0;
+                for (int i = 0; i < d_k; i++) {
+                    double ek = et[i] * kt[i], eq = et[i] * qt[i];
+                    const double *Si = S + (size_t)i * d_v;
+                    for (int j = 0; j < d_v; j++) {
+                        ut[j] += Si[j] * ek;
+                        acc[j] += Si[j] * eq;
+                    }
+                }
+                for (int j = 0; j < d_v; j++)
+                    ut[j] = (double)B[t] * ((double)V[(size_t)t * d_v + j] - ut[j]);
+
+                /* forward substitution and the intra-chunk readout */
+                for (int s = 0; s <= t; s++) {
+                    const float *ks = K + (size_t)s * d_k;
+                    double akk = 0.0, aqk = 0.0;
+                    if (kda) {
+                        for (int i = 0; i < d_k; i++) {
+                            double dec = exp(G[(size_t)t * d_k + i] - G[(size_t)s * d_k + i]);
+                            akk += (double)kt[i] * dec * ks[i];
+                            aqk += (double)qt[i] * dec * ks[i];
+                        }
+                    } else { /* the scalar decay factors out of the dot products */
+                        for (int i = 0; i < d_k; i++) {
+                            akk += (double)kt[i] * ks[i];
+                            aqk += (double)qt[i] * ks[i];
+                        }
+                        double dec = exp(G[t] - G[s]);
+                        akk *= dec;
+                        aqk *= dec;
+                    }
+                    const double *us = U + (size_t)s * d_v;
+                    if (s < t) {
+                        double bkk = (double)B[t] * akk;
+                        for (int j = 0; j < d_v; j++)
+                            ut[j] -= bkk * us[j];
+                    }
+                    /* u_s is final for s < t; u_t is final once s reaches t */
+                    if (s == t)
+                        for (int j = 0; j < d_v; j++)
+                            acc[j] += aqk * ut[j];
+                    else
+                        for (int j = 0; j < d_v; j++)
+                            acc[j] += aqk * us[j];
+                }
+                for (int j = 0; j < d_v; j++)
+                    ot[j] = (float)acc[j];
+            }
+            /* S <- e^{G_last} S0 + sum_s e^{G_last - G_s} k_s u_s^T */
+            for (int i = 0; i < d_k; i++) {
+                int c = kda ? i : 0;
+                double glast = G[(size_t)(n - 1) * n_g + c];
+                double *Si = S + (size_t)i * d_v;
+                double el = exp(glast);
+                for (int j = 0; j < d_v; j++)
+                    Si[j] *= el;
+                for (int s = 0; s < n; s++) {
+                    double f = exp(glast - G[(size_t)s * n_g + c]) * K[(size_t)s * d_k + i];
+                    const double *us = U + (size_t)s * d_v;
+                    for (int j = 0; j < d_v; j++)
+                        Si[j] += f * us[j];
+                }
+            }
+        }
+        for (int i = 0; i < d_k; i++)
+            for (int j = 0; j < d_v; j++)
+                Sh[(size_t)i * rs + (size_t)j * cs] = (float)S[(size_t)i * d_v + j];
+    }
+    rc = STEPQ_OK;
+out:
+    free(S);
+    free(U);
+    free(G);
+    free(E);
+    free(Q);
+    free(K);
+    free(V);
+    free(B);
+    free(acc);
+    return rc;
+}

@@ -1,0 +1,227 @@
+/*
+ * The C reference of the kernels that work on packed pages: the decode step
+ * quantize(update(dequantize(page))) (paper Eq. 4), pack and unpack over a
+ * list of slots, and the dispatch-table initialiser.
+ */
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/dsp.h"
+#include "kernels/quant.h"
+#include "plugin/err.h"
+
+void stepq__dsp_init_c(struct stepq__dsp *dsp)
+{
+    dsp->step_dense = stepq__ref_step_dense;
+    dsp->step_packed = stepq__ref_step_packed;
+    dsp->pack = stepq__ref_pack;
+    dsp->unpack = stepq__ref_unpack;
+}
+
+/* Everything about the pages is checked before the first byte is written. */
+static int check_layer(const struct stepq__packed_layer *pl, int d_k, int d_v, const char *who)
+{
+    if (!pl || !pl->base || !pl->heads || !pl->head_offset)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer, pages, layouts or offsets", who);
+    if (pl->n_heads < 1 || pl->n_slots < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: n_heads=%d, n_slots=%d", who, pl->n_heads,
+                            pl->n_slots);
+    for (int h = 0; h < pl->n_heads; h++) {
+        const struct stepq_head_layout *hl = &pl->heads[h];
+        if (!hl->row_bitoff || hl->d_k != d_k || hl->d_v != d_v)
+            return stepq__error(STEPQ_EINVAL,
+                                "%s: head %d layout is %dx%d (or not initialised), expected %dx%d",
+                                who, h, hl->d_k, hl->d_v, d_k, d_v);
+        if (pl->head_offset[h] + hl->block_bytes > pl->page_stride)
+            return stepq__error(
+                STEPQ_EINVAL, "%s: head %d block [%zu, %zu) exceeds the page (%zu B)", who, h,
+                pl->head_offset[h], pl->head_offset[h] + hl->block_bytes, pl->page_stride);
+        if (pl->row_impact && stepq__method_uses_row_impact(hl->method))
+            for (int i = 0; i < d_k; i++) {
+                float w = pl->row_impact[(size_t)h * d_k + i];
+                if (!(w > 0.0f) || !isfinite(w))
+                    return stepq__error(STEPQ_EINVAL,
+                                        "%s: row impact of head %d row %d is %g (need finite > 0)",
+                                        who, h, i, (double)w);
+            }
+    }
+    return STEPQ_OK;
+}
+
+int stepq__check_slot_list(int n, const int32_t *slots, int n_slots, int distinct, const char *who)
+{
+    if (n_slots < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: n_slots = %d", who, n_slots);
+    if (n < 0 || (n > 0 && !slots))
+        return stepq__error(STEPQ_EINVAL, "%s: n=%d with %s slot ids", who, n,
+                            slots ? "valid" : "NULL");
+    uint8_t *seen = distinct ? calloc(((size_t)n_slots + 7) / 8, 1) : NULL;
+    if (distinct && !seen)
+        return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+    int rc = STEPQ_OK;
+    for (int e = 0; e < n && rc == STEPQ_OK; e++) {
+        int32_t s = slots[e];
+        if (s == -1)
+            continue;
+        if (s < 0 || s >= n_slots)
+            rc = stepq__error(STEPQ_EINVAL, "%s: slots[%d] = %d is outside -1, 0..%d", who, e,
+                              (int)s, n_slots - 1);
+        else if (seen && (seen[s / 8] & (1u << (s % 8))))
+            rc = stepq__error(STEPQ_EINVAL, "%s: slot %d appears twice", who, (int)s);
+        else if (seen)
+            seen[s / 8] |= (uint8_t)(1u << (s % 8));
+    }
+    free(seen);
+    return rc;
+}
+
+static uint8_t *head_block(const struct stepq__packed_layer *pl, int32_t slot, int h)
+{
+    return pl->base + (size_t)slot * pl->page_stride + pl->head_offset[h];
+}
+
+static const float *head_w(const struct stepq__packed_layer *pl, int h, int d_k)
+{
+    return pl->row_impact ? pl->row_impact + (size_t)h * d_k : NULL;
+}
+
+int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl)
+{
+    static const char who[] = "step (packed)";
+    int rc = stepq__check_step_args(a, who);
+
+    if (rc < 0 || a->batch == 0)
+        return rc;
+    if ((rc = check_layer(pl, a->d_k, a->d_v, who)) < 0)
+        return rc;
+    if (pl->n_heads != a->HV)
+        return stepq__error(STEPQ_EINVAL, "%s: the layer has %d heads, the step %d", who,
+                            pl->n_heads, a->HV);
+    for (int h = 0; h < pl->n_heads; h++)
+        if (pl->heads[h].arch != a->arch)
+            return stepq__error(STEPQ_EINVAL, "%s: head %d is laid out for another arch", who, h);
+    if ((rc = stepq__check_slot_list(a->batch, a->slots, pl->n_slots, 1, who)) < 0)
+        return rc;
+
+    float *tile = malloc(sizeof(float) * (size_t)a->d_k * a->d_v);
+    if (!tile)
+        return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+
+    float q[STEPQ__MAX_HEAD_DIM], k[STEPQ__MAX_HEAD_DIM], v[STEPQ__MAX_HEAD_DIM];
+    float g[STEPQ__MAX_HEAD_DIM], beta;
+    for (int b = 0; b < a->batch; b++) {
+        int32_t s = a->slots[b];
+        if (s < 0)
+            continue;
+        for (int h = 0; h < a->HV; h++) {
+            float *o = a->o + ((size_t)b * a->HV + h) * a->d_v;
+            if (stepq__prep_head(a, b, h, q, k, v, g, &beta)) {
+                /* The page keeps its previous, valid content. */
+                memset(o, 0, sizeof(float) * a->d_v);
+                stepq__health_note(a->health, a->counts, s, STEPQ__HEALTH_INPUT);
+                continue;
+            }
+            const struct stepq_head_layout *hl = &pl->heads[h];
+            uint8_t *blk = head_block(pl, s, h);
+            stepq__dequantize_head(hl, blk, tile);
+            uint32_t fl = stepq__head_update(tile, (size_t)a->d_v, 1, a->arch == STEPQ_ARCH_KDA,
+                                             a->d_k, a->d_v, q, k, v, g, beta, o);
+            /* Cannot fail: layout and w were validated above, the tile is finite. */
+            stepq__quantize_head(hl, tile, head_w(pl, h, a->d_k), blk, &fl);
+            stepq__health_note(a->health, a->counts, s, fl);
+        }
+    }
+    free(tile);
+    return STEPQ_OK;
+}
+
+int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                    const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
+                    uint64_t *counts, void *stream)
+{
+    static const char who[] = "pack";
+    int rc;
+
+    (void)stream;
+    if (!pl || !pl->heads)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer", who);
+    int d_k = pl->heads[0].d_k, d_v = pl->heads[0].d_v;
+    if ((rc = check_layer(pl, d_k, d_v, who)) < 0)
+        return rc;
+    if ((rc = stepq__check_slot_list(n, slots, pl->n_slots, 1, who)) < 0)
+        return rc;
+    size_t head = (size_t)d_k * d_v;
+    if (n > 0 && (!src || src_stride < head * (size_t)pl->n_heads))
+        return stepq__error(STEPQ_EINVAL, "%s: NULL source or stride %zu < HV*d_k*d_v = %zu", who,
+                            src_stride, head * (size_t)pl->n_heads);
+    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
+
+    float *tile = malloc(sizeof(float) * head);
+    if (!tile)
+        return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+    for (int e = 0; e < n; e++) {
+        int32_t s = slots[e];
+        if (s < 0)
+            continue;
+        for (int h = 0; h < pl->n_heads; h++) {
+            const float *x = src + (size_t)e * src_stride + (size_t)h * head;
+            if (layout == STEPQ__LAYOUT_VK) {
+                for (int i = 0; i < d_k; i++)
+                    for (int j = 0; j < d_v; j++)
+                        tile[(size_t)i * d_v + j] = x[(size_t)j * d_k + i];
+                x = tile;
+            }
+            uint32_t fl = 0;
+            stepq__quantize_head(&pl->heads[h], x, head_w(pl, h, d_k), head_block(pl, s, h), &fl);
+            stepq__health_note(health, counts, s, fl);
+        }
+    }
+    free(tile);
+    return STEPQ_OK;
+}
+
+int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots, float *dst,
+                      size_t dst_stride, stepq__layout layout, void *stream)
+{
+    static const char who[] = "unpack";
+    int rc;
+
+    (void)stream;
+    if (!pl || !pl->heads)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer", who);
+    int d_k = pl->heads[0].d_k, d_v = pl->heads[0].d_v;
+    if ((rc = check_layer(pl, d_k, d_v, who)) < 0)
+        return rc;
+    if ((rc = stepq__check_slot_list(n, slots, pl->n_slots, 0, who)) < 0)
+        return rc;
+    size_t head = (size_t)d_k * d_v;
+    if (n > 0 && (!dst || dst_stride < head * (size_t)pl->n_heads))
+        return stepq__error(STEPQ_EINVAL, "%s: NULL destination or stride %zu < HV*d_k*d_v = %zu",
+                            who, dst_stride, head * (size_t)pl->n_heads);
+    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
+
+    float *tile = malloc(sizeof(float) * head);
+    if (!tile)
+        return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+    for (int e = 0; e < n; e++) {
+        int32_t s = slots[e];
+        if (s < 0)
+            continue;
+        for (int h = 0; h < pl->n_heads; h++) {
+            float *x = dst + (size_t)e * dst_stride + (size_t)h * head;
+            if (layout == STEPQ__LAYOUT_KV) {
+                stepq__dequantize_head(&pl->heads[h], head_block(pl, s, h), x);
+                continue;
+            }
+            stepq__dequantize_head(&pl->heads[h], head_block(pl, s, h), tile);
+            for (int i = 0; i < d_k; i++)
+                for (int j = 0; j < d_v; j++)
+                    x[(size_t)j * d_k + i] = tile[(size_t)i * d_v + j];
+        }
+    }
+    free(tile);
+    return STEPQ_OK;
+}
