@@ -7,6 +7,7 @@
 
 #include "stepq/common.h"
 #include "stepq/map.h"
+#include "stepq/pool.h"
 #include "stepq/version.h"
 
 #endif /* STEPQ_STEPQ_H */

@@ -1,0 +1,296 @@
+/*
+ * CUDA backend: one cudaMalloc for the slots + 1 pages, one for the health
+ * words, one for the layout tables. Every data operation is enqueued on the
+ * pool's stream. CUDA errors become STEPQ_ECUDA with the runtime's text;
+ * the (non-sticky) error state is cleared so the server can go on. Calls
+ * switch to the pool's device and back, leaving the caller's current device
+ * as it was.
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "stepq_config.h"
+
+#include "pool/internal.h"
+
+#if STEPQ_HAVE_CUDA
+
+#include <cuda_runtime_api.h>
+
+#include "pool/cuda.h"
+
+struct cuda_data {
+    void *tables; /* device copies of the layout tables */
+};
+
+static int cuda_fail(stepq_pool_t *pool, cudaError_t e, const char *what)
+{
+    /* Clears the last (non-sticky) error; a sticky one stays, and the
+     * message says so through the runtime's own text. */
+    (void)cudaGetLastError();
+    return stepq__error_obj(pool->err, e == cudaErrorNoDevice ? STEPQ_ENODEV : STEPQ_ECUDA,
+                            "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+}
+
+#define CUDA_TRY(call, what)                 \
+    do {                                     \
+        cudaError_t e_ = (call);             \
+        if (e_ != cudaSuccess) {             \
+            ret = cuda_fail(pool, e_, what); \
+            goto out;                        \
+        }                                    \
+    } while (0)
+
+/* Makes the pool's device current; *prev gets the caller's. */
+static int device_enter(stepq_pool_t *pool, int *prev)
+{
+    cudaError_t e = cudaGetDevice(prev);
+
+    if (e != cudaSuccess)
+        return cuda_fail(pool, e, "cudaGetDevice");
+    if (*prev != pool->device && (e = cudaSetDevice(pool->device)) != cudaSuccess)
+        return cuda_fail(pool, e, "cudaSetDevice");
+    return STEPQ_OK;
+}
+
+static void device_leave(stepq_pool_t *pool, int prev)
+{
+    if (prev != pool->device)
+        (void)cudaSetDevice(prev);
+}
+
+static cudaStream_t stream_of(stepq_pool_t *pool)
+{
+    return (cudaStream_t)pool->stream;
+}
+
+static int cuda_init(stepq_pool_t *pool)
+{
+    struct stepq__pool_layout *L = &pool->layout;
+    stepq_pool_layout *l = &L->pub;
+    size_t n = (size_t)pool->slots + 1;
+    size_t nb = (size_t)l->n_blocks, off_bytes = nb * 8, conv = (size_t)l->n_layers * 8,
+           bb = nb * 4, ub = nb * (size_t)l->units_per_head;
+    struct cuda_data *cd;
+    uint8_t *t;
+    int count = 0, prev = 0, ret = STEPQ_OK;
+    cudaError_t e = cudaGetDeviceCount(&count);
+
+    if (e != cudaSuccess || count == 0) {
+        (void)cudaGetLastError();
+        return stepq__error_obj(pool->err, STEPQ_ENODEV, "no CUDA device: %s",
+                                e != cudaSuccess ? cudaGetErrorString(e) : "device count is 0");
+    }
+    if (pool->device < 0 || pool->device >= count)
+        return stepq__error_obj(pool->err, STEPQ_ENODEV,
+                                "stepq_pool_config.device %d: this machine has devices 0..%d",
+                                pool->device, count - 1);
+    cd = calloc(1, sizeof(*cd));
+    if (!cd)
+        return stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (CUDA backend)");
+    pool->backend_data = cd;
+    ret = device_enter(pool, &prev);
+    if (ret < 0) {
+        free(cd);
+        pool->backend_data = NULL;
+        return ret;
+    }
+    CUDA_TRY(cudaMalloc((void **)&pool->pages, n * pool->page_bytes), "cudaMalloc(pages)");
+    CUDA_TRY(cudaMalloc((void **)&pool->health, n * sizeof(uint32_t)), "cudaMalloc(health)");
+    CUDA_TRY(cudaMalloc(&cd->tables, off_bytes + conv + bb + ub + 1), "cudaMalloc(tables)");
+    t = cd->tables;
+    CUDA_TRY(cudaMemcpy(t, L->block_offset, off_bytes, cudaMemcpyHostToDevice), "tables");
+    CUDA_TRY(cudaMemcpy(t + off_bytes, L->conv_offset, conv, cudaMemcpyHostToDevice), "tables");
+    CUDA_TRY(cudaMemcpy(t + off_bytes + conv, L->block_bytes, bb, cudaMemcpyHostToDevice),
+             "tables");
+    CUDA_TRY(cudaMemcpy(t + off_bytes + conv + bb, L->unit_bits, ub, cudaMemcpyHostToDevice),
+             "tables");
+    l->d_block_offset = (const uint64_t *)t;
+    l->d_conv_offset = (const uint64_t *)(t + off_bytes);
+    l->d_block_bytes = (const uint32_t *)(t + off_bytes + conv);
+    l->d_unit_bits = t + off_bytes + conv + bb;
+    /* Zero on the pool's stream and wait, so the pages are zero for every
+     * stream once open returns. */
+    CUDA_TRY(cudaMemsetAsync(pool->pages, 0, n * pool->page_bytes, stream_of(pool)),
+             "cudaMemsetAsync(pages)");
+    CUDA_TRY(cudaMemsetAsync(pool->health, 0, n * sizeof(uint32_t), stream_of(pool)),
+             "cudaMemsetAsync(health)");
+    CUDA_TRY(cudaStreamSynchronize(stream_of(pool)), "cudaStreamSynchronize");
+out:
+    if (ret < 0) {
+        cudaFree(pool->pages);
+        cudaFree(pool->health);
+        cudaFree(cd->tables);
+        (void)cudaGetLastError();
+        pool->pages = NULL;
+        pool->health = NULL;
+        free(cd);
+        pool->backend_data = NULL;
+    }
+    device_leave(pool, prev);
+    return ret;
+}
+
+static void cuda_fini(stepq_pool_t *pool)
+{
+    struct cuda_data *cd = pool->backend_data;
+    int prev = 0;
+
+    if (!cd)
+        return;
+    if (device_enter(pool, &prev) >= 0) {
+        (void)cudaStreamSynchronize(stream_of(pool));
+        cudaFree(pool->pages);
+        cudaFree(pool->health);
+        cudaFree(cd->tables);
+        (void)cudaGetLastError();
+        device_leave(pool, prev);
+    }
+    free(cd);
+    pool->backend_data = NULL;
+    pool->pages = NULL;
+    pool->health = NULL;
+}
+
+static int cuda_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n, int pages)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    CUDA_TRY((cudaError_t)stepq__pool_cuda_clear(pool->pages, pool->page_bytes, pool->health, ids,
+                                                 n, pages, pool->stream),
+             "clear kernel");
+out:
+    device_leave(pool, prev);
+    return ret;
+}
+
+static int cuda_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst, int32_t n)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    CUDA_TRY((cudaError_t)stepq__pool_cuda_copy(pool->pages, pool->page_bytes, pool->health, src,
+                                                dst, n, pool->stream),
+             "copy kernel");
+out:
+    device_leave(pool, prev);
+    return ret;
+}
+
+/* One cudaMemcpyAsync per run of consecutive slots at consecutive positions. */
+static int copy_runs(stepq_pool_t *pool, const int32_t *ids, const int32_t *pos, int32_t n,
+                     uint8_t *host, int to_host)
+{
+    int ret = STEPQ_OK;
+
+    for (int32_t i = 0; i < n;) {
+        int32_t k = 1;
+        size_t bytes;
+        uint8_t *dev, *h;
+
+        while (i + k < n && ids[i + k] == ids[i] + k && pos[i + k] == pos[i] + k)
+            k++;
+        bytes = (size_t)k * pool->page_bytes;
+        dev = pool->pages + (size_t)ids[i] * pool->page_bytes;
+        h = host + (size_t)pos[i] * pool->page_bytes;
+        CUDA_TRY(cudaMemcpyAsync(to_host ? (void *)h : (void *)dev, to_host ? dev : h, bytes,
+                                 to_host ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice,
+                                 stream_of(pool)),
+                 to_host ? "cudaMemcpyAsync(to host)" : "cudaMemcpyAsync(from host)");
+        i += k;
+    }
+out:
+    return ret;
+}
+
+static int cuda_to_host(stepq_pool_t *pool, const int32_t *ids, const int32_t *pos, int32_t n,
+                        void *host)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    ret = copy_runs(pool, ids, pos, n, host, 1);
+    device_leave(pool, prev);
+    return ret;
+}
+
+static int cuda_from_host(stepq_pool_t *pool, const int32_t *ids, const int32_t *pos, int32_t n,
+                          const void *host)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    ret = copy_runs(pool, ids, pos, n, (uint8_t *)host, 0);
+    if (ret >= 0)
+        CUDA_TRY((cudaError_t)stepq__pool_cuda_clear(pool->pages, pool->page_bytes, pool->health,
+                                                     ids, n, 0, pool->stream),
+                 "health reset kernel");
+out:
+    device_leave(pool, prev);
+    return ret;
+}
+
+static int cuda_read_health(stepq_pool_t *pool, uint32_t *out)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    CUDA_TRY(cudaMemcpyAsync(out, pool->health, ((size_t)pool->slots + 1) * sizeof(uint32_t),
+                             cudaMemcpyDeviceToHost, stream_of(pool)),
+             "cudaMemcpyAsync(health)");
+    CUDA_TRY(cudaStreamSynchronize(stream_of(pool)), "cudaStreamSynchronize");
+out:
+    device_leave(pool, prev);
+    return ret;
+}
+
+static int cuda_sync(stepq_pool_t *pool)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    CUDA_TRY(cudaStreamSynchronize(stream_of(pool)), "cudaStreamSynchronize");
+out:
+    device_leave(pool, prev);
+    return ret;
+}
+
+const struct stepq__pool_ops stepq__pool_cuda_ops = {
+    .name = "cuda",
+    .init = cuda_init,
+    .fini = cuda_fini,
+    .clear = cuda_clear,
+    .copy = cuda_copy,
+    .to_host = cuda_to_host,
+    .from_host = cuda_from_host,
+    .read_health = cuda_read_health,
+    .sync = cuda_sync,
+};
+
+#else /* !STEPQ_HAVE_CUDA */
+
+static int nocuda_init(stepq_pool_t *pool)
+{
+    return stepq__error_obj(pool->err, STEPQ_ENOTSUP,
+                            "the CUDA backend is not in this build (configured without nvcc)");
+}
+
+static void nocuda_fini(stepq_pool_t *pool)
+{
+}
+
+const struct stepq__pool_ops stepq__pool_cuda_ops = {
+    .name = "cuda (not built)",
+    .init = nocuda_init,
+    .fini = nocuda_fini,
+};
+
+#endif

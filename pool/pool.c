@@ -1,0 +1,896 @@
+/*
+ * The pool object: open/close, the table of open pools, the slot allocator
+ * and the validation of every id list before anything changes. Data
+ * movement is the backend's (backend_host.c, backend_cuda.c).
+ */
+#include <inttypes.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "pool/internal.h"
+
+/* --- policies ------------------------------------------------------------ */
+
+static const struct {
+    const char *name;
+    int slots;
+} policies[STEPQ_POOL_POLICY_COUNT] = {
+    [STEPQ_POOL_POLICY_NO_CACHE] = { "no_cache", 1 },
+    [STEPQ_POOL_POLICY_NO_BUFFER] = { "no_buffer", 3 },
+    [STEPQ_POOL_POLICY_LAZY] = { "lazy", 4 },
+    [STEPQ_POOL_POLICY_EXTRA_BUFFER] = { "extra_buffer", 5 },
+};
+
+int stepq_pool_policy_slots(stepq_pool_policy policy)
+{
+    if ((unsigned)policy >= STEPQ_POOL_POLICY_COUNT)
+        return stepq__error(STEPQ_EINVAL, "policy %d is not a stepq_pool_policy", (int)policy);
+    return policies[policy].slots;
+}
+
+const char *stepq_pool_policy_name(stepq_pool_policy policy)
+{
+    if ((unsigned)policy >= STEPQ_POOL_POLICY_COUNT)
+        return "?";
+    return policies[policy].name;
+}
+
+int stepq_pool_policy_from_name(const char *name, stepq_pool_policy *out)
+{
+    if (!name || !out)
+        return stepq__error(STEPQ_EINVAL, "stepq_pool_policy_from_name: NULL argument");
+    for (int i = 0; i < STEPQ_POOL_POLICY_COUNT; i++) {
+        if (!strcmp(name, policies[i].name)) {
+            *out = (stepq_pool_policy)i;
+            return STEPQ_OK;
+        }
+    }
+    return stepq__error(STEPQ_EINVAL,
+                        "policy '%s' is not one of no_cache, no_buffer, lazy, extra_buffer", name);
+}
+
+/* --- the table of open pools ------------------------------------------- */
+
+/*
+ * Every open pool is listed here, so a call with a closed handle is caught
+ * by a pointer comparison instead of reading freed memory. Lookups take the
+ * table lock and then the pool's lock (always in that order); close removes
+ * the pool while holding both, so no call can be inside a pool being freed.
+ */
+static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
+static stepq_pool_t **registry;
+static size_t registry_len, registry_cap;
+
+static const char closed_text[] = "pool handle is closed or not valid";
+
+static ptrdiff_t registry_find(const stepq_pool_t *pool)
+{
+    for (size_t i = 0; i < registry_len; i++)
+        if (registry[i] == pool)
+            return (ptrdiff_t)i;
+    return -1;
+}
+
+static int registry_add(stepq_pool_t *pool)
+{
+    int ret = STEPQ_OK;
+
+    pthread_mutex_lock(&registry_mu);
+    if (registry_len == registry_cap) {
+        size_t cap = registry_cap ? 2 * registry_cap : 8;
+        stepq_pool_t **r = realloc(registry, cap * sizeof(*r));
+        if (!r) {
+            ret = stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (pool table)");
+            goto out;
+        }
+        registry = r;
+        registry_cap = cap;
+    }
+    registry[registry_len++] = pool;
+out:
+    pthread_mutex_unlock(&registry_mu);
+    return ret;
+}
+
+/* Looks the pool up and locks it; STEPQ_EBADF when it is not open. */
+static int pool_enter(stepq_pool_t *pool, const char *fn)
+{
+    if (!pool)
+        return stepq__error(STEPQ_EINVAL, "%s: pool is NULL", fn);
+    pthread_mutex_lock(&registry_mu);
+    if (registry_find(pool) < 0) {
+        pthread_mutex_unlock(&registry_mu);
+        return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
+    }
+    pthread_mutex_lock(&pool->mu);
+    pthread_mutex_unlock(&registry_mu);
+    return STEPQ_OK;
+}
+
+static void pool_leave(stepq_pool_t *pool)
+{
+    pthread_mutex_unlock(&pool->mu);
+}
+
+const char *stepq_pool_last_error(const stepq_pool_t *pool)
+{
+    const char *text = closed_text;
+
+    if (!pool)
+        return "pool is NULL";
+    pthread_mutex_lock(&registry_mu);
+    if (registry_find(pool) >= 0)
+        text = pool->err;
+    pthread_mutex_unlock(&registry_mu);
+    return text;
+}
+
+/* --- open / close --------------------------------------------------------- */
+
+static int check_open_args(const stepq_pool_config *cfg, void *out, const char *fn)
+{
+    int ret;
+
+    if (!out)
+        return stepq__error(STEPQ_EINVAL, "%s: out is NULL", fn);
+    if (!cfg)
+        return stepq__error(STEPQ_EINVAL, "%s: cfg is NULL", fn);
+    ret = stepq__check_config(cfg, sizeof(stepq_pool_config), STEPQ_POOL_CONFIG_VERSION,
+                              "stepq_pool_config");
+    if (ret < 0)
+        return ret;
+    if (!cfg->map)
+        return stepq__error(STEPQ_EINVAL, "stepq_pool_config.map: a precision map is required");
+    return STEPQ_OK;
+}
+
+static uint64_t meta_bytes_of(const struct stepq__pool_layout *l, int32_t slots)
+{
+    const stepq_pool_layout *p = &l->pub;
+
+    return (uint64_t)(slots + 1) * sizeof(uint32_t) +
+           (uint64_t)p->n_blocks * (sizeof(uint64_t) + 2 * sizeof(uint32_t)) +
+           (uint64_t)p->n_blocks * (uint64_t)p->units_per_head + (uint64_t)p->n_layers * 8;
+}
+
+int stepq_pool_plan(const stepq_pool_config *cfg, stepq_pool_plan_info *out)
+{
+    struct stepq__pool_layout layout;
+    const stepq_pool_layout *l = &layout.pub;
+    int32_t slots;
+    int ret;
+
+    ret = check_open_args(cfg, out, "stepq_pool_plan");
+    if (ret < 0)
+        return ret;
+    ret = stepq__pool_layout_build(cfg, &layout, NULL);
+    if (ret < 0)
+        return ret;
+    ret = stepq__pool_sizing(cfg, l->page_bytes, &slots, NULL);
+    if (ret < 0)
+        goto out;
+    memset(out, 0, sizeof(*out));
+    out->page_bytes = l->page_bytes;
+    out->state_bytes = l->state_bytes;
+    out->state_bytes_compact = l->state_bytes_compact;
+    out->align_bytes = l->state_bytes - l->state_bytes_compact;
+    out->conv_bytes = l->conv_bytes;
+    out->pad_bytes = l->pad_bytes;
+    out->slots = slots;
+    out->pool_bytes = (uint64_t)(slots + 1) * l->page_bytes;
+    out->meta_bytes = meta_bytes_of(&layout, slots);
+out:
+    stepq__pool_layout_free(&layout);
+    return ret;
+}
+
+int stepq_pool_open(const stepq_pool_config *cfg, stepq_pool_t **out)
+{
+    struct stepq__pool_layout layout;
+    int ret;
+
+    ret = check_open_args(cfg, out, "stepq_pool_open");
+    if (ret < 0)
+        return ret;
+    *out = NULL;
+    ret = stepq__pool_layout_build(cfg, &layout, NULL);
+    if (ret < 0)
+        return ret;
+    return stepq__pool_open_layout(cfg, &layout, out);
+}
+
+int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_layout *layout,
+                            stepq_pool_t **out)
+{
+    stepq_pool_t *pool;
+    int32_t slots;
+    size_t n;
+    int ret;
+
+    *out = NULL;
+    if (cfg->backend != STEPQ_POOL_BACKEND_HOST && cfg->backend != STEPQ_POOL_BACKEND_CUDA) {
+        ret =
+            stepq__error(STEPQ_EINVAL, "stepq_pool_config.backend: %d is not host (0) or cuda (1)",
+                         (int)cfg->backend);
+        goto fail_layout;
+    }
+    if (cfg->flags & ~STEPQ_POOL_FLAG_CLEAR_ON_ALLOC) {
+        ret = stepq__error(STEPQ_EINVAL, "stepq_pool_config.flags: unknown bits 0x%x",
+                           cfg->flags & ~STEPQ_POOL_FLAG_CLEAR_ON_ALLOC);
+        goto fail_layout;
+    }
+    ret = stepq__pool_sizing(cfg, layout->pub.page_bytes, &slots, NULL);
+    if (ret < 0)
+        goto fail_layout;
+    if ((uint64_t)(slots + 1) > SIZE_MAX / layout->pub.page_bytes) {
+        ret = stepq__error(STEPQ_ENOMEM, "%" PRId32 " pages of %" PRIu64 " B overflow size_t",
+                           slots + 1, layout->pub.page_bytes);
+        goto fail_layout;
+    }
+
+    pool = calloc(1, sizeof(*pool));
+    if (!pool) {
+        ret = stepq__error(STEPQ_ENOMEM, "out of memory (pool)");
+        goto fail_layout;
+    }
+    pool->magic = STEPQ__POOL_MAGIC;
+    pool->backend = cfg->backend;
+    pool->ops =
+        cfg->backend == STEPQ_POOL_BACKEND_CUDA ? &stepq__pool_cuda_ops : &stepq__pool_host_ops;
+    pool->flags = cfg->flags;
+    pool->policy = cfg->policy;
+    pool->device = cfg->device;
+    pool->stream = cfg->stream;
+    pool->layout = *layout;
+    pool->page_bytes = layout->pub.page_bytes;
+    pool->slots = slots;
+
+    n = (size_t)slots + 1;
+    pool->ring = malloc(n * sizeof(*pool->ring));
+    pool->state = calloc(n, 1);
+    pool->mark = calloc(n, 1);
+    pool->scratch = malloc(4 * n * sizeof(*pool->scratch));
+    if (!pool->ring || !pool->state || !pool->mark || !pool->scratch) {
+        ret =
+            stepq__error(STEPQ_ENOMEM, "out of memory (bookkeeping for %" PRId32 " slots)", slots);
+        goto fail_bookkeeping;
+    }
+    pool->state[0] = STEPQ__SLOT_SENTINEL;
+    for (int32_t i = 0; i < slots; i++)
+        pool->ring[i] = i + 1;
+    pool->ring_head = 0;
+    pool->ring_count = slots;
+
+    if (pthread_mutex_init(&pool->mu, NULL)) {
+        ret = stepq__error(STEPQ_ENOMEM, "pthread_mutex_init failed");
+        goto fail_bookkeeping;
+    }
+    ret = pool->ops->init(pool);
+    if (ret < 0) {
+        stepq__error(ret, "%s", pool->err);
+        goto fail_mutex;
+    }
+    ret = registry_add(pool);
+    if (ret < 0)
+        goto fail_backend;
+    *out = pool;
+    return STEPQ_OK;
+
+fail_backend:
+    pool->ops->fini(pool);
+fail_mutex:
+    pthread_mutex_destroy(&pool->mu);
+fail_bookkeeping:
+    free(pool->ring);
+    free(pool->state);
+    free(pool->mark);
+    free(pool->scratch);
+    stepq__pool_layout_free(&pool->layout);
+    free(pool);
+    return ret;
+fail_layout:
+    stepq__pool_layout_free(layout);
+    return ret;
+}
+
+int stepq_pool_close(stepq_pool_t *pool, unsigned flags)
+{
+    ptrdiff_t at;
+
+    if (!pool)
+        return STEPQ_OK;
+    if (flags & ~STEPQ_POOL_CLOSE_FORCE)
+        return stepq__error(STEPQ_EINVAL, "stepq_pool_close: unknown flags 0x%x",
+                            flags & ~STEPQ_POOL_CLOSE_FORCE);
+    pthread_mutex_lock(&registry_mu);
+    at = registry_find(pool);
+    if (at < 0) {
+        pthread_mutex_unlock(&registry_mu);
+        return stepq__error(STEPQ_EBADF, "stepq_pool_close: %s", closed_text);
+    }
+    pthread_mutex_lock(&pool->mu);
+    if (pool->in_use > 0 && !(flags & STEPQ_POOL_CLOSE_FORCE)) {
+        int ret = stepq__error_obj(pool->err, STEPQ_EBUSY,
+                                   "stepq_pool_close: %" PRId32
+                                   " slots are still allocated (free them or pass "
+                                   "STEPQ_POOL_CLOSE_FORCE)",
+                                   pool->in_use);
+        pthread_mutex_unlock(&pool->mu);
+        pthread_mutex_unlock(&registry_mu);
+        return ret;
+    }
+    registry[at] = registry[--registry_len];
+    pthread_mutex_unlock(&registry_mu);
+
+    pool->ops->fini(pool);
+    pool->magic = 0;
+    pthread_mutex_unlock(&pool->mu);
+    pthread_mutex_destroy(&pool->mu);
+    free(pool->ring);
+    free(pool->state);
+    free(pool->mark);
+    free(pool->scratch);
+    stepq__pool_layout_free(&pool->layout);
+    free(pool);
+    return STEPQ_OK;
+}
+
+/* --- id validation ------------------------------------------------------- */
+
+/* Range and sentinel check of entry i of a list named what (not -1). */
+static int check_id(stepq_pool_t *pool, const char *what, int32_t i, int32_t id)
+{
+    if (id == STEPQ_POOL_SLOT_SENTINEL)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL,
+                                "%s[%" PRId32 "] = 0 is the sentinel slot, never allocated", what,
+                                i);
+    if (id < -1 || id > pool->slots)
+        return stepq__error_obj(pool->err, STEPQ_ERANGE,
+                                "%s[%" PRId32 "] = %" PRId32
+                                " is out of range (slots are 1..%" PRId32 ", -1 is padding)",
+                                what, i, id, pool->slots);
+    return STEPQ_OK;
+}
+
+static void unmark(stepq_pool_t *pool, const int32_t *ids, int32_t n)
+{
+    for (int32_t i = 0; i < n; i++)
+        if (ids[i] > 0 && ids[i] <= pool->slots)
+            pool->mark[ids[i]] = 0;
+}
+
+/* Which repeated entries a list may have. */
+enum { DUP_OK, DUP_EINVAL, DUP_DOUBLEFREE };
+
+/*
+ * Validates a list: every entry -1 or an allocated slot, repeats as `dup`
+ * says. Compacts the non-padding ids into compact (and their positions into
+ * pos, when not NULL: then repeats are kept and the caller bounds n);
+ * *m gets their count.
+ */
+static int validate_list(stepq_pool_t *pool, const char *what, const int32_t *ids, int32_t n,
+                         int dup, int32_t *compact, int32_t *pos, int32_t *m)
+{
+    int ret = STEPQ_OK;
+    int32_t i, k = 0;
+
+    if (n < 0)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL, "%s: n = %" PRId32 " is negative", what,
+                                n);
+    if (n > 0 && !ids)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL, "%s is NULL with n = %" PRId32, what, n);
+    for (i = 0; i < n; i++) {
+        int32_t id = ids[i];
+
+        if (id == STEPQ_POOL_SLOT_PAD)
+            continue;
+        ret = check_id(pool, what, i, id);
+        if (ret < 0)
+            break;
+        if (pool->state[id] != STEPQ__SLOT_USED) {
+            ret = stepq__error_obj(pool->err,
+                                   dup == DUP_DOUBLEFREE ? STEPQ_EDOUBLEFREE : STEPQ_EINVAL,
+                                   "%s[%" PRId32 "] = %" PRId32 " is not allocated%s", what, i, id,
+                                   dup == DUP_DOUBLEFREE ? " (double free)" : "");
+            break;
+        }
+        if (dup == DUP_OK && pool->mark[id] && !pos)
+            continue; /* compacted once: keeps compact within slots + 1 entries */
+        if (dup != DUP_OK && pool->mark[id]) {
+            ret = stepq__error_obj(
+                pool->err, dup == DUP_DOUBLEFREE ? STEPQ_EDOUBLEFREE : STEPQ_EINVAL,
+                "%s[%" PRId32 "] = %" PRId32 " is listed more than once", what, i, id);
+            break;
+        }
+        pool->mark[id] = 1;
+        compact[k] = id;
+        if (pos)
+            pos[k] = i;
+        k++;
+    }
+    unmark(pool, ids, i);
+    *m = k;
+    return ret;
+}
+
+/* --- slot operations ------------------------------------------------------ */
+
+int stepq_pool_alloc(stepq_pool_t *pool, int32_t n, int32_t *ids)
+{
+    int ret = pool_enter(pool, "stepq_pool_alloc");
+
+    if (ret < 0)
+        return ret;
+    if (n < 0 || (n > 0 && !ids)) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "stepq_pool_alloc: n = %" PRId32 " with ids %s", n,
+                               ids ? "set" : "NULL");
+        goto out;
+    }
+    if (n > pool->ring_count) {
+        ret = stepq__error_obj(pool->err, STEPQ_ENOSPC,
+                               "stepq_pool_alloc: %" PRId32 " slots requested, %" PRId32
+                               " of %" PRId32 " free",
+                               n, pool->ring_count, pool->slots);
+        goto out;
+    }
+    if (n == 0)
+        goto out;
+    /* Read the candidates without taking them, so a backend failure (the
+     * health reset is a device operation) leaves the ring as it was. */
+    for (int32_t i = 0; i < n; i++)
+        ids[i] = pool->ring[(pool->ring_head + i) % pool->slots];
+    ret = pool->ops->clear(pool, ids, n, !!(pool->flags & STEPQ_POOL_FLAG_CLEAR_ON_ALLOC));
+    if (ret < 0) {
+        stepq__error(ret, "%s", pool->err);
+        for (int32_t i = 0; i < n; i++)
+            ids[i] = STEPQ_POOL_SLOT_PAD;
+        goto out;
+    }
+    for (int32_t i = 0; i < n; i++)
+        pool->state[ids[i]] = STEPQ__SLOT_USED;
+    pool->ring_head = (pool->ring_head + n) % pool->slots;
+    pool->ring_count -= n;
+    pool->in_use += n;
+    pool->n_alloc += (uint64_t)n;
+    if (pool->in_use > pool->high_water)
+        pool->high_water = pool->in_use;
+out:
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_free(stepq_pool_t *pool, const int32_t *ids, int32_t n)
+{
+    int32_t m;
+    int ret = pool_enter(pool, "stepq_pool_free");
+
+    if (ret < 0)
+        return ret;
+    ret = validate_list(pool, "ids", ids, n, DUP_DOUBLEFREE, pool->scratch, NULL, &m);
+    if (ret < 0) {
+        stepq__error(ret, "stepq_pool_free: %s", pool->err);
+        goto out;
+    }
+    for (int32_t i = 0; i < m; i++) {
+        int32_t id = pool->scratch[i];
+
+        pool->state[id] = STEPQ__SLOT_FREE;
+        pool->ring[(pool->ring_head + pool->ring_count) % pool->slots] = id;
+        pool->ring_count++;
+    }
+    pool->in_use -= m;
+    pool->n_free += (uint64_t)m;
+out:
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n)
+{
+    int32_t m;
+    int ret = pool_enter(pool, "stepq_pool_clear");
+
+    if (ret < 0)
+        return ret;
+    ret = validate_list(pool, "ids", ids, n, DUP_OK, pool->scratch, NULL, &m);
+    if (ret >= 0 && m > 0)
+        ret = pool->ops->clear(pool, pool->scratch, m, 1);
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_clear: %s", pool->err);
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst, int32_t n)
+{
+    int32_t *s, *d, m = 0;
+    int ret = pool_enter(pool, "stepq_pool_copy");
+
+    if (ret < 0)
+        return ret;
+    s = pool->scratch;
+    d = pool->scratch + pool->slots + 1;
+    if (n < 0 || (n > 0 && (!src || !dst))) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "n = %" PRId32 " with src %s and dst %s", n,
+                               src ? "set" : "NULL", dst ? "set" : "NULL");
+        goto out;
+    }
+    if (n > pool->slots + 1) {
+        /* Distinct destinations bound a valid list; this keeps scratch in bounds. */
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "n = %" PRId32 " pairs, more than the pool's %" PRId32 " slots", n,
+                               pool->slots);
+        goto out;
+    }
+    /* mark bit 1: a source, bit 2: a destination. */
+    for (int32_t i = 0; i < n && ret >= 0; i++) {
+        if (src[i] == STEPQ_POOL_SLOT_PAD || dst[i] == STEPQ_POOL_SLOT_PAD)
+            continue;
+        if ((ret = check_id(pool, "src", i, src[i])) < 0 ||
+            (ret = check_id(pool, "dst", i, dst[i])) < 0)
+            break;
+        if (pool->state[src[i]] != STEPQ__SLOT_USED || pool->state[dst[i]] != STEPQ__SLOT_USED) {
+            int bad_src = pool->state[src[i]] != STEPQ__SLOT_USED;
+            ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                                   "%s[%" PRId32 "] = %" PRId32 " is not allocated",
+                                   bad_src ? "src" : "dst", i, bad_src ? src[i] : dst[i]);
+            break;
+        }
+        if (pool->mark[dst[i]] & 2) {
+            ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                                   "dst[%" PRId32 "] = %" PRId32 " is a destination more than once",
+                                   i, dst[i]);
+            break;
+        }
+        pool->mark[src[i]] |= 1;
+        pool->mark[dst[i]] |= 2;
+        s[m] = src[i];
+        d[m] = dst[i];
+        m++;
+    }
+    if (ret >= 0) {
+        for (int32_t i = 0; i < m; i++) {
+            if (pool->mark[s[i]] == 3 || pool->mark[d[i]] == 3) {
+                int32_t slot = pool->mark[s[i]] == 3 ? s[i] : d[i];
+                ret = stepq__error_obj(
+                    pool->err, STEPQ_EINVAL,
+                    "slot %" PRId32 " is both a source and a destination: the lists overlap", slot);
+                break;
+            }
+        }
+    }
+    for (int32_t i = 0; i < m; i++) {
+        pool->mark[s[i]] = 0;
+        pool->mark[d[i]] = 0;
+    }
+    if (ret >= 0 && m > 0)
+        ret = pool->ops->copy(pool, s, d, m);
+out:
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_copy: %s", pool->err);
+    pool_leave(pool);
+    return ret;
+}
+
+static int check_host(stepq_pool_t *pool, int32_t n, const void *host, size_t host_bytes)
+{
+    if (n > 0 && !host)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL, "host is NULL");
+    if (n > 0 && host_bytes / (size_t)n < pool->page_bytes)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL,
+                                "host buffer of %zu B is smaller than %" PRId32 " pages of %" PRIu64
+                                " B",
+                                host_bytes, n, pool->page_bytes);
+    return STEPQ_OK;
+}
+
+int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, void *host,
+                            size_t host_bytes)
+{
+    int32_t m, *pos;
+    int ret = pool_enter(pool, "stepq_pool_copy_to_host");
+
+    if (ret < 0)
+        return ret;
+    pos = pool->scratch + pool->slots + 1;
+    if (n > pool->slots + 1) {
+        /* Pages are read-only here, so repeats are fine, but the lists are
+         * bounded by the scratch space: split longer lists. */
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "n = %" PRId32 " is more than the pool's %" PRId32
+                               " slots; split the list",
+                               n, pool->slots);
+        goto out;
+    }
+    ret = validate_list(pool, "ids", ids, n, DUP_OK, pool->scratch, pos, &m);
+    if (ret >= 0)
+        ret = check_host(pool, n, host, host_bytes);
+    if (ret >= 0 && m > 0)
+        ret = pool->ops->to_host(pool, pool->scratch, pos, m, host);
+out:
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_copy_to_host: %s", pool->err);
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_copy_from_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, const void *host,
+                              size_t host_bytes)
+{
+    int32_t m, *pos;
+    int ret = pool_enter(pool, "stepq_pool_copy_from_host");
+
+    if (ret < 0)
+        return ret;
+    pos = pool->scratch + pool->slots + 1;
+    if (n > pool->slots + 1) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "n = %" PRId32 " is more than the pool's %" PRId32 " slots", n,
+                               pool->slots);
+        goto out;
+    }
+    ret = validate_list(pool, "ids", ids, n, DUP_EINVAL, pool->scratch, pos, &m);
+    if (ret >= 0)
+        ret = check_host(pool, n, host, host_bytes);
+    if (ret >= 0 && m > 0)
+        ret = pool->ops->from_host(pool, pool->scratch, pos, m, host);
+out:
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_copy_from_host: %s", pool->err);
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_sync(stepq_pool_t *pool)
+{
+    int ret = pool_enter(pool, "stepq_pool_sync");
+
+    if (ret < 0)
+        return ret;
+    ret = pool->ops->sync(pool);
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_sync: %s", pool->err);
+    pool_leave(pool);
+    return ret;
+}
+
+/* --- queries ------------------------------------------------------------- */
+
+int stepq_pool_buffer_infos(stepq_pool_t *pool, stepq_pool_buffer_info *out, int cap, int *count)
+{
+    int ret = pool_enter(pool, "stepq_pool_buffer_infos");
+
+    if (ret < 0)
+        return ret;
+    if (!count || (cap > 0 && !out)) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "stepq_pool_buffer_infos: NULL argument");
+        goto out;
+    }
+    *count = 2;
+    if (cap < 2) {
+        ret = stepq__error_obj(pool->err, STEPQ_ERANGE,
+                               "stepq_pool_buffer_infos: cap %d, the pool has 2 buffers", cap);
+        goto out;
+    }
+    out[0].ptr = pool->pages;
+    out[0].bytes = (uint64_t)(pool->slots + 1) * pool->page_bytes;
+    out[0].item_bytes = pool->page_bytes;
+    out[0].name = "pages";
+    out[1].ptr = pool->health;
+    out[1].bytes = (uint64_t)(pool->slots + 1) * sizeof(uint32_t);
+    out[1].item_bytes = sizeof(uint32_t);
+    out[1].name = "health";
+out:
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_health_words(stepq_pool_t *pool, uint32_t **words)
+{
+    int ret = pool_enter(pool, "stepq_pool_health_words");
+
+    if (ret < 0)
+        return ret;
+    if (!words)
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "stepq_pool_health_words: words is NULL");
+    else
+        *words = pool->health;
+    pool_leave(pool);
+    return ret;
+}
+
+/* Reads all health words into a temporary host copy (*buf, to be freed). */
+static int read_health(stepq_pool_t *pool, uint32_t **buf)
+{
+    int ret;
+
+    *buf = malloc(((size_t)pool->slots + 1) * sizeof(uint32_t));
+    if (!*buf)
+        return stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (health words)");
+    ret = pool->ops->read_health(pool, *buf);
+    if (ret < 0) {
+        free(*buf);
+        *buf = NULL;
+    }
+    return ret;
+}
+
+int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, uint32_t *out)
+{
+    uint32_t *words = NULL;
+    int32_t m;
+    int ret = pool_enter(pool, "stepq_pool_health_read");
+
+    if (ret < 0)
+        return ret;
+    if (n > pool->slots + 1) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "n = %" PRId32 " is more than the pool's %" PRId32 " slots", n,
+                               pool->slots);
+        goto out;
+    }
+    ret = validate_list(pool, "ids", ids, n, DUP_OK, pool->scratch, NULL, &m);
+    if (ret >= 0 && n > 0 && !out)
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "out is NULL");
+    if (ret >= 0)
+        ret = read_health(pool, &words);
+    if (ret >= 0)
+        for (int32_t i = 0; i < n; i++)
+            out[i] = ids[i] == STEPQ_POOL_SLOT_PAD ? 0 : words[ids[i]];
+    free(words);
+out:
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_health_read: %s", pool->err);
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_get_stats(stepq_pool_t *pool, stepq_pool_stats *out, size_t stats_size)
+{
+    stepq_pool_stats s;
+    const stepq_pool_layout *l;
+    uint32_t *words = NULL;
+    int ret = pool_enter(pool, "stepq_pool_get_stats");
+
+    if (ret < 0)
+        return ret;
+    if (!out || stats_size == 0 || stats_size > sizeof(s)) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "stepq_pool_get_stats: out %s, stats_size %zu (this library "
+                               "knows up to %zu)",
+                               out ? "set" : "NULL", stats_size, sizeof(s));
+        goto out;
+    }
+    ret = read_health(pool, &words);
+    if (ret < 0) {
+        stepq__error(ret, "stepq_pool_get_stats: %s", pool->err);
+        goto out;
+    }
+    l = &pool->layout.pub;
+    memset(&s, 0, sizeof(s));
+    s.capacity = pool->slots;
+    s.in_use = pool->in_use;
+    s.available = pool->ring_count;
+    s.high_water = pool->high_water;
+    s.n_alloc = pool->n_alloc;
+    s.n_free = pool->n_free;
+    s.page_bytes = pool->page_bytes;
+    s.pool_bytes = (uint64_t)(pool->slots + 1) * pool->page_bytes;
+    s.in_use_bytes = (uint64_t)pool->in_use * pool->page_bytes;
+    s.meta_bytes = meta_bytes_of(&pool->layout, pool->slots);
+    s.state_bytes = l->state_bytes;
+    s.state_bytes_compact = l->state_bytes_compact;
+    s.conv_bytes = l->conv_bytes;
+    s.pad_bytes = l->pad_bytes;
+    for (int32_t i = 1; i <= pool->slots; i++) {
+        if (pool->state[i] == STEPQ__SLOT_USED && words[i]) {
+            s.health_any |= words[i];
+            s.health_slots++;
+        }
+    }
+    free(words);
+    memcpy(out, &s, stats_size);
+out:
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_get_layout(stepq_pool_t *pool, const stepq_pool_layout **out)
+{
+    int ret = pool_enter(pool, "stepq_pool_get_layout");
+
+    if (ret < 0)
+        return ret;
+    if (!out)
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "stepq_pool_get_layout: out is NULL");
+    else
+        *out = &pool->layout.pub;
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_page(stepq_pool_t *pool, int32_t slot, void **ptr)
+{
+    int ret = pool_enter(pool, "stepq_pool_page");
+
+    if (ret < 0)
+        return ret;
+    if (!ptr)
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "stepq_pool_page: ptr is NULL");
+    else if (slot < 0 || slot > pool->slots)
+        ret = stepq__error_obj(pool->err, STEPQ_ERANGE,
+                               "stepq_pool_page: slot %" PRId32 " is not in 0..%" PRId32, slot,
+                               pool->slots);
+    else
+        *ptr = pool->pages + (size_t)slot * pool->page_bytes;
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq_pool_is_allocated(stepq_pool_t *pool, int32_t slot)
+{
+    int ret = pool_enter(pool, "stepq_pool_is_allocated");
+
+    if (ret < 0)
+        return ret;
+    if (slot < 0 || slot > pool->slots)
+        ret = stepq__error_obj(pool->err, STEPQ_ERANGE,
+                               "stepq_pool_is_allocated: slot %" PRId32 " is not in 0..%" PRId32,
+                               slot, pool->slots);
+    else
+        ret = pool->state[slot] == STEPQ__SLOT_USED;
+    pool_leave(pool);
+    return ret;
+}
+
+int stepq__pool_check(stepq_pool_t *pool)
+{
+    int32_t used = 0;
+    int ret = pool_enter(pool, "stepq__pool_check");
+
+    if (ret < 0)
+        return ret;
+#define FAIL(...)                                                        \
+    do {                                                                 \
+        ret = stepq__error_obj(pool->err, STEPQ_EINTERNAL, __VA_ARGS__); \
+        goto out;                                                        \
+    } while (0)
+    if (pool->state[0] != STEPQ__SLOT_SENTINEL)
+        FAIL("slot 0 lost its sentinel state (%d)", pool->state[0]);
+    for (int32_t i = 1; i <= pool->slots; i++) {
+        if (pool->state[i] == STEPQ__SLOT_USED)
+            used++;
+        else if (pool->state[i] != STEPQ__SLOT_FREE)
+            FAIL("slot %" PRId32 " has state %d", i, pool->state[i]);
+        if (pool->mark[i])
+            FAIL("slot %" PRId32 " has a stale mark", i);
+    }
+    if (used != pool->in_use)
+        FAIL("%" PRId32 " slots are marked used, in_use says %" PRId32, used, pool->in_use);
+    if (pool->ring_count + pool->in_use != pool->slots)
+        FAIL("free ring holds %" PRId32 " + %" PRId32 " in use != %" PRId32 " slots",
+             pool->ring_count, pool->in_use, pool->slots);
+    if (pool->n_alloc - pool->n_free != (uint64_t)pool->in_use)
+        FAIL("n_alloc - n_free = %" PRIu64 " != in_use %" PRId32, pool->n_alloc - pool->n_free,
+             pool->in_use);
+    for (int32_t k = 0; k < pool->ring_count; k++) {
+        int32_t id = pool->ring[(pool->ring_head + k) % pool->slots];
+        if (id < 1 || id > pool->slots)
+            FAIL("free ring entry %" PRId32 " is %" PRId32, k, id);
+        if (pool->state[id] != STEPQ__SLOT_FREE)
+            FAIL("slot %" PRId32 " is in the free ring but not free", id);
+        if (pool->mark[id])
+            FAIL("slot %" PRId32 " is in the free ring twice", id);
+        pool->mark[id] = 1;
+    }
+#undef FAIL
+out:
+    for (int32_t k = 0; k < pool->ring_count; k++) {
+        int32_t id = pool->ring[(pool->ring_head + k) % pool->slots];
+        if (id >= 1 && id <= pool->slots)
+            pool->mark[id] = 0;
+    }
+    pool_leave(pool);
+    return ret;
+}
