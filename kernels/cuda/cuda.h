@@ -1,0 +1,125 @@
+/*
+ * The CUDA kernels (sm_90a) of kernels/dsp.h: fused packed decode step, the
+ * dense fp32/bf16 decode step (the baseline), pack/unpack (prefill hooks) and
+ * the paper's two-stage decode variant.
+ *
+ * Memory contract of the CUDA entries: every tensor (q, k, v, g, beta,
+ * A_log, dt_bias, o, slots, health, counts, dense states, page bases) is
+ * DEVICE memory; `stream` is a cudaStream_t (NULL = legacy default stream).
+ * The layer description in struct stepq__packed_layer (heads[], head_offset,
+ * row_impact) is HOST memory: it is mirrored once to a device descriptor
+ * table (stepq__cuda_layer_prepare) so that a step in steady state performs
+ * no host-to-device copy. The dispatch-table entries keep a small cache of
+ * prepared layers keyed by those host pointers plus a hash of their content.
+ *
+ * Slot ids live on the device, so the CUDA entries do not check them on the
+ * host (that would need a synchronising copy and break CUDA-graph capture):
+ * ids outside 0..n_slots-1 are skipped by the kernels like -1 (nothing is
+ * written for them), and a duplicate id in one batch is a caller bug whose
+ * outcome is undefined (one of the writers wins).
+ *
+ * Only d_k = d_v = 128 is implemented (every shipping GDN/KDA model); other
+ * shapes return STEPQ_ENOTSUP. CUDA errors never abort: they map to
+ * STEPQ_ECUDA with cudaGetErrorString() in the detail text, and the sticky
+ * error is cleared. Entries are asynchronous on `stream` and thread-safe.
+ */
+#ifndef STEPQ_KERNELS_CUDA_CUDA_H
+#define STEPQ_KERNELS_CUDA_CUDA_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/dsp.h"
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/** Head dimension the CUDA kernels support (d_k = d_v). */
+#define STEPQ__CUDA_HEAD_DIM 128
+
+/** A layer's device-side descriptor table (opaque). */
+typedef struct stepq__cuda_layer stepq__cuda_layer;
+
+/** Dense state element types for the _ex entries. */
+typedef enum stepq__dtype {
+    STEPQ__DTYPE_F32 = 0,
+    STEPQ__DTYPE_BF16 = 1,
+} stepq__dtype;
+
+/** Decode variants of the packed step. */
+typedef enum stepq__cuda_variant {
+    STEPQ__CUDA_FUSED = 0,     /**< one pass: read page, update, fit, write page (default) */
+    STEPQ__CUDA_TWO_STAGE = 1, /**< paper: update to fp32 scratch, then fit+pack on a second stream */
+} stepq__cuda_variant;
+
+/**
+ * Number of usable CUDA devices; 0 when there is none or the runtime fails
+ * (the error is cleared). Never aborts.
+ */
+int stepq__cuda_device_count(void);
+
+/**
+ * Overrides the entries of `dsp` with the CUDA kernels.
+ * @return STEPQ_OK, or STEPQ_ENODEV (dsp untouched) when no device is present.
+ */
+int stepq__dsp_init_cuda(struct stepq__dsp *dsp);
+
+/**
+ * Mirrors a packed layer's description (pl->heads, head_offset, row_impact:
+ * host memory) into a device descriptor table. pl->base, n_slots and
+ * page_stride are NOT captured: they are passed again at each call.
+ * Synchronous (a blocking copy). Release with stepq__cuda_layer_release.
+ * @return STEPQ_OK; STEPQ_EINVAL (bad layout, w not finite > 0, head block
+ *         outside the page), STEPQ_ENOTSUP (d_k or d_v != 128),
+ *         STEPQ_ENOMEM, STEPQ_ECUDA.
+ */
+int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl, stepq__cuda_layer **out);
+
+/** Frees a prepared layer (synchronises its second stream). NULL is a no-op. */
+void stepq__cuda_layer_release(stepq__cuda_layer *L);
+
+/**
+ * Packed decode step on a prepared layer. pl supplies base, page_stride,
+ * n_slots (its heads/offsets must be the ones L was prepared from).
+ * STEPQ__CUDA_TWO_STAGE keeps an fp32 scratch of batch*HV heads in L (grown
+ * on demand, a blocking allocation) and joins its second stream back into
+ * a->stream before returning, so stream order is preserved.
+ */
+int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a,
+                                     const struct stepq__packed_layer *pl, stepq__cuda_layer *L,
+                                     stepq__cuda_variant variant);
+
+/** Pack (prefill hook) with a source dtype (the dsp entry is fp32). */
+int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L, int n,
+                              const int32_t *slots, const void *src, size_t src_stride,
+                              stepq__layout layout, stepq__dtype dtype, uint32_t *health,
+                              uint64_t *counts, void *stream);
+
+/** Unpack with a destination dtype (bf16 rounds to nearest even). */
+int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L, int n,
+                                const int32_t *slots, void *dst, size_t dst_stride,
+                                stepq__layout layout, stepq__dtype dtype, void *stream);
+
+/**
+ * Dense decode step on fp32 or bf16 states (base is float* or bf16 bits;
+ * slot_stride in elements). bf16 states are updated in fp32 and stored
+ * rounded to nearest even, saturating to the largest finite bf16.
+ */
+int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size_t slot_stride,
+                              stepq__layout layout, stepq__dtype dtype);
+
+/* The dispatch-table entries (signatures of kernels/dsp.h). */
+int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
+int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);
+int stepq__cuda_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                     const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
+                     uint64_t *counts, void *stream);
+int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                       float *dst, size_t dst_stride, stepq__layout layout, void *stream);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* STEPQ_KERNELS_CUDA_CUDA_H */

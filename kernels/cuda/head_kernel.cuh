@@ -1,0 +1,578 @@
+/*
+ * One CUDA block per (entry, value head) of a 128x128 state, in three
+ * composable phases so that every kernel of kernels/cuda/cuda.h is one
+ * instantiation of the same code (and all of them are checked against the
+ * same C reference):
+ *   source: packed page (decode) | dense tensor (fp32/bf16, [K,V] or [V,K])
+ *   update: the GDN/KDA recurrence step, or nothing (pack / unpack)
+ *   sink:   packed page (fit + encode) | dense tensor
+ *
+ * Thread mapping: 256 threads, thread t owns column j = t % 128 and rows
+ * [64*(t/128), 64*(t/128) + 64). The 64 state values stay in registers;
+ * column reductions (S^T k, S^T q, column max, refit sums) are in-thread plus
+ * one exchange between the two row halves, and the only row reduction (row
+ * absmax) uses a butterfly transpose-reduce (15 shuffles for 16 rows).
+ * The arithmetic of the fit follows kernels/quant.h step by step.
+ */
+#ifndef STEPQ_KERNELS_CUDA_HEAD_KERNEL_CUH
+#define STEPQ_KERNELS_CUDA_HEAD_KERNEL_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+extern "C" {
+#include "kernels/dsp.h"
+}
+
+#define SQ_D 128        /* head dimension (d_k = d_v) */
+#define SQ_THREADS 256  /* two row halves x 128 columns: column sums stay in-thread */
+#define SQ_NR 64        /* state rows per thread (registers) */
+#define SQ_MIN_BLOCKS 2 /* caps registers at 128 so two heads share an SM */
+#define SQ_LUT (7 * 256) /* z/qmax for b = 2..8, indexed (b-2)*256 + u */
+
+enum { SQ_SRC_PACKED = 0, SQ_SRC_DENSE = 1 };
+enum { SQ_SINK_PACKED = 0, SQ_SINK_DENSE = 1 };
+
+/* Device mirror of one head's layout (kernels/format.h). */
+struct sq_head_desc {
+    uint32_t block_off;   /* head_offset in the page */
+    uint32_t block_bytes; /* multiple of 16 */
+    uint32_t row_scale_off, col_scale_off;
+    uint8_t method, quantized, has_col, dual;
+    uint8_t any_int, pad[3];
+    uint8_t bits[SQ_D];     /* 2..8 or 16 (pivot); 0 for dense methods */
+    uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
+    float w[SQ_D];          /* row impact used by the fit (1 when unused) */
+};
+
+/* The recurrence inputs (device pointers). */
+struct sq_step {
+    int H, HV, kda, l2norm, gate, beta_sig;
+    float scale;
+    const float *q, *k, *v, *g, *beta, *A_log, *dt_bias;
+    float *o;
+};
+
+/* Where the work items go. */
+struct sq_io {
+    int n_slots;          /* slot ids outside 0..n_slots-1 are skipped */
+    const int32_t *slots; /* [entries]; NULL: entry e is slot e */
+    uint8_t *pages;       /* packed pages */
+    size_t page_stride;
+    const sq_head_desc *heads;
+    int vec16;            /* pages, stride and offsets 16-byte aligned */
+    void *dense;          /* dense tensor */
+    size_t dense_stride;  /* elements per entry (or per slot) */
+    int dense_by_slot;    /* dense entry index = slot id (dense step) or entry (pack/unpack) */
+    int layout_vk, bf16;
+    uint32_t *health;
+    unsigned long long *counts;
+    int *skip; /* two-stage: [entries][HV], stage 1 marks heads left untouched */
+};
+
+__device__ __forceinline__ float sq_h2f(uint16_t h)
+{
+    return __half2float(__ushort_as_half(h));
+}
+
+/* stepq__scale_to_fp16 */
+__device__ __forceinline__ uint16_t sq_scale_h(float s)
+{
+    if (!(s >= STEPQ__SCALE_MIN))
+        return 0x0400u;
+    if (s >= STEPQ__SCALE_MAX)
+        return 0x7bffu;
+    return __half_as_ushort(__float2half_rn(s));
+}
+
+/* stepq__fp16_from_float_sat */
+__device__ __forceinline__ uint16_t sq_f16_sat(float f, unsigned *fl)
+{
+    if (f != f) {
+        *fl |= STEPQ__HEALTH_SATURATED;
+        return 0;
+    }
+    if (f >= 65504.0f) {
+        if (f > 65504.0f)
+            *fl |= STEPQ__HEALTH_SATURATED;
+        return 0x7bffu;
+    }
+    if (f <= -65504.0f) {
+        if (f < -65504.0f)
+            *fl |= STEPQ__HEALTH_SATURATED;
+        return 0xfbffu;
+    }
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+/* bf16 store of kernels/quant.c store_dense: RNE, Inf saturates. */
+__device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
+{
+    uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x0040u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    uint16_t h = (uint16_t)(x >> 16);
+    if ((h & 0x7f80u) == 0x7f80u) {
+        h = (uint16_t)((h & 0x8000u) | 0x7f7fu);
+        *fl |= STEPQ__HEALTH_SATURATED;
+    }
+    return h;
+}
+
+__device__ __forceinline__ float sq_bf2f(uint16_t h)
+{
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+/* Block copy global <-> shared, 16-byte vectors when aligned. */
+__device__ __forceinline__ void sq_copy(void *dst, const void *src, uint32_t bytes, int vec16)
+{
+    if (vec16) {
+        const uint4 *s = (const uint4 *)src;
+        uint4 *d = (uint4 *)dst;
+        for (uint32_t e = threadIdx.x; e < bytes / 16; e += SQ_THREADS)
+            d[e] = s[e];
+    } else {
+        const uint8_t *s = (const uint8_t *)src;
+        uint8_t *d = (uint8_t *)dst;
+        for (uint32_t e = threadIdx.x; e < bytes; e += SQ_THREADS)
+            d[e] = s[e];
+    }
+}
+
+__device__ __forceinline__ double sq_warp_sum(double x)
+{
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        x += __shfl_xor_sync(0xffffffffu, x, o);
+    return x;
+}
+
+/*
+ * Butterfly transpose-reduce: v[k] holds row k of 16 rows for this lane's
+ * column; afterwards v[0] on lane l is the max over the warp's 32 columns of
+ * row (l & 15). 15 + 1 shuffles instead of 16 * 5.
+ */
+__device__ __forceinline__ float sq_rowmax16(float (&v)[16], int lane)
+{
+#pragma unroll
+    for (int l = 3; l >= 0; l--) {
+        const int s = 1 << l;
+        bool up = lane & s;
+#pragma unroll
+        for (int k = 0; k < s; k++) {
+            float lo = v[k], hi = v[k + s];
+            float send = up ? lo : hi;
+            float keep = up ? hi : lo;
+            v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, s));
+        }
+    }
+    return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 16));
+}
+
+struct sq_smem {
+    float q[SQ_D], k[SQ_D], v[SQ_D], dec[SQ_D];
+    float red[2][2][SQ_D];   /* [quantity][half][column] */
+    float rowpart[4][SQ_D];  /* row max partials of the 4 warps of a half */
+    float rs[SQ_D], cs[SQ_D], w2r[SQ_D], w2r2[SQ_D], rinv[SQ_D];
+    uint16_t rh[SQ_D], roff[SQ_D];
+    uint8_t bits[SQ_D];
+    float lut[SQ_LUT];
+    double l2[4][2];
+    float beta, dec0;
+    unsigned flags;
+};
+
+/*
+ * Decode of a slot's block is done from shared memory (`buf`, the block
+ * staged with 16-byte loads); the encode writes the new block into the same
+ * buffer (codes built word-parallel from the byte codes in `zb`) and copies
+ * it out whole, so each packed byte is read and written once.
+ */
+template <int SRC, bool UPDATE, int SINK>
+__global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
+    sq_head_kernel(sq_step st, sq_io io)
+{
+    extern __shared__ __align__(16) uint8_t sq_dyn[];
+    __shared__ sq_smem sm;
+
+    const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
+    const int t = threadIdx.x, j = t & (SQ_D - 1), half = t >> 7, lane = t & 31;
+    const int wih = (t >> 5) & 3; /* warp index within the half */
+    const int32_t slot = io.slots ? io.slots[e] : e;
+    if (slot < 0 || slot >= io.n_slots)
+        return; /* uniform over the block */
+    if (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])
+        return;
+
+    const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
+    const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
+    uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
+    uint8_t *buf = sq_dyn;
+    const int method = packed ? hd->method : 0;
+    const bool quant = packed && hd->quantized;
+    if (t == 0)
+        sm.flags = 0;
+    if (packed && t < SQ_D) {
+        sm.bits[t] = hd->bits[t];
+        sm.roff[t] = hd->row_off[t];
+    }
+
+    /* ---- inputs of the recurrence ---- */
+    if (UPDATE) {
+        int hq = hv / (HV / st.H);
+        size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
+        bool bad = false;
+        if (t < SQ_D) {
+            float qv = st.q[qk + t], kv = st.k[qk + t], vv = st.v[bh * SQ_D + t];
+            bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
+            if (st.l2norm) {
+                double sq2 = sq_warp_sum((double)qv * qv), sk2 = sq_warp_sum((double)kv * kv);
+                if (lane == 0) {
+                    sm.l2[t >> 5][0] = sq2;
+                    sm.l2[t >> 5][1] = sk2;
+                }
+            }
+            sm.q[t] = qv;
+            sm.k[t] = kv;
+            sm.v[t] = vv;
+            if (st.kda || t == 0) {
+                int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
+                float g = st.g[bh * ng + gi];
+                if (st.gate) {
+                    float x = g + st.dt_bias[(size_t)hv * ng + gi];
+                    float sp = x > 20.0f ? x : (float)log1p(exp((double)x)); /* torch softplus */
+                    g = -expf(st.A_log[hv]) * sp;
+                }
+                bad |= !isfinite(g);
+                float d = expf(g);
+                if (st.kda)
+                    sm.dec[t] = d;
+                else
+                    sm.dec0 = d;
+            }
+            if (t == 0) {
+                float b = st.beta[bh];
+                if (st.beta_sig)
+                    b = 1.0f / (1.0f + expf(-b));
+                bad |= !isfinite(b);
+                sm.beta = b;
+            }
+        }
+        if (__syncthreads_or(bad)) {
+            /* The state keeps its previous content; the output row is 0. */
+            if (t < SQ_D)
+                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
+            if (t == 0) {
+                if (io.skip)
+                    io.skip[(size_t)e * HV + hv] = 1;
+                if (io.health)
+                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
+                if (io.counts)
+                    atomicAdd(io.counts + 0, 1ull);
+            }
+            return;
+        }
+        if (t < SQ_D) {
+            float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
+            float iq = 1.0f, ik = 1.0f;
+            if (st.l2norm) {
+                double a = sm.l2[0][0] + sm.l2[1][0] + sm.l2[2][0] + sm.l2[3][0];
+                double b = sm.l2[0][1] + sm.l2[1][1] + sm.l2[2][1] + sm.l2[3][1];
+                iq = (float)(1.0 / sqrt(a + 1e-6));
+                ik = (float)(1.0 / sqrt(b + 1e-6));
+            }
+            float qv = sm.q[t], kv = sm.k[t];
+            if (st.l2norm) {
+                qv *= iq;
+                kv *= ik;
+            }
+            sm.q[t] = qv * sc;
+            sm.k[t] = kv;
+        }
+        if (io.skip && t == 0)
+            io.skip[(size_t)e * HV + hv] = 0;
+        __syncthreads();
+    }
+
+    /* ---- source: the tile into registers ---- */
+    float x[SQ_NR];
+    if (quant) {
+        for (int n = t; n < SQ_LUT; n += SQ_THREADS) {
+            int b = n / 256 + 2, u = n % 256, qm = (1 << (b - 1)) - 1;
+            sm.lut[n] = (float)(u - qm) / (float)qm;
+        }
+    }
+    if (SRC == SQ_SRC_PACKED) {
+        if (quant) {
+            sq_copy(buf, blk, hd->block_bytes, io.vec16);
+            if (t < 4)
+                ((uint32_t *)(buf + hd->block_bytes))[t] = 0; /* decode reads one word past */
+            __syncthreads();
+            if (t < SQ_D) {
+                sm.rs[t] = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+                sm.cs[t] = hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t])
+                                       : 1.0f;
+            }
+            __syncthreads();
+            const float cj = sm.cs[j];
+            const uint32_t *w32 = (const uint32_t *)buf;
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++) {
+                int i = half * SQ_NR + r;
+                int b = sm.bits[i];
+                uint32_t ro = sm.roff[i];
+                if (b == STEPQ_BITS_PIVOT) {
+                    x[r] = sq_h2f(((const uint16_t *)(buf + ro))[j]);
+                } else {
+                    uint32_t p = (uint32_t)(j * b);
+                    uint32_t wi = (ro >> 2) + (p >> 5);
+                    uint32_t u = __funnelshift_r(w32[wi], w32[wi + 1], p & 31) & ((1u << b) - 1u);
+                    float z = sm.lut[(b - 2) * 256 + u];
+                    x[r] = hd->has_col ? (sm.rs[i] * cj) * z : sm.rs[i] * z;
+                }
+            }
+        } else {
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++) {
+                size_t n = (size_t)(half * SQ_NR + r) * SQ_D + j;
+                if (method == STEPQ_METHOD_FP32)
+                    x[r] = ((const float *)blk)[n];
+                else if (method == STEPQ_METHOD_BF16)
+                    x[r] = sq_bf2f(((const uint16_t *)blk)[n]);
+                else
+                    x[r] = sq_h2f(((const uint16_t *)blk)[n]);
+            }
+        }
+    } else {
+        size_t base = (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride +
+                      (size_t)hv * SQ_D * SQ_D;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++) {
+            int i = half * SQ_NR + r;
+            size_t n = base + (io.layout_vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
+            x[r] = io.bf16 ? sq_bf2f(((const uint16_t *)io.dense)[n]) : ((const float *)io.dense)[n];
+        }
+        if (!UPDATE) {
+            /* pack: non-finite elements become 0 before the fit */
+            bool nf = false;
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++)
+                if (!isfinite(x[r])) {
+                    x[r] = 0.0f;
+                    nf = true;
+                }
+            if (nf)
+                atomicOr(&sm.flags, STEPQ__HEALTH_STATE);
+        }
+    }
+
+    /* ---- update: decay, delta correction, rank-1 update, readout ---- */
+    if (UPDATE) {
+        float acc = 0.0f;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++) {
+            int i = half * SQ_NR + r;
+            x[r] *= st.kda ? sm.dec[i] : sm.dec0;
+            acc = fmaf(x[r], sm.k[i], acc);
+        }
+        sm.red[0][half][j] = acc;
+        __syncthreads();
+        float u = (sm.v[j] - (sm.red[0][0][j] + sm.red[0][1][j])) * sm.beta;
+        acc = 0.0f;
+        bool nf = false;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++) {
+            int i = half * SQ_NR + r;
+            float s = __fadd_rn(x[r], __fmul_rn(sm.k[i], u));
+            if (!isfinite(s)) {
+                s = 0.0f;
+                nf = true;
+            }
+            x[r] = s;
+            acc = fmaf(s, sm.q[i], acc);
+        }
+        if (nf)
+            atomicOr(&sm.flags, STEPQ__HEALTH_STATE);
+        sm.red[1][half][j] = acc;
+        __syncthreads();
+        if (half == 0) {
+            float o = sm.red[1][0][j] + sm.red[1][1][j];
+            if (!isfinite(o)) {
+                o = 0.0f;
+                atomicOr(&sm.flags, STEPQ__HEALTH_OUTPUT);
+            }
+            st.o[((size_t)e * HV + hv) * SQ_D + j] = o;
+        }
+    }
+
+    /* ---- sink ---- */
+    unsigned fl = 0;
+    if (SINK == SQ_SINK_DENSE) {
+        size_t base = (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride +
+                      (size_t)hv * SQ_D * SQ_D;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++) {
+            int i = half * SQ_NR + r;
+            size_t n = base + (io.layout_vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
+            if (io.bf16)
+                ((uint16_t *)io.dense)[n] = sq_bf16_sat(x[r], &fl);
+            else
+                ((float *)io.dense)[n] = x[r];
+        }
+    } else if (!quant) {
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++) {
+            size_t n = (size_t)(half * SQ_NR + r) * SQ_D + j;
+            if (method == STEPQ_METHOD_FP32)
+                ((float *)blk)[n] = x[r];
+            else if (method == STEPQ_METHOD_BF16)
+                ((uint16_t *)blk)[n] = sq_bf16_sat(x[r], &fl);
+            else
+                ((uint16_t *)blk)[n] = sq_f16_sat(x[r], &fl);
+        }
+    } else {
+        uint8_t *zb = buf + ((hd->block_bytes + 16 + 15) & ~15u);
+        const bool dual = hd->dual;
+
+        /* 1. row absmax over this half's rows, 16 at a time */
+#pragma unroll
+        for (int c = 0; c < SQ_NR / 16; c++) {
+            float v[16];
+#pragma unroll
+            for (int k = 0; k < 16; k++)
+                v[k] = fabsf(x[c * 16 + k]);
+            float m = sq_rowmax16(v, lane);
+            if (lane < 16)
+                sm.rowpart[wih][half * SQ_NR + c * 16 + lane] = m;
+        }
+        __syncthreads(); /* also: every read of buf (the old block) is done */
+        if (t < SQ_D) {
+            int b = sm.bits[t];
+            float r = 0.0f;
+            uint16_t h = 0;
+            if (b != STEPQ_BITS_PIVOT) {
+                float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
+                                fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
+                float s = dual ? sqrtf(m / hd->w[t]) : m;
+                if (s > STEPQ__SCALE_MAX)
+                    fl |= STEPQ__HEALTH_SATURATED;
+                h = sq_scale_h(s);
+                r = sq_h2f(h);
+                float w = hd->w[t];
+                sm.w2r[t] = w * w * r;
+                sm.w2r2[t] = w * w * r * r;
+            }
+            sm.rs[t] = r;
+            sm.rh[t] = h;
+        }
+        /* The new block is assembled in buf: zero it (padding, unused slots). */
+        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+            ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
+        __syncthreads();
+
+        /* 2. column scales of Y = X / r over the integer rows */
+        float cj = 1.0f;
+        if (dual) {
+            float cm = 0.0f;
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++) {
+                int i = half * SQ_NR + r;
+                if (sm.bits[i] != STEPQ_BITS_PIVOT)
+                    cm = fmaxf(cm, fabsf(x[r] / sm.rs[i]));
+            }
+            sm.red[0][half][j] = cm;
+            __syncthreads();
+            float c = fmaxf(sm.red[0][0][j], sm.red[0][1][j]);
+            if (c > STEPQ__SCALE_MAX && half == 0)
+                fl |= STEPQ__HEALTH_SATURATED;
+            cj = sq_h2f(sq_scale_h(c));
+        }
+
+        /* 3. codes (bytes in zb), pivot rows straight into the block; refit sums */
+        float num = 0.0f, den = 0.0f;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++) {
+            int i = half * SQ_NR + r;
+            int b = sm.bits[i];
+            if (b == STEPQ_BITS_PIVOT) {
+                ((uint16_t *)(buf + sm.roff[i]))[j] = sq_f16_sat(x[r], &fl);
+                continue;
+            }
+            int qm = (1 << (b - 1)) - 1;
+            float y = x[r] / sm.rs[i];
+            if (dual)
+                y = y / cj;
+            float z = rintf(y * (float)qm);
+            z = fminf(fmaxf(z, (float)-qm), (float)qm);
+            int u = (int)z + qm;
+            zb[i * SQ_D + j] = (uint8_t)u;
+            if (dual) {
+                float zt = sm.lut[(b - 2) * 256 + u];
+                num = fmaf(sm.w2r[i], zt * x[r], num);
+                den = fmaf(sm.w2r2[i], zt * zt, den);
+            }
+        }
+
+        /* 4. fixed-code column refit */
+        if (dual) {
+            sm.red[0][half][j] = num;
+            sm.red[1][half][j] = den;
+        }
+        __syncthreads();
+        if (t < SQ_D) {
+            ((uint16_t *)(buf + hd->row_scale_off))[t] = sm.rh[t];
+            if (dual && hd->any_int) {
+                float nm = sm.red[0][0][j] + sm.red[0][1][j];
+                float dn = sm.red[1][0][j] + sm.red[1][1][j];
+                uint16_t h;
+                if (dn > 0.0f) {
+                    float c = nm / dn;
+                    if (c > STEPQ__SCALE_MAX)
+                        fl |= STEPQ__HEALTH_SATURATED;
+                    h = sq_scale_h(c);
+                } else {
+                    h = sq_scale_h(cj);
+                }
+                ((uint16_t *)(buf + hd->col_scale_off))[j] = h;
+            }
+        }
+
+        /* 5. word-parallel encode: lane l of a row builds the row's word l */
+        const int warp = t >> 5;
+        for (int i = warp; i < SQ_D; i += SQ_THREADS / 32) {
+            int b = sm.bits[i];
+            if (b == STEPQ_BITS_PIVOT || lane >= 4 * b)
+                continue;
+            int bit0 = 32 * lane;
+            int k0 = bit0 / b;
+            uint64_t acc = 0;
+            for (int k = k0; k < SQ_D && k * b < bit0 + 32; k++) {
+                int pos = k * b - bit0;
+                uint32_t val = zb[i * SQ_D + k];
+                acc |= pos >= 0 ? (uint64_t)val << pos : (uint64_t)(val >> -pos);
+            }
+            ((uint32_t *)(buf + sm.roff[i]))[lane] = (uint32_t)acc;
+        }
+        __syncthreads();
+        sq_copy(blk, buf, hd->block_bytes, io.vec16);
+    }
+
+    /* ---- health ---- */
+    if (fl)
+        atomicOr(&sm.flags, fl);
+    __syncthreads();
+    if (t == 0 && sm.flags) {
+        unsigned f = sm.flags;
+        if (io.health)
+            atomicOr(io.health + slot, f);
+        if (io.counts)
+            for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+                if (f & (1u << bit))
+                    atomicAdd(io.counts + bit, 1ull);
+    }
+}
+
+#endif /* STEPQ_KERNELS_CUDA_HEAD_KERNEL_CUH */

@@ -1,0 +1,563 @@
+/*
+ * Host side of the CUDA kernels: device descriptor tables of packed layers,
+ * argument checks, launches, the two-stage variant and the dispatch-table
+ * hook. Every CUDA error becomes STEPQ_ECUDA (never an abort).
+ */
+#include <cuda_runtime.h>
+#include <math.h>
+#include <pthread.h>
+#include <stdlib.h>
+#include <string.h>
+
+extern "C" {
+#include "kernels/cuda/cuda.h"
+#include "kernels/quant.h"
+#include "plugin/err.h"
+}
+#include "kernels/cuda/head_kernel.cuh"
+
+/* Dynamic shared memory ceiling set on every kernel instance (a GDN pivot
+ * head needs 32.5 KiB of block plus 16 KiB of byte codes). */
+#define SQ_DYN_SMEM_MAX (96 * 1024)
+/* Prepared layers the dispatch-table entries remember (one per layer a
+ * process steps; a model has at most a few dozen recurrent layers). */
+#define SQ_CACHE_SIZE 64
+
+struct stepq__cuda_layer {
+    sq_head_desc *d_heads;
+    int n_heads;
+    size_t max_block; /* largest block_bytes */
+    int offsets16;    /* all head offsets multiples of 16 */
+    /* cache key */
+    const void *key_heads, *key_off, *key_w;
+    uint64_t hash;
+    /* two-stage variant */
+    float *scratch;
+    int *skip;
+    size_t scratch_heads;
+    cudaStream_t s2;
+    cudaEvent_t ev_a, ev_b;
+};
+
+static int cuda_fail(cudaError_t err, const char *who, const char *what)
+{
+    cudaGetLastError(); /* clear the sticky (non-fatal) error */
+    return stepq__error(STEPQ_ECUDA, "%s: %s: %s", who, what, cudaGetErrorString(err));
+}
+
+#define SQ_CU(call, who)                                    \
+    do {                                                    \
+        cudaError_t err_ = (call);                          \
+        if (err_ != cudaSuccess)                            \
+            return cuda_fail(err_, who, #call);             \
+    } while (0)
+
+extern "C" int stepq__cuda_device_count(void)
+{
+    int n = 0;
+    if (cudaGetDeviceCount(&n) != cudaSuccess) {
+        cudaGetLastError();
+        return 0;
+    }
+    return n;
+}
+
+static int method_is_dual(int m)
+{
+    return m == STEPQ_METHOD_DSQ || m == STEPQ_METHOD_SPATIAL || m == STEPQ_METHOD_STEPQ;
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n)
+{
+    const uint8_t *b = (const uint8_t *)p;
+    for (size_t i = 0; i < n; i++)
+        h = (h ^ b[i]) * 0x100000001b3ull;
+    return h;
+}
+
+static uint64_t layer_hash(const struct stepq__packed_layer *pl)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    h = fnv(h, &pl->n_heads, sizeof(pl->n_heads));
+    for (int hv = 0; hv < pl->n_heads; hv++) {
+        const struct stepq_head_layout *hl = &pl->heads[hv];
+        h = fnv(h, &hl->method, sizeof(hl->method));
+        h = fnv(h, &hl->block_bytes, sizeof(hl->block_bytes));
+        h = fnv(h, &pl->head_offset[hv], sizeof(size_t));
+        if (hl->row_bits)
+            h = fnv(h, hl->row_bits, (size_t)hl->d_k);
+    }
+    if (pl->row_impact)
+        h = fnv(h, pl->row_impact, sizeof(float) * (size_t)pl->n_heads * SQ_D);
+    return h;
+}
+
+/* Checks the host description; fills the descriptors (host copy). */
+static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, size_t *max_block,
+                      int *off16, const char *who)
+{
+    if (!pl || !pl->heads || !pl->head_offset || pl->n_heads < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer, layouts or offsets", who);
+    *max_block = 0;
+    *off16 = 1;
+    for (int hv = 0; hv < pl->n_heads; hv++) {
+        const struct stepq_head_layout *hl = &pl->heads[hv];
+        if (!hl->row_bitoff || !hl->row_bits)
+            return stepq__error(STEPQ_EINVAL, "%s: head %d layout is not initialised", who, hv);
+        if (hl->d_k != SQ_D || hl->d_v != SQ_D)
+            return stepq__error(STEPQ_ENOTSUP,
+                                "%s: head %d is %dx%d; the CUDA kernels support 128x128 heads only",
+                                who, hv, hl->d_k, hl->d_v);
+        if (hl->block_bytes % 16 || hl->block_bytes > UINT16_MAX * 2u)
+            return stepq__error(STEPQ_ENOTSUP, "%s: head %d block of %zu B (need a multiple of 16)",
+                                who, hv, hl->block_bytes);
+        sq_head_desc *h = &d[hv];
+        memset(h, 0, sizeof(*h));
+        h->block_off = (uint32_t)pl->head_offset[hv];
+        h->block_bytes = (uint32_t)hl->block_bytes;
+        h->row_scale_off = (uint32_t)hl->row_scale_offset;
+        h->col_scale_off = (uint32_t)hl->col_scale_offset;
+        h->method = (uint8_t)hl->method;
+        h->quantized = (uint8_t)hl->quantized;
+        h->has_col = (uint8_t)hl->has_col;
+        h->dual = (uint8_t)method_is_dual(hl->method);
+        h->any_int = hl->n_pivot_rows < SQ_D;
+        int use_w = pl->row_impact && stepq__method_uses_row_impact(hl->method);
+        for (int i = 0; i < SQ_D; i++) {
+            h->bits[i] = hl->row_bits[i];
+            h->row_off[i] = (uint16_t)(hl->row_bitoff[i] / 8);
+            float w = use_w ? pl->row_impact[(size_t)hv * SQ_D + i] : 1.0f;
+            if (!(w > 0.0f) || !isfinite(w))
+                return stepq__error(STEPQ_EINVAL,
+                                    "%s: row impact of head %d row %d is %g (need finite > 0)", who,
+                                    hv, i, (double)w);
+            h->w[i] = w;
+            if (hl->quantized && hl->row_bitoff[i] % 128)
+                return stepq__error(STEPQ_EINTERNAL, "%s: head %d row %d codes not 16-B aligned",
+                                    who, hv, i);
+        }
+        if (pl->head_offset[hv] % 16)
+            *off16 = 0;
+        if (hl->block_bytes > *max_block)
+            *max_block = hl->block_bytes;
+    }
+    return STEPQ_OK;
+}
+
+static size_t dyn_smem(size_t max_block)
+{
+    return ((max_block + 16 + 15) & ~(size_t)15) + SQ_D * SQ_D;
+}
+
+extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
+                                         stepq__cuda_layer **out)
+{
+    static const char who[] = "cuda layer prepare";
+    if (!out)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL output", who);
+    *out = NULL;
+    if (!pl || pl->n_heads < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL or empty packed layer", who);
+    sq_head_desc *h = (sq_head_desc *)calloc((size_t)pl->n_heads, sizeof(*h));
+    stepq__cuda_layer *L = (stepq__cuda_layer *)calloc(1, sizeof(*L));
+    int rc;
+    if (!h || !L) {
+        rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+        goto fail;
+    }
+    if ((rc = build_desc(pl, h, &L->max_block, &L->offsets16, who)) < 0)
+        goto fail;
+    if (dyn_smem(L->max_block) > SQ_DYN_SMEM_MAX) {
+        rc = stepq__error(STEPQ_ENOTSUP, "%s: a head block of %zu B exceeds the kernel's buffer",
+                          who, L->max_block);
+        goto fail;
+    }
+    {
+        cudaError_t err = cudaMalloc((void **)&L->d_heads, sizeof(*h) * (size_t)pl->n_heads);
+        if (err == cudaSuccess)
+            err = cudaMemcpy(L->d_heads, h, sizeof(*h) * (size_t)pl->n_heads,
+                             cudaMemcpyHostToDevice);
+        if (err != cudaSuccess) {
+            rc = cuda_fail(err, who, "descriptor upload");
+            goto fail;
+        }
+    }
+    L->n_heads = pl->n_heads;
+    L->key_heads = pl->heads;
+    L->key_off = pl->head_offset;
+    L->key_w = pl->row_impact;
+    L->hash = layer_hash(pl);
+    free(h);
+    *out = L;
+    return STEPQ_OK;
+fail:
+    if (L && L->d_heads)
+        cudaFree(L->d_heads);
+    free(L);
+    free(h);
+    return rc;
+}
+
+extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
+{
+    if (!L)
+        return;
+    if (L->s2) {
+        cudaStreamSynchronize(L->s2);
+        cudaStreamDestroy(L->s2);
+        cudaEventDestroy(L->ev_a);
+        cudaEventDestroy(L->ev_b);
+    }
+    cudaFree(L->scratch);
+    cudaFree(L->skip);
+    cudaFree(L->d_heads);
+    cudaGetLastError();
+    free(L);
+}
+
+/* --- launches --- */
+
+template <int SRC, bool UPDATE, int SINK>
+static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                  const char *who)
+{
+    static int attr_done; /* benign race: the attribute call is idempotent */
+    if (grid.x == 0 || grid.y == 0)
+        return STEPQ_OK;
+    if (!attr_done) {
+        SQ_CU(cudaFuncSetAttribute(sq_head_kernel<SRC, UPDATE, SINK>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
+              who);
+        attr_done = 1;
+    }
+    sq_head_kernel<SRC, UPDATE, SINK><<<grid, SQ_THREADS, smem, s>>>(st, io);
+    SQ_CU(cudaGetLastError(), who);
+    return STEPQ_OK;
+}
+
+static int check_args(const struct stepq__step_args *a, const char *who)
+{
+    int rc = stepq__check_step_args(a, who);
+    if (rc < 0)
+        return rc;
+    if (a->d_k != SQ_D || a->d_v != SQ_D)
+        return stepq__error(STEPQ_ENOTSUP, "%s: d_k=%d, d_v=%d; the CUDA kernels support 128 only",
+                            who, a->d_k, a->d_v);
+    if (a->batch > 65535)
+        return stepq__error(STEPQ_EINVAL, "%s: batch %d > 65535", who, a->batch);
+    if (a->batch > 0 && !a->slots)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL slot ids", who);
+    return STEPQ_OK;
+}
+
+static sq_step make_step(const struct stepq__step_args *a)
+{
+    sq_step st;
+    st.H = a->H;
+    st.HV = a->HV;
+    st.kda = a->arch == STEPQ_ARCH_KDA;
+    st.l2norm = a->opt.l2norm;
+    st.gate = a->opt.gate_in_kernel;
+    st.beta_sig = a->opt.beta_sigmoid;
+    st.scale = a->opt.scale;
+    st.q = a->q;
+    st.k = a->k;
+    st.v = a->v;
+    st.g = a->g;
+    st.beta = a->beta;
+    st.A_log = a->A_log;
+    st.dt_bias = a->dt_bias;
+    st.o = a->o;
+    return st;
+}
+
+static sq_io make_io(const struct stepq__packed_layer *pl, const stepq__cuda_layer *L)
+{
+    sq_io io;
+    memset(&io, 0, sizeof(io));
+    if (pl) {
+        io.n_slots = pl->n_slots;
+        io.pages = pl->base;
+        io.page_stride = pl->page_stride;
+        io.heads = L->d_heads;
+        io.vec16 = L->offsets16 && pl->page_stride % 16 == 0 && (uintptr_t)pl->base % 16 == 0;
+    }
+    return io;
+}
+
+static int check_pages(const struct stepq__packed_layer *pl, const stepq__cuda_layer *L,
+                       const char *who)
+{
+    if (!pl || !L || !pl->base || pl->n_slots < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL layer, handle or pages, or n_slots < 1", who);
+    if (pl->n_heads != L->n_heads)
+        return stepq__error(STEPQ_EINVAL, "%s: layer has %d heads, the prepared handle %d", who,
+                            pl->n_heads, L->n_heads);
+    for (int hv = 0; hv < pl->n_heads; hv++)
+        if (pl->head_offset[hv] + pl->heads[hv].block_bytes > pl->page_stride)
+            return stepq__error(STEPQ_EINVAL, "%s: head %d block exceeds the page (%zu B)", who, hv,
+                                pl->page_stride);
+    return STEPQ_OK;
+}
+
+extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a,
+                                                const struct stepq__packed_layer *pl,
+                                                stepq__cuda_layer *L, stepq__cuda_variant variant)
+{
+    static const char who[] = "cuda step (packed)";
+    int rc = check_args(a, who);
+    if (rc < 0 || a->batch == 0)
+        return rc;
+    if ((rc = check_pages(pl, L, who)) < 0)
+        return rc;
+    if (pl->n_heads != a->HV)
+        return stepq__error(STEPQ_EINVAL, "%s: the layer has %d heads, the step %d", who,
+                            pl->n_heads, a->HV);
+    for (int hv = 0; hv < pl->n_heads; hv++)
+        if (pl->heads[hv].arch != a->arch)
+            return stepq__error(STEPQ_EINVAL, "%s: head %d is laid out for another arch", who, hv);
+    cudaStream_t s = (cudaStream_t)a->stream;
+    sq_step st = make_step(a);
+    sq_io io = make_io(pl, L);
+    io.slots = a->slots;
+    io.health = a->health;
+    io.counts = (unsigned long long *)a->counts;
+    dim3 grid((unsigned)a->HV, (unsigned)a->batch);
+    size_t smem = dyn_smem(L->max_block);
+
+    if (variant == STEPQ__CUDA_FUSED)
+        return launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
+    if (variant != STEPQ__CUDA_TWO_STAGE)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown variant %d", who, (int)variant);
+
+    /* Stage 1 writes fp32 [batch][HV][K][V] scratch, stage 2 packs it on s2. */
+    size_t need = (size_t)a->batch * (size_t)a->HV;
+    if (need > L->scratch_heads) {
+        SQ_CU(cudaStreamSynchronize(s), who); /* the old scratch may still be read */
+        if (L->s2)
+            SQ_CU(cudaStreamSynchronize(L->s2), who);
+        cudaFree(L->scratch);
+        cudaFree(L->skip);
+        L->scratch = NULL;
+        L->skip = NULL;
+        L->scratch_heads = 0;
+        SQ_CU(cudaMalloc((void **)&L->scratch, need * SQ_D * SQ_D * sizeof(float)), who);
+        SQ_CU(cudaMalloc((void **)&L->skip, need * sizeof(int)), who);
+        L->scratch_heads = need;
+    }
+    if (!L->s2) {
+        SQ_CU(cudaStreamCreateWithFlags(&L->s2, cudaStreamNonBlocking), who);
+        SQ_CU(cudaEventCreateWithFlags(&L->ev_a, cudaEventDisableTiming), who);
+        SQ_CU(cudaEventCreateWithFlags(&L->ev_b, cudaEventDisableTiming), who);
+    }
+    io.dense = L->scratch;
+    io.skip = L->skip;
+    io.dense_stride = (size_t)a->HV * SQ_D * SQ_D;
+    io.dense_by_slot = 0;
+    if ((rc = launch<SQ_SRC_PACKED, true, SQ_SINK_DENSE>(grid, smem, s, st, io, who)) < 0)
+        return rc;
+    SQ_CU(cudaEventRecord(L->ev_a, s), who);
+    SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
+    /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
+    if ((rc = launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who)) < 0)
+        return rc;
+    SQ_CU(cudaEventRecord(L->ev_b, L->s2), who);
+    SQ_CU(cudaStreamWaitEvent(s, L->ev_b, 0), who);
+    return STEPQ_OK;
+}
+
+static int check_dense_io(int n, const int32_t *slots, const void *buf, size_t stride, int HV,
+                          stepq__layout layout, stepq__dtype dtype, const char *who)
+{
+    if (n < 0 || n > 65535)
+        return stepq__error(STEPQ_EINVAL, "%s: n = %d outside 0..65535", who, n);
+    if (n > 0 && (!slots || !buf))
+        return stepq__error(STEPQ_EINVAL, "%s: NULL slot ids or dense tensor", who);
+    if (n > 0 && stride < (size_t)HV * SQ_D * SQ_D)
+        return stepq__error(STEPQ_EINVAL, "%s: stride %zu < HV*d_k*d_v = %zu", who, stride,
+                            (size_t)HV * SQ_D * SQ_D);
+    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
+    if (dtype != STEPQ__DTYPE_F32 && dtype != STEPQ__DTYPE_BF16)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown dtype %d", who, (int)dtype);
+    return STEPQ_OK;
+}
+
+extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl,
+                                         stepq__cuda_layer *L, int n, const int32_t *slots,
+                                         const void *src, size_t src_stride, stepq__layout layout,
+                                         stepq__dtype dtype, uint32_t *health, uint64_t *counts,
+                                         void *stream)
+{
+    static const char who[] = "cuda pack";
+    int rc = check_pages(pl, L, who);
+    if (rc < 0)
+        return rc;
+    if ((rc = check_dense_io(n, slots, src, src_stride, pl->n_heads, layout, dtype, who)) < 0 ||
+        n == 0)
+        return rc;
+    sq_step st;
+    memset(&st, 0, sizeof(st));
+    st.H = st.HV = pl->n_heads;
+    sq_io io = make_io(pl, L);
+    io.slots = slots;
+    io.dense = (void *)src;
+    io.dense_stride = src_stride;
+    io.layout_vk = layout == STEPQ__LAYOUT_VK;
+    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    io.health = health;
+    io.counts = (unsigned long long *)counts;
+    return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(dim3((unsigned)pl->n_heads, (unsigned)n),
+                                                       dyn_smem(L->max_block),
+                                                       (cudaStream_t)stream, st, io, who);
+}
+
+extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
+                                           stepq__cuda_layer *L, int n, const int32_t *slots,
+                                           void *dst, size_t dst_stride, stepq__layout layout,
+                                           stepq__dtype dtype, void *stream)
+{
+    static const char who[] = "cuda unpack";
+    int rc = check_pages(pl, L, who);
+    if (rc < 0)
+        return rc;
+    if ((rc = check_dense_io(n, slots, dst, dst_stride, pl->n_heads, layout, dtype, who)) < 0 ||
+        n == 0)
+        return rc;
+    sq_step st;
+    memset(&st, 0, sizeof(st));
+    st.H = st.HV = pl->n_heads;
+    sq_io io = make_io(pl, L);
+    io.slots = slots;
+    io.dense = dst;
+    io.dense_stride = dst_stride;
+    io.layout_vk = layout == STEPQ__LAYOUT_VK;
+    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    return launch<SQ_SRC_PACKED, false, SQ_SINK_DENSE>(dim3((unsigned)pl->n_heads, (unsigned)n),
+                                                       dyn_smem(L->max_block),
+                                                       (cudaStream_t)stream, st, io, who);
+}
+
+extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base,
+                                         size_t slot_stride, stepq__layout layout,
+                                         stepq__dtype dtype)
+{
+    static const char who[] = "cuda step (dense)";
+    int rc = check_args(a, who);
+    if (rc < 0 || a->batch == 0)
+        return rc;
+    if (a->n_slots < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: n_slots = %d", who, a->n_slots);
+    if ((rc = check_dense_io(a->batch, a->slots, base, slot_stride, a->HV, layout, dtype, who)) < 0)
+        return rc;
+    sq_step st = make_step(a);
+    sq_io io;
+    memset(&io, 0, sizeof(io));
+    io.n_slots = a->n_slots;
+    io.slots = a->slots;
+    io.dense = base;
+    io.dense_stride = slot_stride;
+    io.dense_by_slot = 1;
+    io.layout_vk = layout == STEPQ__LAYOUT_VK;
+    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    io.health = a->health;
+    io.counts = (unsigned long long *)a->counts;
+    return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(dim3((unsigned)a->HV, (unsigned)a->batch), 0,
+                                                     (cudaStream_t)a->stream, st, io, who);
+}
+
+/* --- dispatch-table entries: prepared layers cached by description --- */
+
+static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
+static stepq__cuda_layer *cache[SQ_CACHE_SIZE];
+static unsigned cache_next;
+
+static int cached_layer(const struct stepq__packed_layer *pl, stepq__cuda_layer **out,
+                        const char *who)
+{
+    if (!pl || !pl->heads || !pl->head_offset || pl->n_heads < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer, layouts or offsets", who);
+    uint64_t h = layer_hash(pl);
+    pthread_mutex_lock(&cache_lock);
+    for (int c = 0; c < SQ_CACHE_SIZE; c++) {
+        stepq__cuda_layer *L = cache[c];
+        if (L && L->key_heads == pl->heads && L->key_off == pl->head_offset &&
+            L->key_w == pl->row_impact && L->hash == h && L->n_heads == pl->n_heads) {
+            *out = L;
+            pthread_mutex_unlock(&cache_lock);
+            return STEPQ_OK;
+        }
+    }
+    stepq__cuda_layer *L = NULL;
+    int rc = stepq__cuda_layer_prepare(pl, &L);
+    if (rc == STEPQ_OK) {
+        /* Round-robin eviction; an evicted handle may still be in use by
+         * queued work, so it is released only after a device sync. */
+        unsigned c = cache_next++ % SQ_CACHE_SIZE;
+        if (cache[c]) {
+            cudaDeviceSynchronize();
+            stepq__cuda_layer_release(cache[c]);
+        }
+        cache[c] = L;
+        *out = L;
+    }
+    pthread_mutex_unlock(&cache_lock);
+    return rc;
+}
+
+extern "C" int stepq__cuda_step_packed(const struct stepq__step_args *a,
+                                       const struct stepq__packed_layer *pl)
+{
+    stepq__cuda_layer *L;
+    int rc = check_args(a, "cuda step (packed)");
+    if (rc < 0 || a->batch == 0)
+        return rc;
+    if ((rc = cached_layer(pl, &L, "cuda step (packed)")) < 0)
+        return rc;
+    return stepq__cuda_step_packed_prepared(a, pl, L, STEPQ__CUDA_FUSED);
+}
+
+extern "C" int stepq__cuda_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                                const float *src, size_t src_stride, stepq__layout layout,
+                                uint32_t *health, uint64_t *counts, void *stream)
+{
+    stepq__cuda_layer *L;
+    int rc = cached_layer(pl, &L, "cuda pack");
+    if (rc < 0)
+        return rc;
+    return stepq__cuda_pack_prepared(pl, L, n, slots, src, src_stride, layout, STEPQ__DTYPE_F32,
+                                     health, counts, stream);
+}
+
+extern "C" int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n,
+                                  const int32_t *slots, float *dst, size_t dst_stride,
+                                  stepq__layout layout, void *stream)
+{
+    stepq__cuda_layer *L;
+    int rc = cached_layer(pl, &L, "cuda unpack");
+    if (rc < 0)
+        return rc;
+    return stepq__cuda_unpack_prepared(pl, L, n, slots, dst, dst_stride, layout, STEPQ__DTYPE_F32,
+                                       stream);
+}
+
+extern "C" int stepq__cuda_step_dense(const struct stepq__step_args *a,
+                                      const struct stepq__dense_states *st)
+{
+    if (!st)
+        return stepq__error(STEPQ_EINVAL, "cuda step (dense): NULL states");
+    return stepq__cuda_step_dense_ex(a, st->base, st->slot_stride, st->layout, STEPQ__DTYPE_F32);
+}
+
+extern "C" int stepq__dsp_init_cuda(struct stepq__dsp *dsp)
+{
+    if (!dsp)
+        return stepq__error(STEPQ_EINVAL, "dsp init (cuda): NULL table");
+    if (stepq__cuda_device_count() < 1)
+        return stepq__error(STEPQ_ENODEV, "dsp init (cuda): no CUDA device");
+    dsp->step_dense = stepq__cuda_step_dense;
+    dsp->step_packed = stepq__cuda_step_packed;
+    dsp->pack = stepq__cuda_pack;
+    dsp->unpack = stepq__cuda_unpack;
+    return STEPQ_OK;
+}
