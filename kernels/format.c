@@ -41,7 +41,7 @@ static size_t align_up(size_t x, size_t a)
     return (x + a - 1) & ~(a - 1);
 }
 
-int stepq__bits_is_int(int bits)
+int stepq__format_int_bits(int bits)
 {
     return (bits >= 2 && bits <= 6) || bits == 8;
 }
@@ -72,7 +72,7 @@ int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, s
                                 method_name(method));
         for (int i = 0; i < d_k; i++) {
             int b = row_bits[i];
-            if (!stepq__bits_is_int(b) && b != STEPQ_BITS_PIVOT)
+            if (!stepq__format_int_bits(b) && b != STEPQ_BITS_PIVOT)
                 return stepq__error(STEPQ_EINVAL,
                                     "head layout: row_bits[%d]: %d is not one of 2,3,4,5,6,8,16", i,
                                     b);

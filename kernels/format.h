@@ -140,7 +140,7 @@ int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, s
 void stepq__head_layout_free(struct stepq_head_layout *hl);
 
 /** Whether a bit width is a legal integer format (2,3,4,5,6,8). */
-int stepq__bits_is_int(int bits);
+int stepq__format_int_bits(int bits);
 
 /** qmax(b) = 2^(b-1) - 1. */
 static inline int stepq__qmax(int bits)

@@ -1,0 +1,138 @@
+#!/usr/bin/env python3
+"""External check of the fp32 reference recurrence against transformers.
+
+Runs the C reference (tests/kernels/ref_shim.c, loaded with ctypes) and
+transformers' pure-torch recurrences on the same random inputs and compares
+outputs and final states:
+
+  GDN: transformers.models.qwen3_next.modeling_qwen3_next.torch_recurrent_gated_delta_rule
+  KDA: transformers.models.kimi_linear.modeling_kimi_linear.torch_recurrent_kda
+
+Both take q, k, v as [B, T, H, D] with as many q/k heads as value heads, so
+grouped value heads (GVA) are expanded here with repeat_interleave, as the
+models do before calling them, while the C reference gets the unexpanded q/k.
+They l2-normalise q and k (use_qk_l2norm_in_kernel=True), scale q by
+d_k^-1/2 and return the state as [B, H, K, V].
+
+Usage: check_vs_transformers.py [path/to/libstepq_ref_shim.so]
+       (default: build-gpu/tests/kernels/libstepq_ref_shim.so, then build/...)
+Exit status: 0 all within tolerance, 1 a mismatch, 77 torch/transformers or
+the shim missing (meson's "skipped").
+"""
+import ctypes
+import inspect
+import os
+import sys
+
+TOL = 1e-5
+GDN, KDA = 0, 1
+
+
+def find_shim(argv):
+    if len(argv) > 1:
+        return argv[1]
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    for build in ("build-gpu", "build"):
+        path = os.path.join(root, build, "tests", "kernels", "libstepq_ref_shim.so")
+        if os.path.exists(path):
+            return path
+    return None
+
+
+def main(argv):
+    try:
+        import torch
+        import torch.nn.functional as F
+        from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+        from transformers.models.qwen3_next import modeling_qwen3_next as qwen
+    except ImportError as e:
+        print(f"skipped: {e}")
+        return 77
+    shim_path = find_shim(argv)
+    if not shim_path or not os.path.exists(shim_path):
+        print(f"skipped: reference shim library not found ({shim_path})")
+        return 77
+
+    lib = ctypes.CDLL(shim_path)
+    fp = ctypes.c_void_p
+    lib.stepq_ref_shim_run.argtypes = [ctypes.c_int] * 7 + [fp] * 7 + [
+        ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, fp, fp]
+    lib.stepq_ref_shim_run.restype = ctypes.c_int
+    lib.stepq_ref_shim_last_error.restype = ctypes.c_char_p
+
+    # The hub decorator may route to a Triton kernel on CUDA tensors; the
+    # check wants the pure-torch reference, on CPU.
+    gdn_ref = inspect.unwrap(qwen.torch_recurrent_gated_delta_rule)
+    kda_ref = inspect.unwrap(kimi.torch_recurrent_kda)
+    import transformers
+    print(f"torch {torch.__version__}, transformers {transformers.__version__}")
+
+    def ptr(t):
+        return ctypes.c_void_p(t.data_ptr()) if t is not None else None
+
+    def run_c(arch, q, k, v, g, beta, state0, chunk, A_log=None, dt_bias=None, raw=False):
+        B, T, H, dk = q.shape
+        HV, dv = v.shape[2], v.shape[3]
+        state = state0.clone().contiguous()
+        o = torch.zeros(B, T, HV, dv, dtype=torch.float32)
+        args = [q, k, v, g, beta, A_log, dt_bias]
+        args = [a.contiguous() if a is not None else None for a in args]
+        rc = lib.stepq_ref_shim_run(arch, B, T, H, HV, dk, dv, *[ptr(a) for a in args],
+                                    1, 0.0, int(raw), int(raw), chunk, ptr(state), ptr(o))
+        if rc != 0:
+            raise RuntimeError(f"reference returned {rc}: {lib.stepq_ref_shim_last_error().decode()}")
+        return o, state
+
+    def rel(a, b):
+        return ((a.double() - b.double()).norm() / b.double().norm()).item()
+
+    failures = 0
+
+    def report(name, o, s, o_ref, s_ref):
+        nonlocal failures
+        eo, es = rel(o, o_ref), rel(s, s_ref)
+        ok = eo <= TOL and es <= TOL
+        failures += not ok
+        print(f"{'ok  ' if ok else 'FAIL'} {name}: output rel err {eo:.3e}, state rel err {es:.3e}"
+              f" (tolerance {TOL:g})")
+
+    torch.manual_seed(1234)
+    B, T, H, HV, DK, DV = 2, 320, 2, 6, 64, 48
+    G = HV // H
+    for arch, name in ((GDN, "gdn"), (KDA, "kda")):
+        q = torch.randn(B, T, H, DK)
+        k = torch.randn(B, T, H, DK)
+        v = torch.randn(B, T, HV, DV)
+        n_g = DK if arch == KDA else 1
+        # Raw gate inputs; long-lived gates (retention near 1) with some fast heads.
+        a = torch.randn(B, T, HV, n_g) * 2.0 - 2.0
+        A_log = torch.rand(HV) * 2.0 - 4.0
+        dt_bias = torch.randn(HV, n_g) * 0.5
+        g = -A_log.exp()[:, None] * F.softplus(a + dt_bias)
+        b_raw = torch.randn(B, T, HV)
+        beta = torch.sigmoid(b_raw)
+        state0 = torch.randn(B, HV, DK, DV) * 0.1
+        if arch == GDN:
+            g, a, dt_bias = g[..., 0], a[..., 0], dt_bias[:, 0]
+
+        qx, kx = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
+        fn = gdn_ref if arch == GDN else kda_ref
+        out = fn(qx, kx, v, g, beta, initial_state=state0.clone(), output_final_state=True,
+                 use_qk_l2norm_in_kernel=True)
+        o_ref, s_ref = out[0].float(), out[1].float()
+
+        shape = f"B={B} T={T} H={H} HV={HV} d_k={DK} d_v={DV}"
+        o, s = run_c(arch, q, k, v, g, beta, state0, 0)
+        report(f"{name} decode step x{T} vs {fn.__name__} [{shape}]", o, s, o_ref, s_ref)
+        o, s = run_c(arch, q, k, v, a, b_raw, state0, 0, A_log, dt_bias, raw=True)
+        report(f"{name} decode, gate and beta in kernel", o, s, o_ref, s_ref)
+        for chunk in (64, 100):
+            o, s = run_c(arch, q, k, v, g, beta, state0, chunk)
+            report(f"{name} chunked prefill (chunk {chunk})", o, s, o_ref, s_ref)
+
+    print("PASS" if failures == 0 else f"FAIL: {failures} comparison(s) over tolerance")
+    return 0 if failures == 0 else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))

@@ -1,0 +1,618 @@
+/*
+ * Quantization methods of DESIGN.md section 2 on one head: hand-computed
+ * golden values for tiny heads, then the properties every method must keep.
+ */
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels/quant.h"
+#include "tests/kernels/util.h"
+
+#define MAXB 4096
+
+struct head {
+    struct stepq_head_layout hl;
+    uint8_t blk[MAXB];
+    float xh[64 * 64];
+};
+
+static void head_init(struct head *h, stepq_method m, stepq_arch a, int dk, int dv,
+                      const uint8_t *bits)
+{
+    assert_int_equal(stepq__head_layout_init(&h->hl, m, a, dk, dv, bits, 0), STEPQ_OK);
+    assert_true(h->hl.block_bytes <= MAXB);
+}
+
+static void quantize(struct head *h, const float *x, const float *w)
+{
+    uint32_t flags = 0;
+    assert_int_equal(stepq__quantize_head(&h->hl, x, w, h->blk, &flags), STEPQ_OK);
+    assert_int_equal(flags, 0);
+    assert_int_equal(stepq__dequantize_head(&h->hl, h->blk, h->xh), STEPQ_OK);
+}
+
+static uint16_t rd16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static void expect_row_scales(const struct head *h, const uint16_t *want)
+{
+    for (int i = 0; i < h->hl.d_k; i++)
+        assert_int_equal(rd16(h->blk + h->hl.row_scale_offset + 2 * i), want[i]);
+}
+
+static void expect_col_scales(const struct head *h, const uint16_t *want)
+{
+    for (int j = 0; j < h->hl.d_v; j++)
+        assert_int_equal(rd16(h->blk + h->hl.col_scale_offset + 2 * j), want[j]);
+}
+
+/* Codes of row i (NULL entries in want for pivot rows are skipped by the caller). */
+static void expect_row_codes(const struct head *h, int i, const int8_t *want)
+{
+    int8_t z[64];
+    stepq__unpack_codes(h->blk, h->hl.row_bitoff[i], z, (size_t)h->hl.d_v, h->hl.row_bits[i]);
+    assert_memory_equal(z, want, (size_t)h->hl.d_v);
+}
+
+static void expect_xhat(const struct head *h, const double *want)
+{
+    int n = h->hl.d_k * h->hl.d_v;
+    for (int e = 0; e < n; e++)
+        assert_float_equal(h->xh[e], want[e], 1e-7 * (1.0 + fabs(want[e])));
+}
+
+/*
+ * uniform, GDN 2x2 at 4 bits (qmax 7), X = [[1, -0.5], [0.25, 2]]:
+ * r = row absmax = [1, 2] (fp16 0x3C00, 0x4000).
+ * z = rint(7 x / r): row 0: 7, rint(-3.5) = -4 (ties to even); row 1:
+ * rint(0.875) = 1, 7. Stored u = z + 7: 14, 3, 8, 14 -> bytes 0x3E, 0xE8.
+ * x^ = r z / 7: [[1, -4/7], [2/7, 2]].
+ */
+static void uniform_2x2_golden(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[2] = { 4, 4 };
+    const float x[4] = { 1.0f, -0.5f, 0.25f, 2.0f };
+    head_init(&h, STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize(&h, x, NULL);
+    assert_int_equal(h.blk[0], 0x3E);
+    assert_int_equal(h.blk[1], 0xE8);
+    expect_row_scales(&h, (const uint16_t[]){ 0x3C00, 0x4000 });
+    expect_xhat(&h, (const double[]){ 1.0, -4.0 / 7, 2.0 / 7, 2.0 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * dsq, GDN 2x2 at 4 bits, X = [[4, 1], [1, 1]], w = 1:
+ * 1. m = [4, 1], r = sqrt(m) = [2, 1].
+ * 2. Y = X / r = [[2, 0.5], [1, 1]], c = column max = [2, 1].
+ * 3. z = rint(7 Y / c): [[7, rint(3.5) = 4], [rint(3.5) = 4, 7]];
+ *    u = 14, 11, 11, 14 -> bytes 0xBE, 0xEB.
+ * 4. refit, zt = z/7: c0 = (2*1*4 + 1*(4/7)*1) / (4*1 + 1*(16/49))
+ *    = 8.5714 / 4.3265 = 1.98113 -> fp16 2029/1024 = 1.9814453125 (0x3FED);
+ *    c1 = (2*(4/7)*1 + 1*1*1) / (4*(16/49) + 1) = 2.142857 / 2.306122
+ *    = 0.929204 -> fp16 1903/2048 = 0.92919921875 (0x3B6F).
+ * x^ = r c z/7: [[2*1.98145, 2*0.929199*4/7], [1.98145*4/7, 0.929199]].
+ */
+static void dsq_2x2_golden(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[2] = { 4, 4 };
+    const float x[4] = { 4.0f, 1.0f, 1.0f, 1.0f };
+    head_init(&h, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize(&h, x, NULL);
+    assert_int_equal(h.blk[0], 0xBE);
+    assert_int_equal(h.blk[1], 0xEB);
+    expect_row_scales(&h, (const uint16_t[]){ 0x4000, 0x3C00 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x3FED, 0x3B6F });
+    expect_xhat(&h, (const double[]){ 2 * 1.9814453125, 2 * 0.92919921875 * 4 / 7,
+                                      1.9814453125 * 4 / 7, 0.92919921875 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * spatial, the same X with row impact w = [4, 0.25] (geometric mean 1):
+ * 1. r = sqrt(m / w) = [sqrt(4/4), sqrt(1/0.25)] = [1, 2].
+ * 2. Y = [[4, 1], [0.5, 0.5]], c = [4, 1].
+ * 3. z = rint(7 Y / c) = [[7, 7], [rint(0.875) = 1, rint(3.5) = 4]];
+ *    u = 14, 14, 8, 11 -> bytes 0xEE, 0xB8.
+ * 4. refit with w^2 = [16, 1/16]:
+ *    c0 = (16*1*1*4 + (1/16)*2*(1/7)*1) / (16 + (1/16)*4/49) = 3.99984 -> 4.0 (0x4400);
+ *    c1 = (16*1*1*1 + (1/16)*2*(4/7)) / (16 + (1/16)*4*16/49) = 0.999365
+ *    -> fp16 2047/2048 (0x3BFF).
+ * The high-impact row 0 is reconstructed almost exactly; dsq on the same X
+ * gave it 3.96 / 1.06.
+ */
+static void spatial_2x2_golden(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[2] = { 4, 4 };
+    const float x[4] = { 4.0f, 1.0f, 1.0f, 1.0f };
+    const float w[2] = { 4.0f, 0.25f };
+    head_init(&h, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize(&h, x, w);
+    assert_int_equal(h.blk[0], 0xEE);
+    assert_int_equal(h.blk[1], 0xB8);
+    expect_row_scales(&h, (const uint16_t[]){ 0x3C00, 0x4000 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x4400, 0x3BFF });
+    expect_xhat(&h, (const double[]){ 4.0, 0.99951171875, 2 * 4.0 / 7, 2 * 0.99951171875 * 4 / 7 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * temporal, KDA 4x3, rows at 4, pivot, 2 and 8 bits (row absmax scales):
+ * row 0 [1, -0.5, 0.25]: r = 1, z = [7, rint(-3.5) = -4, rint(1.75) = 2],
+ *   u = 14, 3, 9 -> bytes 0x3E, 0x09 (2-byte stream).
+ * row 1 pivot [3.140625, -1, 0.5]: fp16 0x4248, 0xBC00, 0x3800 at byte 2.
+ * row 2 [0.3, -0.6, 0.1], qmax 1: r = fp16(0.6) = 1229/2048 (0x38CD);
+ *   z = [rint(0.49992) = 0, -1, rint(0.1666) = 0], u = 1, 0, 1 -> 0x11 at byte 8.
+ * row 3 [2, 1, -1], qmax 127: r = 2, z = [127, rint(63.5) = 64, -64],
+ *   u = 254, 191, 63 at bytes 9..11.
+ */
+static void temporal_kda_4x3_golden(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[4] = { 4, STEPQ_BITS_PIVOT, 2, 8 };
+    const float x[12] = { 1, -0.5f, 0.25f, 3.140625f, -1, 0.5f, 0.3f, -0.6f, 0.1f, 2, 1, -1 };
+    head_init(&h, STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 4, 3, bits);
+    quantize(&h, x, NULL);
+    const uint8_t codes[12] = { 0x3E, 0x09, 0x48, 0x42, 0x00, 0xBC,
+                                0x00, 0x38, 0x11, 0xFE, 0xBF, 0x3F };
+    assert_memory_equal(h.blk, codes, 12);
+    expect_row_scales(&h, (const uint16_t[]){ 0x3C00, 0x0000, 0x38CD, 0x4000 });
+    expect_xhat(&h, (const double[]){ 1, -4.0 / 7, 2.0 / 7, 3.140625, -1, 0.5, 0, -0.60009765625, 0,
+                                      2, 2.0 * 64 / 127, -2.0 * 64 / 127 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * uniform, GDN 4x3 at 3 bits (qmax 3), with an all-zero row:
+ * row 0 [0.5, -2, 0.125]: r = 2, z = rint(3 x / 2) = [rint(0.75) = 1, -3, rint(0.1875) = 0]
+ * row 1 [1, 1, 1]: r = 1, z = [3, 3, 3]
+ * row 2 zeros: r clamps to 2^-14 (0x0400), z = 0
+ * row 3 [-3, 0.75, 0.25]: r = 3 (0x4200), z = [-3, rint(0.75) = 1, rint(0.25) = 0]
+ */
+static void uniform_4x3_golden_with_zero_row(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[4] = { 3, 3, 3, 3 };
+    const float x[12] = { 0.5f, -2, 0.125f, 1, 1, 1, 0, 0, 0, -3, 0.75f, 0.25f };
+    head_init(&h, STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 4, 3, bits);
+    quantize(&h, x, NULL);
+    expect_row_codes(&h, 0, (const int8_t[]){ 1, -3, 0 });
+    expect_row_codes(&h, 1, (const int8_t[]){ 3, 3, 3 });
+    expect_row_codes(&h, 2, (const int8_t[]){ 0, 0, 0 });
+    expect_row_codes(&h, 3, (const int8_t[]){ -3, 1, 0 });
+    expect_row_scales(&h, (const uint16_t[]){ 0x4000, 0x3C00, 0x0400, 0x4200 });
+    expect_xhat(&h, (const double[]){ 2.0 / 3, -2, 0, 1, 1, 1, 0, 0, 0, -3, 1, 0 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * dsq, GDN 4x3 at 5 bits (qmax 15), middle column all zero:
+ * X = [[0.5, 0, -1], [2, 0, 0.25], [-0.125, 0, 4], [1, 0, -0.5]]
+ * r = sqrt(absmax) = [1, fp16(sqrt 2) = 1.4140625, 2, 1]
+ * step-2 c = column max of Y = X / r = [fp16(2/1.4140625), 0 -> 2^-14, 2], used
+ * for the codes only: z = [[5, 0, -8], [15, 0, 1], [-1, 0, 15], [11, 0, -4]].
+ * The zero column has den = 0: it keeps its step-2 value, clamped to 2^-14.
+ * Refit: c0 -> 1.404296875 (0x3D9E), c2 -> 1.9912109375 (0x3FF7).
+ */
+static void dsq_4x3_golden_with_zero_column(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[4] = { 5, 5, 5, 5 };
+    const float x[12] = { 0.5f, 0, -1, 2, 0, 0.25f, -0.125f, 0, 4, 1, 0, -0.5f };
+    head_init(&h, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, 4, 3, bits);
+    quantize(&h, x, NULL);
+    expect_row_codes(&h, 0, (const int8_t[]){ 5, 0, -8 });
+    expect_row_codes(&h, 1, (const int8_t[]){ 15, 0, 1 });
+    expect_row_codes(&h, 2, (const int8_t[]){ -1, 0, 15 });
+    expect_row_codes(&h, 3, (const int8_t[]){ 11, 0, -4 });
+    expect_row_scales(&h, (const uint16_t[]){ 0x3C00, 0x3DA8, 0x4000, 0x3C00 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x3D9E, 0x0400, 0x3FF7 });
+    expect_xhat(&h,
+                (const double[]){ 0.4680989682674408, 0, -1.0619791746139526, 1.9857635498046875, 0,
+                                  0.1877131313085556, -0.18723958730697632, 0, 3.982421875,
+                                  1.0298177003860474, 0, -0.5309895873069763 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * spatial, the same X at 3 bits with w = [2, 0.5, 1, 1]:
+ * r = sqrt(m / w) = [sqrt(0.5) -> 0.70703125, sqrt(4) = 2, 2, 1]
+ * z = [[2, 0, -2], [3, 0, 0], [0, 0, 3], [3, 0, -1]]
+ * refit (w^2 = 4, 0.25, 1, 1): c = [1.0185546875 (0x3C13), 2^-14, 2.009765625 (0x4005)]
+ */
+static void spatial_4x3_golden(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[4] = { 3, 3, 3, 3 };
+    const float x[12] = { 0.5f, 0, -1, 2, 0, 0.25f, -0.125f, 0, 4, 1, 0, -0.5f };
+    const float w[4] = { 2, 0.5f, 1, 1 };
+    head_init(&h, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, 4, 3, bits);
+    quantize(&h, x, w);
+    expect_row_codes(&h, 0, (const int8_t[]){ 2, 0, -2 });
+    expect_row_codes(&h, 1, (const int8_t[]){ 3, 0, 0 });
+    expect_row_codes(&h, 2, (const int8_t[]){ 0, 0, 3 });
+    expect_row_codes(&h, 3, (const int8_t[]){ 3, 0, -1 });
+    expect_row_scales(&h, (const uint16_t[]){ 0x39A8, 0x4000, 0x4000, 0x3C00 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x3C13, 0x0400, 0x4005 });
+    expect_xhat(&h, (const double[]){ 0.48010000586509705, 0, -0.9473114013671875, 2.037109375, 0,
+                                      0, 0, 0, 4.01953125, 1.0185546875, 0, -0.669921875 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * stepq, KDA 4x3 with rows at 4 bits, pivot, 6 bits, 8 bits sharing one
+ * column-scale vector, w = [0.5, 4, 1, 0.5]:
+ * X = [[2, -1, 0.5], [0.01, 0.02, -0.03], [-4, 8, 1], [0.5, 0.25, -0.125]]
+ * r = sqrt(m / w) over integer rows = [sqrt(2/0.5) = 2, -, sqrt(8) -> 2.828125, sqrt(0.5/0.5) = 1]
+ * c (step 2) = column max of X/r over rows 0, 2, 3 = [1.4142, 2.8287, 0.3536] in fp16
+ * z: row 0 (qmax 7) [5, -1, 5]; row 2 (qmax 31) [-31, 31, 31]; row 3 (qmax 127) [45, 11, -45]
+ * refit over rows 0, 2, 3 only: c = [0x3DA7, 0x41A9, 0x35A7]. The pivot row
+ * is fp16 and has no scale (its row-scale slot is 0).
+ */
+static void stepq_kda_4x3_golden_mixed_bits_share_columns(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[4] = { 4, STEPQ_BITS_PIVOT, 6, 8 };
+    const float x[12] = { 2, -1, 0.5f, 0.01f, 0.02f, -0.03f, -4, 8, 1, 0.5f, 0.25f, -0.125f };
+    const float w[4] = { 0.5f, 4, 1, 0.5f };
+    head_init(&h, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 4, 3, bits);
+    quantize(&h, x, w);
+    expect_row_codes(&h, 0, (const int8_t[]){ 5, -1, 5 });
+    expect_row_codes(&h, 2, (const int8_t[]){ -31, 31, 31 });
+    expect_row_codes(&h, 3, (const int8_t[]){ 45, 11, -45 });
+    expect_row_scales(&h, (const uint16_t[]){ 0x4000, 0x0000, 0x41A8, 0x3C00 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x3DA7, 0x41A9, 0x35A7 });
+    expect_xhat(&h,
+                (const double[]){ 2.0186941623687744, -0.8085938096046448, 0.5046735405921936,
+                                  0.01000213623046875, 0.0200042724609375, -0.029998779296875,
+                                  -3.9963836669921875, 8.003814697265625, 0.9990959167480469,
+                                  0.5006997585296631, 0.24512489140033722, -0.12517493963241577 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/* fp16 dense 2x2: 1/3 -> 0x3555, 65504 stays, 1e5 saturates to 65504 (flag). */
+static void dense_fp16_bf16_fp32_blocks(void **state)
+{
+    (void)state;
+    struct head h;
+    const float x[4] = { 1.0f / 3, 65504.0f, -2.5f, 1e5f };
+    uint32_t flags = 0;
+    head_init(&h, STEPQ_METHOD_FP16, STEPQ_ARCH_GDN, 2, 2, NULL);
+    assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
+    assert_int_equal(flags, STEPQ__HEALTH_SATURATED);
+    assert_int_equal(rd16(h.blk), 0x3555);
+    assert_int_equal(rd16(h.blk + 2), 0x7BFF);
+    assert_int_equal(rd16(h.blk + 4), 0xC100);
+    assert_int_equal(rd16(h.blk + 6), 0x7BFF);
+    stepq__head_layout_free(&h.hl);
+
+    flags = 0;
+    head_init(&h, STEPQ_METHOD_BF16, STEPQ_ARCH_GDN, 2, 2, NULL);
+    assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
+    assert_int_equal(flags, 0);
+    assert_int_equal(rd16(h.blk), 0x3EAB); /* 1/3 = 0x3EAAAAAB -> nearest even 0x3EAB */
+    stepq__head_layout_free(&h.hl);
+
+    head_init(&h, STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 2, 2, NULL);
+    quantize(&h, x, NULL);
+    assert_memory_equal(h.xh, x, sizeof(x));
+    stepq__head_layout_free(&h.hl);
+}
+
+/* --- properties --- */
+
+/* A head with rows of very different magnitudes and a few column outliers. */
+static void random_head(uint64_t *rng, float *x, int dk, int dv)
+{
+    for (int i = 0; i < dk; i++) {
+        float amp = powf(10.0f, -3.0f + 4.0f * rng_unit(rng));
+        for (int j = 0; j < dv; j++)
+            x[i * dv + j] = amp * rng_sym(rng) * (j % 7 == 3 ? 8.0f : 1.0f);
+    }
+}
+
+static void uniform_error_is_at_most_half_a_step(void **state)
+{
+    (void)state;
+    static const int widths[] = { 2, 3, 4, 5, 6, 8 };
+    enum { DK = 24, DV = 40 };
+    uint64_t rng = 77;
+    float x[DK * DV];
+    uint8_t bits[DK];
+    struct head h;
+
+    for (int rep = 0; rep < 4; rep++) {
+        random_head(&rng, x, DK, DV);
+        for (size_t w = 0; w < 6; w++) {
+            memset(bits, widths[w], sizeof(bits));
+            head_init(&h, STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, DK, DV, bits);
+            quantize(&h, x, NULL);
+            for (int i = 0; i < DK; i++) {
+                float r = stepq__fp16_to_float(rd16(h.blk + h.hl.row_scale_offset + 2 * i));
+                double half = r / (2.0 * stepq__qmax(widths[w]));
+                for (int j = 0; j < DV; j++)
+                    assert_true(fabs((double)x[i * DV + j] - h.xh[i * DV + j]) <=
+                                half * (1 + 1e-5));
+            }
+            stepq__head_layout_free(&h.hl);
+        }
+    }
+}
+
+static void dual_axis_fit_equals_dsq_when_all_w_are_one(void **state)
+{
+    (void)state;
+    enum { DK = 16, DV = 24 };
+    uint64_t rng = 5;
+    float x[DK * DV], ones[DK];
+    uint8_t bits[DK];
+    struct head a, b, c;
+
+    for (int i = 0; i < DK; i++)
+        ones[i] = 1.0f;
+    for (int bw = 2; bw <= 8; bw += 2) {
+        random_head(&rng, x, DK, DV);
+        memset(bits, bw, sizeof(bits));
+        head_init(&a, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, DK, DV, bits);
+        head_init(&b, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, DK, DV, bits);
+        head_init(&c, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, DK, DV, bits);
+        quantize(&a, x, NULL);
+        quantize(&b, x, ones);
+        quantize(&c, x, ones);
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        assert_memory_equal(a.blk, c.blk, a.hl.block_bytes);
+        assert_true(stepq__weighted_sq_error(x, a.xh, ones, DK, DV) ==
+                    stepq__weighted_sq_error(x, b.xh, ones, DK, DV));
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+        stepq__head_layout_free(&c.hl);
+    }
+}
+
+/*
+ * One small-magnitude row with a large impact factor (w_0 = 8, the others
+ * 8^(-1/15) so the geometric mean is 1): dsq spends the column scales on the
+ * big rows and rounds that row coarsely; the key-row-aware fit must give a
+ * smaller w-weighted error, for every seed and bit width tried.
+ */
+static void dual_axis_fit_beats_dsq_on_a_high_impact_row(void **state)
+{
+    (void)state;
+    enum { DK = 16, DV = 32 };
+    uint64_t rng = 99;
+    float x[DK * DV], w[DK];
+    uint8_t bits[DK];
+    struct head a, b;
+
+    w[0] = 8.0f;
+    for (int i = 1; i < DK; i++)
+        w[i] = powf(8.0f, -1.0f / 15.0f);
+    for (int seed = 0; seed < 8; seed++) {
+        for (int i = 0; i < DK; i++)
+            for (int j = 0; j < DV; j++)
+                x[i * DV + j] = (i == 0 ? 0.02f : 1.0f) * rng_sym(&rng) * (j == 5 ? 6.0f : 1.0f);
+        for (int bw = 3; bw <= 6; bw++) {
+            memset(bits, bw, sizeof(bits));
+            head_init(&a, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, DK, DV, bits);
+            head_init(&b, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, DK, DV, bits);
+            quantize(&a, x, NULL);
+            quantize(&b, x, w);
+            double ea = stepq__weighted_sq_error(x, a.xh, w, DK, DV);
+            double eb = stepq__weighted_sq_error(x, b.xh, w, DK, DV);
+            assert_true(eb < ea);
+            stepq__head_layout_free(&a.hl);
+            stepq__head_layout_free(&b.hl);
+        }
+    }
+}
+
+static void more_bits_never_increase_error(void **state)
+{
+    (void)state;
+    static const int widths[] = { 2, 3, 4, 5, 6, 8 };
+    static const stepq_method methods[] = { STEPQ_METHOD_UNIFORM, STEPQ_METHOD_DSQ,
+                                            STEPQ_METHOD_SPATIAL, STEPQ_METHOD_TEMPORAL,
+                                            STEPQ_METHOD_STEPQ };
+    enum { DK = 32, DV = 32 };
+    uint64_t rng = 2024;
+    float x[DK * DV], w[DK];
+    uint8_t bits[DK];
+    struct head h;
+
+    for (int rep = 0; rep < 3; rep++) {
+        random_head(&rng, x, DK, DV);
+        double logsum = 0.0;
+        for (int i = 0; i < DK; i++) {
+            w[i] = 0.25f + 2.0f * rng_unit(&rng);
+            logsum += log(w[i]);
+        }
+        for (int i = 0; i < DK; i++)
+            w[i] *= (float)exp(-logsum / DK);
+        for (size_t m = 0; m < sizeof(methods) / sizeof(methods[0]); m++) {
+            for (int a = 0; a < 2; a++) {
+                double prev = INFINITY;
+                for (size_t b = 0; b < 6; b++) {
+                    memset(bits, widths[b], sizeof(bits));
+                    head_init(&h, methods[m], a ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN, DK, DV, bits);
+                    quantize(&h, x, w);
+                    double e = stepq__weighted_sq_error(x, h.xh, w, DK, DV);
+                    assert_true(e <= prev);
+                    prev = e;
+                    stepq__head_layout_free(&h.hl);
+                }
+            }
+        }
+    }
+}
+
+/* Raising one KDA row from 4 to 8 bits shrinks that row's error. */
+static void kda_row_with_more_bits_has_smaller_row_error(void **state)
+{
+    (void)state;
+    enum { DK = 8, DV = 64 };
+    uint64_t rng = 31;
+    float x[DK * DV];
+    uint8_t lo[DK], hi[DK];
+    struct head a, b;
+
+    random_head(&rng, x, DK, DV);
+    memset(lo, 4, sizeof(lo));
+    memcpy(hi, lo, sizeof(hi));
+    hi[3] = 8;
+    head_init(&a, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, lo);
+    head_init(&b, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, hi);
+    quantize(&a, x, NULL);
+    quantize(&b, x, NULL);
+    double ea = stepq__weighted_sq_error(x + 3 * DV, a.xh + 3 * DV, NULL, 1, DV);
+    double eb = stepq__weighted_sq_error(x + 3 * DV, b.xh + 3 * DV, NULL, 1, DV);
+    assert_true(eb < ea);
+    assert_true(b.hl.codes_bytes == a.hl.codes_bytes + DV / 2);
+    stepq__head_layout_free(&a.hl);
+    stepq__head_layout_free(&b.hl);
+}
+
+static void quantize_overwrites_the_whole_block_deterministically(void **state)
+{
+    (void)state;
+    enum { DK = 5, DV = 7 };
+    uint64_t rng = 3;
+    float x[DK * DV];
+    uint8_t bits[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6 };
+    struct head h;
+    uint8_t first[MAXB];
+
+    random_head(&rng, x, DK, DV);
+    head_init(&h, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, bits);
+    memset(h.blk, 0xA5, sizeof(h.blk));
+    quantize(&h, x, NULL);
+    memcpy(first, h.blk, h.hl.block_bytes);
+    memset(h.blk, 0x5A, sizeof(h.blk));
+    quantize(&h, x, NULL);
+    assert_memory_equal(first, h.blk, h.hl.block_bytes);
+    /* padding after the code stream and the unused pivot-row scale slot are 0 */
+    for (size_t e = h.hl.codes_bytes; e < h.hl.row_scale_offset; e++)
+        assert_int_equal(h.blk[e], 0);
+    assert_int_equal(rd16(h.blk + h.hl.row_scale_offset + 2), 0);
+    /* the block's end is respected */
+    assert_int_equal(h.blk[h.hl.block_bytes], 0x5A);
+    stepq__head_layout_free(&h.hl);
+}
+
+static void quantize_rejects_bad_row_impact_and_leaves_block(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[2] = { 4, 4 };
+    const float x[4] = { 1, 2, 3, 4 };
+    const float bad[2][2] = { { 1.0f, 0.0f }, { NAN, 1.0f } };
+
+    head_init(&h, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, 2, 2, bits);
+    for (int t = 0; t < 2; t++) {
+        memset(h.blk, 0x77, sizeof(h.blk));
+        assert_int_equal(stepq__quantize_head(&h.hl, x, bad[t], h.blk, NULL), STEPQ_EINVAL);
+        assert_non_null(strstr(stepq_last_error(), "row impact"));
+        for (size_t e = 0; e < h.hl.block_bytes; e++)
+            assert_int_equal(h.blk[e], 0x77);
+    }
+    assert_int_equal(stepq__quantize_head(NULL, x, NULL, h.blk, NULL), STEPQ_EINVAL);
+    stepq__head_layout_free(&h.hl);
+}
+
+/* NaN/Inf elements are stored as 0 (flag STATE); every stored scale stays finite. */
+static void non_finite_elements_are_packed_as_zero(void **state)
+{
+    (void)state;
+    static const stepq_method methods[] = { STEPQ_METHOD_FP32,     STEPQ_METHOD_BF16,
+                                            STEPQ_METHOD_FP16,     STEPQ_METHOD_UNIFORM,
+                                            STEPQ_METHOD_DSQ,      STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_TEMPORAL, STEPQ_METHOD_STEPQ };
+    enum { DK = 4, DV = 6 };
+    uint64_t rng = 11;
+    float x[DK * DV], clean[DK * DV];
+    uint8_t bits[DK] = { 4, 4, 4, 4 };
+    struct head h;
+    uint8_t ref[MAXB];
+
+    rng_fill(&rng, x, DK * DV, 1.0f);
+    memcpy(clean, x, sizeof(x));
+    x[3] = NAN;
+    x[10] = INFINITY;
+    x[20] = -INFINITY;
+    clean[3] = clean[10] = clean[20] = 0.0f;
+    for (size_t m = 0; m < sizeof(methods) / sizeof(methods[0]); m++) {
+        head_init(&h, methods[m], STEPQ_ARCH_GDN, DK, DV, bits);
+        uint32_t flags = 0;
+        assert_int_equal(stepq__quantize_head(&h.hl, clean, NULL, ref, &flags), STEPQ_OK);
+        assert_int_equal(flags, 0);
+        assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
+        assert_int_equal(flags, STEPQ__HEALTH_STATE);
+        assert_memory_equal(ref, h.blk, h.hl.block_bytes);
+        assert_int_equal(stepq__dequantize_head(&h.hl, h.blk, h.xh), STEPQ_OK);
+        for (int e = 0; e < DK * DV; e++)
+            assert_true(isfinite(h.xh[e]));
+        stepq__head_layout_free(&h.hl);
+    }
+}
+
+/* A row absmax beyond 65504 clamps its scale and raises SATURATED, never Inf. */
+static void huge_values_saturate_scales_and_are_flagged(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[2] = { 8, 8 };
+    const float x[4] = { 1e6f, -3e5f, 1.0f, 0.5f };
+    uint32_t flags = 0;
+    head_init(&h, STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 2, 2, bits);
+    assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
+    assert_int_equal(flags, STEPQ__HEALTH_SATURATED);
+    assert_int_equal(rd16(h.blk + h.hl.row_scale_offset), 0x7BFF);
+    assert_int_equal(stepq__dequantize_head(&h.hl, h.blk, h.xh), STEPQ_OK);
+    assert_true(h.xh[0] == 65504.0f);
+    stepq__head_layout_free(&h.hl);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(uniform_2x2_golden),
+        cmocka_unit_test(dsq_2x2_golden),
+        cmocka_unit_test(spatial_2x2_golden),
+        cmocka_unit_test(temporal_kda_4x3_golden),
+        cmocka_unit_test(uniform_4x3_golden_with_zero_row),
+        cmocka_unit_test(dsq_4x3_golden_with_zero_column),
+        cmocka_unit_test(spatial_4x3_golden),
+        cmocka_unit_test(stepq_kda_4x3_golden_mixed_bits_share_columns),
+        cmocka_unit_test(dense_fp16_bf16_fp32_blocks),
+        cmocka_unit_test(uniform_error_is_at_most_half_a_step),
+        cmocka_unit_test(dual_axis_fit_equals_dsq_when_all_w_are_one),
+        cmocka_unit_test(dual_axis_fit_beats_dsq_on_a_high_impact_row),
+        cmocka_unit_test(more_bits_never_increase_error),
+        cmocka_unit_test(kda_row_with_more_bits_has_smaller_row_error),
+        cmocka_unit_test(quantize_overwrites_the_whole_block_deterministically),
+        cmocka_unit_test(quantize_rejects_bad_row_impact_and_leaves_block),
+        cmocka_unit_test(non_finite_elements_are_packed_as_zero),
+        cmocka_unit_test(huge_values_saturate_scales_and_are_flagged),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
