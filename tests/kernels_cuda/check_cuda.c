@@ -1,0 +1,704 @@
+/*
+ * checkasm-style comparison of the CUDA kernels (kernels/cuda/) with the C
+ * reference (kernels/dsp.h) on the same random inputs: random states packed
+ * by the reference, shuffled slot ids with -1 padding, sentinel bytes (0xA5)
+ * around and between head blocks and pages, checked after every call.
+ *
+ * Tolerances (issue 5): fp32 outputs and states NMSE <= 1e-10; codes equal
+ * except ties (at most 1e-4 of codes differ, and only by +-1); scales and
+ * fp16/bf16 values within one ulp; health words and counters equal.
+ * SANITIZE=1 shrinks the sizes for compute-sanitizer. Exit 77: no GPU.
+ */
+#include <cuda_runtime_api.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda.h"
+#include "kernels/dsp.h"
+#include "kernels/quant.h"
+
+#define D 128
+#define SENTINEL 0xA5
+#define GAP 16 /* sentinel bytes between head blocks and after each page */
+
+static int n_fail, n_pass;
+static int small;
+
+#define CHECK(cond, ...)                                                                          \
+    do {                                                                                          \
+        if (!(cond)) {                                                                            \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                           \
+            printf(__VA_ARGS__);                                                                  \
+            printf("\n");                                                                         \
+            return 1;                                                                             \
+        }                                                                                         \
+    } while (0)
+
+#define CU(call)                                                                                  \
+    do {                                                                                          \
+        cudaError_t e_ = (call);                                                                  \
+        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                        \
+    } while (0)
+
+#define SQ(call) CHECK((call) == STEPQ_OK, "%s: %s", #call, stepq_last_error())
+
+static uint64_t rng = 0x9e3779b97f4a7c15ull;
+static uint32_t rnd(void)
+{
+    rng ^= rng << 13;
+    rng ^= rng >> 7;
+    rng ^= rng << 17;
+    return (uint32_t)(rng >> 11);
+}
+static float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f; }
+static float nrand(void)
+{
+    float u = urand() + 1e-7f, v = urand();
+    return sqrtf(-2.0f * logf(u)) * cosf(6.2831853f * v);
+}
+
+static double nmse(const float *a, const float *ref, size_t n)
+{
+    double num = 0, den = 0;
+    for (size_t i = 0; i < n; i++) {
+        double d = (double)a[i] - ref[i];
+        num += d * d;
+        den += (double)ref[i] * ref[i];
+    }
+    return den > 0 ? num / den : num;
+}
+
+/* A test layer: HV heads of one method, pages with sentinel gaps. */
+struct layer {
+    struct stepq_head_layout hl[8];
+    size_t off[8];
+    float w[8 * D];
+    struct stepq__packed_layer pl;
+    size_t bytes;
+};
+
+/* bits_mode: b >= 2 one width; 0 = GDN per-head mix with a pivot head, KDA per-row mix. */
+static int make_layer(struct layer *L, stepq_method m, stepq_arch arch, int HV, int n_slots,
+                      int bits)
+{
+    static const int mix[] = { 2, 3, 4, 5, 6, 8, 16 };
+    memset(L, 0, sizeof(*L));
+    size_t pos = GAP;
+    for (int h = 0; h < HV; h++) {
+        uint8_t rb[D];
+        int b = bits;
+        if (bits == 0 && arch == STEPQ_ARCH_GDN)
+            b = h == HV - 1 ? 16 : mix[(h * 2 + 1) % 6];
+        for (int i = 0; i < D; i++)
+            rb[i] = (uint8_t)(bits == 0 && arch == STEPQ_ARCH_KDA ? mix[rnd() % 7] : b);
+        SQ(stepq__head_layout_init(&L->hl[h], m, arch, D, D, rb, 16));
+        L->off[h] = pos;
+        pos += L->hl[h].block_bytes + GAP;
+        for (int i = 0; i < D; i++)
+            L->w[h * D + i] = 0.5f + 1.5f * urand();
+    }
+    L->pl.page_stride = (pos + 15) & ~(size_t)15;
+    L->pl.n_slots = n_slots;
+    L->pl.n_heads = HV;
+    L->pl.heads = L->hl;
+    L->pl.head_offset = L->off;
+    L->pl.row_impact = L->w;
+    L->bytes = L->pl.page_stride * (size_t)n_slots + GAP;
+    return 0;
+}
+
+static void free_layer(struct layer *L)
+{
+    for (int h = 0; h < L->pl.n_heads; h++)
+        stepq__head_layout_free(&L->hl[h]);
+}
+
+/* Fills pages: sentinel everywhere, then every slot's heads packed from random states. */
+static int fill_pages(struct layer *L, uint8_t *pages, float amp)
+{
+    memset(pages, SENTINEL, L->bytes);
+    float *x = malloc(sizeof(float) * D * D);
+    CHECK(x, "oom");
+    for (int s = 0; s < L->pl.n_slots; s++)
+        for (int h = 0; h < L->pl.n_heads; h++) {
+            for (int e = 0; e < D * D; e++)
+                x[e] = amp * nrand() * (1.0f + (float)(e / D % 7));
+            SQ(stepq__quantize_head(&L->hl[h], x, L->w + h * D,
+                                    pages + (size_t)s * L->pl.page_stride + L->off[h], NULL));
+        }
+    free(x);
+    return 0;
+}
+
+static uint16_t rd16(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return v;
+}
+
+static int ulp16(uint16_t a, uint16_t b)
+{
+    int ia = (a & 0x8000) ? -(int)(a & 0x7fff) : (int)a;
+    int ib = (b & 0x8000) ? -(int)(b & 0x7fff) : (int)b;
+    return abs(ia - ib);
+}
+
+/* Compares pages produced by the GPU (got) with the reference (ref). */
+static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_t *ref,
+                         const char *what)
+{
+    size_t codes = 0, diff = 0;
+    int8_t za[D], zb[D];
+    for (size_t i = 0; i < L->bytes; i++) {
+        int in_block = 0;
+        size_t s = i / L->pl.page_stride, o = i % L->pl.page_stride;
+        for (int h = 0; h < L->pl.n_heads && s < (size_t)L->pl.n_slots; h++)
+            if (o >= L->off[h] && o < L->off[h] + L->hl[h].block_bytes)
+                in_block = 1;
+        if (!in_block)
+            CHECK(got[i] == SENTINEL, "%s: stray write at byte %zu (0x%02x)", what, i, got[i]);
+    }
+    for (int s = 0; s < L->pl.n_slots; s++)
+        for (int h = 0; h < L->pl.n_heads; h++) {
+            const struct stepq_head_layout *hl = &L->hl[h];
+            const uint8_t *a = got + (size_t)s * L->pl.page_stride + L->off[h];
+            const uint8_t *b = ref + (size_t)s * L->pl.page_stride + L->off[h];
+            if (!memcmp(a, b, hl->block_bytes))
+                continue;
+            if (hl->method == STEPQ_METHOD_FP32) {
+                CHECK(nmse((const float *)a, (const float *)b, D * D) <= 1e-10,
+                      "%s: slot %d head %d fp32 state NMSE %g", what, s, h,
+                      nmse((const float *)a, (const float *)b, D * D));
+                continue;
+            }
+            if (!hl->quantized) {
+                for (int e = 0; e < D * D; e++)
+                    CHECK(ulp16(rd16(a + 2 * e), rd16(b + 2 * e)) <= 1,
+                          "%s: slot %d head %d element %d: 0x%04x vs 0x%04x", what, s, h, e,
+                          rd16(a + 2 * e), rd16(b + 2 * e));
+                continue;
+            }
+            for (int i = 0; i < D; i++) {
+                int bi = hl->row_bits[i];
+                if (bi == STEPQ_BITS_PIVOT) {
+                    for (int j = 0; j < D; j++) {
+                        size_t p = hl->row_bitoff[i] / 8 + 2 * (size_t)j;
+                        CHECK(ulp16(rd16(a + p), rd16(b + p)) <= 1,
+                              "%s: slot %d head %d pivot (%d,%d): 0x%04x vs 0x%04x", what, s, h, i,
+                              j, rd16(a + p), rd16(b + p));
+                    }
+                    continue;
+                }
+                size_t rp = hl->row_scale_offset + 2 * (size_t)i;
+                CHECK(ulp16(rd16(a + rp), rd16(b + rp)) <= 1,
+                      "%s: slot %d head %d row scale %d: 0x%04x vs 0x%04x", what, s, h, i,
+                      rd16(a + rp), rd16(b + rp));
+                stepq__unpack_codes(a, hl->row_bitoff[i], za, D, bi);
+                stepq__unpack_codes(b, hl->row_bitoff[i], zb, D, bi);
+                for (int j = 0; j < D; j++) {
+                    codes++;
+                    if (za[j] != zb[j]) {
+                        diff++;
+                        CHECK(abs(za[j] - zb[j]) <= 1, "%s: slot %d head %d code (%d,%d): %d vs %d",
+                              what, s, h, i, j, za[j], zb[j]);
+                    }
+                }
+            }
+            if (hl->has_col)
+                for (int j = 0; j < D; j++) {
+                    size_t cp = hl->col_scale_offset + 2 * (size_t)j;
+                    CHECK(ulp16(rd16(a + cp), rd16(b + cp)) <= 1,
+                          "%s: slot %d head %d col scale %d: 0x%04x vs 0x%04x", what, s, h, j,
+                          rd16(a + cp), rd16(b + cp));
+                }
+        }
+    CHECK(diff <= codes / 10000, "%s: %zu of %zu codes differ (> 1e-4)", what, diff, codes);
+    if (diff)
+        printf("  %s: %zu of %zu codes differ by +-1 (ties)\n", what, diff, codes);
+    return 0;
+}
+
+struct inputs {
+    int batch, H, HV;
+    int32_t *slots;
+    float *q, *k, *v, *g, *beta, *A_log, *dt_bias;
+    float *o;
+};
+
+static void gen_inputs(struct inputs *in, stepq_arch arch, int n_slots, int gate)
+{
+    int B = in->batch, ng = arch == STEPQ_ARCH_KDA ? D : 1;
+    int *perm = malloc(sizeof(int) * (size_t)n_slots);
+    for (int s = 0; s < n_slots; s++)
+        perm[s] = s;
+    for (int s = n_slots - 1; s > 0; s--) {
+        int r = (int)(rnd() % (unsigned)(s + 1)), t = perm[s];
+        perm[s] = perm[r];
+        perm[r] = t;
+    }
+    for (int b = 0; b < B; b++)
+        in->slots[b] = (b % 4 == 3) ? -1 : perm[b];
+    for (int n = 0; n < B * in->H * D; n++) {
+        in->q[n] = nrand();
+        in->k[n] = nrand();
+    }
+    for (int n = 0; n < B * in->HV * D; n++)
+        in->v[n] = nrand();
+    for (int n = 0; n < B * in->HV * ng; n++)
+        in->g[n] = gate ? nrand() : -0.5f * urand();
+    for (int n = 0; n < B * in->HV; n++)
+        in->beta[n] = gate ? nrand() : urand();
+    for (int n = 0; n < in->HV; n++)
+        in->A_log[n] = 0.3f * nrand();
+    for (int n = 0; n < in->HV * ng; n++)
+        in->dt_bias[n] = 0.3f * nrand();
+    free(perm);
+}
+
+/* Device copies of a host buffer. */
+static void *dup_dev(const void *h, size_t n)
+{
+    void *d = NULL;
+    if (cudaMalloc(&d, n ? n : 1) != cudaSuccess)
+        return NULL;
+    if (n)
+        cudaMemcpy(d, h, n, cudaMemcpyHostToDevice);
+    return d;
+}
+
+/*
+ * One packed decode step, CUDA vs reference. variant: fused or two-stage.
+ * nonfinite: request 0 gets a NaN in q (head untouched, output 0, flag).
+ */
+static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, int batch,
+                    int gate, int nonfinite, stepq__cuda_variant variant)
+{
+    char what[160];
+    snprintf(what, sizeof(what), "step %s method=%d bits=%d H=%d HV=%d B=%d gate=%d nf=%d var=%d",
+             arch == STEPQ_ARCH_KDA ? "kda" : "gdn", (int)m, bits, H, HV, batch, gate, nonfinite,
+             (int)variant);
+    int n_slots = batch + 3, ng = arch == STEPQ_ARCH_KDA ? D : 1;
+    struct layer L;
+    if (make_layer(&L, m, arch, HV, n_slots, bits))
+        return 1;
+    uint8_t *pages = malloc(L.bytes), *ref = malloc(L.bytes), *got = malloc(L.bytes);
+    struct inputs in = { .batch = batch, .H = H, .HV = HV };
+    in.slots = malloc(sizeof(int32_t) * batch);
+    in.q = malloc(sizeof(float) * batch * H * D);
+    in.k = malloc(sizeof(float) * batch * H * D);
+    in.v = malloc(sizeof(float) * batch * HV * D);
+    in.g = malloc(sizeof(float) * batch * HV * ng);
+    in.beta = malloc(sizeof(float) * batch * HV);
+    in.A_log = malloc(sizeof(float) * HV);
+    in.dt_bias = malloc(sizeof(float) * HV * ng);
+    float *o_ref = calloc((size_t)batch * HV * D, sizeof(float));
+    float *o_got = calloc((size_t)batch * HV * D, sizeof(float));
+    uint32_t *h_ref = calloc((size_t)n_slots, 4), *h_got = calloc((size_t)n_slots, 4);
+    uint64_t c_ref[4] = { 0 }, c_got[4] = { 0 };
+    if (fill_pages(&L, pages, 0.3f))
+        return 1;
+    memcpy(ref, pages, L.bytes);
+    gen_inputs(&in, arch, n_slots, gate);
+    if (nonfinite)
+        in.q[0] = NAN;
+    /* Outputs of padding rows are not written: pre-fill both equally. */
+    for (size_t n = 0; n < (size_t)batch * HV * D; n++)
+        o_ref[n] = o_got[n] = 12345.0f;
+
+    struct stepq__step_args a = { 0 };
+    a.arch = arch;
+    a.batch = batch;
+    a.H = H;
+    a.HV = HV;
+    a.d_k = a.d_v = D;
+    a.n_slots = n_slots;
+    a.opt.l2norm = 1;
+    a.opt.gate_in_kernel = gate;
+    a.opt.beta_sigmoid = gate;
+    a.slots = in.slots;
+    a.q = in.q;
+    a.k = in.k;
+    a.v = in.v;
+    a.g = in.g;
+    a.beta = in.beta;
+    a.A_log = in.A_log;
+    a.dt_bias = in.dt_bias;
+    a.o = o_ref;
+    a.health = h_ref;
+    a.counts = c_ref;
+    L.pl.base = ref;
+    SQ(stepq__ref_step_packed(&a, &L.pl));
+
+    /* the same on the device */
+    struct stepq__step_args d = a;
+    d.slots = dup_dev(in.slots, sizeof(int32_t) * batch);
+    d.q = dup_dev(in.q, sizeof(float) * batch * H * D);
+    d.k = dup_dev(in.k, sizeof(float) * batch * H * D);
+    d.v = dup_dev(in.v, sizeof(float) * batch * HV * D);
+    d.g = dup_dev(in.g, sizeof(float) * batch * HV * ng);
+    d.beta = dup_dev(in.beta, sizeof(float) * batch * HV);
+    d.A_log = dup_dev(in.A_log, sizeof(float) * HV);
+    d.dt_bias = dup_dev(in.dt_bias, sizeof(float) * HV * ng);
+    d.o = dup_dev(o_got, sizeof(float) * batch * HV * D);
+    d.health = dup_dev(h_got, 4 * (size_t)n_slots);
+    d.counts = dup_dev(c_got, sizeof(c_got));
+    uint8_t *dpages = dup_dev(pages, L.bytes);
+    CHECK(d.o && d.health && d.counts && dpages && d.q && d.dt_bias, "device allocation");
+    struct stepq__packed_layer dpl = L.pl;
+    dpl.base = dpages + 0; /* pages start at byte 0; the first head at GAP */
+    stepq__cuda_layer *cl = NULL;
+    SQ(stepq__cuda_layer_prepare(&dpl, &cl));
+    SQ(stepq__cuda_step_packed_prepared(&d, &dpl, cl, variant));
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(got, dpages, L.bytes, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(o_got, d.o, sizeof(float) * batch * HV * D, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(h_got, d.health, 4 * (size_t)n_slots, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(c_got, d.counts, sizeof(c_got), cudaMemcpyDeviceToHost));
+
+    int rc = compare_pages(&L, got, ref, what);
+    if (!rc) {
+        double e = nmse(o_got, o_ref, (size_t)batch * HV * D);
+        if (e > 1e-10) {
+            printf("FAIL %s: output NMSE %g > 1e-10\n", what, e);
+            rc = 1;
+        }
+        for (int s = 0; s < n_slots && !rc; s++)
+            if (h_got[s] != h_ref[s]) {
+                printf("FAIL %s: health[%d] = 0x%x, reference 0x%x\n", what, s, h_got[s], h_ref[s]);
+                rc = 1;
+            }
+        if (!rc && memcmp(c_got, c_ref, sizeof(c_ref))) {
+            printf("FAIL %s: health counts %llu/%llu/%llu/%llu vs %llu/%llu/%llu/%llu\n", what,
+                   (unsigned long long)c_got[0], (unsigned long long)c_got[1],
+                   (unsigned long long)c_got[2], (unsigned long long)c_got[3],
+                   (unsigned long long)c_ref[0], (unsigned long long)c_ref[1],
+                   (unsigned long long)c_ref[2], (unsigned long long)c_ref[3]);
+            rc = 1;
+        }
+    }
+    stepq__cuda_layer_release(cl);
+    cudaFree((void *)d.slots);
+    cudaFree((void *)d.q);
+    cudaFree((void *)d.k);
+    cudaFree((void *)d.v);
+    cudaFree((void *)d.g);
+    cudaFree((void *)d.beta);
+    cudaFree((void *)d.A_log);
+    cudaFree((void *)d.dt_bias);
+    cudaFree(d.o);
+    cudaFree(d.health);
+    cudaFree(d.counts);
+    cudaFree(dpages);
+    free(pages);
+    free(ref);
+    free(got);
+    free(in.slots);
+    free(in.q);
+    free(in.k);
+    free(in.v);
+    free(in.g);
+    free(in.beta);
+    free(in.A_log);
+    free(in.dt_bias);
+    free(o_ref);
+    free(o_got);
+    free(h_ref);
+    free(h_got);
+    free_layer(&L);
+    return rc;
+}
+
+/* pack then unpack, both layouts, fp32 and bf16 sources, vs the reference. */
+static int run_pack(stepq_method m, stepq_arch arch, int bits, int HV, int n, stepq__layout lay,
+                    stepq__dtype dt)
+{
+    char what[128];
+    snprintf(what, sizeof(what), "pack/unpack %s method=%d bits=%d layout=%d dtype=%d",
+             arch == STEPQ_ARCH_KDA ? "kda" : "gdn", (int)m, bits, (int)lay, (int)dt);
+    int n_slots = n + 2;
+    struct layer L;
+    if (make_layer(&L, m, arch, HV, n_slots, bits))
+        return 1;
+    size_t head = D * D, stride = head * HV + 64;
+    float *src = malloc(sizeof(float) * stride * n);
+    uint16_t *src16 = malloc(2 * stride * n);
+    int32_t *slots = malloc(sizeof(int32_t) * n);
+    uint8_t *ref = malloc(L.bytes), *got = malloc(L.bytes);
+    for (size_t e = 0; e < stride * (size_t)n; e++) {
+        src16[e] = stepq__bf16_from_float(0.2f * nrand());
+        src[e] = dt == STEPQ__DTYPE_BF16 ? stepq__bf16_to_float(src16[e]) : 0.2f * nrand();
+    }
+    src[5] = NAN; /* entry 0 head 0: STATE flag */
+    src16[5] = 0x7fc0;
+    for (int e = 0; e < n; e++)
+        slots[e] = e == 1 ? -1 : (n_slots - 1 - e);
+    uint32_t h_ref[64] = { 0 }, h_got[64] = { 0 };
+    uint64_t c_ref[4] = { 0 }, c_got[4] = { 0 };
+    memset(ref, SENTINEL, L.bytes);
+    L.pl.base = ref;
+    SQ(stepq__ref_pack(&L.pl, n, slots, src, stride, lay, h_ref, c_ref, NULL));
+
+    uint8_t *dpages = NULL;
+    CU(cudaMalloc((void **)&dpages, L.bytes));
+    CU(cudaMemset(dpages, SENTINEL, L.bytes));
+    void *dsrc = dt == STEPQ__DTYPE_BF16 ? dup_dev(src16, 2 * stride * n)
+                                          : dup_dev(src, sizeof(float) * stride * n);
+    int32_t *dslots = dup_dev(slots, sizeof(int32_t) * n);
+    uint32_t *dh = dup_dev(h_got, sizeof(h_got));
+    uint64_t *dc = dup_dev(c_got, sizeof(c_got));
+    struct stepq__packed_layer dpl = L.pl;
+    dpl.base = dpages;
+    stepq__cuda_layer *cl = NULL;
+    SQ(stepq__cuda_layer_prepare(&dpl, &cl));
+    SQ(stepq__cuda_pack_prepared(&dpl, cl, n, dslots, dsrc, stride, lay, dt, dh, dc, NULL));
+    CU(cudaMemcpy(got, dpages, L.bytes, cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(h_got, dh, sizeof(h_got), cudaMemcpyDeviceToHost));
+    CU(cudaMemcpy(c_got, dc, sizeof(c_got), cudaMemcpyDeviceToHost));
+    /* Unwritten slots hold the sentinel on both sides; compare_pages checks gaps only. */
+    int rc = compare_pages(&L, got, ref, what);
+    if (!rc && (memcmp(h_got, h_ref, sizeof(h_ref)) || memcmp(c_got, c_ref, sizeof(c_ref)))) {
+        printf("FAIL %s: health words or counts differ\n", what);
+        rc = 1;
+    }
+
+    /* unpack the reference pages on both sides */
+    if (!rc) {
+        float *u_ref = calloc(stride * n, sizeof(float)), *u_got = calloc(stride * n, sizeof(float));
+        uint16_t *u16 = calloc(stride * n, 2);
+        SQ(stepq__ref_unpack(&L.pl, n, slots, u_ref, stride, lay, NULL));
+        CU(cudaMemcpy(dpages, ref, L.bytes, cudaMemcpyHostToDevice));
+        void *dd = NULL;
+        size_t es = dt == STEPQ__DTYPE_BF16 ? 2 : 4;
+        CU(cudaMalloc(&dd, es * stride * n));
+        CU(cudaMemset(dd, 0, es * stride * n));
+        SQ(stepq__cuda_unpack_prepared(&dpl, cl, n, dslots, dd, stride, lay, dt, NULL));
+        if (dt == STEPQ__DTYPE_BF16) {
+            CU(cudaMemcpy(u16, dd, 2 * stride * n, cudaMemcpyDeviceToHost));
+            for (size_t e = 0; e < stride * (size_t)n && !rc; e++)
+                if (ulp16(u16[e], stepq__bf16_from_float(u_ref[e])) > 0) {
+                    printf("FAIL %s: unpack bf16 element %zu: 0x%04x vs %g\n", what, e, u16[e],
+                           (double)u_ref[e]);
+                    rc = 1;
+                }
+        } else {
+            CU(cudaMemcpy(u_got, dd, 4 * stride * n, cudaMemcpyDeviceToHost));
+            double e = nmse(u_got, u_ref, stride * n);
+            if (e > 1e-10) {
+                printf("FAIL %s: unpack NMSE %g\n", what, e);
+                rc = 1;
+            }
+        }
+        cudaFree(dd);
+        free(u_ref);
+        free(u_got);
+        free(u16);
+    }
+    stepq__cuda_layer_release(cl);
+    cudaFree(dpages);
+    cudaFree(dsrc);
+    cudaFree(dslots);
+    cudaFree(dh);
+    cudaFree(dc);
+    free(src);
+    free(src16);
+    free(slots);
+    free(ref);
+    free(got);
+    free_layer(&L);
+    return rc;
+}
+
+/* Dense fp32 decode: `steps` steps on the GPU vs the reference, both layouts. */
+static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batch, int steps)
+{
+    char what[96];
+    snprintf(what, sizeof(what), "dense fp32 %s layout=%d B=%d steps=%d",
+             arch == STEPQ_ARCH_KDA ? "kda" : "gdn", (int)lay, batch, steps);
+    int n_slots = batch + 2, ng = arch == STEPQ_ARCH_KDA ? D : 1;
+    size_t stride = (size_t)HV * D * D;
+    float *S = malloc(sizeof(float) * stride * n_slots), *Sg = malloc(sizeof(float) * stride * n_slots);
+    for (size_t e = 0; e < stride * n_slots; e++)
+        S[e] = 0.1f * nrand();
+    struct inputs in = { .batch = batch, .H = H, .HV = HV };
+    in.slots = malloc(sizeof(int32_t) * batch);
+    in.q = malloc(sizeof(float) * batch * H * D);
+    in.k = malloc(sizeof(float) * batch * H * D);
+    in.v = malloc(sizeof(float) * batch * HV * D);
+    in.g = malloc(sizeof(float) * batch * HV * ng);
+    in.beta = malloc(sizeof(float) * batch * HV);
+    in.A_log = malloc(sizeof(float) * HV);
+    in.dt_bias = malloc(sizeof(float) * HV * ng);
+    float *o_ref = malloc(sizeof(float) * batch * HV * D), *o_got = malloc(sizeof(float) * batch * HV * D);
+    gen_inputs(&in, arch, n_slots, 0);
+    float *dS = dup_dev(S, sizeof(float) * stride * n_slots);
+    struct stepq__step_args a = { 0 };
+    a.arch = arch;
+    a.batch = batch;
+    a.H = H;
+    a.HV = HV;
+    a.d_k = a.d_v = D;
+    a.n_slots = n_slots;
+    a.opt.l2norm = 1;
+    a.slots = in.slots;
+    struct stepq__step_args d = a;
+    d.slots = dup_dev(in.slots, sizeof(int32_t) * batch);
+    float *dq, *dk, *dv, *dg, *db, *dout;
+    CU(cudaMalloc((void **)&dq, sizeof(float) * batch * H * D));
+    CU(cudaMalloc((void **)&dk, sizeof(float) * batch * H * D));
+    CU(cudaMalloc((void **)&dv, sizeof(float) * batch * HV * D));
+    CU(cudaMalloc((void **)&dg, sizeof(float) * batch * HV * ng));
+    CU(cudaMalloc((void **)&db, sizeof(float) * batch * HV));
+    CU(cudaMalloc((void **)&dout, sizeof(float) * batch * HV * D));
+    struct stepq__dense_states st = { S, stride, lay }, dst = { dS, stride, lay };
+    double worst = 0;
+    for (int t = 0; t < steps; t++) {
+        gen_inputs(&in, arch, n_slots, 0);
+        memcpy(in.slots, d.slots ? in.slots : in.slots, 0); /* slots fixed at step 0 */
+        a.q = in.q;
+        a.k = in.k;
+        a.v = in.v;
+        a.g = in.g;
+        a.beta = in.beta;
+        a.o = o_ref;
+        SQ(stepq__ref_step_dense(&a, &st));
+        CU(cudaMemcpy(dq, in.q, sizeof(float) * batch * H * D, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(dk, in.k, sizeof(float) * batch * H * D, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(dv, in.v, sizeof(float) * batch * HV * D, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(dg, in.g, sizeof(float) * batch * HV * ng, cudaMemcpyHostToDevice));
+        CU(cudaMemcpy(db, in.beta, sizeof(float) * batch * HV, cudaMemcpyHostToDevice));
+        d.q = dq;
+        d.k = dk;
+        d.v = dv;
+        d.g = dg;
+        d.beta = db;
+        d.o = dout;
+        SQ(stepq__cuda_step_dense(&d, &dst));
+        if (t == steps - 1 || t == 0) {
+            CU(cudaMemcpy(o_got, dout, sizeof(float) * batch * HV * D, cudaMemcpyDeviceToHost));
+            for (int b = 0; b < batch; b++)
+                if (in.slots[b] < 0)
+                    memcpy(o_got + (size_t)b * HV * D, o_ref + (size_t)b * HV * D,
+                           sizeof(float) * HV * D);
+            double e = nmse(o_got, o_ref, (size_t)batch * HV * D);
+            if (e > worst)
+                worst = e;
+        }
+    }
+    CU(cudaMemcpy(Sg, dS, sizeof(float) * stride * n_slots, cudaMemcpyDeviceToHost));
+    double rel = sqrt(nmse(Sg, S, stride * n_slots));
+    int rc = 0;
+    double lim_o = steps > 1 ? 1e-10 : 1e-10;
+    if (rel > 1e-5 || worst > lim_o) {
+        printf("FAIL %s: state relative error %g (<= 1e-5), output NMSE %g\n", what, rel, worst);
+        rc = 1;
+    } else {
+        printf("  %s: state relative error %.3g, output NMSE %.3g\n", what, rel, worst);
+    }
+    cudaFree(dS);
+    cudaFree((void *)d.slots);
+    cudaFree(dq);
+    cudaFree(dk);
+    cudaFree(dv);
+    cudaFree(dg);
+    cudaFree(db);
+    cudaFree(dout);
+    free(S);
+    free(Sg);
+    free(in.slots);
+    free(in.q);
+    free(in.k);
+    free(in.v);
+    free(in.g);
+    free(in.beta);
+    free(in.A_log);
+    free(in.dt_bias);
+    free(o_ref);
+    free(o_got);
+    return rc;
+}
+
+static void report(const char *name, int rc)
+{
+    if (rc)
+        n_fail++;
+    else
+        n_pass++;
+    printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
+}
+
+#define RUN(name, call) report(name, (call))
+
+int main(void)
+{
+    int ndev = stepq__cuda_device_count();
+    if (ndev < 1) {
+        printf("SKIP: no CUDA device (cudaGetDeviceCount found none)\n");
+        return 77;
+    }
+    small = getenv("SANITIZE") && atoi(getenv("SANITIZE")) > 0;
+    int B = small ? 3 : 12;
+    char name[96];
+
+    /* GDN with GVA (HV = 2H), every method and bit width. */
+    static const int widths[] = { 2, 3, 4, 5, 6, 8 };
+    for (int m = 0; m < STEPQ_METHOD_COUNT; m++) {
+        if (m <= STEPQ_METHOD_FP16) {
+            snprintf(name, sizeof(name), "gdn step method %d", m);
+            RUN(name, run_step((stepq_method)m, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 0, 0));
+            continue;
+        }
+        for (int w = 0; w < 6; w++) {
+            if (small && w != 4)
+                continue;
+            snprintf(name, sizeof(name), "gdn step method %d @%d", m, widths[w]);
+            RUN(name, run_step((stepq_method)m, STEPQ_ARCH_GDN, widths[w], 2, 4, B, w & 1, 0, 0));
+        }
+        if (m == STEPQ_METHOD_TEMPORAL || m == STEPQ_METHOD_STEPQ) {
+            snprintf(name, sizeof(name), "gdn step method %d mixed + pivot head", m);
+            RUN(name, run_step((stepq_method)m, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
+        }
+    }
+    /* KDA: per-row bits with pivots, one shared column-scale vector per head. */
+    RUN("kda step stepq mixed rows", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
+    RUN("kda step temporal mixed rows",
+        run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+    RUN("kda step uniform @4", run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_KDA, 4, 2, 2, B, 0, 0, 0));
+    RUN("kda step dsq @5", run_step(STEPQ_METHOD_DSQ, STEPQ_ARCH_KDA, 5, 1, 2, B, 1, 0, 0));
+    RUN("kda step fp32", run_step(STEPQ_METHOD_FP32, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+    /* non-finite inputs leave the head untouched; several batches; two-stage */
+    RUN("gdn step non-finite input", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
+    RUN("kda step non-finite input", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
+    RUN("gdn step batch 1", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, 1, 0, 0, 0));
+    if (!small)
+        RUN("gdn step batch 40", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
+    RUN("gdn step two-stage", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 1));
+    RUN("kda step two-stage", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
+
+    /* pack / unpack, both layouts, fp32 and bf16 sources */
+    for (int lay = 0; lay < 2; lay++)
+        for (int dt = 0; dt < 2; dt++) {
+            snprintf(name, sizeof(name), "pack/unpack gdn stepq layout %d dtype %d", lay, dt);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
+                               (stepq__dtype)dt));
+            snprintf(name, sizeof(name), "pack/unpack kda stepq layout %d dtype %d", lay, dt);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
+                               (stepq__dtype)dt));
+        }
+    RUN("pack/unpack gdn uniform@6", run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3,
+                                              STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32));
+    RUN("pack/unpack gdn fp32", run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3,
+                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
+
+    /* dense fp32 recurrence: one step, and 1024 steps (<= 1e-5 relative) */
+    RUN("dense gdn 1 step [K,V]", run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1));
+    RUN("dense kda 1 step [V,K]", run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_VK, 2, 2, B, 1));
+    int T = small ? 16 : 1024;
+    RUN("dense gdn 1024 steps", run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_VK, 1, 2, 2, T));
+    RUN("dense kda 1024 steps", run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 1, 1, 2, T));
+
+    printf("\n%d passed, %d failed\n", n_pass, n_fail);
+    return n_fail ? 1 : 0;
+}
