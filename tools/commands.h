@@ -15,5 +15,6 @@ struct stepq_tool_command {
 };
 
 int stepq_tool_inspect(int argc, char **argv);
+int stepq_tool_mkmap(int argc, char **argv);
 
 #endif /* STEPQ_TOOLS_COMMANDS_H */

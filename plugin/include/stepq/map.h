@@ -5,10 +5,17 @@
  * A unit is a whole value head (GDN) or one key row of a head (KDA). Unit ids
  * inside a layer are `head` for GDN and `head * d_k + row` for KDA.
  *
+ * `layer` arguments are recurrent-layer indices 0..n_layers-1 (positions in
+ * model.recurrent_layers), not model layer ids; stepq_map_layer_index()
+ * translates a model layer id.
+ *
  * A map handle is immutable once loaded or validated and may then be read
  * from any number of threads. Building a map (stepq_map_create + setters) is
  * single-threaded. Every failing call leaves the map unchanged, returns a
- * status and sets stepq_map_last_error() / stepq_last_error().
+ * status and sets stepq_last_error() (thread-local). Failing calls that take
+ * a non-const map (the setters) also set stepq_map_last_error(); calls on a
+ * const map (readers, validate, write) set only the thread-local text, so
+ * that many threads may read one shared map without a data race.
  */
 #ifndef STEPQ_MAP_H
 #define STEPQ_MAP_H
@@ -138,7 +145,27 @@ typedef struct stepq_unit_stats {
     double distortion[9]; /**< d_u(b) indexed by bits 2..8; negative = not measured */
 } stepq_unit_stats;
 
-/** Sets calibration statistics of one unit; a map either has them for all units or for none. */
+/**
+ * Statistics with nothing measured: distortion entries 0, 1 and 7 are not
+ * unit widths and must stay negative; set the entries of the widths you
+ * measured (2,3,4,5,6,8).
+ */
+#define STEPQ_UNIT_STATS_INITIALIZER                             \
+    {                                                            \
+        0.0, 0.0,                                                \
+        {                                                        \
+            -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0 \
+        }                                                        \
+    }
+
+/**
+ * Sets calibration statistics of one unit (copied). log_retention must be
+ * finite and <= 0, lambda finite and >= 0, each measured distortion finite
+ * and >= 0 (negative entries mean "not measured" and are stored as -1).
+ * A map either has statistics for every unit or for none, and every unit
+ * measures the same set of widths; stepq_map_validate() checks both.
+ * Returns STEPQ_EINVAL / STEPQ_ENONFINITE / STEPQ_ERANGE / STEPQ_ENOMEM.
+ */
 STEPQ_API int stepq_map_set_unit_stats(stepq_map_t *map, int layer, int unit,
                                        const stepq_unit_stats *stats);
 
@@ -148,8 +175,18 @@ STEPQ_API int stepq_map_set_unit_stats(stepq_map_t *map, int layer, int unit,
  */
 STEPQ_API int stepq_map_set_provenance(stepq_map_t *map, const char *key, const char *value);
 
-/** Sets a numeric provenance field ("tokens", "segments", "segment_length", "horizon", ...). */
+/**
+ * Sets a numeric provenance field: "tokens", "segments", "segment_length"
+ * (integers >= 0), "horizon" (integer >= 1), "pivot_fraction" (in [0, 1]).
+ * A NaN value removes the field.
+ */
 STEPQ_API int stepq_map_set_provenance_number(stepq_map_t *map, const char *key, double value);
+
+/**
+ * Sets the provenance candidate bit widths (strictly increasing, each one of
+ * 2,3,4,5,6,8; 1..6 entries); copied. bits NULL removes the list.
+ */
+STEPQ_API int stepq_map_set_provenance_candidates(stepq_map_t *map, const int *bits, int n);
 
 /** Sets the model's name (free text, e.g. "Qwen3-Next-80B-A3B"). */
 STEPQ_API int stepq_map_set_model_name(stepq_map_t *map, const char *name);
@@ -168,17 +205,44 @@ STEPQ_API stepq_method stepq_map_method(const stepq_map_t *map);
 STEPQ_API double stepq_map_budget_bits(const stepq_map_t *map);
 /** Model name, or "" when the map has none. */
 STEPQ_API const char *stepq_map_model_name(const stepq_map_t *map);
+/** Index (0..n_layers-1) of a model layer id; STEPQ_ENOENT when it is not recurrent. */
+STEPQ_API int stepq_map_layer_index(const stepq_map_t *map, int model_layer_id);
 /** Units per layer: HV (GDN) or HV * d_k (KDA). */
 STEPQ_API int stepq_map_units_per_layer(const stepq_map_t *map);
 /** Values per unit: d_k * d_v (GDN) or d_v (KDA). */
 STEPQ_API int stepq_map_values_per_unit(const stepq_map_t *map);
 /** Bits of one unit (2..8, STEPQ_BITS_PIVOT, or STEPQ_BITS_DENSE); negative status on bad ids. */
 STEPQ_API int stepq_map_unit_bits(const stepq_map_t *map, int layer, int unit);
+/**
+ * The bits of every unit of one layer (units_per_layer bytes, owned by the
+ * map, valid until it is closed), or NULL for dense methods and bad layers.
+ */
+STEPQ_API const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer);
 /** Row-impact factors of a head (d_k floats), or NULL when the method uses none. */
 STEPQ_API const float *stepq_map_row_impact(const stepq_map_t *map, int layer, int head);
 /** Calibration statistics of a unit; STEPQ_ENOENT when the map has none. */
 STEPQ_API int stepq_map_unit_stats(const stepq_map_t *map, int layer, int unit,
                                    stepq_unit_stats *stats);
+
+/** A string provenance field, or NULL when the map does not have it (or key is unknown). */
+STEPQ_API const char *stepq_map_provenance(const stepq_map_t *map, const char *key);
+/** A numeric provenance field; STEPQ_ENOENT when absent, STEPQ_EINVAL for unknown keys. */
+STEPQ_API int stepq_map_provenance_number(const stepq_map_t *map, const char *key, double *value);
+/**
+ * Copies up to cap candidate widths into bits and returns how many the map
+ * lists (which may exceed cap); STEPQ_ENOENT when it has no list.
+ */
+STEPQ_API int stepq_map_provenance_candidates(const stepq_map_t *map, int *bits, int cap);
+
+/**
+ * A 64-bit fingerprint of everything that decides the stored bytes and their
+ * reconstruction: shape (conv state included), method, budget, unit widths,
+ * row impact. Calibration statistics, provenance and the model name are not
+ * included. Two maps with the same fingerprint produce the same pages
+ * (tensor-parallel ranks compare it when a pool opens). The value does not
+ * depend on the platform.
+ */
+STEPQ_API int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out);
 
 /** Name of a method ("stepq") / arch ("gdn") / dtype ("bf16"); "?" for unknown values. */
 STEPQ_API const char *stepq_method_name(stepq_method method);
@@ -186,6 +250,10 @@ STEPQ_API const char *stepq_arch_name(stepq_arch arch);
 STEPQ_API const char *stepq_dtype_name(stepq_dtype dtype);
 /** Parses a method name; STEPQ_EINVAL for unknown names. */
 STEPQ_API int stepq_method_from_name(const char *name, stepq_method *out);
+/** Parses an arch name ("gdn", "kda"); STEPQ_EINVAL for unknown names. */
+STEPQ_API int stepq_arch_from_name(const char *name, stepq_arch *out);
+/** Parses a dtype name ("fp32", "bf16", "fp16"); STEPQ_EINVAL for unknown names. */
+STEPQ_API int stepq_dtype_from_name(const char *name, stepq_dtype *out);
 /** Size in bytes of one element of dtype. */
 STEPQ_API size_t stepq_dtype_size(stepq_dtype dtype);
 

@@ -1,0 +1,385 @@
+/*
+ * stepq mkmap: builds a precision map for a built-in model shape without
+ * calibration (uniform / dsq / dense baselines, and synthetic mixed-precision
+ * layout examples). The maps in config/examples/ are made with this command
+ * (config/examples/regen.sh); `stepq calibrate` makes calibrated maps.
+ */
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "stepq/map.h"
+#include "tools/commands.h"
+
+/*
+ * Shape presets. Layer ids are 0-based model layer indices. Sources (public
+ * config.json files; config/SCHEMA.md has the details):
+ *  - Qwen3.8-27B: the paper's shape (48 GDN layers x 48 value heads, 128x128,
+ *    conv state 2,949,120 B per request); layer ids as in Qwen3.5-27B
+ *    (64 layers, every 4th full attention).
+ *  - Qwen3-Next-80B-A3B: 48 layers, full_attention_interval 4, 16 q/k heads,
+ *    32 value heads, linear_conv_kernel_dim 4: conv dim 2*16*128 + 32*128.
+ *  - Kimi-Linear-48B-A3B: 27 layers, linear_attn_config.kda_layers (1-based
+ *    there), 32 heads of 128, short_conv_kernel_size 4 with separate q, k, v
+ *    convolutions.
+ *  - tiny-gdn: ../shared/models/tiny-gdn/config.json.
+ */
+struct preset {
+    const char *key;
+    const char *model_name;
+    stepq_arch arch;
+    int model_layers; /* total layers of the model */
+    int full_every;   /* every full_every-th layer is full attention (0: see ids) */
+    const int *ids;   /* explicit recurrent ids when full_every == 0 */
+    int n_ids;
+    int num_k_heads, num_v_heads, head_k_dim, head_v_dim;
+    int conv_rank;
+    int64_t conv_shape[STEPQ_CONV_MAX_RANK];
+};
+
+/* Kimi-Linear kda_layers [1,2,3,5,...,26] (1-based) as 0-based layer indices. */
+static const int kimi_ids[] = { 0,  1,  2,  4,  5,  6,  8,  9,  10, 12,
+                                13, 14, 16, 17, 18, 20, 21, 22, 24, 25 };
+
+static const struct preset presets[] = {
+    { "qwen3.8-27b",
+      "Qwen3.8-27B",
+      STEPQ_ARCH_GDN,
+      64,
+      4,
+      NULL,
+      0,
+      16,
+      48,
+      128,
+      128,
+      2,
+      { 2 * 16 * 128 + 48 * 128, 3 } },
+    { "qwen3-next-80b-a3b",
+      "Qwen3-Next-80B-A3B",
+      STEPQ_ARCH_GDN,
+      48,
+      4,
+      NULL,
+      0,
+      16,
+      32,
+      128,
+      128,
+      2,
+      { 2 * 16 * 128 + 32 * 128, 3 } },
+    { "kimi-linear-48b-a3b",
+      "Kimi-Linear-48B-A3B",
+      STEPQ_ARCH_KDA,
+      27,
+      0,
+      kimi_ids,
+      (int)(sizeof(kimi_ids) / sizeof(kimi_ids[0])),
+      32,
+      32,
+      128,
+      128,
+      3,
+      { 3, 32 * 128, 3 } },
+    { "tiny-gdn",
+      "tiny-gdn",
+      STEPQ_ARCH_GDN,
+      8,
+      4,
+      NULL,
+      0,
+      4,
+      8,
+      128,
+      128,
+      2,
+      { 2 * 4 * 128 + 8 * 128, 3 } },
+};
+#define N_PRESETS (sizeof(presets) / sizeof(presets[0]))
+
+static void mkmap_usage(FILE *f)
+{
+    fprintf(f, "usage: stepq mkmap --shape NAME --method METHOD [--bits B] [--pivots P]\n"
+               "                   [--out FILE] [--name TEXT]\n"
+               "Builds an uncalibrated precision map for a built-in model shape.\n"
+               "  --shape    one of:");
+    for (size_t i = 0; i < N_PRESETS; i++)
+        fprintf(f, " %s", presets[i].key);
+    fprintf(f, "\n"
+               "  --method   fp32 bf16 fp16 uniform dsq spatial temporal stepq\n"
+               "  --bits     budget bits per value, one of 2,3,4,5,6,8 (quantized methods)\n"
+               "  --pivots   fp16 pivot units (temporal, stepq), spread evenly; the other\n"
+               "             units get a fixed {lower, B, higher} mix summing exactly to\n"
+               "             the budget: a synthetic layout example, not a calibration\n"
+               "  --out      output file (default: standard output)\n"
+               "  --name     model name to record (default: the preset's)\n");
+}
+
+static int die(const char *what, int st)
+{
+    fprintf(stderr, "stepq mkmap: %s: %s (%s)\n", what, stepq_last_error(), stepq_status_name(st));
+    return 1;
+}
+
+/* Deterministic 64-bit generator (splitmix64) for the layout order. */
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+static int is_width(int b)
+{
+    return (b >= 2 && b <= 6) || b == 8;
+}
+
+/*
+ * Pivots at evenly spaced units; the rest at B, except n_hi units one width
+ * up and n_lo one width down, chosen so that the non-pivot units use exactly
+ * B*N - 8*N_piv bits (pivots replace 8-bit units). Returns 0 or prints why not.
+ */
+static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], int *n_cand)
+{
+    stepq_model_shape s;
+    stepq_map_shape(map, &s);
+    const int upl = stepq_map_units_per_layer(map);
+    const int64_t U = (int64_t)s.n_layers * upl, M = U - pivots;
+    int lo = 0, hi = 0;
+
+    if (pivots < 0 || pivots > U) {
+        fprintf(stderr, "stepq mkmap: --pivots %lld is out of range 0..%lld\n", (long long)pivots,
+                (long long)U);
+        return -1;
+    }
+    /* Two widths apart where possible ({4, 6, 8} around 6), else the neighbour. */
+    for (int b = bits - 2; b >= 2 && !lo; b--)
+        lo = is_width(b) ? b : 0;
+    for (int b = bits - 1; b >= 2 && !lo; b--)
+        lo = is_width(b) ? b : 0;
+    for (int b = bits + 2; b <= 8 && !hi; b++)
+        hi = is_width(b) ? b : 0;
+    for (int b = bits + 1; b <= 8 && !hi; b++)
+        hi = is_width(b) ? b : 0;
+
+    /* Deficit against "every non-pivot unit at B", in unit-bits. */
+    const int64_t deficit = (int64_t)(8 - bits) * pivots;
+    int64_t n_hi = hi ? M / 10 : 0, n_lo = 0;
+    for (; n_hi >= 0; n_hi--) {
+        int64_t need = deficit + n_hi * (hi - bits);
+        if (need == 0) {
+            n_lo = 0;
+            break;
+        }
+        if (lo && need % (bits - lo) == 0 && n_hi + need / (bits - lo) <= M) {
+            n_lo = need / (bits - lo);
+            break;
+        }
+    }
+    if (n_hi < 0) {
+        fprintf(stderr, "stepq mkmap: %lld pivots do not fit a %d-bit budget\n", (long long)pivots,
+                bits);
+        return -1;
+    }
+
+    unsigned char *width = malloc((size_t)U);
+    int64_t *order = malloc(sizeof(int64_t) * (size_t)(M > 0 ? M : 1));
+    if (!width || !order) {
+        free(width);
+        free(order);
+        fprintf(stderr, "stepq mkmap: out of memory\n");
+        return -1;
+    }
+    memset(width, bits, (size_t)U);
+    for (int64_t k = 0; k < pivots; k++)
+        width[(2 * k + 1) * U / (2 * pivots)] = STEPQ_BITS_PIVOT;
+    int64_t j = 0;
+    for (int64_t u = 0; u < U; u++)
+        if (width[u] != STEPQ_BITS_PIVOT)
+            order[j++] = u;
+    uint64_t seed = 0x5354455051ull;      /* "STEPQ" */
+    for (int64_t i = M - 1; i > 0; i--) { /* Fisher-Yates */
+        int64_t r = (int64_t)(splitmix64(&seed) % (uint64_t)(i + 1));
+        int64_t t = order[i];
+        order[i] = order[r];
+        order[r] = t;
+    }
+    for (int64_t i = 0; i < n_hi; i++)
+        width[order[i]] = (unsigned char)hi;
+    for (int64_t i = n_hi; i < n_hi + n_lo; i++)
+        width[order[i]] = (unsigned char)lo;
+
+    int st = 0;
+    for (int64_t u = 0; u < U && st >= 0; u++)
+        st = stepq_map_set_unit_bits(map, (int)(u / upl), (int)(u % upl), width[u]);
+    free(width);
+    free(order);
+    if (st < 0)
+        return die("set_unit_bits", st);
+
+    *n_cand = 0;
+    if (n_lo)
+        cand[(*n_cand)++] = lo;
+    cand[(*n_cand)++] = bits;
+    if (n_hi)
+        cand[(*n_cand)++] = hi;
+    return 0;
+}
+
+int stepq_tool_mkmap(int argc, char **argv)
+{
+    const char *shape_key = NULL, *method_name = NULL, *out = NULL, *name = NULL;
+    int bits = 0;
+    long long pivots = 0;
+    stepq_method method;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            mkmap_usage(stdout);
+            return 0;
+        }
+        if (!v || a[0] != '-') {
+            fprintf(stderr, "stepq mkmap: unexpected argument '%s'\n", a);
+            mkmap_usage(stderr);
+            return 2;
+        }
+        char *end = NULL;
+        if (!strcmp(a, "--shape")) {
+            shape_key = v;
+        } else if (!strcmp(a, "--method")) {
+            method_name = v;
+        } else if (!strcmp(a, "--bits")) {
+            bits = (int)strtol(v, &end, 10);
+            if (*end || !is_width(bits)) {
+                fprintf(stderr, "stepq mkmap: --bits %s is not one of 2,3,4,5,6,8\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--pivots")) {
+            pivots = strtoll(v, &end, 10);
+            if (*end || pivots < 0) {
+                fprintf(stderr, "stepq mkmap: --pivots %s is not a count\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--out")) {
+            out = v;
+        } else if (!strcmp(a, "--name")) {
+            name = v;
+        } else {
+            fprintf(stderr, "stepq mkmap: unknown option '%s'\n", a);
+            mkmap_usage(stderr);
+            return 2;
+        }
+        i++;
+    }
+    if (!shape_key || !method_name) {
+        mkmap_usage(stderr);
+        return 2;
+    }
+    const struct preset *p = NULL;
+    for (size_t i = 0; i < N_PRESETS; i++)
+        if (!strcmp(shape_key, presets[i].key))
+            p = &presets[i];
+    if (!p) {
+        fprintf(stderr, "stepq mkmap: unknown shape '%s' (stepq mkmap --help lists them)\n",
+                shape_key);
+        return 2;
+    }
+    if (stepq_method_from_name(method_name, &method) < 0) {
+        fprintf(stderr, "stepq mkmap: %s\n", stepq_last_error());
+        return 2;
+    }
+    const int dense = stepq_method_is_dense(method);
+    const int mixed = method == STEPQ_METHOD_TEMPORAL || method == STEPQ_METHOD_STEPQ;
+    if (!dense && !bits) {
+        fprintf(stderr, "stepq mkmap: method %s needs --bits\n", method_name);
+        return 2;
+    }
+    if (pivots && !mixed) {
+        fprintf(stderr, "stepq mkmap: method %s has no pivots (only temporal and stepq)\n",
+                method_name);
+        return 2;
+    }
+
+    int ids[64];
+    stepq_model_shape s = { 0 };
+    s.arch = p->arch;
+    if (p->full_every) {
+        for (int l = 0; l < p->model_layers; l++)
+            if (l % p->full_every != p->full_every - 1)
+                ids[s.n_layers++] = l;
+    } else {
+        memcpy(ids, p->ids, sizeof(int) * (size_t)p->n_ids);
+        s.n_layers = p->n_ids;
+    }
+    s.layer_ids = ids;
+    s.num_k_heads = p->num_k_heads;
+    s.num_v_heads = p->num_v_heads;
+    s.head_k_dim = p->head_k_dim;
+    s.head_v_dim = p->head_v_dim;
+    s.conv_rank = p->conv_rank;
+    memcpy(s.conv_shape, p->conv_shape, sizeof(s.conv_shape));
+    s.conv_dtype = STEPQ_DTYPE_BF16;
+
+    double budget = dense ? (method == STEPQ_METHOD_FP32 ? 32.0 : 16.0) : bits;
+    stepq_map_t *map = NULL;
+    int st = stepq_map_create(&s, method, budget, &map);
+    if (st < 0)
+        return die("create", st);
+
+    char notes[512];
+    int cand[3], n_cand = 0;
+    if (mixed) {
+        if (make_layout(map, bits, pivots, cand, &n_cand) < 0) {
+            stepq_map_close(map);
+            return 1;
+        }
+        snprintf(notes, sizeof(notes),
+                 "Synthetic layout example, not calibrated: %lld fp16 pivot units spread evenly; "
+                 "the other units at a fixed pseudo-random mix of widths summing exactly to the "
+                 "%d-bit budget (pivots replace 8-bit units); row impact 1. Use stepq calibrate "
+                 "for a real map.",
+                 pivots, bits);
+    } else if (dense) {
+        snprintf(notes, sizeof(notes), "Unquantized %s state (baseline).", method_name);
+    } else {
+        snprintf(notes, sizeof(notes),
+                 "Every unit at %d bits; no calibration needed for method %s%s.", bits, method_name,
+                 method == STEPQ_METHOD_SPATIAL ? " (row impact 1: not calibrated)" : "");
+    }
+    if ((st = stepq_map_set_model_name(map, name ? name : p->model_name)) < 0 ||
+        (st = stepq_map_set_provenance(map, "tool", "stepq mkmap")) < 0 ||
+        (st = stepq_map_set_provenance(map, "notes", notes)) < 0 ||
+        (n_cand && (st = stepq_map_set_provenance_candidates(map, cand, n_cand)) < 0)) {
+        stepq_map_close(map);
+        return die("provenance", st);
+    }
+
+    if (out && strcmp(out, "-")) {
+        st = stepq_map_write_file(map, out);
+    } else {
+        char *buf;
+        size_t len;
+        st = stepq_map_write_buffer(map, &buf, &len);
+        if (st >= 0) {
+            if (fwrite(buf, 1, len, stdout) != len || fflush(stdout)) {
+                fprintf(stderr, "stepq mkmap: writing standard output failed\n");
+                st = -1;
+            }
+            stepq_free(buf);
+            if (st < 0) {
+                stepq_map_close(map);
+                return 1;
+            }
+        }
+    }
+    if (st < 0) {
+        stepq_map_close(map);
+        return die(out ? out : "write", st);
+    }
+    stepq_map_close(map);
+    return 0;
+}
