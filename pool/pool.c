@@ -189,10 +189,11 @@ int stepq_pool_open(const stepq_pool_config *cfg, stepq_pool_t **out)
     struct stepq__pool_layout layout;
     int ret;
 
+    if (out)
+        *out = NULL;
     ret = check_open_args(cfg, out, "stepq_pool_open");
     if (ret < 0)
         return ret;
-    *out = NULL;
     ret = stepq__pool_layout_build(cfg, &layout, NULL);
     if (ret < 0)
         return ret;
