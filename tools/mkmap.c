@@ -338,7 +338,7 @@ int stepq_tool_mkmap(int argc, char **argv)
             return 1;
         }
         snprintf(notes, sizeof(notes),
-                 "Synthetic layout example, not calibrated: %lld fp16 pivot units spread evenly; "
+                 "Synthetic layout example, not calibrated: %lld fp16 pivot unit(s) spread evenly; "
                  "the other units at a fixed pseudo-random mix of widths summing exactly to the "
                  "%d-bit budget (pivots replace 8-bit units); row impact 1. Use stepq calibrate "
                  "for a real map.",

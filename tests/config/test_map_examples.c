@@ -3,7 +3,8 @@
  * memory numbers against a table written from first principles and the
  * paper; a file without an entry fails, so new examples must add one. Each
  * file must also be in canonical form: writing the loaded map gives back the
- * same bytes.
+ * same bytes. The full example of config/SCHEMA.md (argv[2]) is checked the
+ * same way.
  */
 #include <dirent.h>
 #include <setjmp.h>
@@ -18,7 +19,7 @@
 
 #include "stepq/map.h"
 
-static const char *examples_dir;
+static const char *examples_dir, *schema_md;
 
 struct expect {
     const char *file;
@@ -192,16 +193,52 @@ static void the_stepq_layout_example_is_the_paper_layout(void **state)
     stepq_map_close(map);
 }
 
+/* The "Full example" of config/SCHEMA.md loads and is exactly the writer's output. */
+static void the_schema_document_example_is_canonical(void **state)
+{
+    size_t len, wlen;
+    char *md = slurp(schema_md, &len), *text;
+    md = realloc(md, len + 1);
+    assert_non_null(md);
+    md[len] = '\0';
+    char *sec = strstr(md, "## Full example");
+    assert_non_null(sec);
+    char *start = strstr(sec, "```json\n");
+    assert_non_null(start);
+    start += 8;
+    char *end = strstr(start, "\n```");
+    assert_non_null(end);
+    end++; /* keep the final newline */
+
+    stepq_map_t *map = NULL;
+    int st = stepq_map_load_buffer(start, (size_t)(end - start), NULL, &map);
+    if (st < 0)
+        print_error("SCHEMA.md example: %s\n", stepq_last_error());
+    assert_int_equal(st, STEPQ_OK);
+    assert_int_equal(stepq_map_write_buffer(map, &text, &wlen), STEPQ_OK);
+    assert_int_equal(wlen, (size_t)(end - start));
+    assert_memory_equal(text, start, wlen);
+    stepq_map_memory m;
+    assert_int_equal(stepq_map_memory_info(map, &m), STEPQ_OK);
+    assert_int_equal(m.state_bytes_compact, 112); /* the number SCHEMA.md quotes */
+    assert_int_equal(m.state_bytes_fp32, 256);
+    stepq_free(text);
+    stepq_map_close(map);
+    free(md);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(every_example_map_loads_with_the_expected_numbers),
         cmocka_unit_test(the_stepq_layout_example_is_the_paper_layout),
+        cmocka_unit_test(the_schema_document_example_is_canonical),
     };
-    if (argc != 2) {
-        fprintf(stderr, "usage: %s CONFIG_EXAMPLES_DIR\n", argv[0]);
+    if (argc != 3) {
+        fprintf(stderr, "usage: %s CONFIG_EXAMPLES_DIR SCHEMA_MD\n", argv[0]);
         return 2;
     }
     examples_dir = argv[1];
+    schema_md = argv[2];
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
