@@ -16,5 +16,8 @@ struct stepq_tool_command {
 
 int stepq_tool_inspect(int argc, char **argv);
 int stepq_tool_mkmap(int argc, char **argv);
+int stepq_tool_bench(int argc, char **argv);
+int stepq_tool_bench_reference(int argc, char **argv);
+int stepq_tool_bench_kernels(int argc, char **argv);
 
 #endif /* STEPQ_TOOLS_COMMANDS_H */

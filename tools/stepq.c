@@ -12,6 +12,7 @@
 static const struct stepq_tool_command commands[] = {
     { "inspect", "per-request memory of a precision map", stepq_tool_inspect },
     { "mkmap", "build an uncalibrated precision map for a model shape", stepq_tool_mkmap },
+    { "bench", "benchmarks: bench reference (C reference on the CPU), ...", stepq_tool_bench },
 };
 
 static void usage(FILE *f)
