@@ -291,6 +291,52 @@ static void stepq_kda_4x3_golden_mixed_bits_share_columns(void **state)
     stepq__head_layout_free(&h.hl);
 }
 
+/*
+ * GDN heads of temporal / stepq at one integer width are uniform / spatial
+ * heads (the methods differ only by per-unit widths and pivots); a 2x2 pivot
+ * head stores fp16 values: [1/3, -2.5, 65504, 1e-8] -> 0x3555, 0xC100,
+ * 0x7BFF, 0x0000 (1e-8 is below half the smallest subnormal), no scales.
+ */
+static void temporal_and_stepq_gdn_2x2_golden(void **state)
+{
+    (void)state;
+    struct head a, b;
+    const uint8_t bits[2] = { 4, 4 }, piv[2] = { STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT };
+    const float x[4] = { 4.0f, 1.0f, 1.0f, 1.0f };
+    const float w[2] = { 4.0f, 0.25f };
+
+    head_init(&a, STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_GDN, 2, 2, bits);
+    head_init(&b, STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize(&a, x, NULL);
+    quantize(&b, x, NULL);
+    assert_int_equal(a.hl.block_bytes, b.hl.block_bytes);
+    assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+    /* r = [4, 1]; z = rint(7 x / r) = [[7, rint(1.75) = 2], [7, 7]] -> u 14, 9, 14, 14 */
+    assert_int_equal(a.blk[0], 0x9E);
+    assert_int_equal(a.blk[1], 0xEE);
+    stepq__head_layout_free(&a.hl);
+    stepq__head_layout_free(&b.hl);
+
+    head_init(&a, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize(&a, x, w);
+    assert_int_equal(a.blk[0], 0xEE); /* the spatial 2x2 golden above */
+    assert_int_equal(a.blk[1], 0xB8);
+    expect_col_scales(&a, (const uint16_t[]){ 0x4400, 0x3BFF });
+    stepq__head_layout_free(&a.hl);
+
+    const float y[4] = { 1.0f / 3, -2.5f, 65504.0f, 1e-8f };
+    head_init(&a, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 2, 2, piv);
+    quantize(&a, y, w);
+    assert_int_equal(rd16(a.blk), 0x3555);
+    assert_int_equal(rd16(a.blk + 2), 0xC100);
+    assert_int_equal(rd16(a.blk + 4), 0x7BFF);
+    assert_int_equal(rd16(a.blk + 6), 0x0000);
+    expect_row_scales(&a, (const uint16_t[]){ 0, 0 });
+    expect_col_scales(&a, (const uint16_t[]){ 0, 0 });
+    expect_xhat(&a, (const double[]){ 0.333251953125, -2.5, 65504.0, 0.0 });
+    stepq__head_layout_free(&a.hl);
+}
+
 /* fp16 dense 2x2: 1/3 -> 0x3555, 65504 stays, 1e5 saturates to 65504 (flag). */
 static void dense_fp16_bf16_fp32_blocks(void **state)
 {
@@ -603,6 +649,7 @@ int main(void)
         cmocka_unit_test(dsq_4x3_golden_with_zero_column),
         cmocka_unit_test(spatial_4x3_golden),
         cmocka_unit_test(stepq_kda_4x3_golden_mixed_bits_share_columns),
+        cmocka_unit_test(temporal_and_stepq_gdn_2x2_golden),
         cmocka_unit_test(dense_fp16_bf16_fp32_blocks),
         cmocka_unit_test(uniform_error_is_at_most_half_a_step),
         cmocka_unit_test(dual_axis_fit_equals_dsq_when_all_w_are_one),
