@@ -13,6 +13,8 @@ static const struct stepq_tool_command benches[] = {
     { "kernels",
       "CUDA decode step, pack and unpack of one layer: us, GB/s, copy-bandwidth fraction",
       stepq_tool_bench_kernels },
+    { "pool", "pool alloc/free ops/s; copy and clear GB/s for 1..512 slots (CUDA, host)",
+      stepq_tool_bench_pool },
 };
 
 static void bench_usage(FILE *f)

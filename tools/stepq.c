@@ -12,6 +12,8 @@
 static const struct stepq_tool_command commands[] = {
     { "inspect", "per-request memory of a precision map", stepq_tool_inspect },
     { "mkmap", "build an uncalibrated precision map for a model shape", stepq_tool_mkmap },
+    { "capacity", "serving memory against batch size for a map (+ plot)", stepq_tool_capacity },
+    { "simulate", "request-lifecycle simulation of the state pool", stepq_tool_simulate },
     { "bench", "benchmarks: bench reference (C reference on the CPU), ...", stepq_tool_bench },
 };
 

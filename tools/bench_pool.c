@@ -1,0 +1,303 @@
+/*
+ * stepq bench pool: what the pool costs a server.
+ *   - alloc/free operations per second (host bookkeeping; 1 and 4 threads)
+ *   - copy and clear throughput for 1..512 slots per call, on the CUDA
+ *     backend (skipped with a message without a device) and on the host.
+ * Copy GB/s counts bytes read + written (2 x pages x page bytes), clear
+ * counts bytes written. Each size runs until --min-ms of work has passed.
+ */
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+#include "pool/internal.h"
+#include "stepq/map.h"
+#include "stepq/pool.h"
+#include "tools/commands.h"
+
+/* The paper's stepq@6 slot (Qwen3.8-27B, 31.4375 MiB): the default page of the copy benchmarks. */
+#define DEFAULT_PAGE_BYTES 32964608ull
+#define MAX_SIZES          16
+
+static void bench_pool_usage(FILE *f)
+{
+    fprintf(f,
+            "usage: stepq bench pool [--map MAP] [--page-bytes N] [--slots 1,2,4,...,512]\n"
+            "                        [--backend host|cuda|both] [--min-ms MS]\n"
+            "alloc/free ops/s on the CPU; copy and clear GB/s for N slots per call.\n"
+            "Pages come from MAP's layout, else --page-bytes (default %llu, the\n"
+            "Qwen3.8-27B stepq@6 slot). CUDA needs (2 x max slots + 1) pages of memory.\n",
+            DEFAULT_PAGE_BYTES);
+}
+
+static double now_s(void)
+{
+    struct timespec t;
+
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+static int open_pool(const stepq_map_t *map, uint64_t page_bytes, stepq_pool_backend backend,
+                     int32_t slots, stepq_pool_t **pool)
+{
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    struct stepq__pool_layout l;
+    uint32_t block;
+    int ret;
+
+    cfg.backend = backend;
+    cfg.num_slots = slots;
+    if (map) {
+        cfg.map = map;
+        return stepq_pool_open(&cfg, pool);
+    }
+    /* One layer of 16 KiB blocks plus the remainder as conv state. */
+    block = 16384;
+    {
+        int heads = (int)(page_bytes / block);
+        uint32_t *b = malloc(sizeof(*b) * (size_t)(heads ? heads : 1));
+        if (!b)
+            return STEPQ_ENOMEM;
+        for (int i = 0; i < heads; i++)
+            b[i] = block;
+        ret = stepq__pool_layout_synthetic(1, heads, b, page_bytes - (uint64_t)heads * block, 16,
+                                           256, 0, &l);
+        free(b);
+    }
+    if (ret < 0)
+        return ret;
+    return stepq__pool_open_layout(&cfg, &l, pool);
+}
+
+/* --- alloc / free rate ------------------------------------------------------ */
+
+struct rate_arg {
+    stepq_pool_t *pool;
+    int32_t batch;
+    double seconds;
+    uint64_t ops;
+    int failed;
+};
+
+static void *rate_main(void *p)
+{
+    struct rate_arg *a = p;
+    int32_t ids[64];
+    double t0 = now_s();
+
+    while (now_s() - t0 < a->seconds) {
+        for (int k = 0; k < 1000; k++) {
+            if (stepq_pool_alloc(a->pool, a->batch, ids) != STEPQ_OK ||
+                stepq_pool_free(a->pool, ids, a->batch) != STEPQ_OK) {
+                a->failed = 1;
+                return NULL;
+            }
+        }
+        a->ops += 2000;
+    }
+    return NULL;
+}
+
+static int bench_rate(double seconds)
+{
+    static const int threads[] = { 1, 4 };
+    static const int32_t batches[] = { 1, 8, 64 };
+    stepq_pool_t *pool;
+    int ret = open_pool(NULL, 4096, STEPQ_POOL_BACKEND_HOST, 4096, &pool);
+
+    if (ret < 0) {
+        fprintf(stderr, "stepq bench pool: %s\n", stepq_last_error());
+        return 1;
+    }
+    printf("alloc/free on the host (one alloc + one free = 2 calls)\n");
+    printf("%8s %8s %16s %16s\n", "threads", "slots", "calls/s", "slots/s");
+    for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
+        for (size_t b = 0; b < sizeof(batches) / sizeof(batches[0]); b++) {
+            struct rate_arg a[4];
+            pthread_t th[4];
+            uint64_t ops = 0;
+            double t0 = now_s(), dt;
+
+            for (int i = 0; i < threads[t]; i++) {
+                a[i] = (struct rate_arg){ pool, batches[b], seconds, 0, 0 };
+                pthread_create(&th[i], NULL, rate_main, &a[i]);
+            }
+            for (int i = 0; i < threads[t]; i++) {
+                pthread_join(th[i], NULL);
+                ops += a[i].ops;
+                if (a[i].failed) {
+                    fprintf(stderr, "stepq bench pool: %s\n", stepq_pool_last_error(pool));
+                    stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+                    return 1;
+                }
+            }
+            dt = now_s() - t0;
+            printf("%8d %8" PRId32 " %16.3e %16.3e\n", threads[t], batches[b], (double)ops / dt,
+                   (double)ops / 2 * batches[b] / dt);
+        }
+    }
+    stepq_pool_close(pool, 0);
+    return 0;
+}
+
+/* --- copy / clear throughput ------------------------------------------------ */
+
+static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, int n_sizes,
+                       double min_s)
+{
+    stepq_pool_stats st;
+    int32_t *ids;
+    int max = 0;
+
+    stepq_pool_get_stats(pool, &st, sizeof(st));
+    for (int i = 0; i < n_sizes; i++)
+        if (sizes[i] > max)
+            max = sizes[i];
+    ids = malloc(sizeof(*ids) * (size_t)st.capacity);
+    if (!ids || stepq_pool_alloc(pool, st.capacity, ids) < 0) {
+        fprintf(stderr, "stepq bench pool: %s\n", stepq_last_error());
+        free(ids);
+        return 1;
+    }
+    printf("\n%s backend, page %" PRIu64 " B (%.4f MiB)\n", name, st.page_bytes,
+           (double)st.page_bytes / 1048576.0);
+    printf("%8s %14s %12s %14s %12s\n", "slots", "copy us/call", "copy GB/s", "clear us/call",
+           "clear GB/s");
+    for (int i = 0; i < n_sizes; i++) {
+        int32_t n = sizes[i];
+        double t_copy = 0, t_clear = 0;
+        long iters;
+
+        if (2 * n > st.capacity)
+            continue;
+        for (int pass = 0; pass < 2; pass++) {
+            double t0, dt;
+            /* warm up, then time enough calls to pass min_s */
+            iters = 0;
+            stepq_pool_sync(pool);
+            t0 = now_s();
+            do {
+                int ret = pass == 0 ? stepq_pool_copy(pool, ids, ids + n, n)
+                                    : stepq_pool_clear(pool, ids + n, n);
+                if (ret < 0) {
+                    fprintf(stderr, "stepq bench pool: %s\n", stepq_last_error());
+                    free(ids);
+                    return 1;
+                }
+                iters++;
+                if (iters % 16 == 0 || iters < 16)
+                    stepq_pool_sync(pool);
+            } while (now_s() - t0 < min_s || iters < 3);
+            stepq_pool_sync(pool);
+            dt = (now_s() - t0) / (double)iters;
+            if (pass == 0)
+                t_copy = dt;
+            else
+                t_clear = dt;
+        }
+        printf("%8" PRId32 " %14.1f %12.1f %14.1f %12.1f\n", n, t_copy * 1e6,
+               2.0 * n * (double)st.page_bytes / t_copy / 1e9, t_clear * 1e6,
+               (double)n * (double)st.page_bytes / t_clear / 1e9);
+    }
+    stepq_pool_free(pool, ids, st.capacity);
+    free(ids);
+    return 0;
+}
+
+int stepq_tool_bench_pool(int argc, char **argv)
+{
+    static int sizes[MAX_SIZES] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
+    int n_sizes = 10, max = 512, do_host = 0, do_cuda = 1, rc = 0;
+    uint64_t page_bytes = DEFAULT_PAGE_BYTES;
+    double min_s = 0.2;
+    stepq_map_t *map = NULL;
+    stepq_pool_t *pool = NULL;
+    int ret;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            bench_pool_usage(stdout);
+            return 0;
+        }
+        if (!v) {
+            fprintf(stderr, "stepq bench pool: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        if (!strcmp(a, "--map")) {
+            if ((ret = stepq_map_load_file(v, NULL, &map)) < 0) {
+                fprintf(stderr, "stepq bench pool: %s: %s\n", v, stepq_last_error());
+                return 1;
+            }
+        } else if (!strcmp(a, "--page-bytes")) {
+            char *end;
+            errno = 0;
+            page_bytes = strtoull(v, &end, 10);
+            if (errno || *end || page_bytes < 256) {
+                fprintf(stderr, "stepq bench pool: --page-bytes '%s': want >= 256\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--slots")) {
+            char *s = (char *)v, *end;
+            n_sizes = 0;
+            max = 0;
+            while (*s && n_sizes < MAX_SIZES) {
+                long x = strtol(s, &end, 10);
+                if (end == s || x < 1 || x > 1 << 16 || (*end && *end != ',')) {
+                    fprintf(stderr, "stepq bench pool: --slots '%s'\n", v);
+                    return 2;
+                }
+                sizes[n_sizes++] = (int)x;
+                max = x > max ? (int)x : max;
+                s = *end ? end + 1 : end;
+            }
+        } else if (!strcmp(a, "--backend")) {
+            do_host = !strcmp(v, "host") || !strcmp(v, "both");
+            do_cuda = !strcmp(v, "cuda") || !strcmp(v, "both");
+            if (!do_host && !do_cuda) {
+                fprintf(stderr, "stepq bench pool: --backend host, cuda or both\n");
+                return 2;
+            }
+        } else if (!strcmp(a, "--min-ms")) {
+            min_s = atof(v) / 1000.0;
+        } else {
+            fprintf(stderr, "stepq bench pool: unknown option '%s'\n", a);
+            bench_pool_usage(stderr);
+            return 2;
+        }
+    }
+
+    if (bench_rate(min_s * 5) != 0)
+        rc = 1;
+    if (do_cuda) {
+        ret = open_pool(map, page_bytes, STEPQ_POOL_BACKEND_CUDA, 2 * max + 1, &pool);
+        if (ret == STEPQ_ENODEV || ret == STEPQ_ENOTSUP) {
+            printf("\ncuda backend: skipped (%s)\n", stepq_last_error());
+        } else if (ret < 0) {
+            fprintf(stderr, "stepq bench pool: cuda pool: %s\n", stepq_last_error());
+            rc = 1;
+        } else {
+            rc |= bench_moves("cuda", pool, sizes, n_sizes, min_s);
+            stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+        }
+    }
+    if (do_host) {
+        ret = open_pool(map, page_bytes, STEPQ_POOL_BACKEND_HOST, 2 * max + 1, &pool);
+        if (ret < 0) {
+            fprintf(stderr, "stepq bench pool: host pool: %s\n", stepq_last_error());
+            rc = 1;
+        } else {
+            rc |= bench_moves("host", pool, sizes, n_sizes, min_s);
+            stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+        }
+    }
+    stepq_map_close(map);
+    return rc;
+}

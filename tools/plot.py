@@ -1,0 +1,54 @@
+#!/usr/bin/env python3
+"""Draws a line chart from a JSON spec read on stdin (used by `stepq capacity --plot`).
+
+Spec:
+  {"output": "mem.png",            # .png, .svg or .pdf (from the extension)
+   "title": "...", "xlabel": "...", "ylabel": "...",
+   "x": [1, 8, 64, 512], "logx": true, "logy": false,
+   "series": [{"label": "FP32 state pool", "y": [...], "style": "-o"}, ...],
+   "hlines": [{"label": "weights (BF16)", "y": 50.1}, ...]}
+Exits non-zero with a message on stderr when the spec is malformed or the
+file cannot be written.
+"""
+import json
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")  # no display: write files only
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def main():
+    spec = json.load(sys.stdin)
+    x = spec["x"]
+    fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=150)
+    for s in spec.get("series", []):
+        if len(s["y"]) != len(x):
+            raise ValueError("series %r has %d points for %d x values"
+                             % (s.get("label"), len(s["y"]), len(x)))
+        ax.plot(x, s["y"], s.get("style", "-o"), label=s.get("label"))
+    for i, h in enumerate(spec.get("hlines", [])):
+        ax.axhline(h["y"], linestyle="--", color="C%d" % (7 + i % 3), label=h.get("label"))
+    if spec.get("logx"):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(x)
+        ax.set_xticklabels([str(v) for v in x])
+    if spec.get("logy"):
+        ax.set_yscale("log")
+    ax.set_title(spec.get("title", ""))
+    ax.set_xlabel(spec.get("xlabel", ""))
+    ax.set_ylabel(spec.get("ylabel", ""))
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(spec["output"])
+    return 0
+
+
+if __name__ == "__main__":
+    try:
+        sys.exit(main())
+    except (KeyError, ValueError, TypeError, OSError) as e:
+        print("plot.py: %s: %s" % (type(e).__name__, e), file=sys.stderr)
+        sys.exit(1)
