@@ -150,25 +150,31 @@ __device__ __forceinline__ double sq_warp_sum(double x)
     return x;
 }
 
+/* One butterfly stage: pairs (k, k + S) swap halves with lane ^ S. */
+template <int S>
+__device__ __forceinline__ void sq_rowmax_stage(float (&v)[16], int lane)
+{
+    const bool up = lane & S;
+#pragma unroll
+    for (int k = 0; k < S; k++) {
+        float lo = v[k], hi = v[k + S];
+        float send = up ? lo : hi;
+        float keep = up ? hi : lo;
+        v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, S));
+    }
+}
+
 /*
  * Butterfly transpose-reduce: v[k] holds row k of 16 rows for this lane's
- * column; afterwards v[0] on lane l is the max over the warp's 32 columns of
- * row (l & 15). 15 + 1 shuffles instead of 16 * 5.
+ * column; afterwards the result on lane l is the max over the warp's 32
+ * columns of row (l & 15). 15 + 1 shuffles instead of 16 * 5.
  */
 __device__ __forceinline__ float sq_rowmax16(float (&v)[16], int lane)
 {
-#pragma unroll
-    for (int l = 3; l >= 0; l--) {
-        const int s = 1 << l;
-        bool up = lane & s;
-#pragma unroll
-        for (int k = 0; k < s; k++) {
-            float lo = v[k], hi = v[k + s];
-            float send = up ? lo : hi;
-            float keep = up ? hi : lo;
-            v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, s));
-        }
-    }
+    sq_rowmax_stage<8>(v, lane);
+    sq_rowmax_stage<4>(v, lane);
+    sq_rowmax_stage<2>(v, lane);
+    sq_rowmax_stage<1>(v, lane);
     return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 16));
 }
 
@@ -180,9 +186,9 @@ struct sq_smem {
     uint16_t rh[SQ_D], roff[SQ_D];
     uint8_t bits[SQ_D];
     float lut[SQ_LUT];
+    float fit[2][2][SQ_D];   /* refit sums [num|den][half][column] */
     double l2[4][2];
     float beta, dec0;
-    unsigned flags;
 };
 
 /*
@@ -213,8 +219,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
     uint8_t *buf = sq_dyn;
     const int method = packed ? hd->method : 0;
     const bool quant = packed && hd->quantized;
-    if (t == 0)
-        sm.flags = 0;
+    unsigned fl = 0; /* health bits raised by this thread */
     if (packed && t < SQ_D) {
         sm.bits[t] = hd->bits[t];
         sm.roff[t] = hd->row_off[t];
@@ -365,7 +370,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
                     nf = true;
                 }
             if (nf)
-                atomicOr(&sm.flags, STEPQ__HEALTH_STATE);
+                fl |= STEPQ__HEALTH_STATE;
         }
     }
 
@@ -395,21 +400,20 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
             acc = fmaf(s, sm.q[i], acc);
         }
         if (nf)
-            atomicOr(&sm.flags, STEPQ__HEALTH_STATE);
+            fl |= STEPQ__HEALTH_STATE;
         sm.red[1][half][j] = acc;
         __syncthreads();
         if (half == 0) {
             float o = sm.red[1][0][j] + sm.red[1][1][j];
             if (!isfinite(o)) {
                 o = 0.0f;
-                atomicOr(&sm.flags, STEPQ__HEALTH_OUTPUT);
+                fl |= STEPQ__HEALTH_OUTPUT;
             }
             st.o[((size_t)e * HV + hv) * SQ_D + j] = o;
         }
     }
 
     /* ---- sink ---- */
-    unsigned fl = 0;
     if (SINK == SQ_SINK_DENSE) {
         size_t base = (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride +
                       (size_t)hv * SQ_D * SQ_D;
@@ -518,15 +522,15 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
 
         /* 4. fixed-code column refit */
         if (dual) {
-            sm.red[0][half][j] = num;
-            sm.red[1][half][j] = den;
+            sm.fit[0][half][j] = num;
+            sm.fit[1][half][j] = den;
         }
         __syncthreads();
         if (t < SQ_D) {
             ((uint16_t *)(buf + hd->row_scale_off))[t] = sm.rh[t];
             if (dual && hd->any_int) {
-                float nm = sm.red[0][0][j] + sm.red[0][1][j];
-                float dn = sm.red[1][0][j] + sm.red[1][1][j];
+                float nm = sm.fit[0][0][j] + sm.fit[0][1][j];
+                float dn = sm.fit[1][0][j] + sm.fit[1][1][j];
                 uint16_t h;
                 if (dn > 0.0f) {
                     float c = nm / dn;
@@ -560,12 +564,13 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
         sq_copy(blk, buf, hd->block_bytes, io.vec16);
     }
 
-    /* ---- health ---- */
-    if (fl)
-        atomicOr(&sm.flags, fl);
-    __syncthreads();
-    if (t == 0 && sm.flags) {
-        unsigned f = sm.flags;
+    /* ---- health: one event per (request, head) and flag, as the reference ---- */
+    unsigned f = 0;
+#pragma unroll
+    for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+        if (__syncthreads_or(fl & (1u << bit)))
+            f |= 1u << bit;
+    if (t == 0 && f) {
         if (io.health)
             atomicOr(io.health + slot, f);
         if (io.counts)

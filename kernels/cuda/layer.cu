@@ -137,7 +137,8 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
                                     who, hv, i);
         }
         if (pl->head_offset[hv] % 16)
-            *off16 = 0;
+            return stepq__error(STEPQ_EINVAL, "%s: head %d offset %zu is not a multiple of 16", who,
+                                hv, pl->head_offset[hv]);
         if (hl->block_bytes > *max_block)
             *max_block = hl->block_bytes;
     }
@@ -293,6 +294,10 @@ static int check_pages(const struct stepq__packed_layer *pl, const stepq__cuda_l
     if (pl->n_heads != L->n_heads)
         return stepq__error(STEPQ_EINVAL, "%s: layer has %d heads, the prepared handle %d", who,
                             pl->n_heads, L->n_heads);
+    /* Blocks are moved with 16-byte vectors and read as fp32/fp16 words. */
+    if ((uintptr_t)pl->base % 16 || pl->page_stride % 16)
+        return stepq__error(STEPQ_EINVAL, "%s: page base %p or stride %zu not 16-byte aligned", who,
+                            (void *)pl->base, pl->page_stride);
     for (int hv = 0; hv < pl->n_heads; hv++)
         if (pl->head_offset[hv] + pl->heads[hv].block_bytes > pl->page_stride)
             return stepq__error(STEPQ_EINVAL, "%s: head %d block exceeds the page (%zu B)", who, hv,

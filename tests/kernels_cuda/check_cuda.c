@@ -531,8 +531,11 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
     in.beta = malloc(sizeof(float) * batch * HV);
     in.A_log = malloc(sizeof(float) * HV);
     in.dt_bias = malloc(sizeof(float) * HV * ng);
-    float *o_ref = malloc(sizeof(float) * batch * HV * D), *o_got = malloc(sizeof(float) * batch * HV * D);
+    float *o_ref = calloc((size_t)batch * HV * D, sizeof(float));
+    float *o_got = calloc((size_t)batch * HV * D, sizeof(float));
+    int32_t slots0[64];
     gen_inputs(&in, arch, n_slots, 0);
+    memcpy(slots0, in.slots, sizeof(int32_t) * batch);
     float *dS = dup_dev(S, sizeof(float) * stride * n_slots);
     struct stepq__step_args a = { 0 };
     a.arch = arch;
@@ -556,7 +559,7 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
     double worst = 0;
     for (int t = 0; t < steps; t++) {
         gen_inputs(&in, arch, n_slots, 0);
-        memcpy(in.slots, d.slots ? in.slots : in.slots, 0); /* slots fixed at step 0 */
+        memcpy(in.slots, slots0, sizeof(int32_t) * batch); /* the same requests every step */
         a.q = in.q;
         a.k = in.k;
         a.v = in.v;
