@@ -1282,13 +1282,8 @@ int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, step
             goto done;
         }
     }
+    /* Content errors name the JSON path only; the caller knows the file. */
     st = stepq_map_load_buffer(buf, len, cfg, out);
-    if (st < 0) {
-        /* Prefix the file name; the detail keeps its JSON path. */
-        char detail[STEPQ__ERRLEN];
-        snprintf(detail, sizeof(detail), "%s", stepq_last_error());
-        stepq__error(st, "%s: %s", path, detail);
-    }
 done:
     free(buf);
     close(fd);
