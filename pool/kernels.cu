@@ -15,9 +15,10 @@
 #define COPY_PAIRS_PER_LAUNCH 480
 /* 256 threads x 16 B: one 4 KiB tile per block iteration. */
 #define THREADS 256
-/* Blocks per page: enough to fill an H200 with a handful of slots, few
- * enough that 512 slots do not launch hundreds of thousands of blocks. */
-#define MAX_BLOCKS_PER_PAGE 64
+/* Blocks per launch to aim for: ~8 resident blocks of 256 threads on each of
+ * an H200's 132 SMs, so one slot alone still spreads over the whole GPU while
+ * 512 slots do not launch hundreds of thousands of blocks. */
+#define TARGET_BLOCKS 1024
 
 struct clear_args {
     int32_t id[CLEAR_IDS_PER_LAUNCH];
@@ -60,10 +61,16 @@ __global__ void copy_pages(uint8_t *pages, uint64_t page_bytes, uint32_t *health
         dst[i] = src[i];
 }
 
-static unsigned blocks_per_page(uint64_t page_bytes)
+/* Blocks per page for k pages in one launch: about TARGET_BLOCKS in all, at
+ * most one per 4 KiB tile, at least one. */
+static unsigned blocks_per_page(uint64_t page_bytes, int32_t k)
 {
     uint64_t tiles = (page_bytes / 16 + THREADS - 1) / THREADS;
-    return (unsigned)(tiles < MAX_BLOCKS_PER_PAGE ? (tiles ? tiles : 1) : MAX_BLOCKS_PER_PAGE);
+    uint64_t want = (TARGET_BLOCKS + (uint64_t)k - 1) / (uint64_t)k;
+
+    if (want > tiles)
+        want = tiles;
+    return (unsigned)(want ? want : 1);
 }
 
 extern "C" int stepq__pool_cuda_clear(uint8_t *pages, uint64_t page_bytes, uint32_t *health,
@@ -73,7 +80,7 @@ extern "C" int stepq__pool_cuda_clear(uint8_t *pages, uint64_t page_bytes, uint3
 
     for (int32_t at = 0; at < n; at += CLEAR_IDS_PER_LAUNCH) {
         int32_t k = n - at < CLEAR_IDS_PER_LAUNCH ? n - at : CLEAR_IDS_PER_LAUNCH;
-        dim3 grid((unsigned)k, zero_pages ? blocks_per_page(page_bytes) : 1);
+        dim3 grid((unsigned)k, zero_pages ? blocks_per_page(page_bytes, k) : 1);
 
         for (int32_t i = 0; i < k; i++)
             args.id[i] = ids[at + i];
@@ -94,7 +101,7 @@ extern "C" int stepq__pool_cuda_copy(uint8_t *pages, uint64_t page_bytes, uint32
 
     for (int32_t at = 0; at < n; at += COPY_PAIRS_PER_LAUNCH) {
         int32_t k = n - at < COPY_PAIRS_PER_LAUNCH ? n - at : COPY_PAIRS_PER_LAUNCH;
-        dim3 grid((unsigned)k, blocks_per_page(page_bytes));
+        dim3 grid((unsigned)k, blocks_per_page(page_bytes, k));
 
         for (int32_t i = 0; i < k; i++) {
             args.src[i] = src[at + i];
