@@ -989,7 +989,10 @@ int stepq_map_memory_info(const stepq_map_t *map, stepq_map_memory *out)
     }
 
     if (stepq_method_is_dense(map->method)) {
-        r.dense_bytes = r.n_values * stepq_dtype_size((stepq_dtype)map->method);
+        stepq_dtype dt = map->method == STEPQ_METHOD_FP32   ? STEPQ_DTYPE_FP32
+                         : map->method == STEPQ_METHOD_BF16 ? STEPQ_DTYPE_BF16
+                                                            : STEPQ_DTYPE_FP16;
+        r.dense_bytes = r.n_values * stepq_dtype_size(dt);
     } else {
         const bool col = stepq_method_has_col_scales(map->method);
         const int upl = map->units_per_layer;

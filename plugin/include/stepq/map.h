@@ -124,18 +124,33 @@ STEPQ_API const char *stepq_map_last_error(const stepq_map_t *map);
 /* --- Building a map (calibrator, tools, tests) --- */
 
 /**
- * Creates a map for a shape and method. Every unit starts at `bits` (the
- * nominal budget for quantized methods; ignored for fp32/bf16/fp16), with no
- * pivots, unit row-impact factors (all 1) and no statistics. budget_bits is
- * the nominal bits per value (32 / 16 for dense methods). The shape is copied.
+ * Creates a map for a shape and method. budget_bits is the nominal bits per
+ * value: exactly 32 (fp32) or 16 (bf16, fp16); one of 2,3,4,5,6,8 for
+ * uniform / dsq / spatial; a number in [2, 8] for temporal / stepq. Every
+ * unit of a quantized map starts at the largest width <= budget_bits, with
+ * no pivots, unit row-impact factors (all 1, spatial / stepq) and no
+ * statistics. The shape (and its layer_ids) is copied. On success *out owns
+ * the map; on failure *out is NULL and the status is STEPQ_EINVAL /
+ * STEPQ_ERANGE / STEPQ_ESHAPE / STEPQ_ENONFINITE / STEPQ_ENOMEM, with the
+ * message naming the field as config/SCHEMA.md does ("model.num_v_heads: ...").
  */
 STEPQ_API int stepq_map_create(const stepq_model_shape *shape, stepq_method method,
                                double budget_bits, stepq_map_t **out);
 
-/** Sets the bit width of one unit (2,3,4,5,6,8; STEPQ_BITS_PIVOT makes it a pivot). */
+/**
+ * Sets the bit width of one unit (2,3,4,5,6,8; STEPQ_BITS_PIVOT makes it a
+ * pivot). Widths the method cannot store are refused at once with
+ * STEPQ_EINVAL (pivots outside temporal / stepq, a width other than the
+ * budget for uniform / dsq / spatial, any width for dense maps); the budget
+ * rule, which depends on all units, is checked by stepq_map_validate().
+ */
 STEPQ_API int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits);
 
-/** Sets the d_k row-impact factors of one head (spatial / stepq maps); copied. */
+/**
+ * Sets the d_k row-impact factors of one head (spatial / stepq maps); copied.
+ * Each must be finite (else STEPQ_ENONFINITE) and > 0, and their geometric
+ * mean 1 within 1e-3 (else STEPQ_ERANGE).
+ */
 STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, const float *w);
 
 /** Per-unit calibration statistics (DESIGN.md section 3). */
@@ -193,7 +208,9 @@ STEPQ_API int stepq_map_set_model_name(stepq_map_t *map, const char *name);
 
 /**
  * Checks every cross-field rule a loaded map must satisfy (bits allowed by
- * the method, pivots, budget, row impact). The writer refuses maps that fail.
+ * the method, pivots, budget, row impact, statistics all-or-none with the
+ * same measured widths). The writer refuses maps that fail. Messages name
+ * the JSON path the problem would have in the written file.
  */
 STEPQ_API int stepq_map_validate(const stepq_map_t *map);
 
@@ -201,7 +218,9 @@ STEPQ_API int stepq_map_validate(const stepq_map_t *map);
 
 /** Fills *shape; the layer_ids pointer stays owned by the map. */
 STEPQ_API int stepq_map_shape(const stepq_map_t *map, stepq_model_shape *shape);
+/** The map's method (STEPQ_METHOD_COUNT for a NULL map). */
 STEPQ_API stepq_method stepq_map_method(const stepq_map_t *map);
+/** The nominal bits per value (0 for a NULL map). */
 STEPQ_API double stepq_map_budget_bits(const stepq_map_t *map);
 /** Model name, or "" when the map has none. */
 STEPQ_API const char *stepq_map_model_name(const stepq_map_t *map);
@@ -280,7 +299,13 @@ typedef struct stepq_map_memory {
     double ratio_vs_fp32;         /**< state_bytes_fp32 / state_bytes_compact */
 } stepq_map_memory;
 
-/** Computes the exact compact accounting of a map. */
+/**
+ * Computes the exact compact accounting of a map (config/SCHEMA.md, "Memory
+ * accounting"): per non-pivot unit ceil(n*b/8) code bytes and 2 B per key
+ * row of row scales, 2*d_v B of column scales per head with a non-pivot unit
+ * (dsq, spatial, stepq), 2 B per pivot value; dense methods count their
+ * dtype. Alignment and reserved slots are the pool's (stepq/pool.h).
+ */
 STEPQ_API int stepq_map_memory_info(const stepq_map_t *map, stepq_map_memory *out);
 
 #ifdef __cplusplus
