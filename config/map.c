@@ -227,17 +227,19 @@ int stepq__budget_check(stepq_method method, double budget)
         double want = method == STEPQ_METHOD_FP32 ? 32.0 : 16.0;
         if (budget != want)
             return stepq__error(STEPQ_ERANGE,
-                                "budget_bits: %g does not match method %s (must be %g)", budget,
-                                method_names[method], want);
+                                "budget_bits: %s does not match method %s (must be %g)",
+                                STEPQ__NUM(budget), method_names[method], want);
     } else if (stepq__method_single_width(method)) {
-        if (budget != floor(budget) || !stepq__bits_is_int((int)budget))
+        /* range first: converting a huge double to int is undefined */
+        if (budget < 2.0 || budget > 8.0 || budget != floor(budget) ||
+            !stepq__bits_is_int((int)budget))
             return stepq__error(STEPQ_ERANGE,
-                                "budget_bits: %g is not one of 2,3,4,5,6,8 (method %s stores every "
+                                "budget_bits: %s is not one of 2,3,4,5,6,8 (method %s stores every "
                                 "unit at budget_bits)",
-                                budget, method_names[method]);
+                                STEPQ__NUM(budget), method_names[method]);
     } else if (budget < 2.0 || budget > 8.0) {
-        return stepq__error(STEPQ_ERANGE, "budget_bits: %g is out of range [2, 8] for method %s",
-                            budget, method_names[method]);
+        return stepq__error(STEPQ_ERANGE, "budget_bits: %s is out of range [2, 8] for method %s",
+                            STEPQ__NUM(budget), method_names[method]);
     }
     return STEPQ_OK;
 }
@@ -385,9 +387,9 @@ int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits)
                                 bits, STEPQ_BITS_PIVOT);
     } else if (stepq__method_single_width(map->method) && bits != (int)map->budget_bits) {
         return stepq__error_obj(map->err, STEPQ_EINVAL,
-                                "stepq_map_set_unit_bits: %d differs from budget_bits %g (method "
+                                "stepq_map_set_unit_bits: %d differs from budget_bits %s (method "
                                 "%s stores every unit at one width)",
-                                bits, map->budget_bits, method_names[map->method]);
+                                bits, STEPQ__NUM(map->budget_bits), method_names[map->method]);
     }
     map->bits[stepq__unit_index(map, layer, unit)] = (uint8_t)bits;
     return STEPQ_OK;
@@ -749,9 +751,9 @@ int stepq__map_check(const stepq_map_t *m)
             if (stepq__method_single_width(m->method) && b != (int)m->budget_bits) {
                 unit_path(m, l, u, path, sizeof(path));
                 return stepq__error(STEPQ_ERANGE,
-                                    "%s: %d differs from budget_bits %g (method %s stores every "
+                                    "%s: %d differs from budget_bits %s (method %s stores every "
                                     "unit at one width)",
-                                    path, b, m->budget_bits, method_names[m->method]);
+                                    path, b, STEPQ__NUM(m->budget_bits), method_names[m->method]);
             }
             code_bits += vpu * (uint64_t)b;
         }

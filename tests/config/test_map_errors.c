@@ -152,6 +152,11 @@ static const struct bad_case cases[] = {
     { "uniform budget not a width",
       DOC(GDN_MODEL "\"method\": \"uniform\", \"budget_bits\": 7, " U6_LAYERS), 0, STEPQ_ERANGE,
       "budget_bits: 7 is not one of 2,3,4,5,6,8" },
+    { "uniform budget huge (fuzz find: int conversion)",
+      DOC(GDN_MODEL "\"method\": \"uniform\", "
+                    "\"budget_bits\": "
+                    "6888888888888888888888888888888888888888888888888888888888888, " U6_LAYERS),
+      0, STEPQ_ERANGE, "budget_bits: 6.88888888888889e+60 is not one of 2,3,4,5,6,8" },
     { "stepq budget above 8",
       DOC(GDN_MODEL "\"method\": \"stepq\", \"budget_bits\": 9, " U6_LAYERS), 0, STEPQ_ERANGE,
       "budget_bits: 9 is out of range [2, 8]" },
