@@ -40,7 +40,7 @@ struct sq_head_desc {
     uint32_t block_bytes; /* multiple of 16 */
     uint32_t row_scale_off, col_scale_off;
     uint8_t method, quantized, has_col, dual;
-    uint8_t any_int, pad[3];
+    uint8_t any_int, ubits, pad[2]; /* ubits: the one integer width of every row, else 0 */
     uint8_t bits[SQ_D];     /* 2..8 or 16 (pivot); 0 for dense methods */
     uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
     float w[SQ_D];          /* row impact used by the fit (1 when unused) */
@@ -178,11 +178,23 @@ __device__ __forceinline__ float sq_rowmax16(float (&v)[16], int lane)
     return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 16));
 }
 
+/*
+ * a / b from b and RN(1/b) (Markstein): the residual is exact and the
+ * corrected quotient is the correctly rounded a / b outside the subnormal
+ * range (where codes are 0 anyway); 3 operations instead of an IEEE division.
+ */
+__device__ __forceinline__ float sq_div(float a, float b, float binv)
+{
+    float q = __fmul_rn(a, binv);
+    float e = fmaf(-q, b, a);
+    return fmaf(e, binv, q);
+}
+
 struct sq_smem {
     float q[SQ_D], k[SQ_D], v[SQ_D], dec[SQ_D];
     float red[2][2][SQ_D];   /* [quantity][half][column] */
     float rowpart[4][SQ_D];  /* row max partials of the 4 warps of a half */
-    float rs[SQ_D], cs[SQ_D], w2r[SQ_D], w2r2[SQ_D], rinv[SQ_D];
+    float rs[SQ_D], cs[SQ_D], w2r2[SQ_D], rinv[SQ_D];
     uint16_t rh[SQ_D], roff[SQ_D];
     uint8_t bits[SQ_D];
     float lut[SQ_LUT];
@@ -322,21 +334,37 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
                                        : 1.0f;
             }
             __syncthreads();
-            const float cj = sm.cs[j];
+            const float cj = sm.cs[j]; /* 1 without column scales: (r * 1) * z == r * z */
             const uint32_t *w32 = (const uint32_t *)buf;
+            const int ub = hd->ubits;
+            if (ub) {
+                /* one width for every row: position, shift and mask are per thread */
+                const uint32_t p = (uint32_t)(j * ub), sh = p & 31, mask = (1u << ub) - 1u;
+                const uint32_t *wp = w32 + (p >> 5);
+                const float *lut = sm.lut + (ub - 2) * 256;
+                const int rw = 4 * ub; /* 32-bit words per row */
 #pragma unroll
-            for (int r = 0; r < SQ_NR; r++) {
-                int i = half * SQ_NR + r;
-                int b = sm.bits[i];
-                uint32_t ro = sm.roff[i];
-                if (b == STEPQ_BITS_PIVOT) {
-                    x[r] = sq_h2f(((const uint16_t *)(buf + ro))[j]);
-                } else {
-                    uint32_t p = (uint32_t)(j * b);
-                    uint32_t wi = (ro >> 2) + (p >> 5);
-                    uint32_t u = __funnelshift_r(w32[wi], w32[wi + 1], p & 31) & ((1u << b) - 1u);
-                    float z = sm.lut[(b - 2) * 256 + u];
-                    x[r] = hd->has_col ? (sm.rs[i] * cj) * z : sm.rs[i] * z;
+                for (int r = 0; r < SQ_NR; r++) {
+                    int i = half * SQ_NR + r;
+                    const uint32_t *q = wp + i * rw;
+                    uint32_t u = __funnelshift_r(q[0], q[1], sh) & mask;
+                    x[r] = (sm.rs[i] * cj) * lut[u];
+                }
+            } else {
+#pragma unroll
+                for (int r = 0; r < SQ_NR; r++) {
+                    int i = half * SQ_NR + r;
+                    int b = sm.bits[i];
+                    uint32_t ro = sm.roff[i];
+                    if (b == STEPQ_BITS_PIVOT) {
+                        x[r] = sq_h2f(((const uint16_t *)(buf + ro))[j]);
+                    } else {
+                        uint32_t p = (uint32_t)(j * b);
+                        uint32_t wi = (ro >> 2) + (p >> 5);
+                        uint32_t u =
+                            __funnelshift_r(w32[wi], w32[wi + 1], p & 31) & ((1u << b) - 1u);
+                        x[r] = (sm.rs[i] * cj) * sm.lut[(b - 2) * 256 + u];
+                    }
                 }
             }
         } else {
@@ -466,10 +494,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
                 h = sq_scale_h(s);
                 r = sq_h2f(h);
                 float w = hd->w[t];
-                sm.w2r[t] = w * w * r;
                 sm.w2r2[t] = w * w * r * r;
             }
             sm.rs[t] = r;
+            sm.rinv[t] = r > 0.0f ? __frcp_rn(r) : 0.0f;
             sm.rh[t] = h;
         }
         /* The new block is assembled in buf: zero it (padding, unused slots). */
@@ -477,25 +505,32 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
             ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
         __syncthreads();
 
-        /* 2. column scales of Y = X / r over the integer rows */
-        float cj = 1.0f;
-        if (dual) {
-            float cm = 0.0f;
+        /* 2. Y = X / r in place of X (integer rows); column scales of Y */
+        float cm = 0.0f;
 #pragma unroll
-            for (int r = 0; r < SQ_NR; r++) {
-                int i = half * SQ_NR + r;
-                if (sm.bits[i] != STEPQ_BITS_PIVOT)
-                    cm = fmaxf(cm, fabsf(x[r] / sm.rs[i]));
+        for (int r = 0; r < SQ_NR; r++) {
+            int i = half * SQ_NR + r;
+            if (sm.bits[i] != STEPQ_BITS_PIVOT) {
+                x[r] = sq_div(x[r], sm.rs[i], sm.rinv[i]);
+                cm = fmaxf(cm, fabsf(x[r]));
             }
+        }
+        float cj = 1.0f, cinv = 1.0f;
+        if (dual) {
             sm.red[0][half][j] = cm;
             __syncthreads();
             float c = fmaxf(sm.red[0][0][j], sm.red[0][1][j]);
             if (c > STEPQ__SCALE_MAX && half == 0)
                 fl |= STEPQ__HEALTH_SATURATED;
             cj = sq_h2f(sq_scale_h(c));
+            cinv = __frcp_rn(cj);
         }
 
-        /* 3. codes (bytes in zb), pivot rows straight into the block; refit sums */
+        /*
+         * 3. codes (bytes in zb), pivot rows straight into the block; refit
+         * sums. With y = x / r: num = sum w^2 r^2 zt y (= sum w^2 r zt x up to
+         * one rounding of y), den = sum w^2 r^2 zt^2.
+         */
         float num = 0.0f, den = 0.0f;
 #pragma unroll
         for (int r = 0; r < SQ_NR; r++) {
@@ -506,17 +541,16 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
                 continue;
             }
             int qm = (1 << (b - 1)) - 1;
-            float y = x[r] / sm.rs[i];
-            if (dual)
-                y = y / cj;
+            float y = dual ? sq_div(x[r], cj, cinv) : x[r];
             float z = rintf(y * (float)qm);
             z = fminf(fmaxf(z, (float)-qm), (float)qm);
             int u = (int)z + qm;
             zb[i * SQ_D + j] = (uint8_t)u;
             if (dual) {
                 float zt = sm.lut[(b - 2) * 256 + u];
-                num = fmaf(sm.w2r[i], zt * x[r], num);
-                den = fmaf(sm.w2r2[i], zt * zt, den);
+                float a = sm.w2r2[i] * zt;
+                num = fmaf(a, x[r], num);
+                den = fmaf(a, zt, den);
             }
         }
 

@@ -11,6 +11,7 @@
 
 extern "C" {
 #include "kernels/cuda/cuda.h"
+#include "kernels/format.h"
 #include "kernels/quant.h"
 #include "plugin/err.h"
 }
@@ -136,6 +137,10 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
                 return stepq__error(STEPQ_EINTERNAL, "%s: head %d row %d codes not 16-B aligned",
                                     who, hv, i);
         }
+        h->ubits = hl->quantized && hl->row_bits[0] >= 2 && hl->row_bits[0] <= 8 ? hl->row_bits[0] : 0;
+        for (int i = 1; i < SQ_D && h->ubits; i++)
+            if (hl->row_bits[i] != hl->row_bits[0])
+                h->ubits = 0;
         if (pl->head_offset[hv] % 16)
             return stepq__error(STEPQ_EINVAL, "%s: head %d offset %zu is not a multiple of 16", who,
                                 hv, pl->head_offset[hv]);
