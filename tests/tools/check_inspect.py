@@ -1,0 +1,57 @@
+#!/usr/bin/env python3
+"""`stepq inspect --json` on the bundled example maps gives the issue's exact numbers,
+and an unreadable map gives an error message and exit status 1, not a crash."""
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+stepq, root = sys.argv[1], sys.argv[2]
+ex = os.path.join(root, "config", "examples")
+
+# (map file, key, expected) -- the checks issue 2 lists, plus the paper's analytical slot.
+expect = [
+    ("qwen3.8-27b.fp32.json", "state_bytes_fp32", 150994944),
+    ("qwen3.8-27b.fp32.json", "conv_bytes", 2949120),
+    ("qwen3.8-27b.dsq-6.json", "state_bytes_compact", 29491200),
+    ("qwen3.8-27b.uniform-6.json", "state_bytes_compact", 28901376),
+    ("qwen3.8-27b.stepq-6-layout.json", "state_bytes_compact", 29999104),
+    ("qwen3.8-27b.stepq-6-layout.json", "state_bytes_allocated", 30015488),
+    ("kimi-linear-48b-a3b.fp32.json", "state_bytes_fp32", 41943040),
+    ("kimi-linear-48b-a3b.dsq-4.json", "state_bytes_compact", 5570560),
+]
+failed = 0
+cache = {}
+for name, key, want in expect:
+    if name not in cache:
+        out = subprocess.run([stepq, "inspect", os.path.join(ex, name), "--json"],
+                             capture_output=True, text=True, check=True).stdout
+        cache[name] = json.loads(out)
+    got = cache[name][key]
+    ok = got == want
+    failed += not ok
+    print(f"{'ok  ' if ok else 'FAIL'} {name} {key} = {got} (want {want})")
+
+# Ratio and bits per value are consistent with the byte counts.
+d = cache["qwen3.8-27b.stepq-6-layout.json"]
+if abs(d["ratio_vs_fp32"] - 150994944 / 29999104) > 1e-5 or abs(d["bits_per_value"] - 29999104 * 8 / (150994944 / 4)) > 1e-5:
+    print("FAIL ratio/bits inconsistent:", d)
+    failed += 1
+
+# Bad input: a clear message and status 1.
+with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+    f.write('{"format": "stepq-precision-map", "schema_version": 1, "model": 7}')
+bad = subprocess.run([stepq, "inspect", f.name], capture_output=True, text=True)
+os.unlink(f.name)
+if bad.returncode != 1 or "model" not in bad.stderr:
+    print("FAIL bad map: rc", bad.returncode, "stderr", bad.stderr)
+    failed += 1
+else:
+    print("ok   bad map ->", bad.stderr.strip())
+missing = subprocess.run([stepq, "inspect", "/nonexistent/map.json"], capture_output=True, text=True)
+if missing.returncode != 1 or not missing.stderr:
+    print("FAIL missing file: rc", missing.returncode)
+    failed += 1
+print(f"{len(expect) + 3 - failed} passed, {failed} failed")
+sys.exit(1 if failed else 0)
