@@ -759,14 +759,6 @@ static int parse_row_impact(struct ctx *c, const cJSON *arr, float *w)
     return stepq__row_impact_check(w, dk, c->path);
 }
 
-/* Parses a distortion member key "2".."8" (only the integer widths). */
-static int distortion_bits(const char *k)
-{
-    if (k[0] >= '2' && k[0] <= '8' && k[1] == '\0' && stepq__bits_is_int(k[0] - '0'))
-        return k[0] - '0';
-    return -1;
-}
-
 static const char *const stats_keys[] = { "log_retention", "lambda", "distortion" };
 
 /*
@@ -821,21 +813,17 @@ static int parse_stats(struct ctx *c, const cJSON *obj, stepq_map_t *m, int laye
     size_t old = push_key(c, "distortion");
     if ((st = expect(c, f[2], is_object, "an object")) < 0)
         return st;
-    unsigned seen = 0;
-    for (const cJSON *d = f[2]->child; d; d = d->next) {
-        const char *k = d->string ? d->string : "";
-        if (!strncmp(k, "x-", 2))
+    /* The keys are the measured widths; check_keys also catches duplicates. */
+    static const char *const widths[] = { "2", "3", "4", "5", "6", "8" };
+    const cJSON *df[6];
+    if ((st = check_keys(c, f[2], widths, 6, df)) < 0)
+        return st;
+    for (int k = 0; k < 6; k++) {
+        const cJSON *it = df[k];
+        const int b = widths[k][0] - '0';
+        if (!it)
             continue;
-        size_t o2 = push_key(c, k);
-        int b = distortion_bits(k);
-        if (b < 0)
-            return fail(c, STEPQ_ESCHEMA,
-                        "unknown field (distortion keys are the widths \"2\", \"3\", \"4\", "
-                        "\"5\", \"6\", \"8\")");
-        if (seen & (1u << b))
-            return fail(c, STEPQ_ESCHEMA, "duplicate key");
-        seen |= 1u << b;
-        const cJSON *it = d;
+        size_t o2 = push_key(c, widths[k]);
         if (kda) {
             if ((st = expect(c, it, is_array, "an array")) < 0)
                 return st;

@@ -383,6 +383,13 @@ static const struct bad_case cases[] = {
                     "\"distortion\": {\"4\": 0.1, \"8\": 0.01}}}"))),
       0, STEPQ_ESCHEMA,
       "layers[1].heads[1].stats.distortion: measures bits {4,8} but the first unit measures {4}" },
+    { "duplicate distortion width",
+      DOC(GDN_MODEL D6_STATS LAYERS(
+          LAY(0, "[]", HS(6) ", " HS(6)),
+          LAY(2, "[]",
+              HS(6) ", {\"bits\": 6, \"stats\": {\"log_retention\": -0.1, \"lambda\": 2, "
+                    "\"distortion\": {\"4\": 0.1, \"x-a\": 0, \"4\": 0.2}}}"))),
+      0, STEPQ_ESCHEMA, "layers[1].heads[1].stats.distortion.4: duplicate key" },
     { "lambda missing",
       DOC(GDN_MODEL D6_STATS LAYERS(
           LAY(0, "[]", HS(6) ", " HS(6)),
