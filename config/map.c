@@ -559,12 +559,50 @@ int stepq__prov_num_check(int idx, double v, const char *path)
     return STEPQ_OK;
 }
 
+/* Offset of the first byte that breaks UTF-8 (overlongs, surrogates, > U+10FFFF), or -1. */
+static long utf8_error(const unsigned char *s, size_t n)
+{
+    for (size_t i = 0; i < n;) {
+        unsigned char b = s[i];
+        size_t len;
+        uint32_t cp;
+        if (b < 0x80) {
+            i++;
+            continue;
+        }
+        if (b >= 0xC2 && b <= 0xDF)
+            len = 2, cp = b & 0x1F;
+        else if (b >= 0xE0 && b <= 0xEF)
+            len = 3, cp = b & 0x0F;
+        else if (b >= 0xF0 && b <= 0xF4)
+            len = 4, cp = b & 0x07;
+        else
+            return (long)i;
+        if (i + len > n)
+            return (long)i;
+        for (size_t k = 1; k < len; k++) {
+            if ((s[i + k] & 0xC0) != 0x80)
+                return (long)i;
+            cp = (cp << 6) | (s[i + k] & 0x3F);
+        }
+        if ((len == 3 && cp < 0x800) || (len == 4 && cp < 0x10000) || cp > 0x10FFFF ||
+            (cp >= 0xD800 && cp <= 0xDFFF))
+            return (long)i;
+        i += len;
+    }
+    return -1;
+}
+
+/* Free text must be valid UTF-8 so that the written map loads again. */
 static int text_check(const char *s, const char *what)
 {
     size_t n = strlen(s);
+    long bad;
     if (n > STEPQ__MAX_TEXT)
         return stepq__error(STEPQ_ERANGE, "%s: %zu bytes, longer than the limit of %d", what, n,
                             STEPQ__MAX_TEXT);
+    if ((bad = utf8_error((const unsigned char *)s, n)) >= 0)
+        return stepq__error(STEPQ_EINVAL, "%s: invalid UTF-8 at byte %ld", what, bad);
     return STEPQ_OK;
 }
 

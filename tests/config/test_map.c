@@ -331,6 +331,9 @@ static void setters_reject_bad_ids_and_values_and_change_nothing(void **state)
     assert_int_equal(stepq_map_set_unit_stats(m, 0, 99, &st), STEPQ_EINVAL);
     assert_int_equal(stepq_map_set_unit_stats(m, 0, 0, NULL), STEPQ_EINVAL);
 
+    assert_int_equal(stepq_map_set_provenance(m, "notes", "caf\xc3"), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "provenance.notes: invalid UTF-8 at byte 3"));
+    assert_int_equal(stepq_map_set_model_name(m, "\xed\xa0\x80"), STEPQ_EINVAL);
     assert_int_equal(stepq_map_set_provenance(m, "author", "x"), STEPQ_EINVAL);
     assert_non_null(strstr(stepq_map_last_error(m), "provenance.author: unknown string field"));
     assert_int_equal(stepq_map_set_provenance_number(m, "tokens", -1), STEPQ_ERANGE);
