@@ -1175,6 +1175,11 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
             return stepq__error(STEPQ_EPARSE, "empty input (no JSON value)");
         }
     }
+    /*
+     * cJSON 1.7 also stores the error position in a process-global slot on
+     * every parse; stepq never reads it (the position comes back in `end`),
+     * so concurrent loads only race on a value nobody uses.
+     */
     root = cJSON_ParseWithLengthOpts(copy, len + 1, &end, 1);
     if (!root) {
         size_t line, col, off = end && end >= copy ? (size_t)(end - copy) : 0;
