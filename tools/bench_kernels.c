@@ -25,12 +25,13 @@
 #include "kernels/format.h"
 #include "stepq/stepq.h"
 
-#define D 128
+#define D      128
 #define WARMUP 3
-#define RUNS 20
-#define MAX_B 512
+#define RUNS   20
+#define MAX_B  512
 
-/* Quoted from issue 5 (fla fused_recurrent_gated_delta_rule, fp32 state, same H200): NOT measured here. */
+/* Quoted from issue 5 (fla fused_recurrent_gated_delta_rule, fp32 state, same H200): NOT measured
+ * here. */
 static const int peer_b[] = { 1, 8, 32, 64, 128, 256, 512 };
 static const double peer_us_gdn[] = { 82, 75, 113, 158, 245, 431, 797 };
 
@@ -94,11 +95,11 @@ static int launch(struct ctx *c)
 {
     switch (c->kind) {
     case K_DENSE_F32:
-        return stepq__cuda_step_dense_ex(&c->a, c->dense, (size_t)c->a.HV * D * D,
-                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32);
+        return stepq__cuda_step_dense_ex(&c->a, c->dense, (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
+                                         STEPQ__DTYPE_F32);
     case K_DENSE_BF16:
-        return stepq__cuda_step_dense_ex(&c->a, c->dense, (size_t)c->a.HV * D * D,
-                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16);
+        return stepq__cuda_step_dense_ex(&c->a, c->dense, (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
+                                         STEPQ__DTYPE_BF16);
     case K_PACKED:
         return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_FUSED);
     case K_PACKED_2S:
@@ -161,7 +162,7 @@ struct method {
 };
 
 static const struct method methods[] = {
-    { "fp32", STEPQ_METHOD_FP32, 0 },      { "bf16", STEPQ_METHOD_BF16, 0 },
+    { "fp32", STEPQ_METHOD_FP32, 0 },         { "bf16", STEPQ_METHOD_BF16, 0 },
     { "uniform@6", STEPQ_METHOD_UNIFORM, 6 }, { "stepq@4", STEPQ_METHOD_STEPQ, 4 },
     { "stepq@6", STEPQ_METHOD_STEPQ, 6 },
 };
@@ -406,10 +407,15 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
                     state_rw = 2 * (size_t)B * blocks;
-                    c.kind = row < 5 ? K_PACKED : row == 5 ? K_PACKED_2S : row == 6 ? K_PACK : K_UNPACK;
+                    c.kind = row < 5    ? K_PACKED
+                             : row == 5 ? K_PACKED_2S
+                             : row == 6 ? K_PACK
+                                        : K_UNPACK;
                     if (row >= 5) {
                         snprintf(lab, sizeof(lab), "%s %s", me->name,
-                                 row == 5 ? "two-stage" : row == 6 ? "pack" : "unpack");
+                                 row == 5   ? "two-stage"
+                                 : row == 6 ? "pack"
+                                            : "unpack");
                         label = lab;
                     }
                     if (row == 5)
@@ -430,16 +436,17 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 if (row == 0 && shape == 1 && B == 512)
                     snprintf(peer, sizeof(peer), "742");
                 if (rc == 0) {
-                    printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %7.2fx %12s\n", label, B, us, bytes,
-                           gbs, 100.0 * gbs / copy_gbs, row < 6 ? fp32_us / us : 0.0, peer);
+                    printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %7.2fx %12s\n", label, B, us,
+                           bytes, gbs, 100.0 * gbs / copy_gbs, row < 6 ? fp32_us / us : 0.0, peer);
                     if (jf)
                         fprintf(jf,
                                 "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
                                 "\"us\": %.2f, \"bytes\": %zu, \"gbs\": %.1f, \"copy_frac\": %.4f, "
                                 "\"speedup_vs_fp32\": %.3f, \"peer_us_quoted\": %s}",
-                                first_row ? "" : ",", shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b",
-                                label, B, us, bytes, gbs, gbs / copy_gbs,
-                                row < 6 ? fp32_us / us : 0.0, peer[0] ? peer : "null");
+                                first_row ? "" : ",",
+                                shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", label, B, us,
+                                bytes, gbs, gbs / copy_gbs, row < 6 ? fp32_us / us : 0.0,
+                                peer[0] ? peer : "null");
                     first_row = 0;
                 }
                 stepq__cuda_layer_release(c.L);
@@ -450,7 +457,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         printf("\n");
     }
     (void)peer_b;
-    printf("peer us (q): quoted from issue 5 (flash-linear-attention fused_recurrent_gated_delta_rule /\n"
+    printf("peer us (q): quoted from issue 5 (flash-linear-attention "
+           "fused_recurrent_gated_delta_rule /\n"
            "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
     if (jf) {
         fprintf(jf, "\n]}\n");

@@ -49,8 +49,9 @@ typedef enum stepq__dtype {
 
 /** Decode variants of the packed step. */
 typedef enum stepq__cuda_variant {
-    STEPQ__CUDA_FUSED = 0,     /**< one pass: read page, update, fit, write page (default) */
-    STEPQ__CUDA_TWO_STAGE = 1, /**< paper: update to fp32 scratch, then fit+pack on a second stream */
+    STEPQ__CUDA_FUSED = 0, /**< one pass: read page, update, fit, write page (default) */
+    STEPQ__CUDA_TWO_STAGE =
+        1, /**< paper: update to fp32 scratch, then fit+pack on a second stream */
 } stepq__cuda_variant;
 
 /**

@@ -25,11 +25,11 @@ extern "C" {
 #include "kernels/dsp.h"
 }
 
-#define SQ_D 128        /* head dimension (d_k = d_v) */
-#define SQ_THREADS 256  /* two row halves x 128 columns: column sums stay in-thread */
-#define SQ_NR 64        /* state rows per thread (registers) */
-#define SQ_MIN_BLOCKS 2 /* caps registers at 128 so two heads share an SM */
-#define SQ_LUT (7 * 256) /* z/qmax for b = 2..8, indexed (b-2)*256 + u */
+#define SQ_D          128       /* head dimension (d_k = d_v) */
+#define SQ_THREADS    256       /* two row halves x 128 columns: column sums stay in-thread */
+#define SQ_NR         64        /* state rows per thread (registers) */
+#define SQ_MIN_BLOCKS 2         /* caps registers at 128 so two heads share an SM */
+#define SQ_LUT        (7 * 256) /* z/qmax for b = 2..8, indexed (b-2)*256 + u */
 
 enum { SQ_SRC_PACKED = 0, SQ_SRC_DENSE = 1 };
 enum { SQ_SINK_PACKED = 0, SQ_SINK_DENSE = 1 };
@@ -41,7 +41,7 @@ struct sq_head_desc {
     uint32_t row_scale_off, col_scale_off;
     uint8_t method, quantized, has_col, dual;
     uint8_t any_int, ubits, pad[2]; /* ubits: the one integer width of every row, else 0 */
-    uint8_t bits[SQ_D];     /* 2..8 or 16 (pivot); 0 for dense methods */
+    uint8_t bits[SQ_D];             /* 2..8 or 16 (pivot); 0 for dense methods */
     uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
     float w[SQ_D];          /* row impact used by the fit (1 when unused) */
 };
@@ -61,10 +61,10 @@ struct sq_io {
     uint8_t *pages;       /* packed pages */
     size_t page_stride;
     const sq_head_desc *heads;
-    int vec16;            /* pages, stride and offsets 16-byte aligned */
-    void *dense;          /* dense tensor */
-    size_t dense_stride;  /* elements per entry (or per slot) */
-    int dense_by_slot;    /* dense entry index = slot id (dense step) or entry (pack/unpack) */
+    int vec16;           /* pages, stride and offsets 16-byte aligned */
+    void *dense;         /* dense tensor */
+    size_t dense_stride; /* elements per entry (or per slot) */
+    int dense_by_slot;   /* dense entry index = slot id (dense step) or entry (pack/unpack) */
     int layout_vk, bf16;
     uint32_t *health;
     unsigned long long *counts;
@@ -151,8 +151,7 @@ __device__ __forceinline__ double sq_warp_sum(double x)
 }
 
 /* One butterfly stage: pairs (k, k + S) swap halves with lane ^ S. */
-template <int S>
-__device__ __forceinline__ void sq_rowmax_stage(float (&v)[16], int lane)
+template <int S> __device__ __forceinline__ void sq_rowmax_stage(float (&v)[16], int lane)
 {
     const bool up = lane & S;
 #pragma unroll
@@ -192,14 +191,14 @@ __device__ __forceinline__ float sq_div(float a, float b, float binv)
 
 struct sq_smem {
     float q[SQ_D], k[SQ_D], v[SQ_D], dec[SQ_D];
-    float red[2][2][SQ_D];   /* [quantity][half][column] */
-    float rowpart[4][SQ_D];  /* row max partials of the 4 warps of a half */
+    float red[2][2][SQ_D];  /* [quantity][half][column] */
+    float rowpart[4][SQ_D]; /* row max partials of the 4 warps of a half */
     float rs[SQ_D], cs[SQ_D], w2r2[SQ_D];
     float2 rr[SQ_D]; /* new row scale and its reciprocal */
     uint16_t rh[SQ_D], roff[SQ_D];
     uint8_t bits[SQ_D];
     float lut[SQ_LUT];
-    float fit[2][2][SQ_D];   /* refit sums [num|den][half][column] */
+    float fit[2][2][SQ_D]; /* refit sums [num|den][half][column] */
     double l2[4][2];
     float beta, dec0;
 };
@@ -211,8 +210,7 @@ struct sq_smem {
  * it out whole, so each packed byte is read and written once.
  */
 template <int SRC, bool UPDATE, int SINK>
-__global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
-    sq_head_kernel(sq_step st, sq_io io)
+__global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_step st, sq_io io)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_smem sm;
@@ -331,8 +329,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
             __syncthreads();
             if (t < SQ_D) {
                 sm.rs[t] = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
-                sm.cs[t] = hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t])
-                                       : 1.0f;
+                sm.cs[t] =
+                    hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
             }
             __syncthreads();
             const float cj = sm.cs[j]; /* 1 without column scales: (r * 1) * z == r * z */
@@ -381,13 +379,14 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
             }
         }
     } else {
-        size_t base = (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride +
-                      (size_t)hv * SQ_D * SQ_D;
+        size_t base =
+            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
 #pragma unroll
         for (int r = 0; r < SQ_NR; r++) {
             int i = half * SQ_NR + r;
             size_t n = base + (io.layout_vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
-            x[r] = io.bf16 ? sq_bf2f(((const uint16_t *)io.dense)[n]) : ((const float *)io.dense)[n];
+            x[r] =
+                io.bf16 ? sq_bf2f(((const uint16_t *)io.dense)[n]) : ((const float *)io.dense)[n];
         }
         if (!UPDATE) {
             /* pack: non-finite elements become 0 before the fit */
@@ -444,8 +443,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS)
 
     /* ---- sink ---- */
     if (SINK == SQ_SINK_DENSE) {
-        size_t base = (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride +
-                      (size_t)hv * SQ_D * SQ_D;
+        size_t base =
+            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
 #pragma unroll
         for (int r = 0; r < SQ_NR; r++) {
             int i = half * SQ_NR + r;

@@ -46,11 +46,11 @@ static int cuda_fail(cudaError_t err, const char *who, const char *what)
     return stepq__error(STEPQ_ECUDA, "%s: %s: %s", who, what, cudaGetErrorString(err));
 }
 
-#define SQ_CU(call, who)                                    \
-    do {                                                    \
-        cudaError_t err_ = (call);                          \
-        if (err_ != cudaSuccess)                            \
-            return cuda_fail(err_, who, #call);             \
+#define SQ_CU(call, who)                        \
+    do {                                        \
+        cudaError_t err_ = (call);              \
+        if (err_ != cudaSuccess)                \
+            return cuda_fail(err_, who, #call); \
     } while (0)
 
 extern "C" int stepq__cuda_device_count(void)
@@ -137,7 +137,8 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
                 return stepq__error(STEPQ_EINTERNAL, "%s: head %d row %d codes not 16-B aligned",
                                     who, hv, i);
         }
-        h->ubits = hl->quantized && hl->row_bits[0] >= 2 && hl->row_bits[0] <= 8 ? hl->row_bits[0] : 0;
+        h->ubits =
+            hl->quantized && hl->row_bits[0] >= 2 && hl->row_bits[0] <= 8 ? hl->row_bits[0] : 0;
         for (int i = 1; i < SQ_D && h->ubits; i++)
             if (hl->row_bits[i] != hl->row_bits[0])
                 h->ubits = 0;
@@ -181,8 +182,8 @@ extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
     {
         cudaError_t err = cudaMalloc((void **)&L->d_heads, sizeof(*h) * (size_t)pl->n_heads);
         if (err == cudaSuccess)
-            err = cudaMemcpy(L->d_heads, h, sizeof(*h) * (size_t)pl->n_heads,
-                             cudaMemcpyHostToDevice);
+            err =
+                cudaMemcpy(L->d_heads, h, sizeof(*h) * (size_t)pl->n_heads, cudaMemcpyHostToDevice);
         if (err != cudaSuccess) {
             rc = cuda_fail(err, who, "descriptor upload");
             goto fail;
@@ -393,9 +394,9 @@ static int check_dense_io(int n, const int32_t *slots, const void *buf, size_t s
     return STEPQ_OK;
 }
 
-extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl,
-                                         stepq__cuda_layer *L, int n, const int32_t *slots,
-                                         const void *src, size_t src_stride, stepq__layout layout,
+extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L,
+                                         int n, const int32_t *slots, const void *src,
+                                         size_t src_stride, stepq__layout layout,
                                          stepq__dtype dtype, uint32_t *health, uint64_t *counts,
                                          void *stream)
 {
@@ -418,8 +419,8 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl,
     io.health = health;
     io.counts = (unsigned long long *)counts;
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(dim3((unsigned)pl->n_heads, (unsigned)n),
-                                                       dyn_smem(L->max_block),
-                                                       (cudaStream_t)stream, st, io, who);
+                                                       dyn_smem(L->max_block), (cudaStream_t)stream,
+                                                       st, io, who);
 }
 
 extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
@@ -444,8 +445,8 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
     return launch<SQ_SRC_PACKED, false, SQ_SINK_DENSE>(dim3((unsigned)pl->n_heads, (unsigned)n),
-                                                       dyn_smem(L->max_block),
-                                                       (cudaStream_t)stream, st, io, who);
+                                                       dyn_smem(L->max_block), (cudaStream_t)stream,
+                                                       st, io, who);
 }
 
 extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base,
@@ -539,9 +540,8 @@ extern "C" int stepq__cuda_pack(const struct stepq__packed_layer *pl, int n, con
                                      health, counts, stream);
 }
 
-extern "C" int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n,
-                                  const int32_t *slots, float *dst, size_t dst_stride,
-                                  stepq__layout layout, void *stream)
+extern "C" int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                                  float *dst, size_t dst_stride, stepq__layout layout, void *stream)
 {
     stepq__cuda_layer *L;
     int rc = cached_layer(pl, &L, "cuda unpack");

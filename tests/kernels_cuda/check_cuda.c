@@ -19,27 +19,27 @@
 #include "kernels/dsp.h"
 #include "kernels/quant.h"
 
-#define D 128
+#define D        128
 #define SENTINEL 0xA5
-#define GAP 16 /* sentinel bytes between head blocks and after each page */
+#define GAP      16 /* sentinel bytes between head blocks and after each page */
 
 static int n_fail, n_pass;
 static int small;
 
-#define CHECK(cond, ...)                                                                          \
-    do {                                                                                          \
-        if (!(cond)) {                                                                            \
-            printf("FAIL %s:%d: ", __FILE__, __LINE__);                                           \
-            printf(__VA_ARGS__);                                                                  \
-            printf("\n");                                                                         \
-            return 1;                                                                             \
-        }                                                                                         \
+#define CHECK(cond, ...)                                \
+    do {                                                \
+        if (!(cond)) {                                  \
+            printf("FAIL %s:%d: ", __FILE__, __LINE__); \
+            printf(__VA_ARGS__);                        \
+            printf("\n");                               \
+            return 1;                                   \
+        }                                               \
     } while (0)
 
-#define CU(call)                                                                                  \
-    do {                                                                                          \
-        cudaError_t e_ = (call);                                                                  \
-        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_));                        \
+#define CU(call)                                                           \
+    do {                                                                   \
+        cudaError_t e_ = (call);                                           \
+        CHECK(e_ == cudaSuccess, "%s: %s", #call, cudaGetErrorString(e_)); \
     } while (0)
 
 #define SQ(call) CHECK((call) == STEPQ_OK, "%s: %s", #call, stepq_last_error())
@@ -52,7 +52,10 @@ static uint32_t rnd(void)
     rng ^= rng << 17;
     return (uint32_t)(rng >> 11);
 }
-static float urand(void) { return (float)(rnd() & 0xffffff) / 16777216.0f; }
+static float urand(void)
+{
+    return (float)(rnd() & 0xffffff) / 16777216.0f;
+}
 static float nrand(void)
 {
     float u = urand() + 1e-7f, v = urand();
@@ -273,8 +276,8 @@ static void *dup_dev(const void *h, size_t n)
  * One packed decode step, CUDA vs reference. variant: fused or two-stage.
  * nonfinite: request 0 gets a NaN in q (head untouched, output 0, flag).
  */
-static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, int batch,
-                    int gate, int nonfinite, stepq__cuda_variant variant)
+static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, int batch, int gate,
+                    int nonfinite, stepq__cuda_variant variant)
 {
     char what[160];
     snprintf(what, sizeof(what), "step %s method=%d bits=%d H=%d HV=%d B=%d gate=%d nf=%d var=%d",
@@ -445,7 +448,7 @@ static int run_pack(stepq_method m, stepq_arch arch, int bits, int HV, int n, st
     CU(cudaMalloc((void **)&dpages, L.bytes));
     CU(cudaMemset(dpages, SENTINEL, L.bytes));
     void *dsrc = dt == STEPQ__DTYPE_BF16 ? dup_dev(src16, 2 * stride * n)
-                                          : dup_dev(src, sizeof(float) * stride * n);
+                                         : dup_dev(src, sizeof(float) * stride * n);
     int32_t *dslots = dup_dev(slots, sizeof(int32_t) * n);
     uint32_t *dh = dup_dev(h_got, sizeof(h_got));
     uint64_t *dc = dup_dev(c_got, sizeof(c_got));
@@ -466,7 +469,8 @@ static int run_pack(stepq_method m, stepq_arch arch, int bits, int HV, int n, st
 
     /* unpack the reference pages on both sides */
     if (!rc) {
-        float *u_ref = calloc(stride * n, sizeof(float)), *u_got = calloc(stride * n, sizeof(float));
+        float *u_ref = calloc(stride * n, sizeof(float)),
+              *u_got = calloc(stride * n, sizeof(float));
         uint16_t *u16 = calloc(stride * n, 2);
         SQ(stepq__ref_unpack(&L.pl, n, slots, u_ref, stride, lay, NULL));
         CU(cudaMemcpy(dpages, ref, L.bytes, cudaMemcpyHostToDevice));
@@ -519,7 +523,8 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
              arch == STEPQ_ARCH_KDA ? "kda" : "gdn", (int)lay, batch, steps);
     int n_slots = batch + 2, ng = arch == STEPQ_ARCH_KDA ? D : 1;
     size_t stride = (size_t)HV * D * D;
-    float *S = malloc(sizeof(float) * stride * n_slots), *Sg = malloc(sizeof(float) * stride * n_slots);
+    float *S = malloc(sizeof(float) * stride * n_slots),
+          *Sg = malloc(sizeof(float) * stride * n_slots);
     for (size_t e = 0; e < stride * n_slots; e++)
         S[e] = 0.1f * nrand();
     struct inputs in = { .batch = batch, .H = H, .HV = HV };
@@ -665,18 +670,22 @@ int main(void)
         }
     }
     /* KDA: per-row bits with pivots, one shared column-scale vector per head. */
-    RUN("kda step stepq mixed rows", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
+    RUN("kda step stepq mixed rows",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
     RUN("kda step temporal mixed rows",
         run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
     RUN("kda step uniform @4", run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_KDA, 4, 2, 2, B, 0, 0, 0));
     RUN("kda step dsq @5", run_step(STEPQ_METHOD_DSQ, STEPQ_ARCH_KDA, 5, 1, 2, B, 1, 0, 0));
     RUN("kda step fp32", run_step(STEPQ_METHOD_FP32, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
     /* non-finite inputs leave the head untouched; several batches; two-stage */
-    RUN("gdn step non-finite input", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
-    RUN("kda step non-finite input", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
+    RUN("gdn step non-finite input",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
+    RUN("kda step non-finite input",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
     RUN("gdn step batch 1", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, 1, 0, 0, 0));
     if (!small)
-        RUN("gdn step batch 40", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
+        RUN("gdn step batch 40",
+            run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
     RUN("gdn step two-stage", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 1));
     RUN("kda step two-stage", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
 
@@ -692,8 +701,8 @@ int main(void)
         }
     RUN("pack/unpack gdn uniform@6", run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3,
                                               STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32));
-    RUN("pack/unpack gdn fp32", run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3,
-                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
+    RUN("pack/unpack gdn fp32",
+        run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
 
     /* dense fp32 recurrence: one step, and 1024 steps (<= 1e-5 relative) */
     RUN("dense gdn 1 step [K,V]", run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1));
