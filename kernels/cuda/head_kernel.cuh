@@ -66,6 +66,7 @@ struct sq_io {
     size_t dense_stride; /* elements per entry (or per slot) */
     int dense_by_slot;   /* dense entry index = slot id (dense step) or entry (pack/unpack) */
     int layout_vk, bf16;
+    int dense_vec; /* dense base and stride allow 16-byte (fp32) / 8-byte (bf16) vectors */
     uint32_t *health;
     unsigned long long *counts;
     int *skip; /* two-stage: [entries][HV], stage 1 marks heads left untouched */
@@ -177,6 +178,97 @@ __device__ __forceinline__ float sq_rowmax16(float (&v)[16], int lane)
     return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 16));
 }
 
+/* 16-byte asynchronous global -> shared copy (cp.async, sm_80+), and its wait. */
+__device__ __forceinline__ void sq_cp_async16(void *smem, const void *gmem)
+{
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void sq_cp_async_wait_all()
+{
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
+
+/*
+ * The thread's 64 elements (rows half*64.., column j) of a dense head at
+ * p + off. [K,V]: a warp reads 128 contiguous bytes per row. [V,K]: each
+ * thread reads its column's 64 contiguous rows as 16-byte (fp32) or 8-byte
+ * (bf16) vectors when `vec` (16-byte aligned base, stride and offset).
+ */
+template <int DT>
+__device__ __forceinline__ void sq_load_tile(float (&x)[SQ_NR], const void *p, size_t off, bool vk,
+                                             bool vec, int half, int j)
+{
+    if (vk && vec && DT != SQ_F16) {
+        size_t n0 = off + (size_t)j * SQ_D + half * SQ_NR;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r += 4) {
+            if (DT == SQ_F32) {
+                float4 v = *(const float4 *)((const float *)p + n0 + r);
+                x[r] = v.x;
+                x[r + 1] = v.y;
+                x[r + 2] = v.z;
+                x[r + 3] = v.w;
+            } else {
+                uint2 v = *(const uint2 *)((const uint16_t *)p + n0 + r);
+                x[r] = __uint_as_float(v.x << 16);
+                x[r + 1] = __uint_as_float(v.x & 0xffff0000u);
+                x[r + 2] = __uint_as_float(v.y << 16);
+                x[r + 3] = __uint_as_float(v.y & 0xffff0000u);
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < SQ_NR; r++) {
+        int i = half * SQ_NR + r;
+        size_t n = off + (vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
+        if (DT == SQ_F32)
+            x[r] = ((const float *)p)[n];
+        else if (DT == SQ_BF16)
+            x[r] = sq_bf2f(((const uint16_t *)p)[n]);
+        else
+            x[r] = sq_h2f(((const uint16_t *)p)[n]);
+    }
+}
+
+/* The reverse of sq_load_tile; bf16/fp16 saturate (flag in *fl). */
+template <int DT>
+__device__ __forceinline__ void sq_store_tile(const float (&x)[SQ_NR], void *p, size_t off, bool vk,
+                                              bool vec, int half, int j, unsigned *fl)
+{
+    if (vk && vec && DT != SQ_F16) {
+        size_t n0 = off + (size_t)j * SQ_D + half * SQ_NR;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r += 4) {
+            if (DT == SQ_F32) {
+                *(float4 *)((float *)p + n0 + r) = make_float4(x[r], x[r + 1], x[r + 2], x[r + 3]);
+            } else {
+                uint2 v;
+                v.x = (uint32_t)sq_bf16_sat(x[r], fl) | ((uint32_t)sq_bf16_sat(x[r + 1], fl) << 16);
+                v.y = (uint32_t)sq_bf16_sat(x[r + 2], fl) |
+                      ((uint32_t)sq_bf16_sat(x[r + 3], fl) << 16);
+                *(uint2 *)((uint16_t *)p + n0 + r) = v;
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < SQ_NR; r++) {
+        int i = half * SQ_NR + r;
+        size_t n = off + (vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
+        if (DT == SQ_F32)
+            ((float *)p)[n] = x[r];
+        else if (DT == SQ_BF16)
+            ((uint16_t *)p)[n] = sq_bf16_sat(x[r], fl);
+        else
+            ((uint16_t *)p)[n] = sq_f16_sat(x[r], fl);
+    }
+}
+
 /*
  * a / b from b and RN(1/b) (Markstein): the residual is exact and the
  * corrected quotient is the correctly rounded a / b outside the subnormal
@@ -236,6 +328,50 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         sm.roff[t] = hd->row_off[t];
     }
 
+    /*
+     * ---- source, issued first: its latency overlaps the input phase ----
+     * Packed blocks travel by cp.async into shared memory; dense tiles are
+     * loaded straight into registers (64 independent loads per thread).
+     */
+    float x[SQ_NR];
+    if (SRC == SQ_SRC_PACKED) {
+        if (quant) {
+            for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+                sq_cp_async16(buf + 16 * n, blk + 16 * n);
+        } else if (method == STEPQ_METHOD_FP32) {
+            sq_load_tile<SQ_F32>(x, blk, 0, false, false, half, j);
+        } else if (method == STEPQ_METHOD_BF16) {
+            sq_load_tile<SQ_BF16>(x, blk, 0, false, false, half, j);
+        } else {
+            sq_load_tile<SQ_F16>(x, blk, 0, false, false, half, j);
+        }
+    } else {
+        size_t off =
+            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
+        if (io.bf16)
+            sq_load_tile<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j);
+        else
+            sq_load_tile<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j);
+        if (!UPDATE) {
+            /* pack: non-finite elements become 0 before the fit */
+            bool nf = false;
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++)
+                if (!isfinite(x[r])) {
+                    x[r] = 0.0f;
+                    nf = true;
+                }
+            if (nf)
+                fl |= STEPQ__HEALTH_STATE;
+        }
+    }
+    if (quant) {
+        for (int n = t; n < SQ_LUT; n += SQ_THREADS) {
+            int b = n / 256 + 2, u = n % 256, qm = (1 << (b - 1)) - 1;
+            sm.lut[n] = (float)(u - qm) / (float)qm;
+        }
+    }
+
     /* ---- inputs of the recurrence ---- */
     if (UPDATE) {
         int hq = hv / (HV / st.H);
@@ -258,8 +394,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
                 float g = st.g[bh * ng + gi];
                 if (st.gate) {
-                    float x = g + st.dt_bias[(size_t)hv * ng + gi];
-                    float sp = x > 20.0f ? x : (float)log1p(exp((double)x)); /* torch softplus */
+                    float ga = g + st.dt_bias[(size_t)hv * ng + gi];
+                    float sp = ga > 20.0f ? ga : (float)log1p(exp((double)ga)); /* torch softplus */
                     g = -expf(st.A_log[hv]) * sp;
                 }
                 bad |= !isfinite(g);
@@ -279,6 +415,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         }
         if (__syncthreads_or(bad)) {
             /* The state keeps its previous content; the output row is 0. */
+            if (SRC == SQ_SRC_PACKED)
+                sq_cp_async_wait_all(); /* nothing may land in a finished block */
             if (t < SQ_D)
                 st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
             if (t == 0) {
@@ -313,92 +451,49 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         __syncthreads();
     }
 
-    /* ---- source: the tile into registers ---- */
-    float x[SQ_NR];
-    if (quant) {
-        for (int n = t; n < SQ_LUT; n += SQ_THREADS) {
-            int b = n / 256 + 2, u = n % 256, qm = (1 << (b - 1)) - 1;
-            sm.lut[n] = (float)(u - qm) / (float)qm;
+    /* ---- packed source: decode the staged block ---- */
+    if (SRC == SQ_SRC_PACKED && quant) {
+        sq_cp_async_wait_all();
+        if (t < 4)
+            ((uint32_t *)(buf + hd->block_bytes))[t] = 0; /* decode reads one word past */
+        __syncthreads();
+        if (t < SQ_D) {
+            sm.rs[t] = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+            sm.cs[t] =
+                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
         }
-    }
-    if (SRC == SQ_SRC_PACKED) {
-        if (quant) {
-            sq_copy(buf, blk, hd->block_bytes, io.vec16);
-            if (t < 4)
-                ((uint32_t *)(buf + hd->block_bytes))[t] = 0; /* decode reads one word past */
-            __syncthreads();
-            if (t < SQ_D) {
-                sm.rs[t] = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
-                sm.cs[t] =
-                    hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
-            }
-            __syncthreads();
-            const float cj = sm.cs[j]; /* 1 without column scales: (r * 1) * z == r * z */
-            const uint32_t *w32 = (const uint32_t *)buf;
-            const int ub = hd->ubits;
-            if (ub) {
-                /* one width for every row: position, shift and mask are per thread */
-                const uint32_t p = (uint32_t)(j * ub), sh = p & 31, mask = (1u << ub) - 1u;
-                const uint32_t *wp = w32 + (p >> 5);
-                const float *lut = sm.lut + (ub - 2) * 256;
-                const int rw = 4 * ub; /* 32-bit words per row */
+        __syncthreads();
+        const float cj = sm.cs[j]; /* 1 without column scales: (r * 1) * z == r * z */
+        const uint32_t *w32 = (const uint32_t *)buf;
+        const int ub = hd->ubits;
+        if (ub) {
+            /* one width for every row: position, shift and mask are per thread */
+            const uint32_t p = (uint32_t)(j * ub), sh = p & 31, mask = (1u << ub) - 1u;
+            const uint32_t *wp = w32 + (p >> 5);
+            const float *lut = sm.lut + (ub - 2) * 256;
+            const int rw = 4 * ub; /* 32-bit words per row */
 #pragma unroll
-                for (int r = 0; r < SQ_NR; r++) {
-                    int i = half * SQ_NR + r;
-                    const uint32_t *q = wp + i * rw;
-                    uint32_t u = __funnelshift_r(q[0], q[1], sh) & mask;
-                    x[r] = (sm.rs[i] * cj) * lut[u];
-                }
-            } else {
-#pragma unroll
-                for (int r = 0; r < SQ_NR; r++) {
-                    int i = half * SQ_NR + r;
-                    int b = sm.bits[i];
-                    uint32_t ro = sm.roff[i];
-                    if (b == STEPQ_BITS_PIVOT) {
-                        x[r] = sq_h2f(((const uint16_t *)(buf + ro))[j]);
-                    } else {
-                        uint32_t p = (uint32_t)(j * b);
-                        uint32_t wi = (ro >> 2) + (p >> 5);
-                        uint32_t u =
-                            __funnelshift_r(w32[wi], w32[wi + 1], p & 31) & ((1u << b) - 1u);
-                        x[r] = (sm.rs[i] * cj) * sm.lut[(b - 2) * 256 + u];
-                    }
-                }
+            for (int r = 0; r < SQ_NR; r++) {
+                int i = half * SQ_NR + r;
+                const uint32_t *q = wp + i * rw;
+                uint32_t u = __funnelshift_r(q[0], q[1], sh) & mask;
+                x[r] = (sm.rs[i] * cj) * lut[u];
             }
         } else {
 #pragma unroll
             for (int r = 0; r < SQ_NR; r++) {
-                size_t n = (size_t)(half * SQ_NR + r) * SQ_D + j;
-                if (method == STEPQ_METHOD_FP32)
-                    x[r] = ((const float *)blk)[n];
-                else if (method == STEPQ_METHOD_BF16)
-                    x[r] = sq_bf2f(((const uint16_t *)blk)[n]);
-                else
-                    x[r] = sq_h2f(((const uint16_t *)blk)[n]);
-            }
-        }
-    } else {
-        size_t base =
-            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
-#pragma unroll
-        for (int r = 0; r < SQ_NR; r++) {
-            int i = half * SQ_NR + r;
-            size_t n = base + (io.layout_vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
-            x[r] =
-                io.bf16 ? sq_bf2f(((const uint16_t *)io.dense)[n]) : ((const float *)io.dense)[n];
-        }
-        if (!UPDATE) {
-            /* pack: non-finite elements become 0 before the fit */
-            bool nf = false;
-#pragma unroll
-            for (int r = 0; r < SQ_NR; r++)
-                if (!isfinite(x[r])) {
-                    x[r] = 0.0f;
-                    nf = true;
+                int i = half * SQ_NR + r;
+                int b = sm.bits[i];
+                uint32_t ro = sm.roff[i];
+                if (b == STEPQ_BITS_PIVOT) {
+                    x[r] = sq_h2f(((const uint16_t *)(buf + ro))[j]);
+                } else {
+                    uint32_t p = (uint32_t)(j * b);
+                    uint32_t wi = (ro >> 2) + (p >> 5);
+                    uint32_t u = __funnelshift_r(w32[wi], w32[wi + 1], p & 31) & ((1u << b) - 1u);
+                    x[r] = (sm.rs[i] * cj) * sm.lut[(b - 2) * 256 + u];
                 }
-            if (nf)
-                fl |= STEPQ__HEALTH_STATE;
+            }
         }
     }
 
@@ -443,28 +538,19 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
 
     /* ---- sink ---- */
     if (SINK == SQ_SINK_DENSE) {
-        size_t base =
+        size_t off =
             (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
-#pragma unroll
-        for (int r = 0; r < SQ_NR; r++) {
-            int i = half * SQ_NR + r;
-            size_t n = base + (io.layout_vk ? (size_t)j * SQ_D + i : (size_t)i * SQ_D + j);
-            if (io.bf16)
-                ((uint16_t *)io.dense)[n] = sq_bf16_sat(x[r], &fl);
-            else
-                ((float *)io.dense)[n] = x[r];
-        }
+        if (io.bf16)
+            sq_store_tile<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl);
+        else
+            sq_store_tile<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl);
     } else if (!quant) {
-#pragma unroll
-        for (int r = 0; r < SQ_NR; r++) {
-            size_t n = (size_t)(half * SQ_NR + r) * SQ_D + j;
-            if (method == STEPQ_METHOD_FP32)
-                ((float *)blk)[n] = x[r];
-            else if (method == STEPQ_METHOD_BF16)
-                ((uint16_t *)blk)[n] = sq_bf16_sat(x[r], &fl);
-            else
-                ((uint16_t *)blk)[n] = sq_f16_sat(x[r], &fl);
-        }
+        if (method == STEPQ_METHOD_FP32)
+            sq_store_tile<SQ_F32>(x, blk, 0, false, false, half, j, &fl);
+        else if (method == STEPQ_METHOD_BF16)
+            sq_store_tile<SQ_BF16>(x, blk, 0, false, false, half, j, &fl);
+        else
+            sq_store_tile<SQ_F16>(x, blk, 0, false, false, half, j, &fl);
     } else {
         uint8_t *zb = buf + ((hd->block_bytes + 16 + 15) & ~15u);
         const bool dual = hd->dual;

@@ -362,6 +362,7 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         SQ_CU(cudaEventCreateWithFlags(&L->ev_b, cudaEventDisableTiming), who);
     }
     io.dense = L->scratch;
+    io.dense_vec = 1; /* cudaMalloc'd, stride a multiple of 16 KiB */
     io.skip = L->skip;
     io.dense_stride = (size_t)a->HV * SQ_D * SQ_D;
     io.dense_by_slot = 0;
@@ -375,6 +376,13 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     SQ_CU(cudaEventRecord(L->ev_b, L->s2), who);
     SQ_CU(cudaStreamWaitEvent(s, L->ev_b, 0), who);
     return STEPQ_OK;
+}
+
+/* Whether [V,K] tiles may move as 16-byte (fp32) / 8-byte (bf16) vectors. */
+static int dense_vec_ok(const void *p, size_t stride, stepq__dtype dtype)
+{
+    size_t es = dtype == STEPQ__DTYPE_BF16 ? 2 : 4;
+    return (uintptr_t)p % 16 == 0 && (stride * es) % 16 == 0;
 }
 
 static int check_dense_io(int n, const int32_t *slots, const void *buf, size_t stride, int HV,
@@ -414,6 +422,7 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     io.slots = slots;
     io.dense = (void *)src;
     io.dense_stride = src_stride;
+    io.dense_vec = dense_vec_ok(src, src_stride, dtype);
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
     io.health = health;
@@ -442,6 +451,7 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
     io.slots = slots;
     io.dense = dst;
     io.dense_stride = dst_stride;
+    io.dense_vec = dense_vec_ok(dst, dst_stride, dtype);
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
     return launch<SQ_SRC_PACKED, false, SQ_SINK_DENSE>(dim3((unsigned)pl->n_heads, (unsigned)n),
@@ -468,6 +478,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
     io.slots = a->slots;
     io.dense = base;
     io.dense_stride = slot_stride;
+    io.dense_vec = dense_vec_ok(base, slot_stride, dtype);
     io.dense_by_slot = 1;
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
