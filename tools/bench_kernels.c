@@ -286,7 +286,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     int first_row = 1, rc = 0;
 
     /* Device buffers sized for the largest batch. */
-    size_t state_bytes = (size_t)MAX_B * 32 * D * D * sizeof(float) + 4096;
+    /* dense states are indexed by slot id (1..MAX_B) */
+    size_t state_bytes = (size_t)(MAX_B + 1) * 32 * D * D * sizeof(float);
     void *dstate = NULL, *pages = NULL;
     float *q, *k, *v, *g, *beta, *A_log, *dt_bias, *o;
     int32_t *dslots;
@@ -436,8 +437,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 if (row == 0 && shape == 1 && B == 512)
                     snprintf(peer, sizeof(peer), "742");
                 if (rc == 0) {
-                    printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %7.2fx %12s\n", label, B, us,
-                           bytes, gbs, 100.0 * gbs / copy_gbs, row < 6 ? fp32_us / us : 0.0, peer);
+                    char sp[16] = "-";
+                    if (row < 6)
+                        snprintf(sp, sizeof(sp), "%.2fx", fp32_us / us);
+                    printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %8s %12s\n", label, B, us, bytes,
+                           gbs, 100.0 * gbs / copy_gbs, sp, peer);
                     if (jf)
                         fprintf(jf,
                                 "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
