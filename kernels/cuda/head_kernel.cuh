@@ -281,7 +281,8 @@ __device__ __forceinline__ float sq_div(float a, float b, float binv)
     return fmaf(e, binv, q);
 }
 
-struct __align__(16) sq_smem {
+struct __align__(16) sq_smem
+{
     float q[SQ_D], k[SQ_D], v[SQ_D], dec[SQ_D];
     float red[2][2][SQ_D];  /* [quantity][half][column] */
     float rowpart[4][SQ_D]; /* row max partials of the 4 warps of a half */
