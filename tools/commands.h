@@ -22,5 +22,8 @@ int stepq_tool_bench_kernels(int argc, char **argv);
 int stepq_tool_capacity(int argc, char **argv);
 int stepq_tool_simulate(int argc, char **argv);
 int stepq_tool_bench_pool(int argc, char **argv);
+int stepq_tool_synth(int argc, char **argv);
+int stepq_tool_calibrate(int argc, char **argv);
+int stepq_tool_eval(int argc, char **argv);
 
 #endif /* STEPQ_TOOLS_COMMANDS_H */

@@ -14,6 +14,8 @@ static const struct stepq_tool_command commands[] = {
     { "mkmap", "build an uncalibrated precision map for a model shape", stepq_tool_mkmap },
     { "capacity", "serving memory against batch size for a map (+ plot)", stepq_tool_capacity },
     { "simulate", "request-lifecycle simulation of the state pool", stepq_tool_simulate },
+    { "synth", "synthetic GDN/KDA recurrent-kernel traces (safetensors)", stepq_tool_synth },
+    { "calibrate", "precision map from recurrent-kernel traces", stepq_tool_calibrate },
     { "bench", "benchmarks: bench reference (C reference on the CPU), ...", stepq_tool_bench },
 };
 

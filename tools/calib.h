@@ -1,0 +1,78 @@
+/*
+ * Calibration and evaluation engine shared by `stepq calibrate` and
+ * `stepq eval`: per-head replay of traces through the fp32 reference
+ * recurrence (kernels/dsp.h stepq__head_update), the storage methods in the
+ * loop (kernels/quant.h), and the bit-allocation solver.
+ */
+#ifndef STEPQ_TOOLS_CALIB_H
+#define STEPQ_TOOLS_CALIB_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "kernels/format.h"
+#include "tools/trace.h"
+
+/* ---------------------------------------------------------------- head data */
+
+/** One (stream, layer, value head) of a trace in fp32, q/k l2-normalised and q scaled. */
+struct sq_head {
+    int T, K, V, kda;
+    float *q, *k, *v, *g, *beta; /* [T][K], [T][K], [T][V], [T] or [T][K], [T] */
+};
+
+int sq_head_load(const struct stepq_trace_set *ts, int stream, int li, int hv, struct sq_head *h);
+void sq_head_free(struct sq_head *h);
+
+/** One recurrent step on an fp32 tile [K][V] (decay, delta update, readout o[V]). */
+void sq_step(float *S, const struct sq_head *h, int t, float *o);
+/** Propagates an error tile one step: native E <- (I - beta k k^T) D E; oracle E <- D E. */
+void sq_err_step(float *E, const struct sq_head *h, int t, int native);
+/** Squared readout error ||E^T q_t||^2. */
+double sq_read_err(const float *E, const struct sq_head *h, int t);
+
+/** A storage method for one head, applied in place (quantize + reconstruct). */
+struct sq_quant {
+    struct stepq_head_layout hl;
+    uint8_t *block;
+    const float *w; /* row impact (spatial, stepq) or NULL */
+    int dense_fp32; /* nothing to do */
+};
+
+/** row_bits: K widths (NULL for dense methods). */
+int sq_quant_init(struct sq_quant *qz, stepq_method method, stepq_arch arch, int K, int V,
+                  const uint8_t *row_bits, const float *w);
+void sq_quant_apply(struct sq_quant *qz, float *x);
+void sq_quant_free(struct sq_quant *qz);
+
+/* ---------------------------------------------------------------- threads */
+
+typedef void (*sq_job_fn)(void *ctx, int job, int worker);
+/** Runs fn(ctx, j, worker) for j in [0, n) on `threads` threads (job order is irrelevant to
+ *  the results when each job writes only its own outputs). Shows a progress line on stderr
+ *  when stderr is a terminal and `label` is non-NULL. */
+int sq_parallel(int n, int threads, sq_job_fn fn, void *ctx, const char *label);
+int sq_default_threads(void);
+
+/* ---------------------------------------------------------------- allocation */
+
+/**
+ * Multiple-choice knapsack: choose one option per unit, minimising the total
+ * cost subject to sum of sizes <= cap. cost [n][m], size [n][m] (sizes are
+ * non-negative integers, e.g. bit widths when all units have the same
+ * number of values). choice[n] receives option indices.
+ * Exact dynamic programme when n * (cap + 1) <= dp_limit, else Lagrangian
+ * relaxation (bisection on the bit price) followed by a greedy repair that
+ * never exceeds cap. Ties are broken towards the lower option index and the
+ * lower unit index, so the result is deterministic.
+ * Returns 0 (exact), 1 (Lagrangian), or STEPQ_ERANGE when even the smallest
+ * options do not fit, STEPQ_ENOMEM.
+ */
+int sq_allocate(int n, int m, const double *cost, const int *size, long long cap,
+                long long dp_limit, int *choice);
+
+/* ---------------------------------------------------------------- statistics */
+
+double sq_spearman(const double *x, const double *y, int n);
+
+#endif /* STEPQ_TOOLS_CALIB_H */
