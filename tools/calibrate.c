@@ -321,9 +321,9 @@ int stepq_tool_calibrate(int argc, char **argv)
         else if (!strcmp(a, "--model-name"))
             model_name = v;
         else if (!strcmp(a, "--method")) {
-            if (stepq_method_from_name(v, &o.method) < 0 || o.method < STEPQ_METHOD_UNIFORM) {
+            if (stepq_method_from_name(v, &o.method) < 0) {
                 fprintf(stderr, "stepq calibrate: --method %s: expected uniform, dsq, spatial, "
-                                "temporal or stepq\n", v);
+                                "temporal, stepq (or fp32, bf16, fp16)\n", v);
                 return 2;
             }
             have_method = 1;
@@ -400,6 +400,8 @@ int stepq_tool_calibrate(int argc, char **argv)
             return 2;
         }
     }
+    if (stepq_method_is_dense(o.method))
+        o.budget = o.method == STEPQ_METHOD_FP32 ? 32.0 : 16.0;
     if (!n_traces || !out || o.budget < 0 || !have_method) {
         usage(stderr);
         return 2;
@@ -494,7 +496,7 @@ int stepq_tool_calibrate(int argc, char **argv)
                 cost[u * m + c] = (double)n_u * wgt * d;
                 size[u * m + c] = o.cand[c];
             }
-            bits[u] = (int)o.budget;
+            bits[u] = stepq_method_is_dense(o.method) ? STEPQ_BITS_DENSE : (int)o.budget;
         }
         if (!single) {
             n_piv = (int)floor(o.pivot_fraction * (double)U + 0.5);
@@ -551,7 +553,7 @@ int stepq_tool_calibrate(int argc, char **argv)
         const char *nm = model_name ? model_name : stepq_trace_set_meta(ts, "model");
         if (st >= 0 && nm)
             st = stepq_map_set_model_name(map, nm);
-        for (long long u = 0; st >= 0 && u < U; u++)
+        for (long long u = 0; st >= 0 && !stepq_method_is_dense(o.method) && u < U; u++)
             st = stepq_map_set_unit_bits(map, (int)(u / upl), (int)(u % upl), bits[u]);
         if (st >= 0 && stepq__method_uses_row_impact(o.method))
             for (int h = 0; st >= 0 && h < n_heads; h++)

@@ -6,6 +6,7 @@ Spec:
    "title": "...", "xlabel": "...", "ylabel": "...",
    "x": [1, 8, 64, 512], "logx": true, "logy": false,
    "series": [{"label": "FP32 state pool", "y": [...], "style": "-o"}, ...],
+                                   # a series may give its own "x"; "logx_base" (default 2)
    "hlines": [{"label": "weights (BF16)", "y": 50.1}, ...]}
 Exits non-zero with a message on stderr when the spec is malformed or the
 file cannot be written.
@@ -24,16 +25,18 @@ def main():
     x = spec["x"]
     fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=150)
     for s in spec.get("series", []):
-        if len(s["y"]) != len(x):
+        sx = s.get("x", x)  # a series may carry its own x values (stepq eval)
+        if len(s["y"]) != len(sx):
             raise ValueError("series %r has %d points for %d x values"
-                             % (s.get("label"), len(s["y"]), len(x)))
-        ax.plot(x, s["y"], s.get("style", "-o"), label=s.get("label"))
+                             % (s.get("label"), len(s["y"]), len(sx)))
+        ax.plot(sx, s["y"], s.get("style", "-o"), label=s.get("label"))
     for i, h in enumerate(spec.get("hlines", [])):
         ax.axhline(h["y"], linestyle="--", color="C%d" % (7 + i % 3), label=h.get("label"))
     if spec.get("logx"):
-        ax.set_xscale("log", base=2)
-        ax.set_xticks(x)
-        ax.set_xticklabels([str(v) for v in x])
+        ax.set_xscale("log", base=spec.get("logx_base", 2))
+        if x:
+            ax.set_xticks(x)
+            ax.set_xticklabels([str(v) for v in x])
     if spec.get("logy"):
         ax.set_yscale("log")
     ax.set_title(spec.get("title", ""))

@@ -16,6 +16,7 @@ static const struct stepq_tool_command commands[] = {
     { "simulate", "request-lifecycle simulation of the state pool", stepq_tool_simulate },
     { "synth", "synthetic GDN/KDA recurrent-kernel traces (safetensors)", stepq_tool_synth },
     { "calibrate", "precision map from recurrent-kernel traces", stepq_tool_calibrate },
+    { "eval", "replay traces with maps in the loop vs fp32 (errors, plots)", stepq_tool_eval },
     { "bench", "benchmarks: bench reference (C reference on the CPU), ...", stepq_tool_bench },
 };
 

@@ -1,0 +1,615 @@
+/*
+ * stepq eval: replays traces with each map's storage method in the loop
+ * (paper Eq. 4: the state is quantized after every update and the output is
+ * read before quantization) against the fp32 reference, and reports per map
+ * (means with standard errors over streams):
+ *   - relative readout error sum ||o^ - o||^2 / sum ||o||^2 over all heads
+ *     ("global") and the mean over heads of the same ratio per head ("head":
+ *     GDN models read every head through its own RMS norm), over all steps
+ *     and over the first / last 256 steps;
+ *   - relative state error sum_t ||S^ - S||^2 / sum_t ||S||^2 per lifetime
+ *     class (heads split in thirds by the gate half-life of these traces);
+ * and, independent of the maps:
+ *   - Spearman correlation between per-unit accumulated state error
+ *     D_u = sum_t ||S^_t - S_t||^2 under uniform@6 and the half-life;
+ *   - the single-injection experiment (paper Appendix B.1): one uniform INT6 /
+ *     INT8 quantization error injected at step t0, then no quantization;
+ *     squared readout error summed over the remaining steps with native delta
+ *     feedback E <- (I - beta k k^T) D E and with the exact-read oracle
+ *     E <- D E; ratio oracle / native.
+ * Jobs are heads (all streams of a head in order), so results do not depend
+ * on --threads.
+ */
+#include <errno.h>
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+#include "kernels/quant.h"
+#include "plugin/err.h"
+#include "stepq/stepq.h"
+#include "stepq_config.h"
+#include "tools/calib.h"
+#include "tools/commands.h"
+#include "tools/trace.h"
+
+#define MAX_MAPS 64
+#define EDGE 256 /* first / last steps reported separately */
+
+struct acc {           /* per (method, head, stream) */
+    double err, ref;   /* readout, all steps */
+    double err_a, ref_a, err_b, ref_b; /* first / last EDGE steps */
+    double serr, sref; /* state */
+};
+
+struct ectx {
+    const struct stepq_trace_set *ts;
+    const struct stepq_trace_info *I;
+    int n_maps;          /* user maps; method n_maps is the internal uniform@6 */
+    stepq_map_t **maps;
+    int nb, bucket;      /* time buckets */
+    int t_inj;
+    struct acc *acc;     /* [M][heads][S] */
+    double *curve_err, *curve_ref; /* [M][heads][S][nb] */
+    double *lret;        /* [heads] mean g (GDN) / mean over rows (KDA) */
+    double *inj;         /* [heads][S][4]: native6, oracle6, native8, oracle8 */
+    int *rc;
+};
+
+static void head_job(void *vctx, int job, int worker)
+{
+    (void)worker;
+    struct ectx *c = vctx;
+    const struct stepq_trace_info *I = c->I;
+    int li = job / I->HV, hv = job % I->HV, K = I->K, V = I->V, T = I->T, S = I->n_streams;
+    int M = c->n_maps + 1, H = I->n_layers * I->HV, kda = I->arch == STEPQ_ARCH_KDA;
+    size_t KV = (size_t)K * V;
+    struct sq_quant qz[MAX_MAPS + 1], qi[2];
+    float *Sr = malloc(sizeof(float) * KV), *Sq = malloc(sizeof(float) * KV * (size_t)M);
+    float *E = malloc(sizeof(float) * KV * 4), *orf = malloc(sizeof(float) * (size_t)V);
+    float *oq = malloc(sizeof(float) * (size_t)V);
+    int nq = 0, ni = 0;
+    memset(qz, 0, sizeof(qz));
+    memset(qi, 0, sizeof(qi));
+    if (!Sr || !Sq || !E || !orf || !oq) {
+        c->rc[job] = stepq__error(STEPQ_ENOMEM, "eval: out of memory");
+        goto out;
+    }
+    for (int m = 0; m < M; m++, nq++) {
+        uint8_t rb[STEPQ__MAX_HEAD_DIM];
+        const float *w = NULL;
+        stepq_method meth = STEPQ_METHOD_UNIFORM;
+        if (m < c->n_maps) {
+            stepq_map_t *mp = c->maps[m];
+            meth = stepq_map_method(mp);
+            if (!stepq_method_is_dense(meth)) {
+                const uint8_t *lb = stepq_map_layer_bits(mp, li);
+                for (int i = 0; i < K; i++)
+                    rb[i] = kda ? lb[hv * K + i] : lb[hv];
+                w = stepq_map_row_impact(mp, li, hv);
+            }
+        } else {
+            memset(rb, 6, sizeof(rb));
+        }
+        if ((c->rc[job] = sq_quant_init(&qz[m], meth, I->arch, K, V,
+                                        stepq_method_is_dense(meth) ? NULL : rb, w)) < 0)
+            goto out;
+    }
+    for (int b = 0; b < 2; b++, ni++) {
+        uint8_t rb[STEPQ__MAX_HEAD_DIM];
+        memset(rb, b ? 8 : 6, sizeof(rb));
+        if ((c->rc[job] = sq_quant_init(&qi[b], STEPQ_METHOD_UNIFORM, I->arch, K, V, rb, NULL)) < 0)
+            goto out;
+    }
+
+    double lsum = 0.0;
+    for (int s = 0; s < S; s++) {
+        struct sq_head h;
+        if ((c->rc[job] = sq_head_load(c->ts, s, li, hv, &h)) < 0)
+            goto out;
+        memset(Sr, 0, sizeof(float) * KV);
+        memset(Sq, 0, sizeof(float) * KV * (size_t)M);
+        double *inj = c->inj + ((size_t)job * S + s) * 4;
+        for (int t = 0; t < T; t++) {
+            const float *g = h.g + (size_t)t * (kda ? K : 1);
+            for (int i = 0; i < (kda ? K : 1); i++)
+                lsum += g[i] / (kda ? K : 1);
+            sq_step(Sr, &h, t, orf);
+            double r2 = 0.0, s2 = 0.0;
+            for (int j = 0; j < V; j++)
+                r2 += (double)orf[j] * orf[j];
+            for (size_t e = 0; e < KV; e++)
+                s2 += (double)Sr[e] * Sr[e];
+            int bk = t / c->bucket;
+            for (int m = 0; m < M; m++) {
+                float *X = Sq + KV * m;
+                sq_step(X, &h, t, oq);
+                double e2 = 0.0, se = 0.0;
+                for (int j = 0; j < V; j++)
+                    e2 += ((double)oq[j] - orf[j]) * ((double)oq[j] - orf[j]);
+                sq_quant_apply(&qz[m], X);
+                for (size_t e = 0; e < KV; e++)
+                    se += ((double)X[e] - Sr[e]) * ((double)X[e] - Sr[e]);
+                struct acc *a = &c->acc[((size_t)m * H + job) * S + s];
+                a->err += e2;
+                a->ref += r2;
+                if (t < EDGE) {
+                    a->err_a += e2;
+                    a->ref_a += r2;
+                }
+                if (t >= T - EDGE) {
+                    a->err_b += e2;
+                    a->ref_b += r2;
+                }
+                a->serr += se;
+                a->sref += s2;
+                size_t ci = (((size_t)m * H + job) * S + s) * c->nb + bk;
+                c->curve_err[ci] += e2;
+                c->curve_ref[ci] += r2;
+            }
+            if (t == c->t_inj) {
+                for (int b = 0; b < 2; b++) {
+                    float *En = E + KV * (2 * b), *Eo = E + KV * (2 * b + 1);
+                    memcpy(En, Sr, sizeof(float) * KV);
+                    sq_quant_apply(&qi[b], En);
+                    for (size_t e = 0; e < KV; e++)
+                        En[e] -= Sr[e];
+                    memcpy(Eo, En, sizeof(float) * KV);
+                }
+            } else if (t > c->t_inj) {
+                for (int b = 0; b < 2; b++) {
+                    float *En = E + KV * (2 * b), *Eo = E + KV * (2 * b + 1);
+                    sq_err_step(En, &h, t, 1);
+                    sq_err_step(Eo, &h, t, 0);
+                    inj[2 * b] += sq_read_err(En, &h, t);
+                    inj[2 * b + 1] += sq_read_err(Eo, &h, t);
+                }
+            }
+        }
+        sq_head_free(&h);
+    }
+    c->lret[job] = lsum / ((double)S * T);
+out:
+    for (int m = 0; m < nq; m++)
+        sq_quant_free(&qz[m]);
+    for (int b = 0; b < ni; b++)
+        sq_quant_free(&qi[b]);
+    free(Sr);
+    free(Sq);
+    free(E);
+    free(orf);
+    free(oq);
+}
+
+struct ms {
+    double mean, se;
+};
+
+static struct ms mean_se(const double *x, int n)
+{
+    struct ms r = { 0, 0 };
+    for (int i = 0; i < n; i++)
+        r.mean += x[i];
+    r.mean /= n;
+    if (n > 1) {
+        double v = 0;
+        for (int i = 0; i < n; i++)
+            v += (x[i] - r.mean) * (x[i] - r.mean);
+        r.se = sqrt(v / (n - 1) / n);
+    }
+    return r;
+}
+
+static void json_ms(FILE *f, const char *key, struct ms v, int last)
+{
+    fprintf(f, "\"%s\": {\"mean\": %.6g, \"se\": %.6g}%s", key, v.mean, v.se, last ? "" : ", ");
+}
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: stepq eval --map M... --trace F... [--json FILE] [--plot DIR] [--threads N]\n"
+               "                  [--inject-step T] [--bucket N]\n"
+               "Replays the traces with every map's method in the loop against the fp32\n"
+               "reference; prints a table, writes details as JSON and PNG plots.\n");
+}
+
+static int run_plot(const char *spec_path)
+{
+    const char *py = getenv("STEPQ_PYTHON");
+    const char *script = getenv("STEPQ_PLOT_SCRIPT");
+    char sb[4096], cmd[3 * 4096 + 64];
+    if (!py || !*py)
+        py = STEPQ_PYTHON;
+    if (!script || !*script) {
+        snprintf(sb, sizeof(sb), "%s/tools/plot.py", STEPQ_SOURCE_ROOT);
+        if (access(sb, R_OK) != 0)
+            snprintf(sb, sizeof(sb), "%s/plot.py", STEPQ_DATADIR);
+        script = sb;
+    }
+    if (strchr(py, '\'') || strchr(script, '\'') || strchr(spec_path, '\''))
+        return -1;
+    snprintf(cmd, sizeof(cmd), "'%s' '%s' < '%s'", py, script, spec_path);
+    return system(cmd) == 0 ? 0 : -1;
+}
+
+int stepq_tool_eval(int argc, char **argv)
+{
+    const char *maps_p[MAX_MAPS], *traces[4096], *json = NULL, *plot = NULL;
+    int n_maps = 0, n_traces = 0, threads = sq_default_threads(), t_inj = -1, bucket = 64;
+
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i];
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 0;
+        }
+        if (!strcmp(a, "--map") || !strcmp(a, "--trace")) {
+            int is_map = !strcmp(a, "--map");
+            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2)) {
+                if (is_map && n_maps < MAX_MAPS)
+                    maps_p[n_maps++] = argv[++i];
+                else if (!is_map && n_traces < 4096)
+                    traces[n_traces++] = argv[++i];
+                else {
+                    fprintf(stderr, "stepq eval: too many %s arguments\n", a);
+                    return 2;
+                }
+            }
+            continue;
+        }
+        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!v) {
+            fprintf(stderr, "stepq eval: %s needs a value\n", a);
+            return 2;
+        }
+        i++;
+        char *e;
+        if (!strcmp(a, "--json"))
+            json = v;
+        else if (!strcmp(a, "--plot"))
+            plot = v;
+        else if (!strcmp(a, "--threads") || !strcmp(a, "--inject-step") || !strcmp(a, "--bucket")) {
+            long n = strtol(v, &e, 10);
+            if (e == v || *e || n < (strcmp(a, "--inject-step") ? 1 : 0) || n > 100000000) {
+                fprintf(stderr, "stepq eval: %s %s: expected a positive integer\n", a, v);
+                return 2;
+            }
+            if (!strcmp(a, "--threads"))
+                threads = (int)n;
+            else if (!strcmp(a, "--bucket"))
+                bucket = (int)n;
+            else
+                t_inj = (int)n;
+        } else {
+            fprintf(stderr, "stepq eval: unknown option %s\n", a);
+            usage(stderr);
+            return 2;
+        }
+    }
+    if (!n_maps || !n_traces) {
+        usage(stderr);
+        return 2;
+    }
+    struct stepq_trace_set *ts;
+    if (stepq_trace_set_open(traces, n_traces, &ts) < 0) {
+        fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
+        return 1;
+    }
+    const struct stepq_trace_info *I = stepq_trace_set_info(ts);
+    stepq_map_t *maps[MAX_MAPS];
+    int rc = 0, nm = 0;
+    for (; nm < n_maps; nm++) {
+        if (stepq_map_load_file(maps_p[nm], NULL, &maps[nm]) < 0) {
+            fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
+            rc = 1;
+            break;
+        }
+        stepq_model_shape sh;
+        stepq_map_shape(maps[nm], &sh);
+        int same = sh.arch == I->arch && sh.n_layers == I->n_layers && sh.num_k_heads == I->H &&
+                   sh.num_v_heads == I->HV && sh.head_k_dim == I->K && sh.head_v_dim == I->V;
+        for (int l = 0; same && l < sh.n_layers; l++)
+            same = sh.layer_ids[l] == I->layer_ids[l];
+        if (!same) {
+            fprintf(stderr, "stepq eval: %s: the map's model shape differs from the traces'\n",
+                    maps_p[nm]);
+            nm++;
+            rc = 1;
+            break;
+        }
+    }
+    if (t_inj < 0)
+        t_inj = I->T > 1024 ? 256 : I->T / 4;
+    if (t_inj >= I->T)
+        t_inj = I->T - 1;
+    int M = n_maps + 1, H = I->n_layers * I->HV, S = I->n_streams;
+    int nb = (I->T + bucket - 1) / bucket;
+    struct ectx c = { ts, I, n_maps, maps, nb, bucket, t_inj, NULL, NULL, NULL, NULL, NULL, NULL };
+    if (!rc) {
+        c.acc = calloc((size_t)M * H * S, sizeof(*c.acc));
+        c.curve_err = calloc((size_t)M * H * S * nb, sizeof(double));
+        c.curve_ref = calloc((size_t)M * H * S * nb, sizeof(double));
+        c.lret = calloc((size_t)H, sizeof(double));
+        c.inj = calloc((size_t)H * S * 4, sizeof(double));
+        c.rc = calloc((size_t)H, sizeof(int));
+        if (!c.acc || !c.curve_err || !c.curve_ref || !c.lret || !c.inj || !c.rc) {
+            fprintf(stderr, "stepq eval: out of memory\n");
+            rc = 1;
+        }
+    }
+    if (!rc) {
+        sq_parallel(H, threads, head_job, &c, "eval");
+        for (int h = 0; h < H && !rc; h++)
+            if (c.rc[h] < 0) {
+                fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
+                rc = 1;
+            }
+    }
+    if (rc)
+        goto done;
+
+    /* Lifetime classes: thirds of heads by half-life (ties by head index). */
+    double *hl = malloc(sizeof(double) * H), *tmp = malloc(sizeof(double) * (S > H ? S : H) * 7);
+    int *cls = malloc(sizeof(int) * H), *order = malloc(sizeof(int) * H);
+    for (int h = 0; h < H; h++) {
+        hl[h] = c.lret[h] < 0 ? 0.69314718055994531 / -c.lret[h] : 1e30;
+        order[h] = h;
+    }
+    for (int i = 1; i < H; i++) /* insertion sort: H is small */
+        for (int j = i; j > 0 && (hl[order[j - 1]] > hl[order[j]] ||
+                                  (hl[order[j - 1]] == hl[order[j]] && order[j - 1] > order[j]));
+             j--) {
+            int t = order[j];
+            order[j] = order[j - 1];
+            order[j - 1] = t;
+        }
+    for (int r = 0; r < H; r++)
+        cls[order[r]] = r * 3 / H;
+
+    FILE *jf = NULL;
+    if (json && !(jf = fopen(json, "w"))) {
+        fprintf(stderr, "stepq eval: %s: %s\n", json, strerror(errno));
+        rc = 1;
+        goto done2;
+    }
+    printf("stepq eval: %d streams x %d tokens, %d layers x %d heads; mean +- s.e. over streams\n",
+           S, I->T, I->n_layers, I->HV);
+    printf("%-22s %6s %-20s %-20s %-20s %-20s %-20s %-20s %-20s\n", "map", "bits", "readout rel (global)",
+           "readout rel (head)", "first 256", "last 256", "state short", "state middle",
+           "state long");
+    if (jf)
+        fprintf(jf, "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
+                    "\"inject_step\": %d, \"methods\": [\n",
+                S, I->T, I->n_layers, I->HV, t_inj);
+    for (int m = 0; m < M; m++) {
+        struct ms v[7];
+        for (int s = 0; s < S; s++) {
+            double e = 0, r = 0, ea = 0, ra = 0, eb = 0, rb2 = 0, hs = 0, se[3] = { 0 },
+                   sr[3] = { 0 };
+            for (int h = 0; h < H; h++) {
+                const struct acc *a = &c.acc[((size_t)m * H + h) * S + s];
+                e += a->err;
+                r += a->ref;
+                ea += a->err_a;
+                ra += a->ref_a;
+                eb += a->err_b;
+                rb2 += a->ref_b;
+                hs += a->ref > 0 ? a->err / a->ref : 0;
+                se[cls[h]] += a->serr;
+                sr[cls[h]] += a->sref;
+            }
+            tmp[0 * S + s] = r > 0 ? e / r : 0;
+            tmp[1 * S + s] = hs / H;
+            tmp[2 * S + s] = ra > 0 ? ea / ra : 0;
+            tmp[3 * S + s] = rb2 > 0 ? eb / rb2 : 0;
+            for (int k = 0; k < 3; k++)
+                tmp[(4 + k) * S + s] = sr[k] > 0 ? se[k] / sr[k] : 0;
+        }
+        for (int k = 0; k < 7; k++) {
+            double *x = malloc(sizeof(double) * S);
+            for (int s = 0; s < S; s++)
+                x[s] = tmp[k * S + s];
+            v[k] = mean_se(x, S);
+            free(x);
+        }
+        char name[128];
+        double bpv = 6.0 + 16.0 / I->V; /* internal uniform@6: codes + one fp16 row scale per row */
+        if (m < n_maps) {
+            stepq_map_memory mi;
+            stepq_map_memory_info(maps[m], &mi);
+            bpv = mi.bits_per_value;
+            double bb = stepq_map_budget_bits(maps[m]);
+            snprintf(name, sizeof(name), "%s@%g", stepq_method_name(stepq_map_method(maps[m])), bb);
+        } else {
+            snprintf(name, sizeof(name), "uniform@6 (internal)");
+        }
+        printf("%-22s %6.3f", name, bpv);
+        for (int k = 0; k < 7; k++) {
+            char cell[64];
+            snprintf(cell, sizeof(cell), "%.3e+-%.1e", v[k].mean, v[k].se);
+            printf(" %-20s", cell);
+        }
+        printf("\n");
+        if (jf) {
+            fprintf(jf, "  {\"name\": \"%s\", \"map\": \"%s\", \"bits_per_value\": %.6g, ", name,
+                    m < n_maps ? maps_p[m] : "", bpv);
+            json_ms(jf, "readout_rel", v[0], 0);
+            json_ms(jf, "readout_rel_head", v[1], 0);
+            json_ms(jf, "readout_rel_first", v[2], 0);
+            json_ms(jf, "readout_rel_last", v[3], 0);
+            json_ms(jf, "state_rel_short", v[4], 0);
+            json_ms(jf, "state_rel_middle", v[5], 0);
+            json_ms(jf, "state_rel_long", v[6], 0);
+            fprintf(jf, "\"curve\": [");
+            for (int b = 0; b < nb; b++) {
+                double e = 0, r = 0;
+                for (int h = 0; h < H; h++)
+                    for (int s = 0; s < S; s++) {
+                        size_t ci = (((size_t)m * H + h) * S + s) * nb + b;
+                        e += c.curve_err[ci];
+                        r += c.curve_ref[ci];
+                    }
+                fprintf(jf, "%s%.6g", b ? ", " : "", r > 0 ? e / r : 0);
+            }
+            fprintf(jf, "], \"head_state_err\": [");
+            for (int h = 0; h < H; h++) {
+                double se = 0;
+                for (int s = 0; s < S; s++)
+                    se += c.acc[((size_t)m * H + h) * S + s].serr;
+                fprintf(jf, "%s%.6g", h ? ", " : "", se / S);
+            }
+            fprintf(jf, "], \"head_readout_rel\": [");
+            for (int h = 0; h < H; h++) {
+                double e = 0, r = 0;
+                for (int s = 0; s < S; s++) {
+                    e += c.acc[((size_t)m * H + h) * S + s].err;
+                    r += c.acc[((size_t)m * H + h) * S + s].ref;
+                }
+                fprintf(jf, "%s%.6g", h ? ", " : "", r > 0 ? e / r : 0);
+            }
+            fprintf(jf, "]}%s\n", m + 1 < M ? "," : "");
+        }
+    }
+    /* Spearman: pooled D_u under the internal uniform@6 vs half-life, and per stream. */
+    double *du = malloc(sizeof(double) * H), *rho_s = calloc((size_t)S, sizeof(double));
+    if (!du || !rho_s) {
+        fprintf(stderr, "stepq eval: out of memory\n");
+        rc = 1;
+        goto done2;
+    }
+    for (int h = 0; h < H; h++) {
+        du[h] = 0;
+        for (int s = 0; s < S; s++)
+            du[h] += c.acc[((size_t)n_maps * H + h) * S + s].serr;
+    }
+    double rho = sq_spearman(du, hl, H);
+    for (int s = 0; s < S; s++) {
+        for (int h = 0; h < H; h++)
+            du[h] = c.acc[((size_t)n_maps * H + h) * S + s].serr;
+        rho_s[s] = sq_spearman(du, hl, H);
+    }
+    struct ms rs = mean_se(rho_s, S);
+    /* Injection ratios per stream (summed over heads) and pooled. */
+    double pooled[4] = { 0 }, *r6 = malloc(sizeof(double) * S), *r8 = malloc(sizeof(double) * S);
+    for (int s = 0; s < S; s++) {
+        double a[4] = { 0 };
+        for (int h = 0; h < H; h++)
+            for (int k = 0; k < 4; k++)
+                a[k] += c.inj[((size_t)h * S + s) * 4 + k];
+        for (int k = 0; k < 4; k++)
+            pooled[k] += a[k];
+        r6[s] = a[0] > 0 ? a[1] / a[0] : NAN;
+        r8[s] = a[2] > 0 ? a[3] / a[2] : NAN;
+    }
+    struct ms i6 = mean_se(r6, S), i8 = mean_se(r8, S);
+    printf("Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d units)\n",
+           rho, rs.mean, rs.se, H);
+    printf("single injection at step %d, oracle / native squared readout error: INT6 %.2f "
+           "(per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
+           t_inj, pooled[1] / pooled[0], i6.mean, i6.se, pooled[3] / pooled[2], i8.mean, i8.se);
+    if (jf) {
+        fprintf(jf, "], \"spearman_uniform6_halflife\": {\"pooled\": %.6g, \"per_stream\": "
+                    "{\"mean\": %.6g, \"se\": %.6g}},\n",
+                rho, rs.mean, rs.se);
+        fprintf(jf, "\"injection\": {\"step\": %d, \"int6_ratio\": %.6g, \"int8_ratio\": %.6g, ",
+                t_inj, pooled[1] / pooled[0], pooled[3] / pooled[2]);
+        json_ms(jf, "int6_ratio_per_stream", i6, 0);
+        json_ms(jf, "int8_ratio_per_stream", i8, 1);
+        fprintf(jf, "},\n\"heads\": [");
+        for (int h = 0; h < H; h++)
+            fprintf(jf, "%s{\"layer\": %d, \"head\": %d, \"half_life\": %.6g, \"class\": %d}",
+                    h ? ", " : "", I->layer_ids[h / I->HV], h % I->HV, hl[h], cls[h]);
+        fprintf(jf, "]}\n");
+        if (fclose(jf) != 0) {
+            fprintf(stderr, "stepq eval: %s: write failed\n", json);
+            rc = 1;
+        }
+    }
+    if (plot && !rc) {
+        /* Two charts via tools/plot.py: per-head relative readout error vs half-life, and the
+         * relative readout error over time. */
+        char path[4096];
+        for (int kind = 0; kind < 2 && !rc; kind++) {
+            snprintf(path, sizeof(path), "%s/%s.spec.json", plot, kind ? "error_vs_time" : "error_vs_halflife");
+            FILE *f = fopen(path, "w");
+            if (!f) {
+                fprintf(stderr, "stepq eval: %s: %s\n", path, strerror(errno));
+                rc = 1;
+                break;
+            }
+            fprintf(f, "{\"output\": \"%s/%s.png\", \"logy\": true, ", plot,
+                    kind ? "error_vs_time" : "error_vs_halflife");
+            if (!kind)
+                fprintf(f, "\"title\": \"relative readout error per head vs gate half-life\", "
+                           "\"xlabel\": \"half-life (tokens)\", \"ylabel\": \"sum |do|^2 / sum |o|^2\", "
+                           "\"logx\": true, \"logx_base\": 10, \"x\": [], \"series\": [");
+            else
+                fprintf(f, "\"title\": \"relative readout error over time (all heads)\", "
+                           "\"xlabel\": \"token\", \"ylabel\": \"sum |do|^2 / sum |o|^2 per %d tokens\", "
+                           "\"x\": [], \"series\": [", bucket);
+            int first = 1;
+            for (int m = 0; m < M; m++) {
+                if (m < n_maps && stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
+                    continue;
+                char name[128];
+                if (m < n_maps)
+                    snprintf(name, sizeof(name), "%s@%g", stepq_method_name(stepq_map_method(maps[m])),
+                             stepq_map_budget_bits(maps[m]));
+                else
+                    snprintf(name, sizeof(name), "uniform@6 (internal)");
+                fprintf(f, "%s{\"label\": \"%s\", \"style\": \"%s\", \"x\": [", first ? "" : ", ", name,
+                        kind ? "-" : "o");
+                first = 0;
+                int n = kind ? nb : H;
+                for (int i = 0; i < n; i++)
+                    fprintf(f, "%s%.6g", i ? ", " : "", kind ? (double)i * bucket : hl[i]);
+                fprintf(f, "], \"y\": [");
+                for (int i = 0; i < n; i++) {
+                    double e = 0, r = 0;
+                    for (int s = 0; s < S; s++) {
+                        if (kind)
+                            for (int h = 0; h < H; h++) {
+                                size_t ci = (((size_t)m * H + h) * S + s) * nb + i;
+                                e += c.curve_err[ci];
+                                r += c.curve_ref[ci];
+                            }
+                        else {
+                            e += c.acc[((size_t)m * H + i) * S + s].err;
+                            r += c.acc[((size_t)m * H + i) * S + s].ref;
+                        }
+                    }
+                    double y = r > 0 ? e / r : 0;
+                    fprintf(f, "%s%.6g", i ? ", " : "", y > 1e-30 ? y : 1e-30);
+                }
+                fprintf(f, "]}");
+            }
+            fprintf(f, "]}\n");
+            fclose(f);
+            if (run_plot(path) < 0)
+                fprintf(stderr, "stepq eval: warning: plotting %s failed (python3 with matplotlib "
+                                "needed); the spec is kept\n", path);
+        }
+    }
+    free(du);
+    free(rho_s);
+    free(r6);
+    free(r8);
+done2:
+    free(hl);
+    free(tmp);
+    free(cls);
+    free(order);
+done:
+    for (int m = 0; m < nm; m++)
+        stepq_map_close(maps[m]);
+    free(c.acc);
+    free(c.curve_err);
+    free(c.curve_ref);
+    free(c.lret);
+    free(c.inj);
+    free(c.rc);
+    stepq_trace_set_close(ts);
+    return rc;
+}
