@@ -1,0 +1,114 @@
+#!/usr/bin/env bash
+# The tiny-gdn calibration study of issue 6, end to end on the GPU host:
+# capture WikiText-2 traces, calibrate every method on VALID, evaluate on TEST
+# (trace replay with `stepq eval`, and excess NLL with the model in the loop).
+# Big traces stay in a scratch folder; only small results go to $OUT.
+#
+#   tools/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll, all
+# Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
+# tool's output folder: the results are packed there as study.tgz plus the
+# readable tables, a handful of files), BUILD (default build-gpu),
+# SHARED (default ../shared), SCRATCH (traces, default /tmp/stepq-study),
+# VALID_STREAMS (32), TEST_STREAMS (16), SEQ (2048), NLL_STREAMS (16),
+# PREFILL (512), DECODE (1536), THREADS (online CPUs).
+# Calibration is deterministic, so `calib` run in two sessions gives byte-identical
+# maps (the script prints their sha256).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PACK=${OUT:-}
+OUT=${RESULTS:-out/study}
+BUILD=${BUILD:-build-gpu}
+SHARED=${SHARED:-../shared}
+SCRATCH=${SCRATCH:-/tmp/stepq-study}
+VALID_STREAMS=${VALID_STREAMS:-32}
+TEST_STREAMS=${TEST_STREAMS:-16}
+SEQ=${SEQ:-2048}
+NLL_STREAMS=${NLL_STREAMS:-16}
+PREFILL=${PREFILL:-512}
+DECODE=${DECODE:-1536}
+THREADS=${THREADS:-$(nproc)}
+MODEL=$SHARED/models/tiny-gdn
+STEPQ=$BUILD/tools/stepq
+mkdir -p "$OUT/maps" "$OUT/plots" "$SCRATCH"
+[ $# -gt 0 ] || set -- all
+
+log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/study.log" >&2; }
+
+capture() { # split segments seg_len prefix
+    local split=$1 n=$2 len=$3 prefix=$4
+    if ! ls "$prefix"-000.safetensors >/dev/null 2>&1; then
+        log "capture $split: $n x $len"
+        python3 tools/capture_traces.py --model "$MODEL" --text "$SHARED/data/wikitext2-$split.txt" \
+            --split "$split" --segments "$n" --seg-len "$len" --batch 8 --out "$prefix" --check \
+            2>&1 | tee -a "$OUT/study.log"
+    fi
+}
+
+calib() {
+    capture valid "$VALID_STREAMS" "$SEQ" "$SCRATCH/valid"
+    local T=("$SCRATCH"/valid-*.safetensors)
+    for m in fp32 bf16; do
+        "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget 4 --out "$OUT/maps/$m.json" \
+            --model-name tiny-gdn 2>&1 | tee -a "$OUT/study.log"
+    done
+    for b in 4 6 8; do
+        for m in uniform dsq spatial temporal stepq; do
+            [ $b = 8 ] && [ $m != uniform ] && continue
+            log "calibrate $m@$b"
+            "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget $b --threads "$THREADS" \
+                --model-name tiny-gdn --out "$OUT/maps/$m@$b.json" \
+                --report "$SCRATCH/report-$m@$b.json" 2>&1 | tee -a "$OUT/study.log"
+        done
+    done
+    # Paper-rule variant kept for comparison (lifetime-only, state MSE, B4 = {2,4,6,8}).
+    for b in 4 6; do
+        c=$([ $b = 4 ] && echo 2,4,6,8 || echo 4,6,8)
+        "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
+            --distortion mse --lifetime gate --normalize none --candidates $c --model-name tiny-gdn \
+            --out "$OUT/maps/stepq-paper@$b.json" 2>&1 | tee -a "$OUT/study.log"
+    done
+    sha256sum "$OUT"/maps/*.json | tee "$OUT/maps/SHA256SUMS"
+}
+
+MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-paper@6 uniform@8"
+
+evalstage() {
+    capture test "$TEST_STREAMS" "$SEQ" "$SCRATCH/test"
+    local M=()
+    for n in $MAPS_ORDER; do M+=("$OUT/maps/$n.json"); done
+    log "eval on test"
+    "$STEPQ" eval --map "${M[@]}" --trace "$SCRATCH"/test-*.safetensors --threads "$THREADS" \
+        --json "$OUT/eval-test.json" --plot "$OUT/plots" 2>&1 | tee "$OUT/eval-test.txt"
+}
+
+nll() {
+    local A=()
+    for n in $MAPS_ORDER; do
+        case $n in fp32|bf16) continue ;; esac
+        A+=(--map "$n=$OUT/maps/$n.json")
+    done
+    log "nll on test"
+    python3 tools/nll_eval.py --model "$MODEL" --text "$SHARED/data/wikitext2-test.txt" \
+        --streams "$NLL_STREAMS" --prefill "$PREFILL" --decode "$DECODE" \
+        --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" \
+        --json "$OUT/nll-test.json" --markdown "$OUT/nll-test.md" 2>&1 | tee -a "$OUT/study.log"
+}
+
+for stage in "$@"; do
+    case $stage in
+    calib) calib ;;
+    eval) evalstage ;;
+    nll) nll ;;
+    all) calib; evalstage; nll ;;
+    *) echo "unknown stage $stage" >&2; exit 2 ;;
+    esac
+done
+log "done: $*"
+if [ -n "$PACK" ]; then
+    mkdir -p "$PACK"
+    tar czf "$PACK/study.tgz" -C "$OUT" .
+    for f in eval-test.txt nll-test.md study.log; do
+        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
+    done
+    ls -la "$PACK"
+fi
