@@ -63,7 +63,10 @@ def main(argv):
     # The hub decorator may route to a Triton kernel on CUDA tensors; the
     # check wants the pure-torch reference, on CPU.
     gdn_ref = inspect.unwrap(qwen.torch_recurrent_gated_delta_rule)
-    kda_ref = inspect.unwrap(kimi.torch_recurrent_kda)
+    # transformers 5.17 names the pure-torch KDA recurrence recurrent_kimi_delta_attention
+    # (same arguments and [B, T, HV, D] layout); other releases call it torch_recurrent_kda.
+    kda_fn = getattr(kimi, "torch_recurrent_kda", None) or getattr(kimi, "recurrent_kimi_delta_attention")
+    kda_ref = inspect.unwrap(kda_fn)
     import transformers
     print(f"torch {torch.__version__}, transformers {transformers.__version__}")
 
