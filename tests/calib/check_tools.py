@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""stepq synth / calibrate / eval end to end on small synthetic traces:
+determinism (byte-identical maps for 1 and 2 threads), the budget rule,
+half-lives recovered from the gates, stepq beating uniform on the readout,
+eval's fp32 row exactly zero, Spearman and the injection ratio in range, and
+clean errors on a truncated trace. Usage: check_tools.py STEPQ_EXE"""
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+
+
+def run(args, ok=True):
+    p = subprocess.run(args, capture_output=True, text=True)
+    if ok and p.returncode != 0:
+        raise SystemExit("FAIL: %s\n%s%s" % (" ".join(args), p.stdout, p.stderr))
+    return p
+
+
+def main():
+    exe = sys.argv[1]
+    d = tempfile.mkdtemp(prefix="stepq-calib-")
+    tr = os.path.join(d, "t")
+    run([exe, "synth", "--out", tr, "--layers", "2", "--H", "2", "--HV", "4", "--K", "32", "--V", "32",
+         "--streams", "3", "--T", "256", "--streams-per-file", "2", "--halflife-min", "2",
+         "--halflife-max", "2000", "--seed", "7"])
+    traces = [tr + "-000.safetensors", tr + "-001.safetensors"]
+    maps = {}
+    for m, b in [("fp32", 4), ("uniform", 4), ("dsq", 4), ("spatial", 4), ("temporal", 4), ("stepq", 4),
+                 ("stepq", 6)]:
+        out = os.path.join(d, "%s@%d.json" % (m, b))
+        rep = os.path.join(d, "%s@%d.rep.json" % (m, b))
+        run([exe, "calibrate", "--trace"] + traces + ["--method", m, "--budget", str(b), "--out", out,
+                                                      "--report", rep, "--threads", "2", "--samples", "4",
+                                                      "--prop-steps", "64", "--pivot-fraction", "0.07"])
+        maps["%s@%d" % (m, b)] = out
+    # Determinism: one thread gives the same bytes.
+    one = os.path.join(d, "one.json")
+    run([exe, "calibrate", "--trace"] + traces + ["--method", "stepq", "--budget", "4", "--out", one,
+                                                  "--threads", "1", "--samples", "4", "--prop-steps", "64",
+                                                  "--pivot-fraction", "0.07"])
+    assert open(one, "rb").read() == open(maps["stepq@4"], "rb").read(), "calibrate is not deterministic"
+    # Budget rule and pivots.
+    for key in ("stepq@4", "stepq@6", "temporal@4"):
+        m = json.load(open(maps[key]))
+        bits = [h["bits"] for L in m["layers"] for h in L["heads"]]
+        piv = sum(1 for b in bits if b == 16)
+        assert piv == round(0.07 * len(bits)) == 1, (key, piv)
+        assert sum(b for b in bits if b != 16) <= m["budget_bits"] * len(bits) - 8 * piv, key
+        assert m["provenance"]["tool"] == "stepq calibrate" and "stats" in m["layers"][0]["heads"][0]
+    m = json.load(open(maps["uniform@4"]))
+    assert all(h["bits"] == 4 for L in m["layers"] for h in L["heads"])
+    # Half-lives: synth spreads them log-uniformly over [2, 2000]; the gates' mean recovers them.
+    rep = json.load(open(os.path.join(d, "stepq@4.rep.json")))
+    hl = sorted(u["half_life"] for u in rep["units"])
+    assert abs(math.log(hl[0] / 2.0)) < 0.15 and abs(math.log(hl[-1] / 2000.0)) < 0.15, hl
+    # Eval.
+    ej = os.path.join(d, "eval.json")
+    order = ["fp32@4", "uniform@4", "dsq@4", "spatial@4", "temporal@4", "stepq@4", "stepq@6"]
+    p = run([exe, "eval", "--map"] + [maps[k] for k in order] + ["--trace"] + traces +
+            ["--json", ej, "--threads", "2"])
+    e = json.load(open(ej))
+    r = {x["name"]: x for x in e["methods"]}
+    assert r["fp32@32"]["readout_rel"]["mean"] == 0.0
+    assert r["stepq@4"]["readout_rel_head"]["mean"] < r["uniform@4"]["readout_rel_head"]["mean"], p.stdout
+    assert r["stepq@6"]["readout_rel_head"]["mean"] < r["stepq@4"]["readout_rel_head"]["mean"], p.stdout
+    # Long-lived heads accumulate more error under uniform@6 (the paper's premise) on these traces.
+    assert e["spearman_uniform6_halflife"]["pooled"] > 0.5, e["spearman_uniform6_halflife"]
+    assert e["injection"]["int6_ratio"] > 1.0, e["injection"]
+    assert e["streams"] == 3
+    # Errors: a truncated trace and a bad option.
+    bad = os.path.join(d, "bad.safetensors")
+    with open(traces[0], "rb") as f:
+        blob = f.read()
+    with open(bad, "wb") as f:
+        f.write(blob[:-100])
+    p = run([exe, "calibrate", "--trace", bad, "--method", "stepq", "--budget", "4", "--out",
+             os.path.join(d, "x.json")], ok=False)
+    assert p.returncode == 1 and "bad.safetensors" in p.stderr and "truncated" in p.stderr, p.stderr
+    assert not os.path.exists(os.path.join(d, "x.json"))
+    p = run([exe, "calibrate", "--trace", traces[0], "--method", "nope", "--budget", "4", "--out", "x"], ok=False)
+    assert p.returncode == 2
+    p = run([exe, "calibrate", "--trace", traces[0], "--method", "stepq", "--budget", "4", "--out",
+             os.path.join(d, "y.json")], ok=False)
+    assert p.returncode == 1 and "stream 2" in p.stderr, p.stderr  # second file missing
+    print(p.stdout)
+    subprocess.run(["rm", "-rf", d])
+    print("ok")
+
+
+if __name__ == "__main__":
+    main()
