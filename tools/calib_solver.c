@@ -13,8 +13,7 @@
 #include "plugin/err.h"
 #include "tools/calib.h"
 
-static int dp_solve(int n, int m, const double *cost, const int *size, long long cap,
-                    int *choice)
+static int dp_solve(int n, int m, const double *cost, const int *size, long long cap, int *choice)
 {
     size_t W = (size_t)cap + 1;
     double *f = malloc(sizeof(double) * W), *g = malloc(sizeof(double) * W);
@@ -102,8 +101,7 @@ static int cmp_move(const void *a, const void *b)
     return x->o - y->o;
 }
 
-static int lagrangian(int n, int m, const double *cost, const int *size, long long cap,
-                      int *choice)
+static int lagrangian(int n, int m, const double *cost, const int *size, long long cap, int *choice)
 {
     int *tmp = malloc(sizeof(int) * (size_t)n);
     struct move *mv = malloc(sizeof(*mv) * (size_t)n * (size_t)m + 1);

@@ -62,11 +62,11 @@ struct copts {
 };
 
 struct head_res {
-    double *lret;   /* [rows]: mean g per unit row (GDN: 1 value) */
-    float *w;       /* [K] */
-    double out2;    /* mean ||o||^2 per token */
-    double *dist;   /* [n_cand][rows] */
-    double *omega;  /* [K] */
+    double *lret;  /* [rows]: mean g per unit row (GDN: 1 value) */
+    float *w;      /* [K] */
+    double out2;   /* mean ||o||^2 per token */
+    double *dist;  /* [n_cand][rows] */
+    double *omega; /* [K] */
     int rc;
 };
 
@@ -237,22 +237,24 @@ out:
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: stepq calibrate --trace F... --budget B --method M --out MAP [options]\n"
-            "  --method uniform|dsq|spatial|temporal|stepq   --budget 2..8 (widths for single-width methods)\n"
-            "  --horizon H          lifetime-weight horizon (default 2048)\n"
-            "  --candidates 3,4,5,6 candidate widths (default: see tools/CALIBRATION.md)\n"
-            "  --pivot-fraction P   fp16 pivot units, fraction of all units (default 1.39%% GDN, 0.625%% KDA)\n"
-            "  --distortion mse|readout|propagated   (default propagated for GDN, readout for KDA)\n"
-            "  --lifetime gate|none weight d_u by lambda_u (default: gate unless propagated)\n"
-            "  --normalize output|none  divide by the head's mean squared readout (default output)\n"
-            "  --samples N          states kept per stream and head (default 8)\n"
-            "  --prop-steps N       reads followed by --distortion propagated (default 256)\n"
-            "  --w-floor X          row-impact floor before renormalisation (default 0.05)\n"
-            "  --threads N          default: online CPUs\n"
-            "  --report FILE        per-unit statistics and costs as JSON\n"
-            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
-            "  --model-name NAME    model name written into the map\n");
+    fprintf(
+        f, "usage: stepq calibrate --trace F... --budget B --method M --out MAP [options]\n"
+           "  --method uniform|dsq|spatial|temporal|stepq   --budget 2..8 (widths for single-width "
+           "methods)\n"
+           "  --horizon H          lifetime-weight horizon (default 2048)\n"
+           "  --candidates 3,4,5,6 candidate widths (default: see tools/CALIBRATION.md)\n"
+           "  --pivot-fraction P   fp16 pivot units, fraction of all units (default 1.39%% GDN, "
+           "0.625%% KDA)\n"
+           "  --distortion mse|readout|propagated   (default propagated for GDN, readout for KDA)\n"
+           "  --lifetime gate|none weight d_u by lambda_u (default: gate unless propagated)\n"
+           "  --normalize output|none  divide by the head's mean squared readout (default output)\n"
+           "  --samples N          states kept per stream and head (default 8)\n"
+           "  --prop-steps N       reads followed by --distortion propagated (default 256)\n"
+           "  --w-floor X          row-impact floor before renormalisation (default 0.05)\n"
+           "  --threads N          default: online CPUs\n"
+           "  --report FILE        per-unit statistics and costs as JSON\n"
+           "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
+           "  --model-name NAME    model name written into the map\n");
 }
 
 static int parse_cands(const char *s, int *c, int *n)
@@ -273,7 +275,6 @@ static int parse_cands(const char *s, int *c, int *n)
     return *n ? 0 : -1;
 }
 
-
 struct risk {
     double r;
     int u;
@@ -289,8 +290,9 @@ static int cmp_risk_q(const void *a, const void *b)
 
 int stepq_tool_calibrate(int argc, char **argv)
 {
-    struct copts o = { STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 8, 256, -1, -1, 1, 0.05,
-                       NULL };
+    struct copts o = {
+        STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 8, 256, -1, -1, 1, 0.05, NULL
+    };
     const char *out = NULL, *model_name = NULL;
     const char *traces[4096];
     int n_traces = 0, conv_kernel = 4, have_method = 0, lifetime_set = 0;
@@ -322,8 +324,10 @@ int stepq_tool_calibrate(int argc, char **argv)
             model_name = v;
         else if (!strcmp(a, "--method")) {
             if (stepq_method_from_name(v, &o.method) < 0) {
-                fprintf(stderr, "stepq calibrate: --method %s: expected uniform, dsq, spatial, "
-                                "temporal, stepq (or fp32, bf16, fp16)\n", v);
+                fprintf(stderr,
+                        "stepq calibrate: --method %s: expected uniform, dsq, spatial, "
+                        "temporal, stepq (or fp32, bf16, fp16)\n",
+                        v);
                 return 2;
             }
             have_method = 1;
@@ -342,8 +346,10 @@ int stepq_tool_calibrate(int argc, char **argv)
             o.horizon = (int)h;
         } else if (!strcmp(a, "--candidates")) {
             if (parse_cands(v, o.cand, &o.n_cand) < 0) {
-                fprintf(stderr, "stepq calibrate: --candidates %s: expected increasing widths "
-                                "from 2,3,4,5,6,8 (at most 6)\n", v);
+                fprintf(stderr,
+                        "stepq calibrate: --candidates %s: expected increasing widths "
+                        "from 2,3,4,5,6,8 (at most 6)\n",
+                        v);
                 return 2;
             }
         } else if (!strcmp(a, "--pivot-fraction")) {
@@ -353,11 +359,15 @@ int stepq_tool_calibrate(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(a, "--distortion")) {
-            o.dist = !strcmp(v, "mse") ? DIST_MSE : !strcmp(v, "readout") ? DIST_READOUT
-                     : !strcmp(v, "propagated") ? DIST_PROP : -2;
+            o.dist = !strcmp(v, "mse")          ? DIST_MSE
+                     : !strcmp(v, "readout")    ? DIST_READOUT
+                     : !strcmp(v, "propagated") ? DIST_PROP
+                                                : -2;
             if (o.dist == -2) {
-                fprintf(stderr, "stepq calibrate: --distortion %s: expected mse, readout or "
-                                "propagated\n", v);
+                fprintf(stderr,
+                        "stepq calibrate: --distortion %s: expected mse, readout or "
+                        "propagated\n",
+                        v);
                 return 2;
             }
         } else if (!strcmp(a, "--lifetime")) {
@@ -486,8 +496,8 @@ int stepq_tool_calibrate(int argc, char **argv)
             double l = res[h].lret[i];
             double e2 = exp(2.0 * l);
             /* sum_{j<H} e2^j in closed form; exact count when e2 == 1 */
-            lam[u] = e2 >= 1.0 ? (double)o.horizon
-                               : (1.0 - pow(e2, (double)o.horizon)) / (1.0 - e2);
+            lam[u] =
+                e2 >= 1.0 ? (double)o.horizon : (1.0 - pow(e2, (double)o.horizon)) / (1.0 - e2);
             double wgt = o.lifetime_gate ? lam[u] : 1.0;
             if (o.normalize_out)
                 wgt /= res[h].out2 > 1e-30 ? res[h].out2 : 1e-30;
@@ -570,7 +580,8 @@ int stepq_tool_calibrate(int argc, char **argv)
             }
         }
         char data[1024], detail[512];
-        const char *src = stepq_trace_set_meta(ts, "source"), *split = stepq_trace_set_meta(ts, "split");
+        const char *src = stepq_trace_set_meta(ts, "source"),
+                   *split = stepq_trace_set_meta(ts, "split");
         snprintf(data, sizeof(data), "%s (%s), %d streams x %d tokens", src ? src : "?",
                  split ? split : "?", I->n_streams, I->T);
         snprintf(detail, sizeof(detail),
@@ -578,7 +589,10 @@ int stepq_tool_calibrate(int argc, char **argv)
                  "solver=%s pivots=%d",
                  dist_names[o.dist], o.lifetime_gate ? "gate" : "none",
                  o.normalize_out ? "output" : "none", o.samples, o.prop_steps, o.w_floor,
-                 single ? "none" : solver == 0 ? "exact-dp" : "lagrangian", n_piv);
+                 single        ? "none"
+                 : solver == 0 ? "exact-dp"
+                               : "lagrangian",
+                 n_piv);
         if (st >= 0)
             st = stepq_map_set_provenance(map, "tool", "stepq calibrate");
         if (st >= 0)
@@ -619,9 +633,10 @@ int stepq_tool_calibrate(int argc, char **argv)
             fprintf(stderr, "stepq calibrate: %s: %s\n", o.report, strerror(errno));
             rc = 1;
         } else {
-            fprintf(f, "{\"method\": \"%s\", \"budget\": %g, \"distortion\": \"%s\", "
-                       "\"lifetime\": \"%s\", \"normalize\": \"%s\", \"horizon\": %d, "
-                       "\"candidates\": [",
+            fprintf(f,
+                    "{\"method\": \"%s\", \"budget\": %g, \"distortion\": \"%s\", "
+                    "\"lifetime\": \"%s\", \"normalize\": \"%s\", \"horizon\": %d, "
+                    "\"candidates\": [",
                     stepq_method_name(o.method), o.budget, dist_names[o.dist],
                     o.lifetime_gate ? "gate" : "none", o.normalize_out ? "output" : "none",
                     o.horizon);
@@ -631,8 +646,9 @@ int stepq_tool_calibrate(int argc, char **argv)
             for (long long u = 0; u < U; u++) {
                 int h = (int)(u / rows), i = (int)(u % rows);
                 double l = res[h].lret[i];
-                fprintf(f, "  {\"layer\": %d, \"head\": %d, \"row\": %d, \"half_life\": %.6g, "
-                           "\"lambda\": %.6g, \"out2\": %.6g, \"bits\": %d, \"dist\": [",
+                fprintf(f,
+                        "  {\"layer\": %d, \"head\": %d, \"row\": %d, \"half_life\": %.6g, "
+                        "\"lambda\": %.6g, \"out2\": %.6g, \"bits\": %d, \"dist\": [",
                         I->layer_ids[h / I->HV], h % I->HV, kda ? i : -1,
                         l < 0 ? 0.69314718055994531 / -l : 1e30, lam[u], res[h].out2, bits[u]);
                 for (int c = 0; c < m && !single; c++)

@@ -36,25 +36,25 @@
 #include "tools/trace.h"
 
 #define MAX_MAPS 64
-#define EDGE 256 /* first / last steps reported separately */
+#define EDGE     256 /* first / last steps reported separately */
 
-struct acc {           /* per (method, head, stream) */
-    double err, ref;   /* readout, all steps */
+struct acc {                           /* per (method, head, stream) */
+    double err, ref;                   /* readout, all steps */
     double err_a, ref_a, err_b, ref_b; /* first / last EDGE steps */
-    double serr, sref; /* state */
+    double serr, sref;                 /* state */
 };
 
 struct ectx {
     const struct stepq_trace_set *ts;
     const struct stepq_trace_info *I;
-    int n_maps;          /* user maps; method n_maps is the internal uniform@6 */
+    int n_maps; /* user maps; method n_maps is the internal uniform@6 */
     stepq_map_t **maps;
-    int nb, bucket;      /* time buckets */
+    int nb, bucket; /* time buckets */
     int t_inj;
-    struct acc *acc;     /* [M][heads][S] */
+    struct acc *acc;               /* [M][heads][S] */
     double *curve_err, *curve_ref; /* [M][heads][S][nb] */
-    double *lret;        /* [heads] mean g (GDN) / mean over rows (KDA) */
-    double *inj;         /* [heads][S][4]: native6, oracle6, native8, oracle8 */
+    double *lret;                  /* [heads] mean g (GDN) / mean over rows (KDA) */
+    double *inj;                   /* [heads][S][4]: native6, oracle6, native8, oracle8 */
     int *rc;
 };
 
@@ -209,10 +209,11 @@ static void json_ms(FILE *f, const char *key, struct ms v, int last)
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: stepq eval --map M... --trace F... [--json FILE] [--plot DIR] [--threads N]\n"
-               "                  [--inject-step T] [--bucket N]\n"
-               "Replays the traces with every map's method in the loop against the fp32\n"
-               "reference; prints a table, writes details as JSON and PNG plots.\n");
+    fprintf(f,
+            "usage: stepq eval --map M... --trace F... [--json FILE] [--plot DIR] [--threads N]\n"
+            "                  [--inject-step T] [--bucket N]\n"
+            "Replays the traces with every map's method in the loop against the fp32\n"
+            "reference; prints a table, writes details as JSON and PNG plots.\n");
 }
 
 static int run_plot(const char *spec_path)
@@ -376,12 +377,13 @@ int stepq_tool_eval(int argc, char **argv)
     }
     printf("stepq eval: %d streams x %d tokens, %d layers x %d heads; mean +- s.e. over streams\n",
            S, I->T, I->n_layers, I->HV);
-    printf("%-22s %6s %-20s %-20s %-20s %-20s %-20s %-20s %-20s\n", "map", "bits", "readout rel (global)",
-           "readout rel (head)", "first 256", "last 256", "state short", "state middle",
-           "state long");
+    printf("%-22s %6s %-20s %-20s %-20s %-20s %-20s %-20s %-20s\n", "map", "bits",
+           "readout rel (global)", "readout rel (head)", "first 256", "last 256", "state short",
+           "state middle", "state long");
     if (jf)
-        fprintf(jf, "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
-                    "\"inject_step\": %d, \"methods\": [\n",
+        fprintf(jf,
+                "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
+                "\"inject_step\": %d, \"methods\": [\n",
                 S, I->T, I->n_layers, I->HV, t_inj);
     for (int m = 0; m < M; m++) {
         struct ms v[7];
@@ -504,14 +506,16 @@ int stepq_tool_eval(int argc, char **argv)
         r8[s] = a[2] > 0 ? a[3] / a[2] : NAN;
     }
     struct ms i6 = mean_se(r6, S), i8 = mean_se(r8, S);
-    printf("Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d units)\n",
+    printf("Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "
+           "units)\n",
            rho, rs.mean, rs.se, H);
     printf("single injection at step %d, oracle / native squared readout error: INT6 %.2f "
            "(per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
            t_inj, pooled[1] / pooled[0], i6.mean, i6.se, pooled[3] / pooled[2], i8.mean, i8.se);
     if (jf) {
-        fprintf(jf, "], \"spearman_uniform6_halflife\": {\"pooled\": %.6g, \"per_stream\": "
-                    "{\"mean\": %.6g, \"se\": %.6g}},\n",
+        fprintf(jf,
+                "], \"spearman_uniform6_halflife\": {\"pooled\": %.6g, \"per_stream\": "
+                "{\"mean\": %.6g, \"se\": %.6g}},\n",
                 rho, rs.mean, rs.se);
         fprintf(jf, "\"injection\": {\"step\": %d, \"int6_ratio\": %.6g, \"int8_ratio\": %.6g, ",
                 t_inj, pooled[1] / pooled[0], pooled[3] / pooled[2]);
@@ -532,7 +536,8 @@ int stepq_tool_eval(int argc, char **argv)
          * relative readout error over time. */
         char path[4096];
         for (int kind = 0; kind < 2 && !rc; kind++) {
-            snprintf(path, sizeof(path), "%s/%s.spec.json", plot, kind ? "error_vs_time" : "error_vs_halflife");
+            snprintf(path, sizeof(path), "%s/%s.spec.json", plot,
+                     kind ? "error_vs_time" : "error_vs_halflife");
             FILE *f = fopen(path, "w");
             if (!f) {
                 fprintf(stderr, "stepq eval: %s: %s\n", path, strerror(errno));
@@ -542,25 +547,31 @@ int stepq_tool_eval(int argc, char **argv)
             fprintf(f, "{\"output\": \"%s/%s.png\", \"logy\": true, ", plot,
                     kind ? "error_vs_time" : "error_vs_halflife");
             if (!kind)
-                fprintf(f, "\"title\": \"relative readout error per head vs gate half-life\", "
-                           "\"xlabel\": \"half-life (tokens)\", \"ylabel\": \"sum |do|^2 / sum |o|^2\", "
-                           "\"logx\": true, \"logx_base\": 10, \"x\": [], \"series\": [");
+                fprintf(
+                    f,
+                    "\"title\": \"relative readout error per head vs gate half-life\", "
+                    "\"xlabel\": \"half-life (tokens)\", \"ylabel\": \"sum |do|^2 / sum |o|^2\", "
+                    "\"logx\": true, \"logx_base\": 10, \"x\": [], \"series\": [");
             else
-                fprintf(f, "\"title\": \"relative readout error over time (all heads)\", "
-                           "\"xlabel\": \"token\", \"ylabel\": \"sum |do|^2 / sum |o|^2 per %d tokens\", "
-                           "\"x\": [], \"series\": [", bucket);
+                fprintf(
+                    f,
+                    "\"title\": \"relative readout error over time (all heads)\", "
+                    "\"xlabel\": \"token\", \"ylabel\": \"sum |do|^2 / sum |o|^2 per %d tokens\", "
+                    "\"x\": [], \"series\": [",
+                    bucket);
             int first = 1;
             for (int m = 0; m < M; m++) {
                 if (m < n_maps && stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
                     continue;
                 char name[128];
                 if (m < n_maps)
-                    snprintf(name, sizeof(name), "%s@%g", stepq_method_name(stepq_map_method(maps[m])),
+                    snprintf(name, sizeof(name), "%s@%g",
+                             stepq_method_name(stepq_map_method(maps[m])),
                              stepq_map_budget_bits(maps[m]));
                 else
                     snprintf(name, sizeof(name), "uniform@6 (internal)");
-                fprintf(f, "%s{\"label\": \"%s\", \"style\": \"%s\", \"x\": [", first ? "" : ", ", name,
-                        kind ? "-" : "o");
+                fprintf(f, "%s{\"label\": \"%s\", \"style\": \"%s\", \"x\": [", first ? "" : ", ",
+                        name, kind ? "-" : "o");
                 first = 0;
                 int n = kind ? nb : H;
                 for (int i = 0; i < n; i++)
@@ -588,8 +599,10 @@ int stepq_tool_eval(int argc, char **argv)
             fprintf(f, "]}\n");
             fclose(f);
             if (run_plot(path) < 0)
-                fprintf(stderr, "stepq eval: warning: plotting %s failed (python3 with matplotlib "
-                                "needed); the spec is kept\n", path);
+                fprintf(stderr,
+                        "stepq eval: warning: plotting %s failed (python3 with matplotlib "
+                        "needed); the spec is kept\n",
+                        path);
         }
     }
     free(du);

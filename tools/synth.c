@@ -74,8 +74,8 @@ static int parse_int(const char *s, long lo, long hi, const char *opt, long *out
 int stepq_tool_synth(int argc, char **argv)
 {
     const char *out = NULL, *arch_s = "gdn", *dtype_s = "bf16";
-    long layers = 2, H = 2, HV = 4, K = 32, V = 32, S = 2, T = 256, spf = 0, rows_o = 2,
-         cols_o = 2, seed = 1;
+    long layers = 2, H = 2, HV = 4, K = 32, V = 32, S = 2, T = 256, spf = 0, rows_o = 2, cols_o = 2,
+         seed = 1;
     double hl_min = 2.0, hl_max = 20000.0;
 
     for (int i = 1; i < argc; i++) {
@@ -185,8 +185,9 @@ int stepq_tool_synth(int argc, char **argv)
         perm[j] = t;
     }
     for (long u = 0; u < n_units; u++)
-        tau[u] = n_units > 1 ? hl_min * pow(hl_max / hl_min, (double)perm[u] / (double)(n_units - 1))
-                             : hl_min;
+        tau[u] = n_units > 1
+                     ? hl_min * pow(hl_max / hl_min, (double)perm[u] / (double)(n_units - 1))
+                     : hl_min;
     for (long i = 0; i < layers * HV * K; i++)
         kscale[i] = 1.0f;
     for (long i = 0; i < layers * HV * V; i++)
@@ -201,14 +202,14 @@ int stepq_tool_synth(int argc, char **argv)
     char all_layers[STEPQ_TRACE_MAX_LAYERS * 8] = "";
     size_t pos = 0;
     for (long l = 0; l < layers; l++)
-        pos += (size_t)snprintf(all_layers + pos, sizeof(all_layers) - pos, "%s%ld", l ? "," : "",
-                                l);
+        pos +=
+            (size_t)snprintf(all_layers + pos, sizeof(all_layers) - pos, "%s%ld", l ? "," : "", l);
     int rc = 0, nfile = 0;
     for (long s0 = 0; s0 < S && !rc; s0 += spf, nfile++) {
         long ns = s0 + spf <= S ? spf : S - s0;
         int nt = (int)layers * 5;
         struct stepq_trace_wtensor *wt = calloc((size_t)nt, sizeof(*wt));
-        char (*names)[32] = calloc((size_t)nt, 32);
+        char(*names)[32] = calloc((size_t)nt, 32);
         if (!wt || !names) {
             fprintf(stderr, "stepq synth: out of memory\n");
             return 1;
@@ -252,17 +253,48 @@ int stepq_tool_synth(int argc, char **argv)
         snprintf(ssc, sizeof(ssc), "%.9g", 1.0 / sqrt((double)K));
         snprintf(sseed, sizeof(sseed), "%ld", seed);
         snprintf(shl, sizeof(shl), "%g..%g", hl_min, hl_max);
-        const char *meta[] = { "format",    "stepq-trace", "version",      "1",
-                               "arch",      arch_s,        "H",            sH,
-                               "HV",        sHV,           "K",            sK,
-                               "V",         sV,            "qk_heads",     "H",
-                               "qk_l2norm", "1",           "scale",        ssc,
-                               "all_layers", all_layers,   "layers",       all_layers,
-                               "stream_offset", sso,       "n_streams",    sns,
-                               "streams_total", sst,       "seq_len",      sT,
-                               "source",    "synthetic",   "split",        "synthetic",
-                               "tool",      "stepq synth", "seed",         sseed,
-                               "halflife",  shl };
+        const char *meta[] = { "format",
+                               "stepq-trace",
+                               "version",
+                               "1",
+                               "arch",
+                               arch_s,
+                               "H",
+                               sH,
+                               "HV",
+                               sHV,
+                               "K",
+                               sK,
+                               "V",
+                               sV,
+                               "qk_heads",
+                               "H",
+                               "qk_l2norm",
+                               "1",
+                               "scale",
+                               ssc,
+                               "all_layers",
+                               all_layers,
+                               "layers",
+                               all_layers,
+                               "stream_offset",
+                               sso,
+                               "n_streams",
+                               sns,
+                               "streams_total",
+                               sst,
+                               "seq_len",
+                               sT,
+                               "source",
+                               "synthetic",
+                               "split",
+                               "synthetic",
+                               "tool",
+                               "stepq synth",
+                               "seed",
+                               sseed,
+                               "halflife",
+                               shl };
         char path[4096];
         snprintf(path, sizeof(path), "%s-%03d.safetensors", out, nfile);
         struct stepq_trace_writer *w;
@@ -285,14 +317,17 @@ int stepq_tool_synth(int argc, char **argv)
                         if (k <= 1) {
                             for (long h = 0; h < H; h++)
                                 for (long i = 0; i < K; i++) {
-                                    /* q/k head h feeds value heads h*rep..; use the first's outliers */
+                                    /* q/k head h feeds value heads h*rep..; use the first's
+                                     * outliers */
                                     long hv0 = h * (HV / H);
-                                    buf[n++] = (float)(rng_gauss(&tr) * kscale[(l * HV + hv0) * K + i]);
+                                    buf[n++] =
+                                        (float)(rng_gauss(&tr) * kscale[(l * HV + hv0) * K + i]);
                                 }
                         } else if (k == 2) {
                             for (long h = 0; h < HV; h++)
                                 for (long j = 0; j < V; j++)
-                                    buf[n++] = (float)(rng_gauss(&tr) * vscale[(l * HV + h) * V + j]);
+                                    buf[n++] =
+                                        (float)(rng_gauss(&tr) * vscale[(l * HV + h) * V + j]);
                         } else if (k == 3) {
                             for (long h = 0; h < HV; h++)
                                 for (long i = 0; i < (kda ? K : 1); i++) {

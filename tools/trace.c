@@ -159,11 +159,10 @@ static int parse_tensor(const cJSON *j, const char *what, struct stepq_trace_ten
         return stepq__error(STEPQ_ESCHEMA, "%s: tensor '%s': needs dtype, shape and data_offsets",
                             what, nm);
     if (!cJSON_IsString(dt) || dtype_from_name(dt->valuestring, &t->dtype) < 0)
-        return stepq__error(STEPQ_ESCHEMA,
-                            "%s: tensor '%s': dtype %s%s%s is not supported (F32, BF16, F16)",
-                            what, nm, cJSON_IsString(dt) ? "'" : "",
-                            cJSON_IsString(dt) ? dt->valuestring : "(not a string)",
-                            cJSON_IsString(dt) ? "'" : "");
+        return stepq__error(
+            STEPQ_ESCHEMA, "%s: tensor '%s': dtype %s%s%s is not supported (F32, BF16, F16)", what,
+            nm, cJSON_IsString(dt) ? "'" : "",
+            cJSON_IsString(dt) ? dt->valuestring : "(not a string)", cJSON_IsString(dt) ? "'" : "");
     if (!cJSON_IsArray(sh))
         return stepq__error(STEPQ_ESCHEMA, "%s: tensor '%s': shape is not an array", what, nm);
     int nd = cJSON_GetArraySize(sh);
@@ -187,9 +186,8 @@ static int parse_tensor(const cJSON *j, const char *what, struct stepq_trace_ten
     if (!cJSON_IsArray(off) || cJSON_GetArraySize(off) != 2 ||
         json_u53(cJSON_GetArrayItem(off, 0), &t->begin) < 0 ||
         json_u53(cJSON_GetArrayItem(off, 1), &t->end) < 0)
-        return stepq__error(STEPQ_ESCHEMA,
-                            "%s: tensor '%s': data_offsets must be [begin, end] integers", what,
-                            nm);
+        return stepq__error(
+            STEPQ_ESCHEMA, "%s: tensor '%s': data_offsets must be [begin, end] integers", what, nm);
     uint64_t bytes = numel * stepq_trace_dtype_size(t->dtype);
     if (t->end < t->begin)
         return stepq__error(STEPQ_ERANGE, "%s: tensor '%s': data_offsets end %llu < begin %llu",
@@ -197,8 +195,8 @@ static int parse_tensor(const cJSON *j, const char *what, struct stepq_trace_ten
     if (t->end - t->begin != bytes)
         return stepq__error(STEPQ_ERANGE,
                             "%s: tensor '%s': data_offsets span %llu bytes, shape x %s needs %llu",
-                            what, nm, (unsigned long long)(t->end - t->begin),
-                            dtype_name(t->dtype), (unsigned long long)bytes);
+                            what, nm, (unsigned long long)(t->end - t->begin), dtype_name(t->dtype),
+                            (unsigned long long)bytes);
     if (t->end > data_len)
         return stepq__error(STEPQ_ERANGE,
                             "%s: tensor '%s': data [%llu, %llu) beyond the data area of %llu bytes "
@@ -234,7 +232,8 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
         return stepq__error(STEPQ_ERANGE, "%s: header of %llu bytes (at most %u)", what,
                             (unsigned long long)hl, STEPQ_TRACE_MAX_HEADER);
     if (hl < 2 || hl > len - 8)
-        return stepq__error(STEPQ_EPARSE, "%s: header of %llu bytes, file has %zu after the length "
+        return stepq__error(STEPQ_EPARSE,
+                            "%s: header of %llu bytes, file has %zu after the length "
                             "(truncated?)",
                             what, (unsigned long long)hl, len - 8);
     const uint8_t *h = buf + 8;
@@ -303,8 +302,8 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
                 }
                 for (int k = 0; k < f->n_meta; k++)
                     if (!strcmp(f->meta_keys[k], e->string)) {
-                        rc = stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.%s: duplicate key",
-                                          what, e->string);
+                        rc = stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.%s: duplicate key", what,
+                                          e->string);
                         goto done;
                     }
                 f->meta_keys[f->n_meta] = strdup(e->string);
@@ -337,8 +336,8 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
     qsort(names, (size_t)nn, sizeof(*names), cmp_name);
     for (int i = 1; i < nn; i++)
         if (!strcmp(names[i - 1], names[i])) {
-            rc = stepq__error(STEPQ_ESCHEMA, "%s: duplicate key '%s' in the header", what,
-                              names[i]);
+            rc =
+                stepq__error(STEPQ_ESCHEMA, "%s: duplicate key '%s' in the header", what, names[i]);
             goto done;
         }
     /* Tensors must tile the data area exactly: no overlap, no gap, nothing after. */
@@ -475,8 +474,9 @@ static int meta_int(const struct stepq_trace_file *f, const char *key, long lo, 
     errno = 0;
     long v = strtol(s, &e, 10);
     if (e == s || *e || errno || v < lo || v > hi)
-        return stepq__error(STEPQ_ERANGE, "%s: __metadata__.%s = '%s' is not an integer in [%ld, %ld]",
-                            what, key, s, lo, hi);
+        return stepq__error(STEPQ_ERANGE,
+                            "%s: __metadata__.%s = '%s' is not an integer in [%ld, %ld]", what, key,
+                            s, lo, hi);
     *out = (int)v;
     return STEPQ_OK;
 }
@@ -600,8 +600,7 @@ void stepq_trace_set_close(struct stepq_trace_set *ts)
     free(ts);
 }
 
-int stepq_trace_set_from_files(struct stepq_trace_file **files, int n,
-                               struct stepq_trace_set **out)
+int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct stepq_trace_set **out)
 {
     int rc = STEPQ_OK;
     struct stepq_trace_set *ts = calloc(1, sizeof(*ts));
@@ -635,9 +634,10 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n,
                 goto fail;
             }
         } else if (!same_info(&in, &ts->info)) {
-            rc = stepq__error(STEPQ_ESHAPE,
-                              "%s: model shape, streams_total, seq_len or all_layers differ from %s",
-                              what, files[0]->path ? files[0]->path : "the first file");
+            rc =
+                stepq__error(STEPQ_ESHAPE,
+                             "%s: model shape, streams_total, seq_len or all_layers differ from %s",
+                             what, files[0]->path ? files[0]->path : "the first file");
             goto fail;
         }
         const struct stepq_trace_info *I = &ts->info;
@@ -667,8 +667,9 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n,
             if (has_o < 0)
                 has_o = ho;
             else if (has_o != ho) {
-                rc = stepq__error(STEPQ_ESCHEMA, "%s: layer%d.o present in some files or layers only",
-                                  what, lay[l]);
+                rc = stepq__error(STEPQ_ESCHEMA,
+                                  "%s: layer%d.o present in some files or layers only", what,
+                                  lay[l]);
                 goto fail;
             }
             int64_t sq[4] = { n_str, I->T, Hq, I->K }, sv[4] = { n_str, I->T, I->HV, I->V };
@@ -702,8 +703,8 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n,
     for (int s = 0; s < ts->info.n_streams; s++)
         for (int l = 0; l < ts->info.n_layers; l++)
             if (!ts->slots[(size_t)s * ts->info.n_layers + l].t[T_Q]) {
-                rc = stepq__error(STEPQ_ESCHEMA, "trace set: stream %d of layer %d is in no file", s,
-                                  ts->info.layer_ids[l]);
+                rc = stepq__error(STEPQ_ESCHEMA, "trace set: stream %d of layer %d is in no file",
+                                  s, ts->info.layer_ids[l]);
                 goto fail;
             }
     *out = ts;
@@ -746,8 +747,8 @@ const char *stepq_trace_set_meta(const struct stepq_trace_set *ts, const char *k
 static float load_elem(const uint8_t *p, stepq_trace_dtype dt)
 {
     if (dt == STEPQ_TRACE_F32) {
-        uint32_t u = (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 |
-                     (uint32_t)p[3] << 24;
+        uint32_t u =
+            (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
         float f;
         memcpy(&f, &u, 4);
         return f;
@@ -775,9 +776,9 @@ int stepq_trace_head(const struct stepq_trace_set *ts, int stream, int li, int h
     const struct stepq_trace_info *I = &ts->info;
     if (stream < 0 || stream >= I->n_streams || li < 0 || li >= I->n_layers || hv < 0 ||
         hv >= I->HV || t0 < 0 || n < 0 || t0 + n > I->T)
-        return stepq__error(STEPQ_EINVAL,
-                            "trace: stream %d, layer index %d, head %d, tokens [%d, %d) out of range",
-                            stream, li, hv, t0, t0 + n);
+        return stepq__error(
+            STEPQ_EINVAL, "trace: stream %d, layer index %d, head %d, tokens [%d, %d) out of range",
+            stream, li, hv, t0, t0 + n);
     if (o && !I->has_output)
         return stepq__error(STEPQ_EINVAL, "trace: the set has no outputs (layer*.o)");
     const struct slot *sl = &ts->slots[(size_t)stream * I->n_layers + li];
@@ -819,8 +820,7 @@ static uint64_t numel(const struct stepq_trace_wtensor *t)
 }
 
 int stepq_trace_writer_open(const char *path, const struct stepq_trace_wtensor *t, int n,
-                            const char *const *meta_kv, int n_meta,
-                            struct stepq_trace_writer **out)
+                            const char *const *meta_kv, int n_meta, struct stepq_trace_writer **out)
 {
     *out = NULL;
     cJSON *root = cJSON_CreateObject(), *meta = cJSON_CreateObject();

@@ -26,9 +26,9 @@
 
 #include "stepq/map.h"
 
-#define STEPQ_TRACE_MAX_HEADER (16u << 20) /* a header beyond 16 MiB is refused */
+#define STEPQ_TRACE_MAX_HEADER  (16u << 20) /* a header beyond 16 MiB is refused */
 #define STEPQ_TRACE_MAX_TENSORS 65536
-#define STEPQ_TRACE_MAX_LAYERS 256
+#define STEPQ_TRACE_MAX_LAYERS  256
 
 typedef enum stepq_trace_dtype {
     STEPQ_TRACE_F32 = 0,
@@ -50,8 +50,8 @@ struct stepq_trace_file {
     char *path;
     const uint8_t *base; /* whole file */
     size_t size;
-    int mapped;     /* base came from mmap */
-    int owns;       /* base is ours (mmap or malloc) */
+    int mapped; /* base came from mmap */
+    int owns;   /* base is ours (mmap or malloc) */
     int n_tensors;
     struct stepq_trace_tensor *tensors;
     int n_meta;

@@ -24,7 +24,8 @@ static double urand(void)
     return (double)(rs >> 11) / 9007199254740992.0;
 }
 
-static double brute(int n, int m, const double *c, const int *s, long long cap, int u, long long used)
+static double brute(int n, int m, const double *c, const int *s, long long cap, int u,
+                    long long used)
 {
     if (u == n)
         return 0.0;

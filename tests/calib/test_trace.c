@@ -49,15 +49,44 @@ static void write_trace(const char *path, int s0, int ns, int total, stepq_trace
     snprintf(so, sizeof(so), "%d", s0);
     snprintf(n, sizeof(n), "%d", ns);
     snprintf(tot, sizeof(tot), "%d", total);
-    const char *meta[] = { "format", "stepq-trace", "version", "1", "arch", "gdn", "H", "1", "HV",
-                           "2", "K", "3", "V", "2", "qk_heads", "H", "qk_l2norm", "1", "scale",
-                           "0.5", "all_layers", "0,2", "layers", layers, "stream_offset", so,
-                           "n_streams", n, "streams_total", tot, "seq_len", "4" };
+    const char *meta[] = { "format",
+                           "stepq-trace",
+                           "version",
+                           "1",
+                           "arch",
+                           "gdn",
+                           "H",
+                           "1",
+                           "HV",
+                           "2",
+                           "K",
+                           "3",
+                           "V",
+                           "2",
+                           "qk_heads",
+                           "H",
+                           "qk_l2norm",
+                           "1",
+                           "scale",
+                           "0.5",
+                           "all_layers",
+                           "0,2",
+                           "layers",
+                           layers,
+                           "stream_offset",
+                           so,
+                           "n_streams",
+                           n,
+                           "streams_total",
+                           tot,
+                           "seq_len",
+                           "4" };
     struct stepq_trace_writer *w;
     assert_int_equal(stepq_trace_writer_open(path, wt, nl * 5, meta, 16, &w), 0);
     for (int l = 0; l < nl; l++)
         for (int k = 0; k < 5; k++) {
-            int64_t per = 4 * wt[l * 5 + k].shape[2] * (wt[l * 5 + k].ndim == 4 ? wt[l * 5 + k].shape[3] : 1);
+            int64_t per =
+                4 * wt[l * 5 + k].shape[2] * (wt[l * 5 + k].ndim == 4 ? wt[l * 5 + k].shape[3] : 1);
             for (int s = s0; s < s0 + ns; s++)
                 for (int64_t i = 0; i < per; i++) {
                     float x = val(s, lids[l], k, (int)i);
@@ -187,11 +216,15 @@ static void malformed_files_name_the_tensor(void **state)
     expect_bad(buf, n, STEPQ_ERANGE, "'a': data_offsets span 4 bytes");
     n = mk(buf, "{\"a\":{\"dtype\":\"I8\",\"shape\":[2],\"data_offsets\":[0,2]}}", 2);
     expect_bad(buf, n, STEPQ_ESCHEMA, "'a': dtype 'I8'");
-    n = mk(buf, "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
-                "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[2,6]}}", 6);
+    n = mk(buf,
+           "{\"a\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[0,4]},"
+           "\"b\":{\"dtype\":\"F32\",\"shape\":[1],\"data_offsets\":[2,6]}}",
+           6);
     expect_bad(buf, n, STEPQ_ERANGE, "not aligned");
-    n = mk(buf, "{\"a\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[0,4]},"
-                "\"b\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[2,4]}}", 4);
+    n = mk(buf,
+           "{\"a\":{\"dtype\":\"F16\",\"shape\":[2],\"data_offsets\":[0,4]},"
+           "\"b\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[2,4]}}",
+           4);
     expect_bad(buf, n, STEPQ_ERANGE, "overlaps");
     n = mk(buf, "{\"a\":{\"dtype\":\"F16\",\"shape\":[1],\"data_offsets\":[2,4]}}", 4);
     expect_bad(buf, n, STEPQ_ERANGE, "unused bytes before tensor 'a'");
