@@ -700,13 +700,27 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct st
         }
     }
     ts->info.has_output = has_o > 0;
-    for (int s = 0; s < ts->info.n_streams; s++)
-        for (int l = 0; l < ts->info.n_layers; l++)
-            if (!ts->slots[(size_t)s * ts->info.n_layers + l].t[T_Q]) {
+    /* A set may hold a subset of a capture's streams (e.g. some of its files): every stream
+     * that is present must have every layer; the present streams are renumbered 0.. in order. */
+    int L = ts->info.n_layers, kept = 0;
+    for (int s = 0; s < ts->info.n_streams; s++) {
+        int have = 0;
+        for (int l = 0; l < L; l++)
+            have += ts->slots[(size_t)s * L + l].t[T_Q] != NULL;
+        if (!have)
+            continue;
+        for (int l = 0; l < L; l++)
+            if (!ts->slots[(size_t)s * L + l].t[T_Q]) {
                 rc = stepq__error(STEPQ_ESCHEMA, "trace set: stream %d of layer %d is in no file",
                                   s, ts->info.layer_ids[l]);
                 goto fail;
             }
+        if (kept != s)
+            memcpy(&ts->slots[(size_t)kept * L], &ts->slots[(size_t)s * L],
+                   sizeof(*ts->slots) * (size_t)L);
+        kept++;
+    }
+    ts->info.n_streams = kept;
     *out = ts;
     return STEPQ_OK;
 fail:

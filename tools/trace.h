@@ -16,7 +16,8 @@
  * "stepq-trace" version "1", arch, H, HV, K, V, qk_heads (H or HV),
  * qk_l2norm, scale, layers, stream_offset, n_streams, streams_total, seq_len;
  * tensors layer{L}.{q,k,v,g,beta} (optional .o) with the shapes given there.
- * A trace set joins files by (stream_offset, layer).
+ * A trace set joins files by (stream_offset, layer); it may hold a subset of the
+ * capture's streams (every present stream with every layer), renumbered 0.. in order.
  */
 #ifndef STEPQ_TOOLS_TRACE_H
 #define STEPQ_TOOLS_TRACE_H

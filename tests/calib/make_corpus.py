@@ -92,7 +92,8 @@ def main():
     cases["bad-027-streams-beyond-total"] = build(meta=dict(META, stream_offset="1"))
     cases["bad-028-extra-tensor"] = build(tens=TENS + [("layer0.x", "F32", [1])])
     cases["bad-029-huge-shape"] = build(header_edit=lambda h: h["layer0.q"].update(shape=[2 ** 40, 2 ** 40, 1, 2]))
-    cases["bad-030-stream-missing"] = build(meta=dict(META, streams_total="2"))
+    cases["ok-003-subset-of-streams"] = build(meta=dict(META, streams_total="2", stream_offset="1"))
+    cases["bad-030-stream-misses-a-layer"] = build(meta=dict(META, all_layers="0,1"))
     cases["bad-031-scale-not-number"] = build(meta=dict(META, scale="abc"))
     cases["bad-032-qk-heads-bad"] = build(meta=dict(META, qk_heads="K"))
     for name, blob in cases.items():
