@@ -1,0 +1,18 @@
+#!/bin/sh
+# The shared library exports the public API only: every defined dynamic
+# symbol starts with "stepq_" (internal stepq__ names and everything else are hidden).
+lib="$1"
+command -v nm >/dev/null 2>&1 || { echo "nm not installed: skipped"; exit 77; }
+syms=$(nm -D --defined-only "$lib" | awk '$2 ~ /^[TDBRVW]$/ {print $3}')
+[ -n "$syms" ] || { echo "FAIL: no exported symbols in $lib"; exit 1; }
+bad=$(printf '%s\n' "$syms" | grep -v '^stepq_[a-z0-9]' || true)
+internal=$(printf '%s\n' "$syms" | grep '^stepq__' || true)
+n=$(printf '%s\n' "$syms" | wc -l)
+if [ -n "$bad$internal" ]; then
+    echo "FAIL: non-public symbols exported:"; printf '%s\n' $bad $internal
+    exit 1
+fi
+for s in stepq_strerror stepq_map_load_file stepq_pool_open; do
+    printf '%s\n' "$syms" | grep -qx "$s" || { echo "FAIL: $s is not exported"; exit 1; }
+done
+echo "ok: $n public symbols exported, all stepq_*"
