@@ -216,21 +216,31 @@ static int layouts(struct stepq_head_layout *hl, const struct method *me, stepq_
 
 static int usage(FILE *f)
 {
-    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick]\n"
+    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick] [--only LABEL] [--batch B]\n"
+               "                           [--shape gdn|kda]\n"
                "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
                "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
-               "  --quick: batches 1, 64 and 512 only.\n");
+               "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
+               "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
+               "  (for profilers). Rows marked (old) run the thread-per-column kernels.\n");
     return f == stdout ? 0 : 2;
 }
 
 int stepq_tool_bench_kernels(int argc, char **argv)
 {
     const char *json = NULL;
-    int quick = 0;
+    const char *only = NULL;
+    int quick = 0, only_b = 0, only_shape = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json") && i + 1 < argc)
             json = argv[++i];
+        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
+            only = argv[++i];
+        else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
+            only_b = atoi(argv[++i]);
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc)
+            only_shape = !strcmp(argv[++i], "kda");
         else if (!strcmp(argv[i], "--quick"))
             quick = 1;
         else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
@@ -327,6 +337,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                                         "Kimi-Linear-48B (KDA, HV=32, H=32)" };
     static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
     for (int shape = 0; shape < 2 && rc == 0; shape++) {
+        if (only_shape >= 0 && shape != only_shape)
+            continue;
         stepq_arch arch = shape ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
         int H = shape ? 32 : 16, HV = 32, ng = shape ? D : 1;
         printf("%s\n", shape_name[shape]);
@@ -336,11 +348,29 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             int B = batches[bi];
             if (quick && B != 1 && B != 64 && B != 512)
                 continue;
+            if (only_b && B != only_b)
+                continue;
             double fp32_us = 0;
             size_t io_bytes = (size_t)B * (2 * H * D + HV * D + HV * ng + HV + HV * D) * 4;
-            /* rows: 5 methods (step), then two-stage stepq@6, pack and unpack of stepq@6 */
-            for (int row = 0; row < 8 && rc == 0; row++) {
-                const struct method *me = &methods[row < 5 ? row : 4];
+            /*
+             * rows: 5 methods (step), two-stage stepq@6, pack and unpack of
+             * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
+             * kernels (old).
+             */
+            for (int row = 0; row < 11 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4 };
+                const struct method *me = &methods[row_method[row]];
+                const int old = row >= 8;
+                char lab[32];
+                snprintf(lab, sizeof(lab), "%s%s", me->name,
+                         old        ? " (old)"
+                         : row == 5 ? " two-stage"
+                         : row == 6 ? " pack"
+                         : row == 7 ? " unpack"
+                                    : "");
+                const char *label = lab;
+                if (only && strcmp(only, label))
+                    continue;
                 struct stepq_head_layout hl[32];
                 size_t off[32], pos = 0;
                 float w[32 * D];
@@ -387,8 +417,6 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 c.pl.head_offset = off;
                 c.pl.row_impact = w;
                 size_t state_rw;
-                const char *label = me->name;
-                char lab[32];
                 if (me->budget == 0) {
                     c.kind = me->m == STEPQ_METHOD_FP32 ? K_DENSE_F32 : K_DENSE_BF16;
                     state_rw = 2 * (size_t)B * HV * D * D * (me->m == STEPQ_METHOD_FP32 ? 4 : 2);
@@ -408,26 +436,21 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
                     state_rw = 2 * (size_t)B * blocks;
-                    c.kind = row < 5    ? K_PACKED
-                             : row == 5 ? K_PACKED_2S
-                             : row == 6 ? K_PACK
-                                        : K_UNPACK;
-                    if (row >= 5) {
-                        snprintf(lab, sizeof(lab), "%s %s", me->name,
-                                 row == 5   ? "two-stage"
-                                 : row == 6 ? "pack"
-                                            : "unpack");
-                        label = lab;
-                    }
+                    c.kind = row < 5 || old ? K_PACKED
+                             : row == 5     ? K_PACKED_2S
+                             : row == 6     ? K_PACK
+                                            : K_UNPACK;
                     if (row == 5)
                         state_rw += 2 * (size_t)B * HV * D * D * 4; /* scratch write + read */
-                    if (row >= 6)
+                    if (row == 6 || row == 7)
                         state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
                 }
+                stepq__cuda_set_legacy(old);
                 double us = rc ? -1 : time_us(&c, e0, e1);
+                stepq__cuda_set_legacy(0);
                 if (us < 0)
                     rc = 1;
-                size_t bytes = state_rw + (row < 6 ? io_bytes : 0);
+                size_t bytes = state_rw + (row < 6 || old ? io_bytes : 0);
                 if (row == 0)
                     fp32_us = us;
                 double gbs = bytes / (us * 1e-6) / 1e9;
@@ -438,7 +461,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     snprintf(peer, sizeof(peer), "742");
                 if (rc == 0) {
                     char sp[16] = "-";
-                    if (row < 6)
+                    if ((row < 6 || old) && fp32_us > 0)
                         snprintf(sp, sizeof(sp), "%.2fx", fp32_us / us);
                     printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %8s %12s\n", label, B, us, bytes,
                            gbs, 100.0 * gbs / copy_gbs, sp, peer);
@@ -449,7 +472,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                                 "\"speedup_vs_fp32\": %.3f, \"peer_us_quoted\": %s}",
                                 first_row ? "" : ",",
                                 shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", label, B, us,
-                                bytes, gbs, gbs / copy_gbs, row < 6 ? fp32_us / us : 0.0,
+                                bytes, gbs, gbs / copy_gbs, row < 6 || old ? fp32_us / us : 0.0,
                                 peer[0] ? peer : "null");
                     first_row = 0;
                 }

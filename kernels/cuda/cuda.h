@@ -110,6 +110,14 @@ int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl, stepq__cud
 int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size_t slot_stride,
                               stepq__layout layout, stepq__dtype dtype);
 
+/**
+ * Selects the thread-per-column kernels (head_kernel.cuh) for every entry
+ * instead of the micro-tiled ones (tile_kernel.cuh): for tests and the
+ * benchmark's comparison rows. Process-wide, not synchronised with launches
+ * in flight on other threads.
+ */
+void stepq__cuda_set_legacy(int on);
+
 /* The dispatch-table entries (signatures of kernels/dsp.h). */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);

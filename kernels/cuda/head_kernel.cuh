@@ -40,10 +40,11 @@ struct sq_head_desc {
     uint32_t block_bytes; /* multiple of 16 */
     uint32_t row_scale_off, col_scale_off;
     uint8_t method, quantized, has_col, dual;
-    uint8_t any_int, ubits, pad[2]; /* ubits: the one integer width of every row, else 0 */
-    uint8_t bits[SQ_D];             /* 2..8 or 16 (pivot); 0 for dense methods */
-    uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
-    float w[SQ_D];          /* row impact used by the fit (1 when unused) */
+    uint8_t any_int, ubits;  /* ubits: the one integer width of every row, else 0 */
+    uint8_t needs_zero, pad; /* the block has bytes no field covers (zeroed by the tile kernel) */
+    uint8_t bits[SQ_D];      /* 2..8 or 16 (pivot); 0 for dense methods */
+    uint16_t row_off[SQ_D];  /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
+    float w[SQ_D];           /* row impact used by the fit (1 when unused) */
 };
 
 /* The recurrence inputs (device pointers). */

@@ -15,7 +15,7 @@ extern "C" {
 #include "kernels/quant.h"
 #include "plugin/err.h"
 }
-#include "kernels/cuda/head_kernel.cuh"
+#include "kernels/cuda/tile_kernel.cuh"
 
 /* Dynamic shared memory ceiling set on every kernel instance (a GDN pivot
  * head needs 32.5 KiB of block plus 16 KiB of byte codes). */
@@ -29,6 +29,7 @@ struct stepq__cuda_layer {
     int n_heads;
     size_t max_block; /* largest block_bytes */
     int offsets16;    /* all head offsets multiples of 16 */
+    int all_quant;    /* every head quantized: the tile kernel handles the layer */
     /* cache key */
     const void *key_heads, *key_off, *key_w;
     uint64_t hash;
@@ -142,6 +143,14 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         for (int i = 1; i < SQ_D && h->ubits; i++)
             if (hl->row_bits[i] != hl->row_bits[0])
                 h->ubits = 0;
+        {
+            size_t covered = hl->codes_bytes + (hl->quantized ? 2 * (size_t)SQ_D : 0) +
+                             (hl->has_col ? 2 * (size_t)SQ_D : 0);
+            h->needs_zero =
+                hl->quantized &&
+                (covered != hl->block_bytes || hl->row_scale_offset != hl->codes_bytes ||
+                 (hl->has_col && hl->col_scale_offset != hl->row_scale_offset + 2 * SQ_D));
+        }
         if (pl->head_offset[hv] % 16)
             return stepq__error(STEPQ_EINVAL, "%s: head %d offset %zu is not a multiple of 16", who,
                                 hv, pl->head_offset[hv]);
@@ -190,6 +199,9 @@ extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
         }
     }
     L->n_heads = pl->n_heads;
+    L->all_quant = 1;
+    for (int hv = 0; hv < pl->n_heads; hv++)
+        L->all_quant &= pl->heads[hv].quantized;
     L->key_heads = pl->heads;
     L->key_off = pl->head_offset;
     L->key_w = pl->row_impact;
@@ -240,6 +252,42 @@ static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, con
     sq_head_kernel<SRC, UPDATE, SINK><<<grid, SQ_THREADS, smem, s>>>(st, io);
     SQ_CU(cudaGetLastError(), who);
     return STEPQ_OK;
+}
+
+template <int SRC, bool UPDATE, int SINK>
+static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                       const char *who)
+{
+    static int attr_done;
+    if (grid.x == 0 || grid.y == 0)
+        return STEPQ_OK;
+    if (!attr_done) {
+        SQ_CU(cudaFuncSetAttribute(sq_tile_kernel<SRC, UPDATE, SINK>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
+              who);
+        attr_done = 1;
+    }
+    sq_tile_kernel<SRC, UPDATE, SINK><<<grid, SQ_THREADS, smem, s>>>(st, io);
+    SQ_CU(cudaGetLastError(), who);
+    return STEPQ_OK;
+}
+
+/* Dynamic shared memory of the tile kernel: the block and 16 bytes read past it. */
+static size_t tile_smem(size_t max_block)
+{
+    return (max_block + 16 + 15) & ~(size_t)15;
+}
+
+static int legacy_kernels; /* stepq__cuda_set_legacy: thread-per-column kernel everywhere */
+
+extern "C" void stepq__cuda_set_legacy(int on)
+{
+    legacy_kernels = on != 0;
+}
+
+static int use_tile(const stepq__cuda_layer *L)
+{
+    return !legacy_kernels && (!L || L->all_quant);
 }
 
 static int check_args(const struct stepq__step_args *a, const char *who)
@@ -336,8 +384,12 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     dim3 grid((unsigned)a->HV, (unsigned)a->batch);
     size_t smem = dyn_smem(L->max_block);
 
+    const int tile = use_tile(L);
+    if (tile)
+        smem = tile_smem(L->max_block);
     if (variant == STEPQ__CUDA_FUSED)
-        return launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
+        return tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who)
+                    : launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
     if (variant != STEPQ__CUDA_TWO_STAGE)
         return stepq__error(STEPQ_EINVAL, "%s: unknown variant %d", who, (int)variant);
 
@@ -366,12 +418,16 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     io.skip = L->skip;
     io.dense_stride = (size_t)a->HV * SQ_D * SQ_D;
     io.dense_by_slot = 0;
-    if ((rc = launch<SQ_SRC_PACKED, true, SQ_SINK_DENSE>(grid, smem, s, st, io, who)) < 0)
+    rc = tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_DENSE>(grid, smem, s, st, io, who)
+              : launch<SQ_SRC_PACKED, true, SQ_SINK_DENSE>(grid, smem, s, st, io, who);
+    if (rc < 0)
         return rc;
     SQ_CU(cudaEventRecord(L->ev_a, s), who);
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
     /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
-    if ((rc = launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who)) < 0)
+    rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who)
+              : launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who);
+    if (rc < 0)
         return rc;
     SQ_CU(cudaEventRecord(L->ev_b, L->s2), who);
     SQ_CU(cudaStreamWaitEvent(s, L->ev_b, 0), who);
@@ -427,9 +483,12 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
     io.health = health;
     io.counts = (unsigned long long *)counts;
-    return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(dim3((unsigned)pl->n_heads, (unsigned)n),
-                                                       dyn_smem(L->max_block), (cudaStream_t)stream,
-                                                       st, io, who);
+    dim3 grid((unsigned)pl->n_heads, (unsigned)n);
+    if (use_tile(L))
+        return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, tile_smem(L->max_block),
+                                                                (cudaStream_t)stream, st, io, who);
+    return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
+                                                       (cudaStream_t)stream, st, io, who);
 }
 
 extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
@@ -484,8 +543,11 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
     io.health = a->health;
     io.counts = (unsigned long long *)a->counts;
-    return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(dim3((unsigned)a->HV, (unsigned)a->batch), 0,
-                                                     (cudaStream_t)a->stream, st, io, who);
+    dim3 grid((unsigned)a->HV, (unsigned)a->batch);
+    if (use_tile(NULL))
+        return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
+                                                              io, who);
+    return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st, io, who);
 }
 
 /* --- dispatch-table entries: prepared layers cached by description --- */

@@ -178,10 +178,28 @@ static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_
                 continue;
             }
             if (!hl->quantized) {
-                for (int e = 0; e < D * D; e++)
-                    CHECK(ulp16(rd16(a + 2 * e), rd16(b + 2 * e)) <= 1,
-                          "%s: slot %d head %d element %d: 0x%04x vs 0x%04x", what, s, h, e,
-                          rd16(a + 2 * e), rd16(b + 2 * e));
+                /*
+                 * bf16 / fp16 pages: the GPU and the reference round
+                 * differently computed fp32 states, and a tiny element left
+                 * by cancellation can differ by several of its own ulps.
+                 * Tolerance: one ulp of the head's largest magnitude plus
+                 * one ulp of the element.
+                 */
+                int bf = hl->method == STEPQ_METHOD_BF16, mant = bf ? 7 : 10;
+                double mx = 0;
+                for (int e = 0; e < D * D; e++) {
+                    uint16_t v = rd16(b + 2 * e);
+                    mx = fmax(mx, fabs(bf ? stepq__bf16_to_float(v) : stepq__fp16_to_float(v)));
+                }
+                for (int e = 0; e < D * D; e++) {
+                    uint16_t va = rd16(a + 2 * e), vb = rd16(b + 2 * e);
+                    double fa = bf ? stepq__bf16_to_float(va) : stepq__fp16_to_float(va);
+                    double fb = bf ? stepq__bf16_to_float(vb) : stepq__fp16_to_float(vb);
+                    double ulp = ldexp(1.0, ilogb(fb == 0 ? 1e-30 : fb) - mant);
+                    CHECK(fabs(fa - fb) <= ldexp(mx, -mant - 1) + ulp,
+                          "%s: slot %d head %d element %d: 0x%04x vs 0x%04x (head max %g)", what, s,
+                          h, e, va, vb, mx);
+                }
                 continue;
             }
             for (int i = 0; i < D; i++) {
@@ -272,6 +290,8 @@ static void *dup_dev(const void *h, size_t n)
     return d;
 }
 
+static float step_amp = 0.3f; /* magnitude of the random states packed into pages */
+
 /*
  * One packed decode step, CUDA vs reference. variant: fused or two-stage.
  * nonfinite: request 0 gets a NaN in q (head untouched, output 0, flag).
@@ -301,7 +321,7 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     float *o_got = calloc((size_t)batch * HV * D, sizeof(float));
     uint32_t *h_ref = calloc((size_t)n_slots, 4), *h_got = calloc((size_t)n_slots, 4);
     uint64_t c_ref[4] = { 0 }, c_got[4] = { 0 };
-    if (fill_pages(&L, pages, 0.3f))
+    if (fill_pages(&L, pages, step_amp))
         return 1;
     memcpy(ref, pages, L.bytes);
     gen_inputs(&in, arch, n_slots, gate);
@@ -411,6 +431,16 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     free(h_ref);
     free(h_got);
     free_layer(&L);
+    return rc;
+}
+
+/* A step on states so large that row and column scales saturate (clamped codes). */
+static int run_step_amp(stepq_method m, stepq_arch arch, int bits, int H, int HV, int batch,
+                        float amp)
+{
+    step_amp = amp;
+    int rc = run_step(m, arch, bits, H, HV, batch, 0, 0, 0);
+    step_amp = 0.3f;
     return rc;
 }
 
@@ -612,19 +642,34 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
     }
     int rc = 0;
     if (bf16) {
+        /*
+         * bf16-stored states: the GPU and the reference round differently
+         * computed fp32 values, and a tiny element produced by cancellation
+         * may differ by several of its own ulps. Tolerance per element:
+         * 2^-8 of the head's largest magnitude plus one ulp of the element.
+         */
         CU(cudaMemcpy(S16, dS, 2 * stride * n_slots, cudaMemcpyDeviceToHost));
-        size_t off = 0;
-        for (size_t e = 0; e < stride * n_slots; e++) {
-            Sg[e] = stepq__bf16_to_float(S16[e]);
-            off += ulp16(S16[e], stepq__bf16_from_float(S[e])) > 0;
-            if (ulp16(S16[e], stepq__bf16_from_float(S[e])) > 1) {
-                printf("FAIL %s: element %zu: bf16 0x%04x vs %g\n", what, e, S16[e], (double)S[e]);
-                rc = 1;
-                break;
+        size_t off = 0, head = (size_t)D * D;
+        for (size_t h0 = 0; h0 < stride * n_slots && !rc; h0 += head) {
+            double mx = 0;
+            for (size_t e = h0; e < h0 + head; e++)
+                mx = fmax(mx, fabs((double)S[e]));
+            for (size_t e = h0; e < h0 + head; e++) {
+                uint16_t rb = stepq__bf16_from_float(S[e]);
+                double ga = stepq__bf16_to_float(S16[e]), gb = stepq__bf16_to_float(rb);
+                double ulp = ldexp(1.0, ilogb(gb == 0 ? 1e-38 : gb) - 7);
+                Sg[e] = (float)ga;
+                off += S16[e] != rb;
+                if (fabs(ga - gb) > ldexp(mx, -8) + ulp) {
+                    printf("FAIL %s: element %zu: bf16 0x%04x vs 0x%04x (%g vs %g, head max %g)\n",
+                           what, e, S16[e], rb, ga, gb, mx);
+                    rc = 1;
+                    break;
+                }
             }
         }
-        if (off > stride * n_slots / 1000) {
-            printf("FAIL %s: %zu bf16 elements off by one ulp\n", what, off);
+        if (!rc && off > stride * n_slots / 100) {
+            printf("FAIL %s: %zu bf16 elements differ (> 1%%)\n", what, off);
             rc = 1;
         }
     } else {
@@ -737,6 +782,23 @@ int main(void)
                                               STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32));
     RUN("pack/unpack gdn fp32",
         run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
+
+    /* the thread-per-column kernels (kept for unpack, dense pages and comparison) */
+    stepq__cuda_set_legacy(1);
+    RUN("legacy gdn step stepq mixed + pivot head",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
+    RUN("legacy kda step stepq mixed rows",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
+    RUN("legacy pack/unpack gdn stepq",
+        run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32));
+    RUN("legacy dense bf16 gdn 1 step [K,V]",
+        run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 1));
+    stepq__cuda_set_legacy(0);
+    /* saturating scales take the clamped quantizer */
+    RUN("gdn step stepq @6 huge state",
+        run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
+    RUN("gdn step uniform @4 huge state",
+        run_step_amp(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 4, 2, 4, B, 1e9f));
 
     /* dense fp32 recurrence: one step, and 1024 steps (<= 1e-5 relative) */
     RUN("dense gdn 1 step [K,V]", run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 0));

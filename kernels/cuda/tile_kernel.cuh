@@ -1,0 +1,820 @@
+/*
+ * The micro-tiled head kernel: one 256-thread block per (entry, value head)
+ * of a 128x128 state, every thread owning an 8-row x 8-column tile in 64
+ * registers. Used for every quantized page (fused decode step, pack, both
+ * stages of the two-stage variant) and for the dense fp32/bf16 decode step;
+ * head_kernel.cuh (thread per column) remains for unpack and for layers
+ * whose pages hold dense methods (fp32/bf16/fp16 pages).
+ *
+ * Thread t: warp w = t / 32, tx = t % 16 (columns 8tx..8tx+7), ty = 2w +
+ * (t % 32) / 16 (rows 8ty..8ty+7). A warp holds 16 complete rows, so a row
+ * reduction is 8 in-thread operations plus a 4-level reduce-scatter over the
+ * 16 lanes of a half-warp (8 shuffles for 8 rows); a column reduction is 8
+ * in-thread operations, one reduce-scatter shuffle level between the two
+ * half-warps and an 8-way sum over the warps in shared memory.
+ *
+ * Per element, the fused 6-bit step issues about: decode 5 (shift, mask|
+ * magic exponent, FADD to the signed code, two FMUL by the row factor
+ * r_i dec_i / qmax_i and the column scale), S^T k and S^T q of the decayed
+ * state 2 (o = S_dec^T q + u (k.q): one pass), update 1 (FFMA), row max 1,
+ * y = x * (1/r_i) 1, column max 1, quantize 3 (FMUL by 1/c_j, FFMA with
+ * 1.5*2^23 = round half to even in the low mantissa bits, IADD), pack ~1.5,
+ * refit 5; about 21 FP32-lane operations plus ~2 of shuffles and shared
+ * memory, against ~45-55 for the thread-per-column kernel.
+ *
+ * Differences to the reference (all within the test tolerances): the
+ * reconstruction is (z * (r dec / qmax)) * c instead of ((r c) (z/qmax)) dec,
+ * the update uses one FFMA, x / r and y / c are multiplications by the
+ * reciprocals, and the refit sums are fp32. The state therefore differs in
+ * the last ulp, which moves codes only at ties.
+ */
+#ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
+#define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
+
+#include "kernels/cuda/head_kernel.cuh"
+
+#define SQ_TMIN_BLOCKS 2
+#define SQ_MAGIC       12582912.0f /* 1.5 * 2^23: t = y + MAGIC rounds y half to even */
+#define SQ_MAGIC_I     0x4B400000
+
+/* max that propagates NaN (sm_80+): a non-finite element poisons its row max. */
+__device__ __forceinline__ float sq_maxnan(float a, float b)
+{
+    float r;
+    asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
+    return r;
+}
+
+template <int B> struct sq_bw {
+    static constexpr int QM = (1 << (B - 1)) - 1;
+    static constexpr uint32_t MASK = (1u << B) - 1u;
+};
+
+/* Code n of 8 packed codes (lo = bits 0..31, hi = bits 32..63). */
+template <int B> __device__ __forceinline__ uint32_t sq_code(uint32_t lo, uint32_t hi, int n)
+{
+    const int p = n * B;
+    if (p + B <= 32)
+        return (lo >> p) & sq_bw<B>::MASK;
+    if (p >= 32)
+        return (hi >> (p - 32)) & sq_bw<B>::MASK;
+    return __funnelshift_r(lo, hi, p) & sq_bw<B>::MASK;
+}
+
+/* Loads the B bytes of 8 codes at row + tx*B (row 16-byte aligned). */
+template <int B>
+__device__ __forceinline__ void sq_ld_codes(const uint8_t *row, int tx, uint32_t &lo, uint32_t &hi)
+{
+    const uint32_t off = (uint32_t)tx * B;
+    if (B == 8) {
+        uint2 v = *(const uint2 *)(row + off);
+        lo = v.x;
+        hi = v.y;
+    } else if (B == 4) {
+        lo = *(const uint32_t *)(row + off);
+        hi = 0;
+    } else if (B == 2) {
+        lo = *(const uint16_t *)(row + off);
+        hi = 0;
+    } else { /* 3, 5, 6: the bytes lie within two aligned words */
+        const uint32_t a = off & ~3u, sh = (off & 3u) * 8u;
+        uint32_t w0 = *(const uint32_t *)(row + a), w1 = *(const uint32_t *)(row + a + 4);
+        lo = __funnelshift_r(w0, w1, sh);
+        hi = w1 >> sh;
+    }
+}
+
+/* Stores the B bytes of 8 codes at row + tx*B. */
+template <int B>
+__device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, uint32_t hi)
+{
+    const uint32_t off = (uint32_t)tx * B;
+    if (B == 8) {
+        *(uint2 *)(row + off) = make_uint2(lo, hi);
+    } else if (B == 4) {
+        *(uint32_t *)(row + off) = lo;
+    } else if (B == 2) {
+        *(uint16_t *)(row + off) = (uint16_t)lo;
+    } else if (B == 6) {
+        /* 6tx is 0 mod 4 (even tx) or 2 mod 4 (odd): one word and one half-word */
+        const bool odd = tx & 1;
+        const uint32_t a32 = odd ? off + 2 : off, a16 = odd ? off : off + 4;
+        const uint32_t v32 = odd ? __funnelshift_r(lo, hi, 16) : lo;
+        *(uint32_t *)(row + a32) = v32;
+        *(uint16_t *)(row + a16) = (uint16_t)(odd ? lo : hi);
+    } else {
+#pragma unroll
+        for (int n = 0; n < B; n++)
+            row[off + n] = (uint8_t)(n < 4 ? lo >> (8 * n) : hi >> (8 * (n - 4)));
+    }
+}
+
+/* Reconstructs 8 values of a row: x = (z * rf) * c, z from the magic exponent. */
+template <int B>
+__device__ __forceinline__ void sq_dec_row(float *xr, const uint8_t *row, int tx, float rf,
+                                           const float (&cc)[8])
+{
+    uint32_t lo, hi;
+    sq_ld_codes<B>(row, tx, lo, hi);
+    const float zoff = 8388608.0f + (float)sq_bw<B>::QM;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        float z = __int_as_float(0x4B000000 | sq_code<B>(lo, hi, n)) - zoff;
+        xr[n] = (z * rf) * cc[n];
+    }
+}
+
+/*
+ * Codes of 8 values y = x / r (scaled by 1/c_j), stored at row + tx*B, and
+ * the refit sums num_j += (z ar) y, den_j += z^2 ad. CL clamps to +-qmax:
+ * needed only when a scale saturated (otherwise the fp16 scales cover |y|
+ * to within 2^-11 and |z| <= qmax + 0.07 rounds inside the range).
+ */
+template <int B, bool CL>
+__device__ __forceinline__ void sq_quant_row(const float *yr, uint8_t *row, int tx,
+                                             const float (&ci)[8], float ar, float ad,
+                                             float (&num)[8], float (&den)[8])
+{
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        float t = fmaf(yr[n] * ci[n], (float)sq_bw<B>::QM, SQ_MAGIC);
+        if (CL)
+            t = fminf(fmaxf(t, SQ_MAGIC - (float)sq_bw<B>::QM), SQ_MAGIC + (float)sq_bw<B>::QM);
+        uint32_t u = (uint32_t)(__float_as_int(t) - (SQ_MAGIC_I - sq_bw<B>::QM));
+        const int p = n * B;
+        if (p < 32)
+            lo |= u << p;
+        if (p + B > 32)
+            hi |= p >= 32 ? u << (p - 32) : u >> (32 - p);
+        float z = t - SQ_MAGIC;
+        num[n] = fmaf(z * ar, yr[n], num[n]);
+        den[n] = fmaf(z * z, ad, den[n]);
+    }
+    sq_st_codes<B>(row, tx, lo, hi);
+}
+
+/*
+ * Column partials p[c] (columns 8tx+c of this thread's 8 rows) -> part[w][col]
+ * holding the warp's 16 rows: one reduce-scatter level between half-warps.
+ */
+template <bool MAX>
+__device__ __forceinline__ void sq_col_part(const float (&p)[8], float *part, int w, int lane)
+{
+    const int h = lane >> 4, tx = lane & 15;
+    float r[4];
+#pragma unroll
+    for (int c = 0; c < 4; c++) {
+        float send = h ? p[c] : p[c + 4];
+        float keep = h ? p[c + 4] : p[c];
+        float o = __shfl_xor_sync(0xffffffffu, send, 16);
+        r[c] = MAX ? fmaxf(keep, o) : keep + o;
+    }
+    *(float4 *)(part + w * SQ_D + 8 * tx + 4 * h) = make_float4(r[0], r[1], r[2], r[3]);
+}
+
+template <bool MAX> __device__ __forceinline__ float sq_col_total(const float *part, int j)
+{
+    float s = part[j];
+#pragma unroll
+    for (int w = 1; w < 8; w++)
+        s = MAX ? fmaxf(s, part[w * SQ_D + j]) : s + part[w * SQ_D + j];
+    return s;
+}
+
+/*
+ * Row reduce-scatter over the 16 lanes of a half-warp: v[r] = partial max of
+ * row r; returns the full max of row (tx >> 1) on lanes tx and tx ^ 1.
+ */
+__device__ __forceinline__ float sq_row_max(const float (&m)[8], int tx)
+{
+    float v[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        v[r] = m[r];
+    {
+        const bool up = tx & 8;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            float send = up ? v[k] : v[k + 4], keep = up ? v[k + 4] : v[k];
+            v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 8));
+        }
+    }
+    {
+        const bool up = tx & 4;
+#pragma unroll
+        for (int k = 0; k < 2; k++) {
+            float send = up ? v[k] : v[k + 2], keep = up ? v[k + 2] : v[k];
+            v[k] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 4));
+        }
+    }
+    {
+        const bool up = tx & 2;
+        float send = up ? v[0] : v[1], keep = up ? v[1] : v[0];
+        v[0] = fmaxf(keep, __shfl_xor_sync(0xffffffffu, send, 2));
+    }
+    return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
+}
+
+/* Dense tile load: fp32 or bf16, [K,V] or [V,K]; 16-byte vectors when `vec`. */
+template <int DT>
+__device__ __forceinline__ void sq_tload(float (&x)[64], const void *p, size_t off, bool vk,
+                                         bool vec, int R0, int C0)
+{
+    if (vec) {
+#pragma unroll
+        for (int a = 0; a < 8; a++) {
+            /* [K,V]: row R0+a, columns C0..; [V,K]: column C0+a, rows R0.. */
+            size_t n = off + (vk ? (size_t)(C0 + a) * SQ_D + R0 : (size_t)(R0 + a) * SQ_D + C0);
+            float e[8];
+            if (DT == SQ_F32) {
+                const float4 *s = (const float4 *)((const float *)p + n);
+                float4 u = s[0], v = s[1];
+                e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
+                e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
+            } else {
+                uint4 u = *(const uint4 *)((const uint16_t *)p + n);
+                uint32_t wd[4] = { u.x, u.y, u.z, u.w };
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    e[2 * k] = __uint_as_float(wd[k] << 16);
+                    e[2 * k + 1] = __uint_as_float(wd[k] & 0xffff0000u);
+                }
+            }
+#pragma unroll
+            for (int b = 0; b < 8; b++)
+                x[vk ? b * 8 + a : a * 8 + b] = e[b];
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            size_t n =
+                off + (vk ? (size_t)(C0 + c) * SQ_D + R0 + r : (size_t)(R0 + r) * SQ_D + C0 + c);
+            x[r * 8 + c] = DT == SQ_F32 ? ((const float *)p)[n] : sq_bf2f(((const uint16_t *)p)[n]);
+        }
+}
+
+__device__ __forceinline__ uint32_t sq_bf16x2(float a, float b)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* Dense tile store; bf16 rounds to nearest even, `sat`: values may round to Inf. */
+template <int DT>
+__device__ __forceinline__ void sq_tstore(const float (&x)[64], void *p, size_t off, bool vk,
+                                          bool vec, int R0, int C0, bool sat, unsigned *fl)
+{
+    if (vec && !(DT == SQ_BF16 && sat)) {
+#pragma unroll
+        for (int a = 0; a < 8; a++) {
+            size_t n = off + (vk ? (size_t)(C0 + a) * SQ_D + R0 : (size_t)(R0 + a) * SQ_D + C0);
+            float e[8];
+#pragma unroll
+            for (int b = 0; b < 8; b++)
+                e[b] = x[vk ? b * 8 + a : a * 8 + b];
+            if (DT == SQ_F32) {
+                float4 *d = (float4 *)((float *)p + n);
+                d[0] = make_float4(e[0], e[1], e[2], e[3]);
+                d[1] = make_float4(e[4], e[5], e[6], e[7]);
+            } else {
+                *(uint4 *)((uint16_t *)p + n) =
+                    make_uint4(sq_bf16x2(e[0], e[1]), sq_bf16x2(e[2], e[3]), sq_bf16x2(e[4], e[5]),
+                               sq_bf16x2(e[6], e[7]));
+            }
+        }
+        return;
+    }
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            size_t n =
+                off + (vk ? (size_t)(C0 + c) * SQ_D + R0 + r : (size_t)(R0 + r) * SQ_D + C0 + c);
+            if (DT == SQ_F32)
+                ((float *)p)[n] = x[r * 8 + c];
+            else
+                ((uint16_t *)p)[n] = sq_bf16_sat(x[r * 8 + c], fl);
+        }
+}
+
+struct __align__(16) sq_tsmem
+{
+    float q[SQ_D], k[SQ_D], v[SQ_D], dec[SQ_D];
+    float part[2][8 * SQ_D]; /* column partials [quantity][warp][column] */
+    float cola[SQ_D], colb[SQ_D];
+    float rowf[SQ_D], cold[SQ_D]; /* decode: r dec / qmax (dec for pivots), column scale */
+    float rinv[SQ_D], ar[SQ_D], ad[SQ_D];
+    uint16_t roff[SQ_D];
+    uint8_t bits[SQ_D];
+    double l2[4][2];
+    float kqp[4];
+    float beta, dec0;
+    unsigned fl, sat;
+};
+
+#define SQ_ROWS_SWITCH(b, CALL) \
+    switch (b) {                \
+    case 2:                     \
+        CALL(2);                \
+        break;                  \
+    case 3:                     \
+        CALL(3);                \
+        break;                  \
+    case 4:                     \
+        CALL(4);                \
+        break;                  \
+    case 5:                     \
+        CALL(5);                \
+        break;                  \
+    case 6:                     \
+        CALL(6);                \
+        break;                  \
+    case 8:                     \
+        CALL(8);                \
+        break;                  \
+    default:                    \
+        break;                  \
+    }
+
+/*
+ * SRC: packed (quantized pages only) or dense; SINK: packed (quantized) or
+ * dense. Packed source implies UPDATE (unpack stays on sq_head_kernel).
+ */
+template <int SRC, bool UPDATE, int SINK>
+__global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_step st, sq_io io)
+{
+    extern __shared__ __align__(16) uint8_t sq_dyn[];
+    __shared__ sq_tsmem sm;
+
+    const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
+    const int t = threadIdx.x, lane = t & 31, w = t >> 5, tx = lane & 15;
+    const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
+    const int32_t slot = io.slots ? io.slots[e] : e;
+    if (slot < 0 || slot >= io.n_slots)
+        return; /* uniform over the block */
+    if (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])
+        return;
+
+    const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
+    const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
+    uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
+    uint8_t *buf = sq_dyn;
+    unsigned fl = 0;
+    if (t == 0) {
+        sm.fl = 0;
+        sm.sat = 0;
+    }
+    if (packed && t < SQ_D) {
+        sm.bits[t] = hd->bits[t];
+        sm.roff[t] = hd->row_off[t];
+    }
+
+    float x[64];
+    if (SRC == SQ_SRC_PACKED) {
+        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+            sq_cp_async16(buf + 16 * n, blk + 16 * n);
+    } else {
+        size_t off =
+            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
+        if (io.bf16)
+            sq_tload<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0);
+        else
+            sq_tload<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0);
+    }
+
+    /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
+    float kq = 0.0f;
+    if (UPDATE) {
+        int hq = hv / (HV / st.H);
+        size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
+        bool bad = false;
+        if (t < SQ_D) {
+            float qv = st.q[qk + t], kv = st.k[qk + t], vv = st.v[bh * SQ_D + t];
+            bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
+            if (st.l2norm) {
+                double sq2 = sq_warp_sum((double)qv * qv), sk2 = sq_warp_sum((double)kv * kv);
+                if (lane == 0) {
+                    sm.l2[w][0] = sq2;
+                    sm.l2[w][1] = sk2;
+                }
+            }
+            sm.q[t] = qv;
+            sm.k[t] = kv;
+            sm.v[t] = vv;
+            if (st.kda || t == 0) {
+                int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
+                float g = st.g[bh * ng + gi];
+                if (st.gate) {
+                    float ga = g + st.dt_bias[(size_t)hv * ng + gi];
+                    float sp = ga > 20.0f ? ga : (float)log1p(exp((double)ga)); /* torch softplus */
+                    g = -expf(st.A_log[hv]) * sp;
+                }
+                bad |= !isfinite(g);
+                float d = expf(g);
+                if (st.kda)
+                    sm.dec[t] = d;
+                else
+                    sm.dec0 = d;
+            }
+            if (t == 0) {
+                float b = st.beta[bh];
+                if (st.beta_sig)
+                    b = 1.0f / (1.0f + expf(-b));
+                bad |= !isfinite(b);
+                sm.beta = b;
+            }
+        }
+        if (__syncthreads_or(bad)) {
+            if (SRC == SQ_SRC_PACKED)
+                sq_cp_async_wait_all(); /* nothing may land in a finished block */
+            if (t < SQ_D)
+                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
+            if (t == 0) {
+                if (io.skip)
+                    io.skip[(size_t)e * HV + hv] = 1;
+                if (io.health)
+                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
+                if (io.counts)
+                    atomicAdd(io.counts + 0, 1ull);
+            }
+            return;
+        }
+        if (t < SQ_D) {
+            float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
+            float qv = sm.q[t], kv = sm.k[t];
+            if (st.l2norm) {
+                double a = sm.l2[0][0] + sm.l2[1][0] + sm.l2[2][0] + sm.l2[3][0];
+                double b = sm.l2[0][1] + sm.l2[1][1] + sm.l2[2][1] + sm.l2[3][1];
+                qv *= (float)(1.0 / sqrt(a + 1e-6));
+                kv *= (float)(1.0 / sqrt(b + 1e-6));
+            }
+            qv *= sc;
+            sm.q[t] = qv;
+            sm.k[t] = kv;
+            if (!st.kda)
+                sm.dec[t] = sm.dec0;
+            float p = qv * kv;
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                p += __shfl_xor_sync(0xffffffffu, p, o);
+            if (lane == 0)
+                sm.kqp[w] = p;
+        }
+        if (io.skip && t == 0)
+            io.skip[(size_t)e * HV + hv] = 0;
+        if (SRC == SQ_SRC_PACKED)
+            sq_cp_async_wait_all();
+        __syncthreads();
+        kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
+    } else if (SRC == SQ_SRC_PACKED) {
+        sq_cp_async_wait_all();
+        __syncthreads();
+    }
+
+    /* ---- packed source: decode (decay folded into the row factor) ---- */
+    if (SRC == SQ_SRC_PACKED) {
+        if (t < SQ_D) {
+            int b = sm.bits[t];
+            float d = UPDATE ? sm.dec[t] : 1.0f;
+            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+            sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) / (float)((1 << (b - 1)) - 1);
+            sm.cold[t] =
+                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
+        }
+        __syncthreads();
+        float cc[8];
+        {
+            float4 a = *(const float4 *)(sm.cold + C0), b = *(const float4 *)(sm.cold + C0 + 4);
+            cc[0] = a.x, cc[1] = a.y, cc[2] = a.z, cc[3] = a.w;
+            cc[4] = b.x, cc[5] = b.y, cc[6] = b.z, cc[7] = b.w;
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const int i = R0 + r;
+            const int b = sm.bits[i];
+            const float rf = sm.rowf[i];
+            const uint8_t *row = buf + sm.roff[i];
+            float *xr = x + 8 * r;
+            if (b == STEPQ_BITS_PIVOT) {
+                uint4 v = *(const uint4 *)(row + 16 * tx);
+                uint32_t wd[4] = { v.x, v.y, v.z, v.w };
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&wd[k]));
+                    xr[2 * k] = f.x * rf;
+                    xr[2 * k + 1] = f.y * rf;
+                }
+            } else {
+#define SQ_DEC(B) sq_dec_row<B>(xr, row, tx, rf, cc)
+                SQ_ROWS_SWITCH(b, SQ_DEC)
+#undef SQ_DEC
+            }
+        }
+    } else if (UPDATE) {
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float d = sm.dec[R0 + r];
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                x[r * 8 + c] *= d;
+        }
+    }
+
+    /* ---- update: S^T k and S^T q of the decayed state in one pass ---- */
+    if (UPDATE) {
+        float pk[8], pq[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            pk[c] = pq[c] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                pk[c] = fmaf(x[r * 8 + c], kr, pk[c]);
+                pq[c] = fmaf(x[r * 8 + c], qr, pq[c]);
+            }
+        }
+        sq_col_part<false>(pk, sm.part[0], w, lane);
+        sq_col_part<false>(pq, sm.part[1], w, lane);
+        __syncthreads(); /* also: every read of the staged old block is done */
+        {
+            const int j = t & (SQ_D - 1);
+            if (t < SQ_D)
+                sm.cola[j] = (sm.v[j] - sq_col_total<false>(sm.part[0], j)) * sm.beta;
+            else
+                sm.colb[j] = sq_col_total<false>(sm.part[1], j);
+        }
+        __syncthreads();
+        float uu[8];
+        {
+            float4 a = *(const float4 *)(sm.cola + C0), b = *(const float4 *)(sm.cola + C0 + 4);
+            uu[0] = a.x, uu[1] = a.y, uu[2] = a.z, uu[3] = a.w;
+            uu[4] = b.x, uu[5] = b.y, uu[6] = b.z, uu[7] = b.w;
+        }
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float kr = sm.k[R0 + r];
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                x[r * 8 + c] = fmaf(kr, uu[c], x[r * 8 + c]);
+        }
+    }
+
+    /* ---- non-finite elements: detected by NaN-propagating row maxima ---- */
+    float m[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        float a = sq_maxnan(fabsf(x[r * 8]), fabsf(x[r * 8 + 1]));
+        float b = sq_maxnan(fabsf(x[r * 8 + 2]), fabsf(x[r * 8 + 3]));
+        float c = sq_maxnan(fabsf(x[r * 8 + 4]), fabsf(x[r * 8 + 5]));
+        float d = sq_maxnan(fabsf(x[r * 8 + 6]), fabsf(x[r * 8 + 7]));
+        m[r] = sq_maxnan(sq_maxnan(a, b), sq_maxnan(c, d));
+    }
+    bool nf = false;
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        nf |= !(m[r] <= 3.402823466e38f);
+    const bool slow = __syncthreads_or(nf);
+    if (slow) {
+        /* rare: non-finite elements become 0; the readout is recomputed */
+        if (nf)
+            fl |= STEPQ__HEALTH_STATE;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            float mm = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                if (!isfinite(x[r * 8 + c]))
+                    x[r * 8 + c] = 0.0f;
+                mm = fmaxf(mm, fabsf(x[r * 8 + c]));
+            }
+            m[r] = mm;
+        }
+        if (UPDATE) {
+            float pq[8];
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                pq[c] = 0.0f;
+#pragma unroll
+                for (int r = 0; r < 8; r++)
+                    pq[c] = fmaf(x[r * 8 + c], sm.q[R0 + r], pq[c]);
+            }
+            sq_col_part<false>(pq, sm.part[1], w, lane);
+            __syncthreads();
+            if (t < SQ_D)
+                sm.colb[t] = sq_col_total<false>(sm.part[1], t);
+            __syncthreads();
+        }
+    }
+    if (UPDATE && t < SQ_D) {
+        float o = slow ? sm.colb[t] : fmaf(sm.cola[t], kq, sm.colb[t]);
+        if (!isfinite(o)) {
+            o = 0.0f;
+            fl |= STEPQ__HEALTH_OUTPUT;
+        }
+        st.o[((size_t)e * HV + hv) * SQ_D + t] = o;
+    }
+
+    if (SINK == SQ_SINK_DENSE) {
+        size_t off =
+            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
+        if (io.bf16) {
+            float mx = 0.0f;
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                mx = fmaxf(mx, m[r]);
+            bool sat = __float_as_uint(mx) >= 0x7F7F8000u; /* rounds to Inf in bf16 */
+            sq_tstore<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0, sat, &fl);
+        } else {
+            sq_tstore<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0, false, &fl);
+        }
+    } else {
+        const bool dual = hd->dual;
+        if (hd->needs_zero) {
+            for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+                ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
+            __syncthreads();
+        }
+        /* 1. row scales on lanes tx even (row R0 + tx/2) */
+        {
+            float mr = sq_row_max(m, tx);
+            if (!(tx & 1)) {
+                const int i = R0 + (tx >> 1);
+                const int b = sm.bits[i];
+                float ri = 0.0f, ar = 0.0f, ad = 0.0f;
+                uint16_t h = 0;
+                if (b != STEPQ_BITS_PIVOT) {
+                    const float wi = hd->w[i];
+                    float s = dual ? sqrtf(mr / wi) : mr;
+                    if (s > STEPQ__SCALE_MAX) {
+                        fl |= STEPQ__HEALTH_SATURATED;
+                        sm.sat = 1;
+                    }
+                    h = sq_scale_h(s);
+                    float r = sq_h2f(h);
+                    float qm = (float)((1 << (b - 1)) - 1);
+                    float w2r2 = wi * wi * r * r;
+                    ri = __frcp_rn(r);
+                    ar = w2r2 / qm;
+                    ad = w2r2 / (qm * qm);
+                }
+                sm.rinv[i] = ri;
+                sm.ar[i] = ar;
+                sm.ad[i] = ad;
+                ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
+            }
+        }
+        /* pivot rows: fp16 values straight into the block */
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const int i = R0 + r;
+            if (sm.bits[i] == STEPQ_BITS_PIVOT) {
+                uint16_t hb[8];
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+                    hb[c] = sq_f16_sat(x[r * 8 + c], &fl);
+                *(uint4 *)(buf + sm.roff[i] + 16 * tx) =
+                    make_uint4(hb[0] | (uint32_t)hb[1] << 16, hb[2] | (uint32_t)hb[3] << 16,
+                               hb[4] | (uint32_t)hb[5] << 16, hb[6] | (uint32_t)hb[7] << 16);
+            }
+        }
+        __syncwarp();
+        /* 2. y = x / r (0 on pivot rows); column maxima of |y| */
+        {
+            float4 a = *(const float4 *)(sm.rinv + R0), b = *(const float4 *)(sm.rinv + R0 + 4);
+            const float ri[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+#pragma unroll
+                for (int c = 0; c < 8; c++)
+                    x[r * 8 + c] *= ri[r];
+        }
+        float ci[8];
+        if (dual) {
+            float pc[8];
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                float a = fmaxf(fabsf(x[c]), fabsf(x[8 + c]));
+                float b = fmaxf(fabsf(x[16 + c]), fabsf(x[24 + c]));
+                float d = fmaxf(fabsf(x[32 + c]), fabsf(x[40 + c]));
+                float f = fmaxf(fabsf(x[48 + c]), fabsf(x[56 + c]));
+                pc[c] = fmaxf(fmaxf(a, b), fmaxf(d, f));
+            }
+            sq_col_part<true>(pc, sm.part[0], w, lane);
+            __syncthreads();
+            if (t < SQ_D) {
+                float cm = sq_col_total<true>(sm.part[0], t);
+                if (cm > STEPQ__SCALE_MAX) {
+                    fl |= STEPQ__HEALTH_SATURATED;
+                    sm.sat = 1;
+                }
+                float c = sq_h2f(sq_scale_h(cm));
+                sm.cola[t] = c;
+                sm.colb[t] = __frcp_rn(c);
+            }
+            __syncthreads();
+            float4 a = *(const float4 *)(sm.colb + C0), b = *(const float4 *)(sm.colb + C0 + 4);
+            ci[0] = a.x, ci[1] = a.y, ci[2] = a.z, ci[3] = a.w;
+            ci[4] = b.x, ci[5] = b.y, ci[6] = b.z, ci[7] = b.w;
+        } else {
+            __syncthreads(); /* sm.sat */
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                ci[c] = 1.0f;
+        }
+        /* 3. codes + refit sums */
+        float num[8], den[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            num[c] = den[c] = 0.0f;
+        const bool clamp = sm.sat;
+#define SQ_QUANT_LOOP(CL)                                           \
+    _Pragma("unroll") for (int r = 0; r < 8; r++)                   \
+    {                                                               \
+        const int i = R0 + r;                                       \
+        const int b = sm.bits[i];                                   \
+        const float ar = sm.ar[i], ad = sm.ad[i];                   \
+        uint8_t *row = buf + sm.roff[i];                            \
+        const float *yr = x + 8 * r;                                \
+        switch (b) {                                                \
+        case 2:                                                     \
+            sq_quant_row<2, CL>(yr, row, tx, ci, ar, ad, num, den); \
+            break;                                                  \
+        case 3:                                                     \
+            sq_quant_row<3, CL>(yr, row, tx, ci, ar, ad, num, den); \
+            break;                                                  \
+        case 4:                                                     \
+            sq_quant_row<4, CL>(yr, row, tx, ci, ar, ad, num, den); \
+            break;                                                  \
+        case 5:                                                     \
+            sq_quant_row<5, CL>(yr, row, tx, ci, ar, ad, num, den); \
+            break;                                                  \
+        case 6:                                                     \
+            sq_quant_row<6, CL>(yr, row, tx, ci, ar, ad, num, den); \
+            break;                                                  \
+        case 8:                                                     \
+            sq_quant_row<8, CL>(yr, row, tx, ci, ar, ad, num, den); \
+            break;                                                  \
+        default:                                                    \
+            break; /* pivot row: stored above */                    \
+        }                                                           \
+    }
+        if (clamp) {
+            SQ_QUANT_LOOP(true)
+        } else {
+            SQ_QUANT_LOOP(false)
+        }
+#undef SQ_QUANT_LOOP
+        /* 4. fixed-code column refit */
+        if (dual) {
+            sq_col_part<false>(num, sm.part[0], w, lane);
+            sq_col_part<false>(den, sm.part[1], w, lane);
+            __syncthreads();
+            if (t < SQ_D) {
+                uint16_t h = 0;
+                if (hd->any_int) {
+                    float nm = sq_col_total<false>(sm.part[0], t);
+                    float dn = sq_col_total<false>(sm.part[1], t);
+                    if (dn > 0.0f) {
+                        float c = nm / dn;
+                        if (c > STEPQ__SCALE_MAX)
+                            fl |= STEPQ__HEALTH_SATURATED;
+                        h = sq_scale_h(c);
+                    } else {
+                        h = sq_scale_h(sm.cola[t]);
+                    }
+                }
+                ((uint16_t *)(buf + hd->col_scale_off))[t] = h;
+            }
+        } else if (hd->has_col && t < SQ_D) {
+            ((uint16_t *)(buf + hd->col_scale_off))[t] = 0;
+        }
+    }
+
+    /* ---- health (one event per (request, head) and flag) and write-back ---- */
+    if (fl)
+        atomicOr(&sm.fl, fl);
+    __syncthreads();
+    if (SINK == SQ_SINK_PACKED) {
+        const uint4 *s = (const uint4 *)buf;
+        uint4 *d = (uint4 *)blk;
+        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+            d[n] = s[n];
+    }
+    if (t == 0 && sm.fl) {
+        const unsigned f = sm.fl;
+        if (io.health)
+            atomicOr(io.health + slot, f);
+        if (io.counts)
+            for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+                if (f & (1u << bit))
+                    atomicAdd(io.counts + bit, 1ull);
+    }
+}
+
+#endif /* STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH */
