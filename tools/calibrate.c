@@ -18,7 +18,8 @@
  *        readout      sum_i omega_i sum_j Z_ij^2 / n_u (error read by the next query)
  *        propagated   sum over the next --prop-steps reads of ||(Phi Z)^T q_s||^2 / n_u,
  *                     the error carried by the real transitions A_s (delta
- *                     feedback included), GDN only
+ *                     feedback included), plus a gate-only tail up to the
+ *                     horizon H (mean of the last 16 reads x sum_j exp(2 j l_u)), GDN only
  *   4. unit cost c_u(b) = n_u * weight_u * d_u(b), weight_u = lambda_u (--lifetime gate,
  *      lambda_u = sum_{j<H} exp(2 j l_u)) or 1 (--lifetime none), divided by
  *      E||o||^2 of the head with --normalize output (the model reads each head
@@ -43,6 +44,7 @@
 #include "tools/trace.h"
 
 enum { DIST_MSE, DIST_READOUT, DIST_PROP };
+#define TAIL_FIT 16 /* reads averaged for the gate-only tail of --distortion propagated */
 static const char *const dist_names[] = { "mse", "readout", "propagated" };
 
 struct copts {
@@ -199,11 +201,25 @@ static void head_job(void *vctx, int job, int worker)
                 for (size_t e = 0; e < KV; e++)
                     E[e] = X[e] - x0[e];
                 if (o->dist == DIST_PROP) {
-                    double acc = 0.0;
+                    double acc = 0.0, tail = 0.0;
+                    int np = 0, nt = 0;
                     for (int p = 1; p <= P && tsamp[si] + p < T; p++) {
                         int tt = tsamp[si] + p;
                         sq_err_step(E, &hd[s], tt, 1);
-                        acc += sq_read_err(E, &hd[s], tt);
+                        double re = sq_read_err(E, &hd[s], tt);
+                        acc += re;
+                        np = p;
+                        if (p > P - TAIL_FIT) {
+                            tail += re;
+                            nt++;
+                        }
+                    }
+                    /* Reads beyond the followed ones, up to the horizon: the last reads' mean
+                     * times the gate-only decay sum_{j=1}^{H-np} e2^j (e2 = exp(2 l_u)). */
+                    if (nt && o->horizon > np) {
+                        double e2 = exp(2.0 * r->lret[0]), n_more = (double)(o->horizon - np);
+                        double geo = e2 >= 1.0 ? n_more : e2 * (1.0 - pow(e2, n_more)) / (1.0 - e2);
+                        acc += tail / nt * geo;
                     }
                     d[0] += acc / (double)KV;
                 } else {
@@ -248,8 +264,8 @@ static void usage(FILE *f)
            "  --distortion mse|readout|propagated   (default propagated for GDN, readout for KDA)\n"
            "  --lifetime gate|none weight d_u by lambda_u (default: gate unless propagated)\n"
            "  --normalize output|none  divide by the head's mean squared readout (default output)\n"
-           "  --samples N          states kept per stream and head (default 8)\n"
-           "  --prop-steps N       reads followed by --distortion propagated (default 256)\n"
+           "  --samples N          states kept per stream and head (default 4)\n"
+           "  --prop-steps N       reads followed by --distortion propagated (default 64)\n"
            "  --w-floor X          row-impact floor before renormalisation (default 0.05)\n"
            "  --threads N          default: online CPUs\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
@@ -291,7 +307,7 @@ static int cmp_risk_q(const void *a, const void *b)
 int stepq_tool_calibrate(int argc, char **argv)
 {
     struct copts o = {
-        STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 8, 256, -1, -1, 1, 0.05, NULL
+        STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL
     };
     const char *out = NULL, *model_name = NULL;
     const char *traces[4096];
