@@ -8,7 +8,8 @@
 # Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
 # tool's output folder: the results are packed there as study.tgz plus the
 # readable tables, a handful of files), BUILD (default build-gpu),
-# SHARED (default ../shared), SCRATCH (traces, default /tmp/stepq-study),
+# SHARED (default ../shared), SCRATCH (traces, default out/study-scratch: ignored by git, so it survives between
+# device calls on a warm host),
 # VALID_STREAMS (32), TEST_STREAMS (16), SEQ (2048), NLL_STREAMS (16),
 # PREFILL (512), DECODE (1536), THREADS (online CPUs).
 # Calibration is deterministic, so `calib` run in two sessions gives byte-identical
@@ -19,7 +20,7 @@ PACK=${OUT:-}
 OUT=${RESULTS:-out/study}
 BUILD=${BUILD:-build-gpu}
 SHARED=${SHARED:-../shared}
-SCRATCH=${SCRATCH:-/tmp/stepq-study}
+SCRATCH=${SCRATCH:-out/study-scratch}
 VALID_STREAMS=${VALID_STREAMS:-32}
 TEST_STREAMS=${TEST_STREAMS:-16}
 SEQ=${SEQ:-2048}
@@ -60,7 +61,13 @@ calib() {
                 --report "$SCRATCH/report-$m@$b.json" 2>&1 | tee -a "$OUT/study.log"
         done
     done
-    # Paper-rule variant kept for comparison (lifetime-only, state MSE, B4 = {2,4,6,8}).
+    # Variants kept for comparison: no pivots; the paper's rule (lifetime-only, state MSE,
+    # B4 = {2,4,6,8}, B6 = {4,6,8}).
+    for b in 4 6; do
+        "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
+            --pivot-fraction 0 --model-name tiny-gdn \
+            --out "$OUT/maps/stepq-nopiv@$b.json" 2>&1 | tee -a "$OUT/study.log"
+    done
     for b in 4 6; do
         c=$([ $b = 4 ] && echo 2,4,6,8 || echo 4,6,8)
         "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
@@ -70,9 +77,12 @@ calib() {
     sha256sum "$OUT"/maps/*.json | tee "$OUT/maps/SHA256SUMS"
 }
 
-MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-paper@6 uniform@8"
+MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8"
+
+need_maps() { [ -f "$OUT/maps/stepq-paper@6.json" ] || calib; }
 
 evalstage() {
+    need_maps
     capture test "$TEST_STREAMS" "$SEQ" "$SCRATCH/test"
     local M=()
     for n in $MAPS_ORDER; do M+=("$OUT/maps/$n.json"); done
@@ -82,6 +92,7 @@ evalstage() {
 }
 
 nll() {
+    need_maps
     local A=()
     for n in $MAPS_ORDER; do
         case $n in fp32|bf16) continue ;; esac
