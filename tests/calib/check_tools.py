@@ -70,6 +70,19 @@ def main():
     assert e["spearman_uniform6_halflife"]["pooled"] > 0.5, e["spearman_uniform6_halflife"]
     assert e["injection"]["int6_ratio"] > 1.0, e["injection"]
     assert e["streams"] == 3
+    # KDA: per-row widths within the budget, rows of one head may differ; eval runs.
+    kt = os.path.join(d, "k")
+    run([exe, "synth", "--arch", "kda", "--out", kt, "--layers", "2", "--H", "2", "--HV", "2", "--K", "16",
+         "--V", "16", "--streams", "2", "--T", "96"])
+    km = os.path.join(d, "kda.json")
+    run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4", "--out", km,
+         "--pivot-fraction", "0.02"])
+    m = json.load(open(km))
+    rows = [b for L in m["layers"] for h in L["heads"] for b in h["row_bits"]]
+    piv = sum(1 for b in rows if b == 16)
+    assert piv == round(0.02 * len(rows)) and sum(b for b in rows if b != 16) <= 4 * len(rows) - 8 * piv
+    assert len(set(rows)) > 1
+    run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors"])
     # Errors: a truncated trace and a bad option.
     bad = os.path.join(d, "bad.safetensors")
     with open(traces[0], "rb") as f:
