@@ -4,7 +4,7 @@
 # (trace replay with `stepq eval`, and excess NLL with the model in the loop).
 # Big traces stay in a scratch folder; only small results go to $OUT.
 #
-#   tools/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll, all
+#   tools/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll (nll4, nll6: halves), all
 # Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
 # tool's output folder: the results are packed there as study.tgz plus the
 # readable tables, a handful of files), BUILD (default build-gpu),
@@ -91,26 +91,33 @@ evalstage() {
         --json "$OUT/eval-test.json" --plot "$OUT/plots" 2>&1 | tee "$OUT/eval-test.txt"
 }
 
-nll() {
+nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
     need_maps
-    local A=()
+    local which=${1:-all} A=() tag=${1:-all} nb=()
     for n in $MAPS_ORDER; do
         case $n in fp32|bf16) continue ;; esac
+        case $which in
+        4) [[ $n == *@4 ]] || continue ;;
+        6) [[ $n == *@4 ]] && continue ;;
+        esac
         A+=(--map "$n=$OUT/maps/$n.json")
     done
-    log "nll on test"
+    [ "$which" = 6 ] && nb=(--no-bf16)
+    log "nll on test ($tag)"
     python3 tools/nll_eval.py --model "$MODEL" --text "$SHARED/data/wikitext2-test.txt" \
         --streams "$NLL_STREAMS" --prefill "$PREFILL" --decode "$DECODE" \
-        --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" \
-        --json "$OUT/nll-test.json" --markdown "$OUT/nll-test.md" 2>&1 | tee -a "$OUT/study.log"
+        --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" "${nb[@]}" \
+        --json "$OUT/nll-test-$tag.json" --markdown "$OUT/nll-test-$tag.md" 2>&1 | tee -a "$OUT/study.log"
 }
 
 for stage in "$@"; do
     case $stage in
     calib) calib ;;
     eval) evalstage ;;
-    nll) nll ;;
-    all) calib; evalstage; nll ;;
+    nll) nll all ;;
+    nll4) nll 4 ;;
+    nll6) nll 6 ;;
+    all) calib; evalstage; nll all ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac
 done
@@ -118,7 +125,7 @@ log "done: $*"
 if [ -n "$PACK" ]; then
     mkdir -p "$PACK"
     tar czf "$PACK/study.tgz" -C "$OUT" .
-    for f in eval-test.txt nll-test.md study.log; do
+    for f in eval-test.txt nll-test-all.md nll-test-4.md nll-test-6.md study.log; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
     done
     ls -la "$PACK"
