@@ -223,7 +223,8 @@ static int usage(FILE *f)
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
                "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
-               "  (for profilers). Rows marked (old) run the thread-per-column kernels.\n");
+               "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
+               "  (no prefetch) the tile kernel with one block per (request, head).\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -357,10 +358,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
              * kernels (old).
              */
-            for (int row = 0; row < 11 && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4 };
+            for (int row = 0; row < 12 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4 };
                 const struct method *me = &methods[row_method[row]];
-                const int old = row >= 8;
+                const int old = row >= 8 && row <= 10, flat = row == 11;
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
                          old        ? " (old)"
@@ -436,21 +437,23 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
                     state_rw = 2 * (size_t)B * blocks;
-                    c.kind = row < 5 || old ? K_PACKED
-                             : row == 5     ? K_PACKED_2S
-                             : row == 6     ? K_PACK
-                                            : K_UNPACK;
+                    c.kind = row < 5 || old || flat ? K_PACKED
+                             : row == 5             ? K_PACKED_2S
+                             : row == 6             ? K_PACK
+                                                    : K_UNPACK;
                     if (row == 5)
                         state_rw += 2 * (size_t)B * HV * D * D * 4; /* scratch write + read */
                     if (row == 6 || row == 7)
                         state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
                 }
                 stepq__cuda_set_legacy(old);
+                stepq__cuda_set_persist(!flat);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
+                stepq__cuda_set_persist(1);
                 if (us < 0)
                     rc = 1;
-                size_t bytes = state_rw + (row < 6 || old ? io_bytes : 0);
+                size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);
                 if (row == 0)
                     fp32_us = us;
                 double gbs = bytes / (us * 1e-6) / 1e9;
@@ -461,19 +464,19 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     snprintf(peer, sizeof(peer), "742");
                 if (rc == 0) {
                     char sp[16] = "-";
-                    if ((row < 6 || old) && fp32_us > 0)
+                    if ((row < 6 || old || flat) && fp32_us > 0)
                         snprintf(sp, sizeof(sp), "%.2fx", fp32_us / us);
                     printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %8s %12s\n", label, B, us, bytes,
                            gbs, 100.0 * gbs / copy_gbs, sp, peer);
                     if (jf)
-                        fprintf(jf,
-                                "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
-                                "\"us\": %.2f, \"bytes\": %zu, \"gbs\": %.1f, \"copy_frac\": %.4f, "
-                                "\"speedup_vs_fp32\": %.3f, \"peer_us_quoted\": %s}",
-                                first_row ? "" : ",",
-                                shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", label, B, us,
-                                bytes, gbs, gbs / copy_gbs, row < 6 || old ? fp32_us / us : 0.0,
-                                peer[0] ? peer : "null");
+                        fprintf(
+                            jf,
+                            "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
+                            "\"us\": %.2f, \"bytes\": %zu, \"gbs\": %.1f, \"copy_frac\": %.4f, "
+                            "\"speedup_vs_fp32\": %.3f, \"peer_us_quoted\": %s}",
+                            first_row ? "" : ",", shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b",
+                            label, B, us, bytes, gbs, gbs / copy_gbs,
+                            row < 6 || old || flat ? fp32_us / us : 0.0, peer[0] ? peer : "null");
                     first_row = 0;
                 }
                 stepq__cuda_layer_release(c.L);

@@ -22,7 +22,7 @@ echo "bench rc=$?" >> "$OUT/bench.txt"
 NCU="ncu --clock-control none --kernel-name regex:sq_tile --launch-skip 2 --launch-count 1 \
  --section SpeedOfLight --section ComputeWorkloadAnalysis --section WarpStateStats \
  --section LaunchStats --section Occupancy --section InstructionStats --section SchedulerStats"
-$NCU $S bench kernels --only stepq@6 --batch 512 --shape gdn > "$OUT/ncu_step.txt" 2>&1
+$NCU --section SourceCounters $S bench kernels --only stepq@6 --batch 512 --shape gdn > "$OUT/ncu_step.txt" 2>&1
 $NCU $S bench kernels --only 'stepq@6 pack' --batch 512 --shape gdn > "$OUT/ncu_pack.txt" 2>&1
 $NCU $S bench kernels --only bf16 --batch 512 --shape gdn > "$OUT/ncu_bf16.txt" 2>&1
 exit 0

@@ -118,6 +118,13 @@ int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size
  */
 void stepq__cuda_set_legacy(int on);
 
+/**
+ * Fused packed step on the tile kernel: persistent grid that prefetches the
+ * next head's block while fitting the current one (on, the default), or one
+ * block per (request, head) (off). For tests and the benchmark; process-wide.
+ */
+void stepq__cuda_set_persist(int on);
+
 /* The dispatch-table entries (signatures of kernels/dsp.h). */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);

@@ -154,6 +154,28 @@ __device__ __forceinline__ void sq_quant_row(const float *yr, uint8_t *row, int 
     sq_st_codes<B>(row, tx, lo, hi);
 }
 
+/* Decode of a whole tile of a uniform-width GDN head (rows 16*B bytes apart). */
+template <int B>
+__device__ __forceinline__ void sq_dec_tile(float (&x)[64], const uint8_t *buf, int R0, int tx,
+                                            const float *rowf, const float (&cc)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_dec_row<B>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, rowf[R0 + r], cc);
+}
+
+/* Quantize + encode a whole tile of a uniform-width GDN head. */
+template <int B, bool CL>
+__device__ __forceinline__ void sq_quant_tile(const float (&x)[64], uint8_t *buf, int R0, int tx,
+                                              const float (&ci)[8], const float *ar,
+                                              const float *ad, float (&num)[8], float (&den)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_quant_row<B, CL>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, ci, ar[R0 + r], ad[R0 + r], num,
+                            den);
+}
+
 /*
  * Column partials p[c] (columns 8tx+c of this thread's 8 rows) -> part[w][col]
  * holding the warp's 16 rows: one reduce-scatter level between half-warps.
@@ -340,29 +362,67 @@ struct __align__(16) sq_tsmem
         break;                  \
     }
 
+/* Raw recurrence inputs of one (request, head), loaded ahead (threads < 128). */
+struct sq_in {
+    float q, k, v, g, b;
+};
+
+template <bool UPDATE>
+__device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
+                                           int t)
+{
+    if (!UPDATE || t >= SQ_D)
+        return;
+    const int hq = hv / (HV / st.H);
+    const size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
+    in.q = st.q[qk + t];
+    in.k = st.k[qk + t];
+    in.v = st.v[bh * SQ_D + t];
+    if (st.kda || t == 0)
+        in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? t : 0)];
+    if (t == 0)
+        in.b = st.beta[bh];
+}
+
+__device__ __forceinline__ void sq_cp_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/* Waits for the current head's block; `next` leaves the newest group (the prefetch) in flight. */
+__device__ __forceinline__ void sq_cp_wait_cur(bool next)
+{
+    if (next)
+        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+    else
+        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+}
+
+/* Issues the cp.async copy of a head block into buf (one commit group). */
+__device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk, uint32_t bytes)
+{
+    for (uint32_t n = threadIdx.x; n < bytes / 16; n += SQ_THREADS)
+        sq_cp_async16(buf + 16 * n, blk + 16 * n);
+    sq_cp_commit();
+}
+
 /*
- * SRC: packed (quantized pages only) or dense; SINK: packed (quantized) or
- * dense. Packed source implies UPDATE (unpack stays on sq_head_kernel).
+ * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
+ * dense; SINK: packed (quantized) or dense. With a packed source the block
+ * has been staged into buf by the caller (sq_stage_block); `next`: a later
+ * commit group (the next item's prefetch) may still be in flight.
+ * Ends with a barrier: buf and sm are free when it returns.
  */
 template <int SRC, bool UPDATE, int SINK>
-__global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_step st, sq_io io)
+__device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
+                                             int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
+                                             const sq_in &in, bool next)
 {
-    extern __shared__ __align__(16) uint8_t sq_dyn[];
-    __shared__ sq_tsmem sm;
-
-    const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
     const int t = threadIdx.x, lane = t & 31, w = t >> 5, tx = lane & 15;
     const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
-    const int32_t slot = io.slots ? io.slots[e] : e;
-    if (slot < 0 || slot >= io.n_slots)
-        return; /* uniform over the block */
-    if (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])
-        return;
-
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
     const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
     uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
-    uint8_t *buf = sq_dyn;
     unsigned fl = 0;
     if (t == 0) {
         sm.fl = 0;
@@ -374,10 +434,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     }
 
     float x[64];
-    if (SRC == SQ_SRC_PACKED) {
-        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
-            sq_cp_async16(buf + 16 * n, blk + 16 * n);
-    } else {
+    if (SRC != SQ_SRC_PACKED) {
         size_t off =
             (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
         if (io.bf16)
@@ -389,11 +446,9 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
     float kq = 0.0f;
     if (UPDATE) {
-        int hq = hv / (HV / st.H);
-        size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
         bool bad = false;
         if (t < SQ_D) {
-            float qv = st.q[qk + t], kv = st.k[qk + t], vv = st.v[bh * SQ_D + t];
+            float qv = in.q, kv = in.k, vv = in.v;
             bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
             if (st.l2norm) {
                 double sq2 = sq_warp_sum((double)qv * qv), sk2 = sq_warp_sum((double)kv * kv);
@@ -407,7 +462,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
             sm.v[t] = vv;
             if (st.kda || t == 0) {
                 int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
-                float g = st.g[bh * ng + gi];
+                float g = in.g;
                 if (st.gate) {
                     float ga = g + st.dt_bias[(size_t)hv * ng + gi];
                     float sp = ga > 20.0f ? ga : (float)log1p(exp((double)ga)); /* torch softplus */
@@ -421,7 +476,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                     sm.dec0 = d;
             }
             if (t == 0) {
-                float b = st.beta[bh];
+                float b = in.b;
                 if (st.beta_sig)
                     b = 1.0f / (1.0f + expf(-b));
                 bad |= !isfinite(b);
@@ -430,7 +485,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
         }
         if (__syncthreads_or(bad)) {
             if (SRC == SQ_SRC_PACKED)
-                sq_cp_async_wait_all(); /* nothing may land in a finished block */
+                sq_cp_wait_cur(next); /* nothing may land in a finished block */
             if (t < SQ_D)
                 st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
             if (t == 0) {
@@ -441,6 +496,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                 if (io.counts)
                     atomicAdd(io.counts + 0, 1ull);
             }
+            __syncthreads(); /* the next item rewrites sm */
             return;
         }
         if (t < SQ_D) {
@@ -467,11 +523,11 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
         if (io.skip && t == 0)
             io.skip[(size_t)e * HV + hv] = 0;
         if (SRC == SQ_SRC_PACKED)
-            sq_cp_async_wait_all();
+            sq_cp_wait_cur(next);
         __syncthreads();
         kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
     } else if (SRC == SQ_SRC_PACKED) {
-        sq_cp_async_wait_all();
+        sq_cp_wait_cur(next);
         __syncthreads();
     }
 
@@ -492,28 +548,51 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
             cc[0] = a.x, cc[1] = a.y, cc[2] = a.z, cc[3] = a.w;
             cc[4] = b.x, cc[5] = b.y, cc[6] = b.z, cc[7] = b.w;
         }
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const int i = R0 + r;
-            const int b = sm.bits[i];
-            const float rf = sm.rowf[i];
-            const uint8_t *row = buf + sm.roff[i];
-            float *xr = x + 8 * r;
-            if (b == STEPQ_BITS_PIVOT) {
-                uint4 v = *(const uint4 *)(row + 16 * tx);
-                uint32_t wd[4] = { v.x, v.y, v.z, v.w };
-#pragma unroll
-                for (int k = 0; k < 4; k++) {
-                    float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&wd[k]));
-                    xr[2 * k] = f.x * rf;
-                    xr[2 * k + 1] = f.y * rf;
-                }
-            } else {
-#define SQ_DEC(B) sq_dec_row<B>(xr, row, tx, rf, cc)
-                SQ_ROWS_SWITCH(b, SQ_DEC)
-#undef SQ_DEC
+        const int ub = hd->ubits; /* one width for every row: one dispatch per head */
+        if (ub) {
+            switch (ub) {
+            case 2:
+                sq_dec_tile<2>(x, buf, R0, tx, sm.rowf, cc);
+                break;
+            case 3:
+                sq_dec_tile<3>(x, buf, R0, tx, sm.rowf, cc);
+                break;
+            case 4:
+                sq_dec_tile<4>(x, buf, R0, tx, sm.rowf, cc);
+                break;
+            case 5:
+                sq_dec_tile<5>(x, buf, R0, tx, sm.rowf, cc);
+                break;
+            case 6:
+                sq_dec_tile<6>(x, buf, R0, tx, sm.rowf, cc);
+                break;
+            default:
+                sq_dec_tile<8>(x, buf, R0, tx, sm.rowf, cc);
+                break;
             }
-        }
+        } else
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                const int i = R0 + r;
+                const int b = sm.bits[i];
+                const float rf = sm.rowf[i];
+                const uint8_t *row = buf + sm.roff[i];
+                float *xr = x + 8 * r;
+                if (b == STEPQ_BITS_PIVOT) {
+                    uint4 v = *(const uint4 *)(row + 16 * tx);
+                    uint32_t wd[4] = { v.x, v.y, v.z, v.w };
+#pragma unroll
+                    for (int k = 0; k < 4; k++) {
+                        float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&wd[k]));
+                        xr[2 * k] = f.x * rf;
+                        xr[2 * k + 1] = f.y * rf;
+                    }
+                } else {
+#define SQ_DEC(B) sq_dec_row<B>(xr, row, tx, rf, cc)
+                    SQ_ROWS_SWITCH(b, SQ_DEC)
+#undef SQ_DEC
+                }
+            }
     } else if (UPDATE) {
 #pragma unroll
         for (int r = 0; r < 8; r++) {
@@ -764,11 +843,35 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
             break; /* pivot row: stored above */                    \
         }                                                           \
     }
-        if (clamp) {
+        const int ub = hd->ubits;
+#define SQ_QT(B, CL) sq_quant_tile<B, CL>(x, buf, R0, tx, ci, sm.ar, sm.ad, num, den)
+        if (ub && !clamp) {
+            switch (ub) {
+            case 2:
+                SQ_QT(2, false);
+                break;
+            case 3:
+                SQ_QT(3, false);
+                break;
+            case 4:
+                SQ_QT(4, false);
+                break;
+            case 5:
+                SQ_QT(5, false);
+                break;
+            case 6:
+                SQ_QT(6, false);
+                break;
+            default:
+                SQ_QT(8, false);
+                break;
+            }
+        } else if (clamp) {
             SQ_QUANT_LOOP(true)
         } else {
             SQ_QUANT_LOOP(false)
         }
+#undef SQ_QT
 #undef SQ_QUANT_LOOP
         /* 4. fixed-code column refit */
         if (dual) {
@@ -814,6 +917,88 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
             for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
                 if (f & (1u << bit))
                     atomicAdd(io.counts + bit, 1ull);
+    }
+    __syncthreads(); /* buf and sm are reused by the next item */
+}
+
+/* One block per (entry, head): grid (HV, entries). */
+template <int SRC, bool UPDATE, int SINK>
+__global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_step st, sq_io io)
+{
+    extern __shared__ __align__(16) uint8_t sq_dyn[];
+    __shared__ sq_tsmem sm;
+    const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
+    const int32_t slot = io.slots ? io.slots[e] : e;
+    if (slot < 0 || slot >= io.n_slots)
+        return; /* uniform over the block */
+    if (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])
+        return;
+    if (SRC == SQ_SRC_PACKED) {
+        const sq_head_desc *hd = io.heads + hv;
+        sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,
+                       hd->block_bytes);
+    }
+    sq_in in;
+    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
+    sq_tile_item<SRC, UPDATE, SINK>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false);
+}
+
+/* The slot of work item `it` (entry it / HV, head it % HV), or -1 when skipped. */
+template <bool UPDATE>
+__device__ __forceinline__ int32_t sq_item_slot(const sq_io &io, int it, int HV)
+{
+    const int e = it / HV;
+    const int32_t slot = io.slots ? io.slots[e] : e;
+    if (slot < 0 || slot >= io.n_slots)
+        return -1;
+    if (!UPDATE && io.skip && io.skip[it])
+        return -1;
+    return slot;
+}
+
+/*
+ * Persistent variant for packed sources: gridDim.x blocks walk the items
+ * it = blockIdx.x + k * gridDim.x; while item k is processed, the block of
+ * item k+1 is already travelling into the second buffer (cp.async) and its
+ * q/k/v/g/beta into registers, so the load latency hides behind the fit.
+ * Dynamic shared memory: two buffers of io.buf_stride bytes.
+ */
+template <int SRC, bool UPDATE, int SINK>
+__global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS)
+    sq_tile_persist(sq_step st, sq_io io, int n_items, int HV)
+{
+    extern __shared__ __align__(16) uint8_t sq_dyn[];
+    __shared__ sq_tsmem sm;
+    int it = blockIdx.x;
+    int32_t slot = -1;
+    while (it < n_items && (slot = sq_item_slot<UPDATE>(io, it, HV)) < 0)
+        it += gridDim.x;
+    if (it >= n_items)
+        return;
+    int cur = 0;
+    {
+        const sq_head_desc *hd = io.heads + it % HV;
+        sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,
+                       hd->block_bytes);
+    }
+    while (it < n_items) {
+        int nx = it + gridDim.x;
+        int32_t nslot = -1;
+        while (nx < n_items && (nslot = sq_item_slot<UPDATE>(io, nx, HV)) < 0)
+            nx += gridDim.x;
+        if (nx < n_items) {
+            const sq_head_desc *hd = io.heads + nx % HV;
+            sq_stage_block(sq_dyn + (cur ^ 1) * io.buf_stride,
+                           io.pages + (size_t)nslot * io.page_stride + hd->block_off,
+                           hd->block_bytes);
+        }
+        sq_in in;
+        sq_load_in<UPDATE>(in, st, it % HV, it / HV, HV, threadIdx.x);
+        sq_tile_item<SRC, UPDATE, SINK>(st, io, it % HV, it / HV, HV, slot,
+                                        sq_dyn + cur * io.buf_stride, sm, in, nx < n_items);
+        it = nx;
+        slot = nslot;
+        cur ^= 1;
     }
 }
 
