@@ -207,6 +207,24 @@ static void json_ms(FILE *f, const char *key, struct ms v, int last)
     fprintf(f, "\"%s\": {\"mean\": %.6g, \"se\": %.6g}%s", key, v.mean, v.se, last ? "" : ", ");
 }
 
+/* A map's label: its file name without the directory and ".json" (maps of one method that
+ * differ in options stay distinguishable), else method@budget. */
+static void map_label(char *buf, size_t len, const char *path, stepq_map_t *map)
+{
+    const char *b = strrchr(path, '/');
+    b = b ? b + 1 : path;
+    size_t n = strlen(b);
+    if (n > 5 && !strcmp(b + n - 5, ".json"))
+        n -= 5;
+    if (n > 0 && n < len && !strpbrk(b, "\"\\")) {
+        memcpy(buf, b, n);
+        buf[n] = 0;
+    } else {
+        snprintf(buf, len, "%s@%g", stepq_method_name(stepq_map_method(map)),
+                 stepq_map_budget_bits(map));
+    }
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -422,8 +440,7 @@ int stepq_tool_eval(int argc, char **argv)
             stepq_map_memory mi;
             stepq_map_memory_info(maps[m], &mi);
             bpv = mi.bits_per_value;
-            double bb = stepq_map_budget_bits(maps[m]);
-            snprintf(name, sizeof(name), "%s@%g", stepq_method_name(stepq_map_method(maps[m])), bb);
+            map_label(name, sizeof(name), maps_p[m], maps[m]);
         } else {
             snprintf(name, sizeof(name), "uniform@6 (internal)");
         }
@@ -535,17 +552,30 @@ int stepq_tool_eval(int argc, char **argv)
         /* Two charts via tools/plot.py: per-head relative readout error vs half-life, and the
          * relative readout error over time. */
         char path[4096];
-        for (int kind = 0; kind < 2 && !rc; kind++) {
-            snprintf(path, sizeof(path), "%s/%s.spec.json", plot,
-                     kind ? "error_vs_time" : "error_vs_halflife");
+        /* Charts per nominal budget group (<= 4, 5-6, >= 7 bits; dense maps with the 6-bit
+         * group, the internal uniform@6 too), so each stays legible. */
+        for (int chart = 0; chart < 6 && !rc; chart++) {
+            int kind = chart / 3, grp = chart % 3, count = 0;
+            for (int m = 0; m < M; m++) {
+                double bb = m < n_maps ? stepq_map_budget_bits(maps[m]) : 6.0;
+                int g = bb > 8.0 ? 1 : bb <= 4.0 ? 0 : bb <= 6.0 ? 1 : 2;
+                if (m < n_maps && stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
+                    continue;
+                count += g == grp;
+            }
+            if (!count)
+                continue;
+            static const char *const gname[3] = { "b4", "b6", "b8" };
+            snprintf(path, sizeof(path), "%s/%s_%s.spec.json", plot,
+                     kind ? "error_vs_time" : "error_vs_halflife", gname[grp]);
             FILE *f = fopen(path, "w");
             if (!f) {
                 fprintf(stderr, "stepq eval: %s: %s\n", path, strerror(errno));
                 rc = 1;
                 break;
             }
-            fprintf(f, "{\"output\": \"%s/%s.png\", \"logy\": true, ", plot,
-                    kind ? "error_vs_time" : "error_vs_halflife");
+            fprintf(f, "{\"output\": \"%s/%s_%s.png\", \"logy\": true, \"legend_outside\": true, ",
+                    plot, kind ? "error_vs_time" : "error_vs_halflife", gname[grp]);
             if (!kind)
                 fprintf(
                     f,
@@ -563,11 +593,13 @@ int stepq_tool_eval(int argc, char **argv)
             for (int m = 0; m < M; m++) {
                 if (m < n_maps && stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
                     continue;
+                double bb = m < n_maps ? stepq_map_budget_bits(maps[m]) : 6.0;
+                int g = bb > 8.0 ? 1 : bb <= 4.0 ? 0 : bb <= 6.0 ? 1 : 2;
+                if (g != grp)
+                    continue;
                 char name[128];
                 if (m < n_maps)
-                    snprintf(name, sizeof(name), "%s@%g",
-                             stepq_method_name(stepq_map_method(maps[m])),
-                             stepq_map_budget_bits(maps[m]));
+                    map_label(name, sizeof(name), maps_p[m], maps[m]);
                 else
                     snprintf(name, sizeof(name), "uniform@6 (internal)");
                 fprintf(f, "%s{\"label\": \"%s\", \"style\": \"%s\", \"x\": [", first ? "" : ", ",

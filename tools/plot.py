@@ -6,7 +6,8 @@ Spec:
    "title": "...", "xlabel": "...", "ylabel": "...",
    "x": [1, 8, 64, 512], "logx": true, "logy": false,
    "series": [{"label": "FP32 state pool", "y": [...], "style": "-o"}, ...],
-                                   # a series may give its own "x"; "logx_base" (default 2)
+                                   # a series may give its own "x"; "logx_base" (default 2);
+                                   # "legend_outside": true puts the legend right of the axes
    "hlines": [{"label": "weights (BF16)", "y": 50.1}, ...]}
 Exits non-zero with a message on stderr when the spec is malformed or the
 file cannot be written.
@@ -23,13 +24,18 @@ import matplotlib.pyplot as plt  # noqa: E402
 def main():
     spec = json.load(sys.stdin)
     x = spec["x"]
-    fig, ax = plt.subplots(figsize=(7.0, 4.5), dpi=150)
-    for s in spec.get("series", []):
+    outside = spec.get("legend_outside", False)
+    fig, ax = plt.subplots(figsize=(9.5 if outside else 7.0, 4.5), dpi=150)
+    markers = "osD^v<>p*hX"
+    for i, s in enumerate(spec.get("series", [])):
         sx = s.get("x", x)  # a series may carry its own x values (stepq eval)
         if len(s["y"]) != len(sx):
             raise ValueError("series %r has %d points for %d x values"
                              % (s.get("label"), len(s["y"]), len(sx)))
-        ax.plot(sx, s["y"], s.get("style", "-o"), label=s.get("label"))
+        style = s.get("style", "-o")
+        if outside and style == "o":  # many scatter series: vary the marker too
+            style = markers[i % len(markers)]
+        ax.plot(sx, s["y"], style, label=s.get("label"), markersize=4 if outside else 6)
     for i, h in enumerate(spec.get("hlines", [])):
         ax.axhline(h["y"], linestyle="--", color="C%d" % (7 + i % 3), label=h.get("label"))
     if spec.get("logx"):
@@ -43,7 +49,10 @@ def main():
     ax.set_xlabel(spec.get("xlabel", ""))
     ax.set_ylabel(spec.get("ylabel", ""))
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    if outside:
+        ax.legend(loc="center left", bbox_to_anchor=(1.01, 0.5), fontsize="small")
+    else:
+        ax.legend()
     fig.tight_layout()
     fig.savefig(spec["output"])
     return 0
