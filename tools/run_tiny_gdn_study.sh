@@ -4,7 +4,8 @@
 # (trace replay with `stepq eval`, and excess NLL with the model in the loop).
 # Big traces stay in a scratch folder; only small results go to $OUT.
 #
-#   tools/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll (nll4, nll6: halves), all
+#   tools/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll, all; eval4 / eval6 and
+#   nll4 / nll6 run the 4-bit and the 6/8-bit halves (to fit 10-minute device commands)
 # Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
 # tool's output folder: the results are packed there as study.tgz plus the
 # readable tables, a handful of files), BUILD (default build-gpu),
@@ -30,7 +31,7 @@ DECODE=${DECODE:-1536}
 THREADS=${THREADS:-$(nproc)}
 MODEL=$SHARED/models/tiny-gdn
 STEPQ=$BUILD/tools/stepq
-mkdir -p "$OUT/maps" "$OUT/plots" "$SCRATCH"
+mkdir -p "$OUT/maps" "$SCRATCH"
 [ $# -gt 0 ] || set -- all
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/study.log" >&2; }
@@ -81,14 +82,21 @@ MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4
 
 need_maps() { [ -f "$OUT/maps/stepq-paper@6.json" ] || calib; }
 
-evalstage() {
+evalstage() { # which: 4 (fp32, bf16 and the 4-bit maps), 6 (fp32 and the 6-, 8-bit maps), all
     need_maps
     capture test "$TEST_STREAMS" "$SEQ" "$SCRATCH/test"
-    local M=()
-    for n in $MAPS_ORDER; do M+=("$OUT/maps/$n.json"); done
-    log "eval on test"
+    local which=${1:-all} M=()
+    for n in $MAPS_ORDER; do
+        case $which in
+        4) [[ $n == *@4 || $n == fp32 || $n == bf16 ]] || continue ;;
+        6) [[ $n == *@4 || $n == bf16 ]] && continue ;;
+        esac
+        M+=("$OUT/maps/$n.json")
+    done
+    mkdir -p "$OUT/plots-$which"
+    log "eval on test ($which)"
     "$STEPQ" eval --map "${M[@]}" --trace "$SCRATCH"/test-*.safetensors --threads "$THREADS" \
-        --json "$OUT/eval-test.json" --plot "$OUT/plots" 2>&1 | tee "$OUT/eval-test.txt"
+        --json "$OUT/eval-test-$which.json" --plot "$OUT/plots-$which" 2>&1 | tee "$OUT/eval-test-$which.txt"
 }
 
 nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
@@ -113,11 +121,13 @@ nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
 for stage in "$@"; do
     case $stage in
     calib) calib ;;
-    eval) evalstage ;;
+    eval) evalstage all ;;
+    eval4) evalstage 4 ;;
+    eval6) evalstage 6 ;;
     nll) nll all ;;
     nll4) nll 4 ;;
     nll6) nll 6 ;;
-    all) calib; evalstage; nll all ;;
+    all) calib; evalstage all; nll all ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac
 done
@@ -125,7 +135,8 @@ log "done: $*"
 if [ -n "$PACK" ]; then
     mkdir -p "$PACK"
     tar czf "$PACK/study.tgz" -C "$OUT" .
-    for f in eval-test.txt nll-test-all.md nll-test-4.md nll-test-6.md study.log; do
+    for f in eval-test-all.txt eval-test-4.txt eval-test-6.txt nll-test-all.md nll-test-4.md \
+        nll-test-6.md study.log; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
     done
     ls -la "$PACK"
