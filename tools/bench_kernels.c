@@ -224,7 +224,8 @@ static int usage(FILE *f)
                "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
-               "  (no prefetch) the tile kernel with one block per (request, head).\n");
+               "  (persistent) the packed step as a persistent grid with prefetch, (no prefetch)\n"
+               "  the bf16 step with one block per (request, head).\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -358,17 +359,20 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
              * kernels (old).
              */
-            for (int row = 0; row < 12 && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4 };
+            for (int row = 0; row < 13 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1 };
                 const struct method *me = &methods[row_method[row]];
-                const int old = row >= 8 && row <= 10, flat = row == 11;
+                /* flat: the other grid (persistent packed step / one-block-per-head bf16) */
+                const int old = row >= 8 && row <= 10, flat = row >= 11;
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
-                         old        ? " (old)"
-                         : row == 5 ? " two-stage"
-                         : row == 6 ? " pack"
-                         : row == 7 ? " unpack"
-                                    : "");
+                         old         ? " (old)"
+                         : row == 11 ? " (persistent)"
+                         : row == 12 ? " (no prefetch)"
+                         : row == 5  ? " two-stage"
+                         : row == 6  ? " pack"
+                         : row == 7  ? " unpack"
+                                     : "");
                 const char *label = lab;
                 if (only && strcmp(only, label))
                     continue;
@@ -447,10 +451,12 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
                 }
                 stepq__cuda_set_legacy(old);
-                stepq__cuda_set_persist(!flat);
+                stepq__cuda_set_persist(row == 11   ? STEPQ__CUDA_PERSIST_PACKED
+                                        : row == 12 ? 0
+                                                    : STEPQ__CUDA_PERSIST_BF16);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
-                stepq__cuda_set_persist(1);
+                stepq__cuda_set_persist(STEPQ__CUDA_PERSIST_BF16);
                 if (us < 0)
                     rc = 1;
                 size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);

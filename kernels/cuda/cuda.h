@@ -118,12 +118,19 @@ int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size
  */
 void stepq__cuda_set_legacy(int on);
 
+/** Persistent-grid selection bits for stepq__cuda_set_persist. */
+#define STEPQ__CUDA_PERSIST_PACKED 1 /**< fused packed step */
+#define STEPQ__CUDA_PERSIST_BF16   2 /**< dense bf16 step (the default) */
+
 /**
- * Fused packed step on the tile kernel: persistent grid that prefetches the
- * next head's block while fitting the current one (on, the default), or one
- * block per (request, head) (off). For tests and the benchmark; process-wide.
+ * Selects which tile kernels run as a persistent grid that stages the next
+ * head (cp.async into a second shared buffer) while the current one is
+ * updated; the others run one block per (request, head). Default
+ * STEPQ__CUDA_PERSIST_BF16: the persistent packed step measured slower
+ * (it spills at the 128-register cap; README). For tests and the
+ * benchmark; process-wide.
  */
-void stepq__cuda_set_persist(int on);
+void stepq__cuda_set_persist(int mode);
 
 /* The dispatch-table entries (signatures of kernels/dsp.h). */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);

@@ -320,11 +320,12 @@ extern "C" void stepq__cuda_set_legacy(int on)
     legacy_kernels = on != 0;
 }
 
-static int no_persist; /* stepq__cuda_set_persist(0): one block per (request, head) */
+/* stepq__cuda_set_persist: bit 0 packed step, bit 1 bf16 dense step (default: bf16 only) */
+static int persist_mode = STEPQ__CUDA_PERSIST_BF16;
 
-extern "C" void stepq__cuda_set_persist(int on)
+extern "C" void stepq__cuda_set_persist(int mode)
 {
-    no_persist = on == 0;
+    persist_mode = mode;
 }
 
 static int use_tile(const stepq__cuda_layer *L)
@@ -430,7 +431,8 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     if (tile)
         smem = tile_smem(L->max_block);
     /* persistent grid with prefetch when two block buffers fit */
-    const int persist = tile && !no_persist && 2 * smem <= SQ_DYN_SMEM_MAX;
+    const int persist =
+        tile && (persist_mode & STEPQ__CUDA_PERSIST_PACKED) && 2 * smem <= SQ_DYN_SMEM_MAX;
     const int n_items = a->batch * a->HV;
     if (variant == STEPQ__CUDA_FUSED)
         return persist ? launch_persist<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(n_items, a->HV, smem,
@@ -599,6 +601,12 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
      * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
      * 2.4x faster than the tile's 32-byte-per-thread rows.
      */
+    /* bf16: persistent, the next head's tile staged by cp.async while this one updates */
+    const size_t bf_stride = 2 * SQ_D * SQ_D + 16;
+    if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16 && io.dense_vec &&
+        (persist_mode & STEPQ__CUDA_PERSIST_BF16) && 2 * bf_stride <= SQ_DYN_SMEM_MAX)
+        return launch_persist<SQ_SRC_STAGED, true, SQ_SINK_DENSE>(
+            a->batch * a->HV, a->HV, bf_stride, (cudaStream_t)a->stream, st, io, who);
     if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16)
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
                                                               io, who);

@@ -34,6 +34,7 @@
 #include "kernels/cuda/head_kernel.cuh"
 
 #define SQ_TMIN_BLOCKS 2
+#define SQ_SRC_STAGED  2 /* dense bf16 tile staged in shared memory by the persistent kernel */
 #define SQ_MAGIC       12582912.0f /* 1.5 * 2^23: t = y + MAGIC rounds y half to even */
 #define SQ_MAGIC_I     0x4B400000
 
@@ -130,7 +131,7 @@ __device__ __forceinline__ void sq_dec_row(float *xr, const uint8_t *row, int tx
  * needed only when a scale saturated (otherwise the fp16 scales cover |y|
  * to within 2^-11 and |z| <= qmax + 0.07 rounds inside the range).
  */
-template <int B, bool CL>
+template <int B, bool CL, bool PRE = false>
 __device__ __forceinline__ void sq_quant_row(const float *yr, uint8_t *row, int tx,
                                              const float (&ci)[8], float ar, float ad,
                                              float (&num)[8], float (&den)[8])
@@ -138,7 +139,9 @@ __device__ __forceinline__ void sq_quant_row(const float *yr, uint8_t *row, int 
     uint32_t lo = 0, hi = 0;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
-        float t = fmaf(yr[n] * ci[n], (float)sq_bw<B>::QM, SQ_MAGIC);
+        /* PRE: ci already holds qmax / c_j (uniform-width heads: one FFMA) */
+        float t =
+            PRE ? fmaf(yr[n], ci[n], SQ_MAGIC) : fmaf(yr[n] * ci[n], (float)sq_bw<B>::QM, SQ_MAGIC);
         if (CL)
             t = fminf(fmaxf(t, SQ_MAGIC - (float)sq_bw<B>::QM), SQ_MAGIC + (float)sq_bw<B>::QM);
         uint32_t u = (uint32_t)(__float_as_int(t) - (SQ_MAGIC_I - sq_bw<B>::QM));
@@ -170,10 +173,14 @@ __device__ __forceinline__ void sq_quant_tile(const float (&x)[64], uint8_t *buf
                                               const float (&ci)[8], const float *ar,
                                               const float *ad, float (&num)[8], float (&den)[8])
 {
+    float qci[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        qci[c] = ci[c] * (float)sq_bw<B>::QM;
 #pragma unroll
     for (int r = 0; r < 8; r++)
-        sq_quant_row<B, CL>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, ci, ar[R0 + r], ad[R0 + r], num,
-                            den);
+        sq_quant_row<B, CL, true>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, qci, ar[R0 + r],
+                                  ad[R0 + r], num, den);
 }
 
 /*
@@ -332,7 +339,7 @@ struct __align__(16) sq_tsmem
     float rinv[SQ_D], ar[SQ_D], ad[SQ_D];
     uint16_t roff[SQ_D];
     uint8_t bits[SQ_D];
-    double l2[4][2];
+    float l2[4][2];
     float kqp[4];
     float beta, dec0;
     unsigned fl, sat;
@@ -418,7 +425,14 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                                              int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
                                              const sq_in &in, bool next)
 {
-    const int t = threadIdx.x, lane = t & 31, w = t >> 5, tx = lane & 15;
+    /*
+     * %tid.x read through volatile asm: in the persistent kernel's loop the
+     * compiler would otherwise hoist every thread-derived address out of it
+     * and keep them live across the whole item (spills).
+     */
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
     const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
@@ -434,7 +448,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     float x[64];
-    if (SRC != SQ_SRC_PACKED) {
+    if (SRC == SQ_SRC_DENSE) {
         size_t off =
             (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
         if (io.bf16)
@@ -451,7 +465,13 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             float qv = in.q, kv = in.k, vv = in.v;
             bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
             if (st.l2norm) {
-                double sq2 = sq_warp_sum((double)qv * qv), sk2 = sq_warp_sum((double)kv * kv);
+                /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
+                float sq2 = qv * qv, sk2 = kv * kv;
+#pragma unroll
+                for (int o = 16; o; o >>= 1) {
+                    sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
+                    sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
+                }
                 if (lane == 0) {
                     sm.l2[w][0] = sq2;
                     sm.l2[w][1] = sk2;
@@ -465,7 +485,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 float g = in.g;
                 if (st.gate) {
                     float ga = g + st.dt_bias[(size_t)hv * ng + gi];
-                    float sp = ga > 20.0f ? ga : (float)log1p(exp((double)ga)); /* torch softplus */
+                    float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
                     g = -expf(st.A_log[hv]) * sp;
                 }
                 bad |= !isfinite(g);
@@ -484,7 +504,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             }
         }
         if (__syncthreads_or(bad)) {
-            if (SRC == SQ_SRC_PACKED)
+            if (SRC != SQ_SRC_DENSE)
                 sq_cp_wait_cur(next); /* nothing may land in a finished block */
             if (t < SQ_D)
                 st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
@@ -503,10 +523,10 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
             float qv = sm.q[t], kv = sm.k[t];
             if (st.l2norm) {
-                double a = sm.l2[0][0] + sm.l2[1][0] + sm.l2[2][0] + sm.l2[3][0];
-                double b = sm.l2[0][1] + sm.l2[1][1] + sm.l2[2][1] + sm.l2[3][1];
-                qv *= (float)(1.0 / sqrt(a + 1e-6));
-                kv *= (float)(1.0 / sqrt(b + 1e-6));
+                float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
+                float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
+                qv *= 1.0f / sqrtf(a + 1e-6f);
+                kv *= 1.0f / sqrtf(b + 1e-6f);
             }
             qv *= sc;
             sm.q[t] = qv;
@@ -522,7 +542,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
         if (io.skip && t == 0)
             io.skip[(size_t)e * HV + hv] = 0;
-        if (SRC == SQ_SRC_PACKED)
+        if (SRC != SQ_SRC_DENSE)
             sq_cp_wait_cur(next);
         __syncthreads();
         kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
@@ -594,6 +614,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 }
             }
     } else if (UPDATE) {
+        if (SRC == SQ_SRC_STAGED)
+            sq_tload<SQ_BF16>(x, buf, 0, io.layout_vk, true, R0, C0);
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const float d = sm.dec[R0 + r];
@@ -956,12 +978,36 @@ __device__ __forceinline__ int32_t sq_item_slot(const sq_io &io, int it, int HV)
     return slot;
 }
 
+/* The first item >= it (stride gridDim.x) whose slot is not skipped, or >= n_items. */
+template <bool UPDATE>
+__device__ __forceinline__ int sq_next_item(const sq_io &io, int it, int n_items, int HV)
+{
+    while (it < n_items && sq_item_slot<UPDATE>(io, it, HV) < 0)
+        it += gridDim.x;
+    return it;
+}
+
+/* Stages item `it`'s source: its packed block, or its bf16 dense tile (32 KiB). */
+template <int SRC>
+__device__ __forceinline__ void sq_stage_item(uint8_t *buf, const sq_io &io, int it, int HV,
+                                              int32_t slot)
+{
+    if (SRC == SQ_SRC_PACKED) {
+        const sq_head_desc *hd = io.heads + it % HV;
+        sq_stage_block(buf, io.pages + (size_t)slot * io.page_stride + hd->block_off,
+                       hd->block_bytes);
+    } else {
+        const size_t off = (size_t)(io.dense_by_slot ? slot : it / HV) * io.dense_stride +
+                           (size_t)(it % HV) * SQ_D * SQ_D;
+        sq_stage_block(buf, (const uint8_t *)((const uint16_t *)io.dense + off), 2 * SQ_D * SQ_D);
+    }
+}
+
 /*
- * Persistent variant for packed sources: gridDim.x blocks walk the items
- * it = blockIdx.x + k * gridDim.x; while item k is processed, the block of
- * item k+1 is already travelling into the second buffer (cp.async) and its
- * q/k/v/g/beta into registers, so the load latency hides behind the fit.
- * Dynamic shared memory: two buffers of io.buf_stride bytes.
+ * Persistent variant for packed sources (and staged bf16 dense tiles): gridDim.x blocks walk the
+ * items it = blockIdx.x + k * gridDim.x; while item k is processed, the block of item k+1 is
+ * already travelling into the second buffer (cp.async) and its q/k/v/g/beta into registers, so the
+ * load latency hides behind the fit. Dynamic shared memory: two buffers of io.buf_stride bytes.
  */
 template <int SRC, bool UPDATE, int SINK>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS)
@@ -969,35 +1015,26 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_tsmem sm;
-    int it = blockIdx.x;
-    int32_t slot = -1;
-    while (it < n_items && (slot = sq_item_slot<UPDATE>(io, it, HV)) < 0)
-        it += gridDim.x;
+    int it = sq_next_item<UPDATE>(io, (int)blockIdx.x, n_items, HV);
     if (it >= n_items)
         return;
     int cur = 0;
-    {
-        const sq_head_desc *hd = io.heads + it % HV;
-        sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,
-                       hd->block_bytes);
-    }
+    sq_stage_item<SRC>(sq_dyn, io, it, HV, sq_item_slot<UPDATE>(io, it, HV));
+    /*
+     * Only `it` and `cur` live across an item (the next item is recomputed
+     * after it): the item body already uses 127 of the 128 registers.
+     */
     while (it < n_items) {
-        int nx = it + gridDim.x;
-        int32_t nslot = -1;
-        while (nx < n_items && (nslot = sq_item_slot<UPDATE>(io, nx, HV)) < 0)
-            nx += gridDim.x;
-        if (nx < n_items) {
-            const sq_head_desc *hd = io.heads + nx % HV;
-            sq_stage_block(sq_dyn + (cur ^ 1) * io.buf_stride,
-                           io.pages + (size_t)nslot * io.page_stride + hd->block_off,
-                           hd->block_bytes);
-        }
+        int nx = sq_next_item<UPDATE>(io, it + (int)gridDim.x, n_items, HV);
+        if (nx < n_items)
+            sq_stage_item<SRC>(sq_dyn + (cur ^ 1) * io.buf_stride, io, nx, HV,
+                               sq_item_slot<UPDATE>(io, nx, HV));
         sq_in in;
         sq_load_in<UPDATE>(in, st, it % HV, it / HV, HV, threadIdx.x);
-        sq_tile_item<SRC, UPDATE, SINK>(st, io, it % HV, it / HV, HV, slot,
+        sq_tile_item<SRC, UPDATE, SINK>(st, io, it % HV, it / HV, HV,
+                                        sq_item_slot<UPDATE>(io, it, HV),
                                         sq_dyn + cur * io.buf_stride, sm, in, nx < n_items);
-        it = nx;
-        slot = nslot;
+        it = sq_next_item<UPDATE>(io, it + (int)gridDim.x, n_items, HV);
         cur ^= 1;
     }
 }
