@@ -40,6 +40,8 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write a markdown table here")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--group", type=int, default=0,
+                   help="methods per batched run besides fp32 (0: all in one batch)")
     return p.parse_args(argv)
 
 
@@ -175,29 +177,50 @@ def main(argv=None):
             return out
         return fn
 
+    # Methods run side by side in one batch (streams x methods): the tiny model's forward is
+    # cheap and mostly launch overhead, so this is several times faster than one run per
+    # method, and every method sees the same kernels (same batch size) as its fp32 reference.
+    # fp32 is in every group; excess NLL is taken within the group.
+    S = a.streams
+    others = [m for m in methods if m[0] != "fp32"]
+    G = a.group if a.group > 0 else max(1, len(others))
+    groups = [[("fp32", None)] + others[i:i + G] for i in range(0, len(others), G)] or [[("fp32", None)]]
     results = {}
-    for name, path in methods:
-        state["fn"] = make_fn(name, path)
+    for grp in groups:
+        fns = [make_fn(name, path) for name, path in grp]
+        Mg = len(grp)
+
+        def group_fn(st, L, fns=fns):
+            out = torch.empty_like(st)
+            for m, fn in enumerate(fns):
+                out[m * S:(m + 1) * S] = fn(st[m * S:(m + 1) * S], L)
+            return out
+        state["fn"] = group_fn
         calls["n"] = 0
         t0 = time.time()
-        nll = torch.zeros(a.streams, a.decode, dtype=torch.float64)
+        idg = ids.repeat(Mg, 1)
+        nll = torch.zeros(Mg * S, a.decode, dtype=torch.float64)
         with torch.no_grad():
-            out = model(input_ids=ids[:, :a.prefill], use_cache=True)
+            out = model(input_ids=idg[:, :a.prefill], use_cache=True)
             cache = out.past_key_values
             for i in range(a.decode):
                 p = a.prefill + i
-                out = model(input_ids=ids[:, p:p + 1], past_key_values=cache, use_cache=True)
+                out = model(input_ids=idg[:, p:p + 1], past_key_values=cache, use_cache=True)
                 cache = out.past_key_values
                 lp = torch.log_softmax(out.logits[:, -1].float(), dim=-1)
-                nll[:, i] = -lp.gather(1, ids[:, p + 1:p + 2]).squeeze(1).double().cpu()
-        if calls["n"] == 0 and name != "fp32":
-            raise SystemExit("nll_eval: the state hook never ran for %s" % name)
-        results[name] = {"nll": nll, "path": path, "seconds": time.time() - t0}
-        print("nll_eval: %-12s mean NLL %.4f nats/byte (%.0f s)" % (name, nll.mean().item(), time.time() - t0),
-              file=sys.stderr)
-
-    ref = results["fp32"]["nll"]
-    S = a.streams
+                nll[:, i] = -lp.gather(1, idg[:, p + 1:p + 2]).squeeze(1).double().cpu()
+        if calls["n"] == 0:
+            raise SystemExit("nll_eval: the state hook never ran")
+        dt = time.time() - t0
+        ref = nll[0:S]
+        for m, (name, path) in enumerate(grp):
+            r = nll[m * S:(m + 1) * S]
+            if name == "fp32" and name in results:
+                continue
+            results[name] = {"nll": r, "ref": ref, "path": path, "seconds": dt}
+            print("nll_eval: %-16s mean NLL %.4f nats/byte, excess %+.5f" % (
+                name, r.mean().item(), (r - ref).mean().item()), file=sys.stderr)
+        print("nll_eval: group of %d methods x %d streams: %.0f s" % (Mg, S, dt), file=sys.stderr)
 
     def ms(x):
         m = sum(x) / len(x)
@@ -205,28 +228,40 @@ def main(argv=None):
         return m, se
     table = []
     for name, r in results.items():
-        d = r["nll"] - ref
+        d = r["nll"] - r["ref"]
         e = ms(d.mean(dim=1).tolist())
         ef = ms(d[:, :256].mean(dim=1).tolist())
         el = ms(d[:, -256:].mean(dim=1).tolist())
         n = ms(r["nll"].mean(dim=1).tolist())
         bpv = 32.0 if name == "fp32" and r["path"] is None else 16.0 if name == "bf16" and r["path"] is None \
             else map_bits_per_value(r["path"])
+        # Paired difference against stepq at the same nominal budget (per-stream differences, so
+        # the stream-to-stream spread of the text cancels).
+        vs, vs_m, vs_se = None, None, None
+        if "@" in name and not name.startswith("stepq@"):
+            ref_name = "stepq@" + name.rsplit("@", 1)[1]
+            if ref_name in results:
+                dd = (r["nll"] - results[ref_name]["nll"]).mean(dim=1).tolist()
+                vs = ref_name
+                vs_m, vs_se = ms(dd)
         table.append({"method": name, "map": r["path"], "bits_per_value": bpv, "nll": n[0], "nll_se": n[1],
                       "excess": e[0], "excess_se": e[1], "excess_first256": ef[0], "excess_first256_se": ef[1],
-                      "excess_last256": el[0], "excess_last256_se": el[1], "seconds": r["seconds"]})
+                      "excess_last256": el[0], "excess_last256_se": el[1], "seconds": r["seconds"],
+                      "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs})
     meta = {"model": a.model, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
             "torch": torch.__version__}
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "results": table}, f, indent=1)
-    lines = ["| method | bits/value | NLL (nats/byte) | excess NLL | s.e. | first 256 | last 256 |",
-             "|---|---:|---:|---:|---:|---:|---:|"]
+    lines = ["| method | bits/value | NLL (nats/byte) | excess NLL | s.e. | first 256 | last 256 | "
+             "minus stepq (paired) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for t in table:
-        lines.append("| %s | %.3f | %.4f | %+.5f | %.5f | %+.5f | %+.5f |" % (
+        pair = "%+.5f +- %.5f" % (t["minus_stepq"], t["minus_stepq_se"]) if t["stepq_ref"] else ""
+        lines.append("| %s | %.3f | %.4f | %+.5f | %.5f | %+.5f | %+.5f | %s |" % (
             t["method"], t["bits_per_value"], t["nll"], t["excess"], t["excess_se"], t["excess_first256"],
-            t["excess_last256"]))
+            t["excess_last256"], pair))
     md = "\n".join(lines) + "\n\n%d streams of %s, prefill %d + %d decode bytes, teacher-forced; mean +- s.e. over " \
                             "streams; excess = NLL(method) - NLL(fp32 state).\n" % (S, meta["text"], a.prefill, a.decode)
     print(md)
