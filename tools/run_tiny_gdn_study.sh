@@ -9,7 +9,7 @@
 # Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
 # tool's output folder: the results are packed there as study.tgz plus the
 # readable tables, a handful of files), BUILD (default build-gpu),
-# SHARED (default ../shared), SCRATCH (traces, default out/study-scratch: ignored by git, so it survives between
+# SHARED (default ../shared; or MODEL, VALID_TEXT, TEST_TEXT one by one), SCRATCH (traces, default out/study-scratch: ignored by git, so it survives between
 # device calls on a warm host),
 # VALID_STREAMS (32), TEST_STREAMS (16), SEQ (2048), NLL_STREAMS (16),
 # PREFILL (512), DECODE (1536), THREADS (online CPUs).
@@ -29,7 +29,9 @@ NLL_STREAMS=${NLL_STREAMS:-16}
 PREFILL=${PREFILL:-512}
 DECODE=${DECODE:-1536}
 THREADS=${THREADS:-$(nproc)}
-MODEL=$SHARED/models/tiny-gdn
+MODEL=${MODEL:-$SHARED/models/tiny-gdn}
+VALID_TEXT=${VALID_TEXT:-$SHARED/data/wikitext2-valid.txt}
+TEST_TEXT=${TEST_TEXT:-$SHARED/data/wikitext2-test.txt}
 STEPQ=$BUILD/tools/stepq
 mkdir -p "$OUT/maps" "$SCRATCH"
 [ $# -gt 0 ] || set -- all
@@ -37,10 +39,11 @@ mkdir -p "$OUT/maps" "$SCRATCH"
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/study.log" >&2; }
 
 capture() { # split segments seg_len prefix
-    local split=$1 n=$2 len=$3 prefix=$4
+    local split=$1 n=$2 len=$3 prefix=$4 text=$VALID_TEXT
+    [ "$split" = test ] && text=$TEST_TEXT
     if ! ls "$prefix"-000.safetensors >/dev/null 2>&1; then
         log "capture $split: $n x $len"
-        python3 tools/capture_traces.py --model "$MODEL" --text "$SHARED/data/wikitext2-$split.txt" \
+        python3 tools/capture_traces.py --model "$MODEL" --text "$text" \
             --split "$split" --segments "$n" --seg-len "$len" --batch 8 --out "$prefix" --check \
             2>&1 | tee -a "$OUT/study.log"
     fi
@@ -112,7 +115,7 @@ nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
     done
     [ "$which" = 6 ] && nb=(--no-bf16)
     log "nll on test ($tag)"
-    python3 tools/nll_eval.py --model "$MODEL" --text "$SHARED/data/wikitext2-test.txt" \
+    python3 tools/nll_eval.py --model "$MODEL" --text "$TEST_TEXT" \
         --streams "$NLL_STREAMS" --prefill "$PREFILL" --decode "$DECODE" \
         --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" "${nb[@]}" \
         --json "$OUT/nll-test-$tag.json" --markdown "$OUT/nll-test-$tag.md" 2>&1 | tee -a "$OUT/study.log"
