@@ -40,6 +40,9 @@ def parse_args(argv=None):
     p.add_argument("--json", help="write the results here")
     p.add_argument("--markdown", help="write a markdown table here")
     p.add_argument("--device", default="cuda")
+    p.add_argument("--backend", choices=["auto", "cpu", "cuda"], default="auto",
+                   help="store states with the C reference on the CPU, or the library's CUDA pack/unpack "
+                        "kernels (auto: CUDA when the shim has it and it agrees with the CPU path)")
     p.add_argument("--group", type=int, default=0,
                    help="methods per batched run besides fp32 (0: all in one batch)")
     return p.parse_args(argv)
@@ -76,6 +79,9 @@ class Shim:
         self.lib.stepq_shim_layer_index.argtypes = [ctypes.c_void_p, ctypes.c_int]
         self.lib.stepq_shim_roundtrip.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p, ctypes.c_int]
         self.lib.stepq_shim_close.argtypes = [ctypes.c_void_p]
+        self.lib.stepq_shim_cuda_open.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        self.lib.stepq_shim_cuda_roundtrip.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                                        ctypes.c_int, ctypes.c_void_p]
         self.threads = threads
 
     def open(self, map_path):
@@ -89,6 +95,18 @@ class Shim:
         if li < 0:
             raise SystemExit("nll_eval: layer %d is not in the map" % L)
         return li
+
+    def cuda_open(self, h, max_n):
+        """0 when the CUDA pack/unpack path is usable for this map, else the error text."""
+        if self.lib.stepq_shim_cuda_open(h, max_n) < 0:
+            return self.lib.stepq_shim_last_error().decode()
+        return 0
+
+    def cuda_roundtrip(self, h, li, dev_states, stream):
+        n = dev_states.shape[0]
+        if self.lib.stepq_shim_cuda_roundtrip(h, li, ctypes.c_void_p(dev_states.data_ptr()), n,
+                                              ctypes.c_void_p(stream)) < 0:
+            raise SystemExit("nll_eval: CUDA roundtrip: %s" % self.lib.stepq_shim_last_error().decode())
 
     def roundtrip(self, h, li, cpu_states):
         n = cpu_states.shape[0]
@@ -148,6 +166,10 @@ def main(argv=None):
                 setattr(m, an, wrap(f))
 
     shim = Shim(a.shim, a.threads)
+    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    model_state_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    lin_layers = sorted(m.layer_idx for m in layers)
+    backend_used = {}
     methods = [("fp32", None)] + ([] if a.no_bf16 else [("bf16", None)])
     for spec in a.map:
         name, _, path = spec.partition("=")
@@ -162,6 +184,45 @@ def main(argv=None):
             return lambda st, L: st.to(torch.bfloat16).to(st.dtype)
         h = shim.open(path)
         cache, bufs = {}, {}
+        use_cuda = False
+        if a.backend != "cpu" and a.device.startswith("cuda"):
+            err = shim.cuda_open(h, a.streams)
+            if err == 0:
+                # Check the CUDA path against the C reference on state-like data: the two must
+                # agree to within 1% of the quantization error (codes may differ by a tie).
+                import torch as _t
+                g = _t.Generator(device="cpu").manual_seed(1)
+                HVKV = model_state_shape
+                x = (_t.randn((a.streams,) + HVKV, generator=g) *
+                     _t.exp(_t.randn((a.streams, HVKV[0], HVKV[1], 1), generator=g)) *
+                     _t.exp(_t.randn((a.streams, HVKV[0], 1, HVKV[2]), generator=g)) * 0.1)
+                li0 = shim.layer_index(h, lin_layers[0])
+                ref = x.clone().contiguous()
+                shim.roundtrip(h, li0, ref)
+                dev = x.to(a.device).contiguous()
+                shim.cuda_roundtrip(h, li0, dev, _t.cuda.current_stream().cuda_stream)
+                _t.cuda.synchronize()
+                got = dev.cpu()
+                qerr = ((ref - x) ** 2).sum().item()
+                diff = ((got - ref) ** 2).sum().item()
+                ratio = diff / qerr if qerr > 0 else (0.0 if diff == 0 else float("inf"))
+                use_cuda = ratio <= 1e-2
+                print("nll_eval: %s: CUDA vs C reference, squared difference / quantization error = %.2e: %s"
+                      % (name, ratio, "using CUDA" if use_cuda else "using the CPU reference"), file=sys.stderr)
+            else:
+                print("nll_eval: %s: CUDA path unavailable (%s); using the CPU reference" % (name, err),
+                      file=sys.stderr)
+            if a.backend == "cuda" and not use_cuda:
+                raise SystemExit("nll_eval: --backend cuda: not usable for %s" % name)
+        backend_used[name] = "cuda" if use_cuda else "cpu"
+        if use_cuda:
+            def fn_cuda(st, L):
+                if L not in cache:
+                    cache[L] = shim.layer_index(h, L)
+                x = st.detach().to(torch.float32).contiguous().clone()
+                shim.cuda_roundtrip(h, cache[L], x, torch.cuda.current_stream().cuda_stream)
+                return x.to(st.dtype)
+            return fn_cuda
 
         def fn(st, L):
             if L not in cache:
@@ -250,7 +311,7 @@ def main(argv=None):
                       "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs})
     meta = {"model": a.model, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
-            "torch": torch.__version__}
+            "torch": torch.__version__, "backend": backend_used}
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "results": table}, f, indent=1)
