@@ -25,6 +25,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include "kernels/quant.h"
@@ -552,6 +553,11 @@ int stepq_tool_eval(int argc, char **argv)
         /* Two charts via tools/plot.py: per-head relative readout error vs half-life, and the
          * relative readout error over time. */
         char path[4096];
+        /* Like --json's file, the plot folder is created when missing (one level). */
+        if (mkdir(plot, 0777) != 0 && errno != EEXIST) {
+            fprintf(stderr, "stepq eval: --plot %s: %s\n", plot, strerror(errno));
+            rc = 1;
+        }
         /* Charts per nominal budget group (<= 4, 5-6, >= 7 bits; dense maps with the 6-bit
          * group, the internal uniform@6 too), so each stays legible. */
         for (int chart = 0; chart < 6 && !rc; chart++) {

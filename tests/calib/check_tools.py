@@ -82,7 +82,10 @@ def main():
     piv = sum(1 for b in rows if b == 16)
     assert piv == round(0.02 * len(rows)) and sum(b for b in rows if b != 16) <= 4 * len(rows) - 8 * piv
     assert len(set(rows)) > 1
-    run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors"])
+    # --plot creates its folder when missing and writes the chart specs there.
+    pd = os.path.join(d, "plots-new")
+    run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--plot", pd])
+    assert any(n.endswith(".spec.json") for n in os.listdir(pd)), os.listdir(pd)
     # Errors: a truncated trace and a bad option.
     bad = os.path.join(d, "bad.safetensors")
     with open(traces[0], "rb") as f:
