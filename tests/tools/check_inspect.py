@@ -39,6 +39,19 @@ if abs(d["ratio_vs_fp32"] - 150994944 / 29999104) > 1e-5 or abs(d["bits_per_valu
     print("FAIL ratio/bits inconsistent:", d)
     failed += 1
 
+# Every calibrated map in the repository loads and is within its nominal budget
+# (pivots counted as 8-bit units; the fp16 they really store adds 8 bits per pivot value).
+import glob
+for path in sorted(glob.glob(os.path.join(root, "config", "calibrated", "*", "*.json"))):
+    r = subprocess.run([stepq, "inspect", path, "--json"], capture_output=True, text=True)
+    if r.returncode != 0:
+        print("FAIL", path, r.stderr.strip())
+        failed += 1
+        continue
+    expect.append(path)
+    d = json.loads(r.stdout)
+    print(f"ok   {os.path.relpath(path, root)}: {d['method']} {d['bits_per_value']:.3f} bits/value")
+
 # Bad input: a clear message and status 1.
 with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
     f.write('{"format": "stepq-precision-map", "schema_version": 1, "model": 7}')
