@@ -224,8 +224,8 @@ static int usage(FILE *f)
                "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
-               "  (persistent) the packed step as a persistent grid with prefetch, (no prefetch)\n"
-               "  the bf16 step with one block per (request, head).\n");
+               "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
+               "  next head.\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -362,13 +362,13 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             for (int row = 0; row < 13 && rc == 0; row++) {
                 static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1 };
                 const struct method *me = &methods[row_method[row]];
-                /* flat: the other grid (persistent packed step / one-block-per-head bf16) */
+                /* flat: the persistent grid (packed step / bf16 step) */
                 const int old = row >= 8 && row <= 10, flat = row >= 11;
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
                          old         ? " (old)"
                          : row == 11 ? " (persistent)"
-                         : row == 12 ? " (no prefetch)"
+                         : row == 12 ? " (persistent)"
                          : row == 5  ? " two-stage"
                          : row == 6  ? " pack"
                          : row == 7  ? " unpack"
@@ -452,11 +452,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 }
                 stepq__cuda_set_legacy(old);
                 stepq__cuda_set_persist(row == 11   ? STEPQ__CUDA_PERSIST_PACKED
-                                        : row == 12 ? 0
-                                                    : STEPQ__CUDA_PERSIST_BF16);
+                                        : row == 12 ? STEPQ__CUDA_PERSIST_BF16
+                                                    : 0);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
-                stepq__cuda_set_persist(STEPQ__CUDA_PERSIST_BF16);
+                stepq__cuda_set_persist(0);
                 if (us < 0)
                     rc = 1;
                 size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);

@@ -120,15 +120,14 @@ void stepq__cuda_set_legacy(int on);
 
 /** Persistent-grid selection bits for stepq__cuda_set_persist. */
 #define STEPQ__CUDA_PERSIST_PACKED 1 /**< fused packed step */
-#define STEPQ__CUDA_PERSIST_BF16   2 /**< dense bf16 step (the default) */
+#define STEPQ__CUDA_PERSIST_BF16   2 /**< dense bf16 step */
 
 /**
  * Selects which tile kernels run as a persistent grid that stages the next
  * head (cp.async into a second shared buffer) while the current one is
- * updated; the others run one block per (request, head). Default
- * STEPQ__CUDA_PERSIST_BF16: the persistent packed step measured slower
- * (it spills at the 128-register cap; README). For tests and the
- * benchmark; process-wide.
+ * updated; the others run one block per (request, head). Default 0: both
+ * persistent variants measured slower on the H200 (the packed one spills at
+ * the 128-register cap; README). For tests and the benchmark; process-wide.
  */
 void stepq__cuda_set_persist(int mode);
 

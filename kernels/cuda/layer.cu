@@ -320,8 +320,12 @@ extern "C" void stepq__cuda_set_legacy(int on)
     legacy_kernels = on != 0;
 }
 
-/* stepq__cuda_set_persist: bit 0 packed step, bit 1 bf16 dense step (default: bf16 only) */
-static int persist_mode = STEPQ__CUDA_PERSIST_BF16;
+/*
+ * stepq__cuda_set_persist: bit 0 packed step, bit 1 bf16 dense step. Default
+ * none: on the H200 both persistent variants measured slower than one block
+ * per (request, head) (README, "Measurements").
+ */
+static int persist_mode = 0;
 
 extern "C" void stepq__cuda_set_persist(int mode)
 {
@@ -601,7 +605,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
      * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
      * 2.4x faster than the tile's 32-byte-per-thread rows.
      */
-    /* bf16: persistent, the next head's tile staged by cp.async while this one updates */
+    /* bf16 persistent variant: the next head's tile staged by cp.async while this one updates */
     const size_t bf_stride = 2 * SQ_D * SQ_D + 16;
     if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16 && io.dense_vec &&
         (persist_mode & STEPQ__CUDA_PERSIST_BF16) && 2 * bf_stride <= SQ_DYN_SMEM_MAX)
