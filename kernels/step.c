@@ -136,6 +136,33 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
     return STEPQ_OK;
 }
 
+/*
+ * What pack and unpack check before touching a page: the layer (its first
+ * head gives d_k x d_v), the slot ids (distinct when pages are written), the
+ * fp32 buffer `what` of n rows of `stride` floats, and the layout.
+ */
+static int check_transfer(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
+                          int distinct, const float *buf, size_t stride, stepq__layout layout,
+                          const char *what, const char *who)
+{
+    int rc;
+
+    if (!pl || !pl->heads)
+        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer", who);
+    int d_k = pl->heads[0].d_k, d_v = pl->heads[0].d_v;
+    if ((rc = check_layer(pl, d_k, d_v, who)) < 0)
+        return rc;
+    if ((rc = stepq__check_slot_list(n, slots, pl->n_slots, distinct, who)) < 0)
+        return rc;
+    size_t head = (size_t)d_k * d_v;
+    if (n > 0 && (!buf || stride < head * (size_t)pl->n_heads))
+        return stepq__error(STEPQ_EINVAL, "%s: NULL %s or stride %zu < HV*d_k*d_v = %zu", who, what,
+                            stride, head * (size_t)pl->n_heads);
+    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
+    return STEPQ_OK;
+}
+
 int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
                     const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
                     uint64_t *counts, void *stream)
@@ -144,19 +171,10 @@ int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *
     int rc;
 
     (void)stream;
-    if (!pl || !pl->heads)
-        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer", who);
+    if ((rc = check_transfer(pl, n, slots, 1, src, src_stride, layout, "source", who)) < 0)
+        return rc;
     int d_k = pl->heads[0].d_k, d_v = pl->heads[0].d_v;
-    if ((rc = check_layer(pl, d_k, d_v, who)) < 0)
-        return rc;
-    if ((rc = stepq__check_slot_list(n, slots, pl->n_slots, 1, who)) < 0)
-        return rc;
     size_t head = (size_t)d_k * d_v;
-    if (n > 0 && (!src || src_stride < head * (size_t)pl->n_heads))
-        return stepq__error(STEPQ_EINVAL, "%s: NULL source or stride %zu < HV*d_k*d_v = %zu", who,
-                            src_stride, head * (size_t)pl->n_heads);
-    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
-        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
 
     float *tile = malloc(sizeof(float) * head);
     if (!tile)
@@ -189,19 +207,10 @@ int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t
     int rc;
 
     (void)stream;
-    if (!pl || !pl->heads)
-        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer", who);
+    if ((rc = check_transfer(pl, n, slots, 0, dst, dst_stride, layout, "destination", who)) < 0)
+        return rc;
     int d_k = pl->heads[0].d_k, d_v = pl->heads[0].d_v;
-    if ((rc = check_layer(pl, d_k, d_v, who)) < 0)
-        return rc;
-    if ((rc = stepq__check_slot_list(n, slots, pl->n_slots, 0, who)) < 0)
-        return rc;
     size_t head = (size_t)d_k * d_v;
-    if (n > 0 && (!dst || dst_stride < head * (size_t)pl->n_heads))
-        return stepq__error(STEPQ_EINVAL, "%s: NULL destination or stride %zu < HV*d_k*d_v = %zu",
-                            who, dst_stride, head * (size_t)pl->n_heads);
-    if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
-        return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
 
     float *tile = malloc(sizeof(float) * head);
     if (!tile)
