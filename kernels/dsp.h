@@ -156,6 +156,14 @@ int stepq__check_step_args(const struct stepq__step_args *a, const char *who);
 int stepq__prep_head(const struct stepq__step_args *a, int b, int hv, float *q, float *k, float *v,
                      float *g, float *beta);
 /**
+ * stepq__prep_head for a decode step into `slot`, with the one policy every
+ * step follows on a non-finite input: the head's output row o[b][hv] reads 0,
+ * the slot is flagged STEPQ__HEALTH_INPUT and 1 is returned (the caller then
+ * leaves the state as it was). Returns 0 when the inputs are ready.
+ */
+int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32_t slot, float *q,
+                          float *k, float *v, float *g, float *beta);
+/**
  * The update of one head on an fp32 tile S (element (i, j) at S[i*rs + j*cs]):
  * decay, delta correction, update, sanitise (non-finite -> 0), readout into
  * o[d_v] (a non-finite readout element is written as 0). Returns the health

@@ -119,6 +119,16 @@ int stepq__prep_head(const struct stepq__step_args *a, int b, int hv, float *q, 
     return 0;
 }
 
+int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32_t slot, float *q,
+                          float *k, float *v, float *g, float *beta)
+{
+    if (!stepq__prep_head(a, b, hv, q, k, v, g, beta))
+        return 0;
+    memset(a->o + ((size_t)b * a->HV + hv) * a->d_v, 0, sizeof(float) * a->d_v);
+    stepq__health_note(a->health, a->counts, slot, STEPQ__HEALTH_INPUT);
+    return 1;
+}
+
 uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_k, int d_v,
                             const float *q, const float *k, const float *v, const float *g,
                             float beta, float *o)
@@ -200,12 +210,9 @@ int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__
         if (s < 0)
             continue;
         for (int hv = 0; hv < a->HV; hv++) {
-            float *o = a->o + ((size_t)b * a->HV + hv) * a->d_v;
-            if (stepq__prep_head(a, b, hv, q, k, v, g, &beta)) {
-                memset(o, 0, sizeof(float) * a->d_v);
-                stepq__health_note(a->health, a->counts, s, STEPQ__HEALTH_INPUT);
+            if (stepq__prep_step_head(a, b, hv, s, q, k, v, g, &beta))
                 continue;
-            }
+            float *o = a->o + ((size_t)b * a->HV + hv) * a->d_v;
             float *S = st->base + (size_t)s * st->slot_stride + (size_t)hv * head;
             uint32_t fl = stepq__head_update(S, rs, cs, a->arch == STEPQ_ARCH_KDA, a->d_k, a->d_v,
                                              q, k, v, g, beta, o);

@@ -115,13 +115,10 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
         if (s < 0)
             continue;
         for (int h = 0; h < a->HV; h++) {
-            float *o = a->o + ((size_t)b * a->HV + h) * a->d_v;
-            if (stepq__prep_head(a, b, h, q, k, v, g, &beta)) {
-                /* The page keeps its previous, valid content. */
-                memset(o, 0, sizeof(float) * a->d_v);
-                stepq__health_note(a->health, a->counts, s, STEPQ__HEALTH_INPUT);
+            /* On a non-finite input the page keeps its previous, valid content. */
+            if (stepq__prep_step_head(a, b, h, s, q, k, v, g, &beta))
                 continue;
-            }
+            float *o = a->o + ((size_t)b * a->HV + h) * a->d_v;
             const struct stepq_head_layout *hl = &pl->heads[h];
             uint8_t *blk = head_block(pl, s, h);
             stepq__dequantize_head(hl, blk, tile);
