@@ -121,6 +121,19 @@ nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
         --json "$OUT/nll-test-$tag.json" --markdown "$OUT/nll-test-$tag.md" 2>&1 | tee -a "$OUT/study.log"
 }
 
+# Packs what exists so far into $PACK: called after every stage, so a device
+# command that hits its time limit in a later stage still returns the earlier ones.
+pack() {
+    [ -n "$PACK" ] || return 0
+    mkdir -p "$PACK"
+    tar czf "$PACK/study.tgz" -C "$OUT" .
+    for f in eval-test-all.txt eval-test-4.txt eval-test-6.txt nll-test-all.md nll-test-4.md \
+        nll-test-6.md study.log; do
+        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
+    done
+    return 0
+}
+
 for stage in "$@"; do
     case $stage in
     calib) calib ;;
@@ -133,14 +146,8 @@ for stage in "$@"; do
     all) calib; evalstage all; nll all ;;
     *) echo "unknown stage $stage" >&2; exit 2 ;;
     esac
+    pack
 done
 log "done: $*"
-if [ -n "$PACK" ]; then
-    mkdir -p "$PACK"
-    tar czf "$PACK/study.tgz" -C "$OUT" .
-    for f in eval-test-all.txt eval-test-4.txt eval-test-6.txt nll-test-all.md nll-test-4.md \
-        nll-test-6.md study.log; do
-        [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
-    done
-    ls -la "$PACK"
-fi
+[ -n "$PACK" ] && ls -la "$PACK"
+exit 0
