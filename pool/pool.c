@@ -586,6 +586,37 @@ static int check_host(stepq_pool_t *pool, int32_t n, const void *host, size_t ho
     return STEPQ_OK;
 }
 
+/* Lists that keep their repeats are bounded by the scratch space (slots + 1 entries). */
+static int check_list_bound(stepq_pool_t *pool, int32_t n, const char *hint)
+{
+    if (n > pool->slots + 1)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL,
+                                "n = %" PRId32 " is more than the pool's %" PRId32 " slots%s", n,
+                                pool->slots, hint);
+    return STEPQ_OK;
+}
+
+/*
+ * The checks of a copy between pages and a host buffer: the list (bounded,
+ * repeats as `dup` says, compacted into scratch with positions in *pos) and
+ * the host buffer; *m gets the number of pages to copy.
+ */
+static int check_host_list(stepq_pool_t *pool, const int32_t *ids, int32_t n, int dup,
+                           const void *host, size_t host_bytes, const char *hint, int32_t **pos,
+                           int32_t *m)
+{
+    int ret;
+
+    *pos = pool->scratch + pool->slots + 1;
+    *m = 0;
+    ret = check_list_bound(pool, n, hint);
+    if (ret >= 0)
+        ret = validate_list(pool, "ids", ids, n, dup, pool->scratch, *pos, m);
+    if (ret >= 0)
+        ret = check_host(pool, n, host, host_bytes);
+    return ret;
+}
+
 int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, void *host,
                             size_t host_bytes)
 {
@@ -594,22 +625,11 @@ int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, v
 
     if (ret < 0)
         return ret;
-    pos = pool->scratch + pool->slots + 1;
-    if (n > pool->slots + 1) {
-        /* Pages are read-only here, so repeats are fine, but the lists are
-         * bounded by the scratch space: split longer lists. */
-        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
-                               "n = %" PRId32 " is more than the pool's %" PRId32
-                               " slots; split the list",
-                               n, pool->slots);
-        goto out;
-    }
-    ret = validate_list(pool, "ids", ids, n, DUP_OK, pool->scratch, pos, &m);
-    if (ret >= 0)
-        ret = check_host(pool, n, host, host_bytes);
+    /* Pages are read-only here, so repeats are fine, but the lists are
+     * bounded by the scratch space: split longer lists. */
+    ret = check_host_list(pool, ids, n, DUP_OK, host, host_bytes, "; split the list", &pos, &m);
     if (ret >= 0 && m > 0)
         ret = pool->ops->to_host(pool, pool->scratch, pos, m, host);
-out:
     if (ret < 0)
         stepq__error(ret, "stepq_pool_copy_to_host: %s", pool->err);
     pool_leave(pool);
@@ -624,19 +644,9 @@ int stepq_pool_copy_from_host(stepq_pool_t *pool, const int32_t *ids, int32_t n,
 
     if (ret < 0)
         return ret;
-    pos = pool->scratch + pool->slots + 1;
-    if (n > pool->slots + 1) {
-        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
-                               "n = %" PRId32 " is more than the pool's %" PRId32 " slots", n,
-                               pool->slots);
-        goto out;
-    }
-    ret = validate_list(pool, "ids", ids, n, DUP_EINVAL, pool->scratch, pos, &m);
-    if (ret >= 0)
-        ret = check_host(pool, n, host, host_bytes);
+    ret = check_host_list(pool, ids, n, DUP_EINVAL, host, host_bytes, "", &pos, &m);
     if (ret >= 0 && m > 0)
         ret = pool->ops->from_host(pool, pool->scratch, pos, m, host);
-out:
     if (ret < 0)
         stepq__error(ret, "stepq_pool_copy_from_host: %s", pool->err);
     pool_leave(pool);
@@ -725,13 +735,9 @@ int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, ui
 
     if (ret < 0)
         return ret;
-    if (n > pool->slots + 1) {
-        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
-                               "n = %" PRId32 " is more than the pool's %" PRId32 " slots", n,
-                               pool->slots);
-        goto out;
-    }
-    ret = validate_list(pool, "ids", ids, n, DUP_OK, pool->scratch, NULL, &m);
+    ret = check_list_bound(pool, n, "");
+    if (ret >= 0)
+        ret = validate_list(pool, "ids", ids, n, DUP_OK, pool->scratch, NULL, &m);
     if (ret >= 0 && n > 0 && !out)
         ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "out is NULL");
     if (ret >= 0)
@@ -740,7 +746,6 @@ int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, ui
         for (int32_t i = 0; i < n; i++)
             out[i] = ids[i] == STEPQ_POOL_SLOT_PAD ? 0 : words[ids[i]];
     free(words);
-out:
     if (ret < 0)
         stepq__error(ret, "stepq_pool_health_read: %s", pool->err);
     pool_leave(pool);
