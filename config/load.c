@@ -587,6 +587,18 @@ static int parse_provenance(struct ctx *c, const cJSON *obj, stepq_map_t *m)
 
 /* --- layers --- */
 
+/* Checks that member `key` of the current object (it) is an array of d_k entries. */
+static int precheck_rows(struct ctx *c, const cJSON *it, const char *key)
+{
+    int n;
+    size_t old = push_key(c, key);
+    int st = get_array(c, it, c->shape->head_k_dim, c->shape->head_k_dim, &n);
+
+    if (st == STEPQ_OK)
+        pop(c, old);
+    return st;
+}
+
 /*
  * Before the map is allocated, checks that the document really holds the
  * per-unit arrays the shape promises: `layers` has n_layers objects, each
@@ -630,12 +642,9 @@ static int precheck_layers(struct ctx *c, const cJSON *layers)
                 return st;
             if (kda) {
                 const cJSON *rb = cJSON_GetObjectItemCaseSensitive(hd, "row_bits");
-                if ((st = require(c, rb, "row_bits")) < 0)
+                if ((st = require(c, rb, "row_bits")) < 0 ||
+                    (st = precheck_rows(c, rb, "row_bits")) < 0)
                     return st;
-                size_t o4 = push_key(c, "row_bits");
-                if ((st = get_array(c, rb, s->head_k_dim, s->head_k_dim, &n)) < 0)
-                    return st;
-                pop(c, o4);
             }
             const cJSON *w = cJSON_GetObjectItemCaseSensitive(hd, "row_impact");
             if (need_w) {
@@ -644,10 +653,8 @@ static int precheck_layers(struct ctx *c, const cJSON *layers)
                     return stepq__error(st, "%s (required for method %s)", stepq_last_error(),
                                         stepq_method_name(c->method));
                 }
-                size_t o4 = push_key(c, "row_impact");
-                if ((st = get_array(c, w, s->head_k_dim, s->head_k_dim, &n)) < 0)
+                if ((st = precheck_rows(c, w, "row_impact")) < 0)
                     return st;
-                pop(c, o4);
             }
             const cJSON *stats = cJSON_GetObjectItemCaseSensitive(hd, "stats");
             if (stats && !first_stats) {
@@ -672,10 +679,8 @@ static int precheck_layers(struct ctx *c, const cJSON *layers)
                         for (const cJSON *d = it->child; d; d = d->next) {
                             if (!d->string || !strncmp(d->string, "x-", 2))
                                 continue;
-                            size_t o6 = push_key(c, d->string);
-                            if ((st = get_array(c, d, s->head_k_dim, s->head_k_dim, &n)) < 0)
+                            if ((st = precheck_rows(c, d, d->string)) < 0)
                                 return st;
-                            pop(c, o6);
                         }
                     } else if (cJSON_IsArray(it)) {
                         if ((st = get_array(c, it, s->head_k_dim, s->head_k_dim, &n)) < 0)
