@@ -84,6 +84,14 @@ static size_t pages_bytes(const struct pages *p)
     return (size_t)p->pl.n_slots * p->pl.page_stride;
 }
 
+/* A copy of every page (to be freed), to compare the pages with later. */
+static uint8_t *pages_snapshot(const struct pages *p)
+{
+    uint8_t *copy = malloc(pages_bytes(p));
+    memcpy(copy, p->mem, pages_bytes(p));
+    return copy;
+}
+
 /* Fills every slot with a packed random state. */
 static void pages_fill(struct pages *p, uint64_t seed)
 {
@@ -124,8 +132,7 @@ static void packed_step_is_quantize_of_update_of_dequantize(void **state)
             pr.a.n_slots = NS;
 
             /* expected: unpack -> dense step -> pack, on a copy of the pages */
-            uint8_t *expect = malloc(pages_bytes(&p));
-            memcpy(expect, p.mem, pages_bytes(&p));
+            uint8_t *expect = pages_snapshot(&p);
             size_t stride = (size_t)HV * DK * DV;
             float dense[B * HV * DK * DV], o_ref[B * HV * DV];
             int32_t idx[B] = { 0, 1, 2 };
@@ -247,8 +254,7 @@ static void packed_step_skips_padding_and_leaves_other_pages(void **state)
     pr.a.n_slots = NS;
     for (int e = 0; e < B * HV * DV; e++)
         pr.o[e] = 7.0f;
-    uint8_t *before = malloc(pages_bytes(&p));
-    memcpy(before, p.mem, pages_bytes(&p));
+    uint8_t *before = pages_snapshot(&p);
     assert_int_equal(stepq__ref_step_packed(&pr.a, &p.pl), STEPQ_OK);
     size_t ps = p.pl.page_stride;
     for (int s = 0; s < NS; s++) {
@@ -276,8 +282,7 @@ static void packed_kernels_reject_bad_layers_without_writing(void **state)
     pages_fill(&p, 1);
     problem_init(&pr, STEPQ_ARCH_GDN, B, H, HV, DK, DV, 1);
     pr.a.n_slots = NS;
-    uint8_t *before = malloc(pages_bytes(&p));
-    memcpy(before, p.mem, pages_bytes(&p));
+    uint8_t *before = pages_snapshot(&p);
     float x[HV * DK * DV] = { 0 };
     const int32_t one = 1, dup[2] = { 1, 1 };
 
@@ -324,8 +329,7 @@ static void non_finite_input_keeps_the_packed_page(void **state)
     pr.a.health = health;
     pr.a.counts = counts;
     pr.q[1] = NAN; /* q/k head 0 feeds both value heads */
-    uint8_t *before = malloc(pages_bytes(&p));
-    memcpy(before, p.mem, pages_bytes(&p));
+    uint8_t *before = pages_snapshot(&p);
     assert_int_equal(stepq__ref_step_packed(&pr.a, &p.pl), STEPQ_OK);
     assert_memory_equal(p.mem, before, pages_bytes(&p));
     for (int e = 0; e < HV * DV; e++)
