@@ -16,39 +16,15 @@
 #include "pool/internal.h"
 #include "stepq/map.h"
 #include "stepq/pool.h"
+#include "tests/config/fixtures.h"
 
 #define MiB (1024.0 * 1024.0)
 #define GiB (1024.0 * 1024.0 * 1024.0)
 
-static int layer_ids[64];
-
-/* Qwen3.8-27B: 48 GDN layers x 48 value heads (16 q/k heads), 128 x 128,
- * conv state [10240, 3] bf16 per layer. */
-static stepq_model_shape qwen_shape(void)
-{
-    stepq_model_shape s;
-
-    memset(&s, 0, sizeof(s));
-    for (int i = 0; i < 48; i++)
-        layer_ids[i] = i / 3 * 4 + i % 3; /* three linear layers, then full attention */
-    s.arch = STEPQ_ARCH_GDN;
-    s.n_layers = 48;
-    s.layer_ids = layer_ids;
-    s.num_k_heads = 16;
-    s.num_v_heads = 48;
-    s.head_k_dim = 128;
-    s.head_v_dim = 128;
-    s.conv_rank = 2;
-    s.conv_shape[0] = 10240;
-    s.conv_shape[1] = 3;
-    s.conv_dtype = STEPQ_DTYPE_BF16;
-    return s;
-}
-
 /* stepq@6 with 32 pivot heads (1.39% of 2304) paid for by 32 heads at 4 bits. */
 static stepq_map_t *qwen_stepq6(void)
 {
-    stepq_model_shape s = qwen_shape();
+    stepq_model_shape s = fx_shape_qwen27();
     stepq_map_t *map = NULL;
 
     assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_STEPQ, 6.0, &map), STEPQ_OK);
@@ -78,7 +54,7 @@ static stepq_pool_plan_info plan_of(const stepq_map_t *map, int tp_rank, int tp_
 
 static void qwen_fp32_pages_reproduce_46_02_gib_at_b64(void **state)
 {
-    stepq_model_shape s = qwen_shape();
+    stepq_model_shape s = fx_shape_qwen27();
     stepq_map_t *map = NULL;
     stepq_pool_plan_info p;
 
