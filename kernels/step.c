@@ -160,6 +160,14 @@ static int check_transfer(const struct stepq__packed_layer *pl, int n, const int
     return STEPQ_OK;
 }
 
+/* dst = src^T for a rows x cols src: turns one head between the KV and VK layouts. */
+static void transpose(float *dst, const float *src, int rows, int cols)
+{
+    for (int r = 0; r < rows; r++)
+        for (int c = 0; c < cols; c++)
+            dst[(size_t)c * rows + r] = src[(size_t)r * cols + c];
+}
+
 int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
                     const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
                     uint64_t *counts, void *stream)
@@ -183,9 +191,7 @@ int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *
         for (int h = 0; h < pl->n_heads; h++) {
             const float *x = src + (size_t)e * src_stride + (size_t)h * head;
             if (layout == STEPQ__LAYOUT_VK) {
-                for (int i = 0; i < d_k; i++)
-                    for (int j = 0; j < d_v; j++)
-                        tile[(size_t)i * d_v + j] = x[(size_t)j * d_k + i];
+                transpose(tile, x, d_v, d_k);
                 x = tile;
             }
             uint32_t fl = 0;
@@ -223,9 +229,7 @@ int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t
                 continue;
             }
             stepq__dequantize_head(&pl->heads[h], head_block(pl, s, h), tile);
-            for (int i = 0; i < d_k; i++)
-                for (int j = 0; j < d_v; j++)
-                    x[(size_t)j * d_k + i] = tile[(size_t)i * d_v + j];
+            transpose(x, tile, d_k, d_v);
         }
     }
     free(tile);
