@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/dsp.h"
 #include "kernels/quant.h"
 #include "plugin/err.h"
 #include "stepq/stepq.h"
