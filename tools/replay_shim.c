@@ -7,6 +7,7 @@
  * on device memory (pages of slots 1..n of a private pool per layer). The
  * Python side checks the CUDA path against the CPU one before trusting it.
  */
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -44,6 +45,7 @@ struct shim {
 
 SHIM_API int stepq_shim_open(const char *map_path, int threads, void **out);
 SHIM_API int stepq_shim_layer_index(void *h, int model_layer);
+SHIM_API int stepq_shim_shape(void *h, int out[5]);
 SHIM_API int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n);
 SHIM_API void stepq_shim_close(void *h);
 SHIM_API const char *stepq_shim_last_error(void);
@@ -73,11 +75,26 @@ int stepq_shim_layer_index(void *h, int model_layer)
     return stepq_map_layer_index(((struct shim *)h)->map, model_layer);
 }
 
+/* The state shape the map was made for, so that the caller can check its tensors against it
+ * (the roundtrips trust n * HV * d_k * d_v floats): out = {n_layers, HV, d_k, d_v, is_kda}. */
+int stepq_shim_shape(void *h, int out[5])
+{
+    const struct shim *s = h;
+    if (!s || !out)
+        return stepq__error(STEPQ_EINVAL, "shim: NULL handle or output");
+    out[0] = s->sh.n_layers;
+    out[1] = s->sh.num_v_heads;
+    out[2] = s->sh.head_k_dim;
+    out[3] = s->sh.head_v_dim;
+    out[4] = s->sh.arch == STEPQ_ARCH_KDA;
+    return STEPQ_OK;
+}
+
 struct rt {
     struct shim *s;
     int li;
     float *x;
-    int rc;
+    atomic_int rc; /* first failure of any worker */
 };
 
 static void rt_job(void *vctx, int job, int worker)
@@ -99,7 +116,7 @@ static void rt_job(void *vctx, int job, int worker)
     struct sq_quant qz;
     int rc = sq_quant_init(&qz, meth, sh->arch, K, V, stepq_method_is_dense(meth) ? NULL : rb, w);
     if (rc < 0) {
-        r->rc = rc;
+        atomic_store(&r->rc, rc);
         return;
     }
     sq_quant_apply(&qz, r->x + (size_t)job * K * V);
@@ -109,11 +126,11 @@ static void rt_job(void *vctx, int job, int worker)
 int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n)
 {
     struct shim *s = h;
-    if (layer_index < 0 || layer_index >= s->sh.n_layers || n < 0 || !states)
+    if (!s || layer_index < 0 || layer_index >= s->sh.n_layers || n < 0 || !states)
         return stepq__error(STEPQ_EINVAL, "shim: bad layer index %d or n %d", layer_index, n);
     struct rt r = { s, layer_index, states, 0 };
     sq_parallel(n * s->sh.num_v_heads, s->threads, rt_job, &r, NULL);
-    return r.rc;
+    return atomic_load(&r.rc);
 }
 
 #if STEPQ_HAVE_CUDA

@@ -12,7 +12,9 @@
 # SHARED (default ../shared; or MODEL, VALID_TEXT, TEST_TEXT one by one), SCRATCH (traces, default out/study-scratch: ignored by git, so it survives between
 # device calls on a warm host),
 # VALID_STREAMS (32), TEST_STREAMS (16), SEQ (2048), NLL_STREAMS (16),
-# PREFILL (512), DECODE (1536), THREADS (online CPUs).
+# PREFILL (512), DECODE (1536), THREADS (online CPUs), MAPS (a folder of ready maps, e.g.
+# config/calibrated/tiny-gdn: eval / nll stages then copy them instead of capturing and
+# calibrating; their SHA256SUMS are checked).
 # Calibration is deterministic, so `calib` run in two sessions gives byte-identical
 # maps (the script prints their sha256).
 set -euo pipefail
@@ -83,7 +85,21 @@ calib() {
 
 MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8"
 
-need_maps() { [ -f "$OUT/maps/stepq-paper@6.json" ] || calib; }
+need_maps() {
+    local n
+    if [ ! -f "$OUT/maps/stepq-paper@6.json" ]; then
+        if [ -n "${MAPS:-}" ]; then
+            log "maps: from $MAPS"
+            (cd "$MAPS" && sha256sum -c --quiet SHA256SUMS)
+            cp "$MAPS"/*.json "$MAPS/SHA256SUMS" "$OUT/maps/"
+        else
+            calib
+        fi
+    fi
+    for n in $MAPS_ORDER; do
+        [ -f "$OUT/maps/$n.json" ] || { log "missing map $OUT/maps/$n.json"; exit 1; }
+    done
+}
 
 evalstage() { # which: 4 (fp32, bf16 and the 4-bit maps), 6 (fp32 and the 6-, 8-bit maps), all
     need_maps
@@ -115,10 +131,10 @@ nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
     done
     [ "$which" = 6 ] && nb=(--no-bf16)
     log "nll on test ($tag)"
-    python3 tools/nll_eval.py --model "$MODEL" --text "$TEST_TEXT" \
+    PYTHONUNBUFFERED=1 python3 tools/nll_eval.py --model "$MODEL" --text "$TEST_TEXT" \
         --streams "$NLL_STREAMS" --prefill "$PREFILL" --decode "$DECODE" \
         --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" "${nb[@]}" \
-        --json "$OUT/nll-test-$tag.json" --markdown "$OUT/nll-test-$tag.md" 2>&1 | tee -a "$OUT/study.log"
+        --json "$OUT/nll-test-$tag.json" --markdown "$OUT/nll-test-$tag.md" ${NLL_ARGS:-} 2>&1 | tee -a "$OUT/study.log"
 }
 
 # Packs what exists so far into $PACK: called after every stage, so a device
@@ -134,6 +150,8 @@ pack() {
     return 0
 }
 
+# A failing stage (set -e) still packs what the earlier ones left.
+trap pack EXIT
 for stage in "$@"; do
     case $stage in
     calib) calib ;;
