@@ -374,20 +374,29 @@ struct sq_in {
     float q, k, v, g, b;
 };
 
+/*
+ * Threads 0..127 load q and k (channel t), threads 128..255 v (channel
+ * t - 128), the gate (KDA: channel t - 128; GDN: thread 128) and beta
+ * (thread 128): the input phase runs on all eight warps.
+ */
 template <bool UPDATE>
 __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
                                            int t)
 {
-    if (!UPDATE || t >= SQ_D)
+    if (!UPDATE)
         return;
     const int hq = hv / (HV / st.H);
     const size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
-    in.q = st.q[qk + t];
-    in.k = st.k[qk + t];
-    in.v = st.v[bh * SQ_D + t];
-    if (st.kda || t == 0)
-        in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? t : 0)];
-    if (t == 0)
+    if (t < SQ_D) {
+        in.q = st.q[qk + t];
+        in.k = st.k[qk + t];
+        return;
+    }
+    const int j = t - SQ_D;
+    in.v = st.v[bh * SQ_D + j];
+    if (st.kda || j == 0)
+        in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? j : 0)];
+    if (j == 0)
         in.b = st.beta[bh];
 }
 
@@ -423,15 +432,9 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 template <int SRC, bool UPDATE, int SINK>
 __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
                                              int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
-                                             const sq_in &in, bool next)
+                                             const sq_in &in, bool next, const int t)
 {
-    /*
-     * %tid.x read through volatile asm: in the persistent kernel's loop the
-     * compiler would otherwise hoist every thread-derived address out of it
-     * and keep them live across the whole item (spills).
-     */
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    /* t: threadIdx.x (sq_tid_opaque() in the persistent loop) */
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
@@ -462,8 +465,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
-            float qv = in.q, kv = in.k, vv = in.v;
-            bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
+            const float qv = in.q, kv = in.k;
+            bad = !isfinite(qv) || !isfinite(kv);
             if (st.l2norm) {
                 /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
                 float sq2 = qv * qv, sk2 = kv * kv;
@@ -479,23 +482,27 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             }
             sm.q[t] = qv;
             sm.k[t] = kv;
-            sm.v[t] = vv;
-            if (st.kda || t == 0) {
-                int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
+        } else {
+            const int j = t - SQ_D;
+            const float vv = in.v;
+            bad = !isfinite(vv);
+            sm.v[j] = vv;
+            if (st.kda || j == 0) {
+                int ng = st.kda ? SQ_D : 1;
                 float g = in.g;
                 if (st.gate) {
-                    float ga = g + st.dt_bias[(size_t)hv * ng + gi];
+                    float ga = g + st.dt_bias[(size_t)hv * ng + (st.kda ? j : 0)];
                     float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
                     g = -expf(st.A_log[hv]) * sp;
                 }
                 bad |= !isfinite(g);
                 float d = expf(g);
                 if (st.kda)
-                    sm.dec[t] = d;
+                    sm.dec[j] = d;
                 else
                     sm.dec0 = d;
             }
-            if (t == 0) {
+            if (j == 0) {
                 float b = in.b;
                 if (st.beta_sig)
                     b = 1.0f / (1.0f + expf(-b));
@@ -531,14 +538,14 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             qv *= sc;
             sm.q[t] = qv;
             sm.k[t] = kv;
-            if (!st.kda)
-                sm.dec[t] = sm.dec0;
             float p = qv * kv;
 #pragma unroll
             for (int o = 16; o; o >>= 1)
                 p += __shfl_xor_sync(0xffffffffu, p, o);
             if (lane == 0)
                 sm.kqp[w] = p;
+        } else if (!st.kda) {
+            sm.dec[t - SQ_D] = sm.dec0;
         }
         if (io.skip && t == 0)
             io.skip[(size_t)e * HV + hv] = 0;
@@ -758,11 +765,11 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     }
                     h = sq_scale_h(s);
                     float r = sq_h2f(h);
-                    float qm = (float)((1 << (b - 1)) - 1);
-                    float w2r2 = wi * wi * r * r;
+                    const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
+                    const float w2r2 = wi * wi * r * r;
                     ri = __frcp_rn(r);
-                    ar = w2r2 / qm;
-                    ad = w2r2 / (qm * qm);
+                    ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
+                    ad = ar * iq;
                 }
                 sm.rinv[i] = ri;
                 sm.ar[i] = ar;
@@ -962,7 +969,19 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     }
     sq_in in;
     sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
-    sq_tile_item<SRC, UPDATE, SINK>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false);
+    sq_tile_item<SRC, UPDATE, SINK>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
+}
+
+/*
+ * %tid.x through volatile asm: in the persistent loop the compiler would
+ * otherwise hoist every thread-derived address out of it and keep them live
+ * across the whole item (spills).
+ */
+__device__ __forceinline__ int sq_tid_opaque()
+{
+    int t;
+    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
+    return t;
 }
 
 /* The slot of work item `it` (entry it / HV, head it % HV), or -1 when skipped. */
@@ -1031,9 +1050,9 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS)
                                sq_item_slot<UPDATE>(io, nx, HV));
         sq_in in;
         sq_load_in<UPDATE>(in, st, it % HV, it / HV, HV, threadIdx.x);
-        sq_tile_item<SRC, UPDATE, SINK>(st, io, it % HV, it / HV, HV,
-                                        sq_item_slot<UPDATE>(io, it, HV),
-                                        sq_dyn + cur * io.buf_stride, sm, in, nx < n_items);
+        sq_tile_item<SRC, UPDATE, SINK>(
+            st, io, it % HV, it / HV, HV, sq_item_slot<UPDATE>(io, it, HV),
+            sq_dyn + cur * io.buf_stride, sm, in, nx < n_items, sq_tid_opaque());
         it = sq_next_item<UPDATE>(io, it + (int)gridDim.x, n_items, HV);
         cur ^= 1;
     }
