@@ -225,7 +225,8 @@ static int usage(FILE *f)
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
                "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-               "  next head.\n");
+               "  next head; (e+g), (e+g+s), (e+g+s+p) the tile-kernel variants of\n"
+               "  stepq__cuda_set_tile_variant (elem+gen, +sync, +prefetch).\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -359,16 +360,31 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
              * kernels (old).
              */
-            for (int row = 0; row < 13 && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1 };
+            for (int row = 0; row < 23 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4,
+                                                  1, 2, 3, 4, 2, 3, 4, 4, 2, 3, 4 };
+                /*
+                 * tile-kernel variants: rows 13-15 elem+gen, 16-18 elem+gen+sync,
+                 * 19 pack elem+gen, 20-22 elem+gen+sync+prefetch
+                 */
+                const int tv_eg = STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN;
+                const int tvar = row >= 20 ? tv_eg | STEPQ__CUDA_TILE_SYNC | STEPQ__CUDA_TILE_PF
+                                 : row >= 16 && row <= 18 ? tv_eg | STEPQ__CUDA_TILE_SYNC
+                                 : row >= 13              ? tv_eg
+                                                          : 0;
+                const int vrow = row >= 13 && row != 19;
                 const struct method *me = &methods[row_method[row]];
                 /* flat: the persistent grid (packed step / bf16 step) */
-                const int old = row >= 8 && row <= 10, flat = row >= 11;
+                const int old = row >= 8 && row <= 10, flat = row == 11 || row == 12 || vrow;
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
                          old         ? " (old)"
                          : row == 11 ? " (persistent)"
                          : row == 12 ? " (persistent)"
+                         : row >= 20 ? " (e+g+s+p)"
+                         : row == 19 ? " pack (e+g)"
+                         : row >= 16 ? " (e+g+s)"
+                         : row >= 13 ? " (e+g)"
                          : row == 5  ? " two-stage"
                          : row == 6  ? " pack"
                          : row == 7  ? " unpack"
@@ -441,22 +457,24 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
                     state_rw = 2 * (size_t)B * blocks;
-                    c.kind = row < 5 || old || flat ? K_PACKED
-                             : row == 5             ? K_PACKED_2S
-                             : row == 6             ? K_PACK
-                                                    : K_UNPACK;
+                    c.kind = row < 5 || old || flat  ? K_PACKED
+                             : row == 5              ? K_PACKED_2S
+                             : row == 6 || row == 19 ? K_PACK
+                                                     : K_UNPACK;
                     if (row == 5)
                         state_rw += 2 * (size_t)B * HV * D * D * 4; /* scratch write + read */
-                    if (row == 6 || row == 7)
+                    if (row == 6 || row == 7 || row == 19)
                         state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
                 }
                 stepq__cuda_set_legacy(old);
                 stepq__cuda_set_persist(row == 11   ? STEPQ__CUDA_PERSIST_PACKED
                                         : row == 12 ? STEPQ__CUDA_PERSIST_BF16
                                                     : 0);
+                stepq__cuda_set_tile_variant(tvar);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
                 stepq__cuda_set_persist(0);
+                stepq__cuda_set_tile_variant(0);
                 if (us < 0)
                     rc = 1;
                 size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);

@@ -131,6 +131,20 @@ void stepq__cuda_set_legacy(int on);
  */
 void stepq__cuda_set_persist(int mode);
 
+/** Tile-kernel variant bits for stepq__cuda_set_tile_variant. */
+#define STEPQ__CUDA_TILE_ELEM 1 /**< uniform heads: cheaper decode, pack and refit */
+#define STEPQ__CUDA_TILE_GEN  2 /**< mixed-width heads: run-time widths, no per-row switch */
+#define STEPQ__CUDA_TILE_SYNC 4 /**< packed step: one barrier before the decode */
+#define STEPQ__CUDA_TILE_PF   8 /**< packed step: L2 prefetch for the block one generation ahead */
+
+/**
+ * Selects variants of the tile kernel for the packed step and pack (bits
+ * rounded up to the instantiated sets: 0, ELEM|GEN, ELEM|GEN|SYNC,
+ * ELEM|GEN|SYNC|PF; pack ignores SYNC and PF). Default 0. For tests and the benchmark;
+ * process-wide.
+ */
+void stepq__cuda_set_tile_variant(int bits);
+
 /* The dispatch-table entries (signatures of kernels/dsp.h). */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);

@@ -254,22 +254,64 @@ static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, con
     return STEPQ_OK;
 }
 
-template <int SRC, bool UPDATE, int SINK>
-static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
-                       const char *who)
+template <int SRC, bool UPDATE, int SINK, int V>
+static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                         const char *who)
 {
     static int attr_done;
     if (grid.x == 0 || grid.y == 0)
         return STEPQ_OK;
     if (!attr_done) {
-        SQ_CU(cudaFuncSetAttribute(sq_tile_kernel<SRC, UPDATE, SINK>,
+        SQ_CU(cudaFuncSetAttribute(sq_tile_kernel<SRC, UPDATE, SINK, V>,
                                    cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
               who);
         attr_done = 1;
     }
-    sq_tile_kernel<SRC, UPDATE, SINK><<<grid, SQ_THREADS, smem, s>>>(st, io);
+    sq_tile_kernel<SRC, UPDATE, SINK, V><<<grid, SQ_THREADS, smem, s>>>(st, io);
     SQ_CU(cudaGetLastError(), who);
     return STEPQ_OK;
+}
+
+static int tile_variant; /* stepq__cuda_set_tile_variant: SQ_V_* bits */
+
+extern "C" void stepq__cuda_set_tile_variant(int bits)
+{
+    tile_variant = bits;
+}
+
+/*
+ * The tile kernel with the selected variant bits, rounded to an instantiated
+ * set: packed step 0, ELEM|GEN, ELEM|GEN|SYNC, ELEM|GEN|SYNC|PF; packed sink without update
+ * (pack, two-stage stage 2) 0, ELEM|GEN; everything else 0.
+ */
+template <int SRC, bool UPDATE, int SINK>
+static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                       const char *who)
+{
+    const int v = tile_variant;
+    if constexpr (SINK == SQ_SINK_PACKED) {
+        if constexpr (SRC == SQ_SRC_PACKED) {
+            if (v & SQ_V_PF) {
+                static int n_sm; /* benign race: idempotent */
+                if (!n_sm) {
+                    int dev = 0;
+                    SQ_CU(cudaGetDevice(&dev), who);
+                    SQ_CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev), who);
+                }
+                sq_io io2 = io;
+                io2.pf_dist = n_sm * SQ_TMIN_BLOCKS; /* one generation of resident blocks */
+                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ELEM | SQ_V_GEN | SQ_V_SYNC | SQ_V_PF>(
+                    grid, smem, s, st, io2, who);
+            }
+            if (v & SQ_V_SYNC)
+                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ELEM | SQ_V_GEN | SQ_V_SYNC>(
+                    grid, smem, s, st, io, who);
+        }
+        if (v)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ELEM | SQ_V_GEN>(grid, smem, s, st, io,
+                                                                          who);
+    }
+    return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
 }
 
 template <int SRC, bool UPDATE, int SINK>

@@ -183,6 +183,213 @@ __device__ __forceinline__ void sq_quant_tile(const float (&x)[64], uint8_t *buf
                                   ad[R0 + r], num, den);
 }
 
+#define SQ_ROWS_SWITCH(b, CALL) \
+    switch (b) {                \
+    case 2:                     \
+        CALL(2);                \
+        break;                  \
+    case 3:                     \
+        CALL(3);                \
+        break;                  \
+    case 4:                     \
+        CALL(4);                \
+        break;                  \
+    case 5:                     \
+        CALL(5);                \
+        break;                  \
+    case 6:                     \
+        CALL(6);                \
+        break;                  \
+    case 8:                     \
+        CALL(8);                \
+        break;                  \
+    default:                    \
+        break;                  \
+    }
+
+/* Variant bits of the tile kernel (stepq__cuda_set_tile_variant). */
+#define SQ_V_ELEM 1 /* uniform heads: position-exponent decode, additive pack, 4-op refit */
+#define SQ_V_GEN  2 /* mixed-width heads: run-time widths (no per-row template switch) */
+#define SQ_V_SYNC 4 /* packed step: one barrier before decode (scales read from the page) */
+#define SQ_V_PF   8 /* packed step: L2 prefetch of the page block and inputs of a later block */
+
+/* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
+__constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
+                                 1.0f / 3.0f,  1.0f / 7.0f,  1.0f / 15.0f,
+                                 1.0f / 31.0f, 1.0f / 63.0f, 1.0f / 127.0f };
+
+/*
+ * SQ_V_ELEM decode of 8 codes: code n sits at bit p < 24 - B of an extraction
+ * word W (lo, or (hi:lo) shifted by a multiple of the codes per word), and
+ * the float with biased exponent 150 - p and mantissa W & (MASK << p) is
+ * exactly 2^(23-p) + u: one LOP3 and one FADD per code.
+ */
+template <int B>
+__device__ __forceinline__ void sq_dec_row_e(float *xr, const uint8_t *row, int tx, float rf,
+                                             const float (&cc)[8])
+{
+    uint32_t lo, hi;
+    sq_ld_codes<B>(row, tx, lo, hi);
+    constexpr int G = 23 / B; /* codes per extraction word */
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const int s = (n / G) * G * B, p = n * B - s;
+        const uint32_t W = s == 0 ? lo : s < 32 ? __funnelshift_r(lo, hi, s) : hi >> (s - 32);
+        const float f = __uint_as_float(((uint32_t)(150 - p) << 23) | (W & (sq_bw<B>::MASK << p)));
+        const float z = f - ((float)(1u << (23 - p)) + (float)sq_bw<B>::QM);
+        xr[n] = (z * rf) * cc[n];
+    }
+}
+
+/* sum over the codes of one 32-bit word of C << position (mod 2^32), C = bits(MAGIC) - qmax */
+template <int B> __host__ __device__ constexpr uint32_t sq_pack_k(bool high)
+{
+    uint32_t k = 0;
+    for (int n = 0; n < 8; n++) {
+        const int p = n * B;
+        const uint32_t C = (uint32_t)SQ_MAGIC_I - (uint32_t)sq_bw<B>::QM;
+        if (!high && p + B <= 32)
+            k += C << p;
+        else if (high && p >= 32)
+            k += C << (p - 32);
+    }
+    return k;
+}
+
+/*
+ * SQ_V_ELEM quantize of 8 values of a uniform-width row. bits(t) = bits(MAGIC)
+ * + z, so sum_n bits(t_n) << p_n - sum_n (bits(MAGIC) - qmax) << p_n is the
+ * packed word of u_n = z_n + qmax (exact mod 2^32): one LEA per code and one
+ * constant per word; a code across the word boundary takes its exact u. The
+ * refit sums carry the common factor a = w^2 r^2 only (qmax is applied to
+ * the column scale): num' = sum a z y, den' = sum a z^2, c = qmax num'/den'.
+ */
+template <int B>
+__device__ __forceinline__ void sq_quant_row_e(const float *yr, uint8_t *row, int tx,
+                                               const float (&qci)[8], float a, float (&num)[8],
+                                               float (&den)[8])
+{
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const float t = fmaf(yr[n], qci[n], SQ_MAGIC);
+        const uint32_t bt = __float_as_uint(t);
+        const int p = n * B;
+        if (p + B <= 32) {
+            lo += bt << p;
+        } else if (p >= 32) {
+            hi += bt << (p - 32);
+        } else {
+            const uint32_t u = bt - ((uint32_t)SQ_MAGIC_I - (uint32_t)sq_bw<B>::QM);
+            lo += u << p;
+            hi += u >> (32 - p);
+        }
+        const float z = t - SQ_MAGIC;
+        const float za = z * a;
+        num[n] = fmaf(za, yr[n], num[n]);
+        den[n] = fmaf(za, z, den[n]);
+    }
+    lo -= sq_pack_k<B>(false);
+    hi -= sq_pack_k<B>(true);
+    sq_st_codes<B>(row, tx, lo, hi);
+}
+
+template <int B>
+__device__ __forceinline__ void sq_dec_tile_e(float (&x)[64], const uint8_t *buf, int R0, int tx,
+                                              const float *rowf, const float (&cc)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_dec_row_e<B>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, rowf[R0 + r], cc);
+}
+
+template <int B>
+__device__ __forceinline__ void sq_quant_tile_e(const float (&x)[64], uint8_t *buf, int R0, int tx,
+                                                const float (&ci)[8], const float *a,
+                                                float (&num)[8], float (&den)[8])
+{
+    float qci[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        qci[c] = ci[c] * (float)sq_bw<B>::QM;
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_quant_row_e<B>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, qci, a[R0 + r], num, den);
+}
+
+/*
+ * SQ_V_GEN: one code path for every width b (2..8, a run-time value), so the
+ * rows of a mixed-width (KDA) head need no per-row template switch and the
+ * two half-warps of a warp do not diverge on different widths. The b bytes
+ * of a thread's 8 codes lie within two aligned words (rows are 16-byte
+ * aligned; the kernel's buffer has 16 bytes of slack after the block).
+ */
+__device__ __forceinline__ void sq_ld_codes_rt(const uint8_t *row, int tx, int b, uint32_t &lo,
+                                               uint32_t &hi)
+{
+    const uint32_t off = (uint32_t)(tx * b), a = off & ~3u, sh = (off & 3u) * 8u;
+    const uint32_t w0 = *(const uint32_t *)(row + a), w1 = *(const uint32_t *)(row + a + 4);
+    lo = __funnelshift_r(w0, w1, sh);
+    hi = w1 >> sh;
+}
+
+__device__ __forceinline__ void sq_dec_row_rt(float *xr, const uint8_t *row, int tx, int b,
+                                              float rf, const float (&cc)[8])
+{
+    uint32_t lo, hi;
+    sq_ld_codes_rt(row, tx, b, lo, hi);
+    const uint32_t mask = (1u << b) - 1u;
+    const float zoff = __uint_as_float(0x4B000000u | (mask >> 1)); /* 2^23 + qmax */
+    const uint32_t w2 = __funnelshift_rc(lo, hi, 4 * b);           /* codes 4..7 */
+    const int s[4] = { 0, b, 2 * b, 3 * b };
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const uint32_t u = ((n < 4 ? lo : w2) >> s[n & 3]) & mask;
+        const float z = __uint_as_float(0x4B000000u | u) - zoff;
+        xr[n] = (z * rf) * cc[n];
+    }
+}
+
+/*
+ * Codes of 8 values at a run-time width: codes 0..3 and 4..7 are packed into
+ * two words by the additive form of sq_quant_row_e (multiplies by 2^(nb)),
+ * joined, and stored through a switch on b (the stores only).
+ */
+template <bool CL>
+__device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, int tx, int b,
+                                                const float (&ci)[8], float ar, float ad,
+                                                float (&num)[8], float (&den)[8])
+{
+    const uint32_t qmi = (1u << (b - 1)) - 1u;
+    const float qm = __uint_as_float(0x4B000000u | qmi) - 8388608.0f;
+    const uint32_t p1 = 1u << b, p2 = 1u << (2 * b), p3 = 1u << (3 * b);
+    const uint32_t pw[4] = { 1u, p1, p2, p3 };
+    uint32_t A = 0, Bw = 0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        float t = fmaf(yr[n] * ci[n], qm, SQ_MAGIC);
+        if (CL)
+            t = fminf(fmaxf(t, SQ_MAGIC - qm), SQ_MAGIC + qm);
+        const uint32_t bt = __float_as_uint(t);
+        if (n < 4)
+            A += bt * pw[n & 3];
+        else
+            Bw += bt * pw[n & 3];
+        const float z = t - SQ_MAGIC;
+        num[n] = fmaf(z * ar, yr[n], num[n]);
+        den[n] = fmaf(z * z, ad, den[n]);
+    }
+    const uint32_t K = ((uint32_t)SQ_MAGIC_I - qmi) * (1u + p1 + p2 + p3);
+    A -= K;
+    Bw -= K;
+    const uint32_t s4 = 4u * (uint32_t)b;
+    const uint32_t lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
+    const uint32_t hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
+#define SQ_ST(B) sq_st_codes<B>(row, tx, lo, hi)
+    SQ_ROWS_SWITCH(b, SQ_ST)
+#undef SQ_ST
+}
+
 /*
  * Column partials p[c] (columns 8tx+c of this thread's 8 rows) -> part[w][col]
  * holding the warp's 16 rows: one reduce-scatter level between half-warps.
@@ -337,6 +544,7 @@ struct __align__(16) sq_tsmem
     float cola[SQ_D], colb[SQ_D];
     float rowf[SQ_D], cold[SQ_D]; /* decode: r dec / qmax (dec for pivots), column scale */
     float rinv[SQ_D], ar[SQ_D], ad[SQ_D];
+    float aw[SQ_D]; /* SQ_V_ELEM uniform heads: refit weight w^2 r^2 */
     uint16_t roff[SQ_D];
     uint8_t bits[SQ_D];
     float l2[4][2];
@@ -344,30 +552,6 @@ struct __align__(16) sq_tsmem
     float beta, dec0;
     unsigned fl, sat;
 };
-
-#define SQ_ROWS_SWITCH(b, CALL) \
-    switch (b) {                \
-    case 2:                     \
-        CALL(2);                \
-        break;                  \
-    case 3:                     \
-        CALL(3);                \
-        break;                  \
-    case 4:                     \
-        CALL(4);                \
-        break;                  \
-    case 5:                     \
-        CALL(5);                \
-        break;                  \
-    case 6:                     \
-        CALL(6);                \
-        break;                  \
-    case 8:                     \
-        CALL(8);                \
-        break;                  \
-    default:                    \
-        break;                  \
-    }
 
 /* Raw recurrence inputs of one (request, head), loaded ahead (threads < 128). */
 struct sq_in {
@@ -381,7 +565,7 @@ struct sq_in {
  */
 template <bool UPDATE>
 __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
-                                           int t)
+                                           int t, bool gall = false)
 {
     if (!UPDATE)
         return;
@@ -394,7 +578,7 @@ __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv,
     }
     const int j = t - SQ_D;
     in.v = st.v[bh * SQ_D + j];
-    if (st.kda || j == 0)
+    if (st.kda || j == 0 || gall)
         in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? j : 0)];
     if (j == 0)
         in.b = st.beta[bh];
@@ -427,9 +611,9 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
  * dense; SINK: packed (quantized) or dense. With a packed source the block
  * has been staged into buf by the caller (sq_stage_block); `next`: a later
  * commit group (the next item's prefetch) may still be in flight.
- * Ends with a barrier: buf and sm are free when it returns.
+ * Ends with a barrier: buf and sm are free when it returns. V: SQ_V_* bits.
  */
-template <int SRC, bool UPDATE, int SINK>
+template <int SRC, bool UPDATE, int SINK, int V = 0>
 __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
                                              int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
                                              const sq_in &in, bool next, const int t)
@@ -461,8 +645,88 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
+    constexpr bool ELEM = V & SQ_V_ELEM, GEN = V & SQ_V_GEN;
+    constexpr bool SYNC = (V & SQ_V_SYNC) && UPDATE && SRC == SQ_SRC_PACKED;
     float kq = 0.0f;
-    if (UPDATE) {
+    /* SYNC: sm.q / sm.k hold the raw inputs, scaled by nq * qsc and nk where read */
+    float nq = 1.0f, nk = 1.0f, qsc = 1.0f;
+    if (SYNC) {
+        /*
+         * One barrier before the decode: warps 0-3 reduce |q|^2, |k|^2 and q.k
+         * of the raw inputs; warps 4-7 compute v, the gate, beta and the decode
+         * factors from the row and column scales read straight from the page.
+         */
+        bool bad = false;
+        if (t < SQ_D) {
+            const float qv = in.q, kv = in.k;
+            bad = !isfinite(qv) || !isfinite(kv);
+            float sq2 = qv * qv, sk2 = kv * kv, sqk = qv * kv;
+#pragma unroll
+            for (int o = 16; o; o >>= 1) {
+                sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
+                sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
+                sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
+            }
+            if (lane == 0) {
+                sm.l2[w][0] = sq2;
+                sm.l2[w][1] = sk2;
+                sm.kqp[w] = sqk;
+            }
+            sm.q[t] = qv;
+            sm.k[t] = kv;
+        } else {
+            const int j = t - SQ_D;
+            const float vv = in.v;
+            bad = !isfinite(vv);
+            sm.v[j] = vv;
+            float g = in.g; /* GDN: every thread loaded the head's gate */
+            if (st.gate) {
+                float ga = g + st.dt_bias[(size_t)hv * (st.kda ? SQ_D : 1) + (st.kda ? j : 0)];
+                float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
+                g = -expf(st.A_log[hv]) * sp;
+            }
+            bad |= !isfinite(g);
+            const float d = expf(g);
+            if (j == 0) {
+                float b = in.b;
+                if (st.beta_sig)
+                    b = 1.0f / (1.0f + expf(-b));
+                bad |= !isfinite(b);
+                sm.beta = b;
+            }
+            const int b = hd->bits[j];
+            const float r = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[j]);
+            sm.rowf[j] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
+            sm.cold[j] =
+                hd->has_col ? sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[j]) : 1.0f;
+        }
+        sq_cp_wait_cur(next);
+        if (__syncthreads_or(bad)) {
+            if (t < SQ_D)
+                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
+            if (t == 0) {
+                if (io.skip)
+                    io.skip[(size_t)e * HV + hv] = 1;
+                if (io.health)
+                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
+                if (io.counts)
+                    atomicAdd(io.counts + 0, 1ull);
+            }
+            __syncthreads(); /* the next item rewrites sm */
+            return;
+        }
+        if (st.l2norm) {
+            /* the same sums and roundings as the two-barrier path: identical q and k */
+            const float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
+            const float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
+            nq = 1.0f / sqrtf(a + 1e-6f);
+            nk = 1.0f / sqrtf(b + 1e-6f);
+        }
+        qsc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
+        kq = (((sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3])) * (nq * nk)) * qsc;
+        if (io.skip && t == 0)
+            io.skip[(size_t)e * HV + hv] = 0;
+    } else if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
             const float qv = in.q, kv = in.k;
@@ -560,15 +824,19 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
 
     /* ---- packed source: decode (decay folded into the row factor) ---- */
     if (SRC == SQ_SRC_PACKED) {
-        if (t < SQ_D) {
-            int b = sm.bits[t];
-            float d = UPDATE ? sm.dec[t] : 1.0f;
-            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
-            sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) / (float)((1 << (b - 1)) - 1);
-            sm.cold[t] =
-                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
+        if (!SYNC) {
+            if (t < SQ_D) {
+                int b = sm.bits[t];
+                float d = UPDATE ? sm.dec[t] : 1.0f;
+                float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+                sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d
+                             : ELEM                ? (r * d) * sq_iqm[b & 15]
+                                                   : (r * d) / (float)((1 << (b - 1)) - 1);
+                sm.cold[t] =
+                    hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
+            }
+            __syncthreads();
         }
-        __syncthreads();
         float cc[8];
         {
             float4 a = *(const float4 *)(sm.cold + C0), b = *(const float4 *)(sm.cold + C0 + 4);
@@ -577,26 +845,32 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
         const int ub = hd->ubits; /* one width for every row: one dispatch per head */
         if (ub) {
+#define SQ_DT(B)                                       \
+    if (ELEM)                                          \
+        sq_dec_tile_e<B>(x, buf, R0, tx, sm.rowf, cc); \
+    else                                               \
+        sq_dec_tile<B>(x, buf, R0, tx, sm.rowf, cc)
             switch (ub) {
             case 2:
-                sq_dec_tile<2>(x, buf, R0, tx, sm.rowf, cc);
+                SQ_DT(2);
                 break;
             case 3:
-                sq_dec_tile<3>(x, buf, R0, tx, sm.rowf, cc);
+                SQ_DT(3);
                 break;
             case 4:
-                sq_dec_tile<4>(x, buf, R0, tx, sm.rowf, cc);
+                SQ_DT(4);
                 break;
             case 5:
-                sq_dec_tile<5>(x, buf, R0, tx, sm.rowf, cc);
+                SQ_DT(5);
                 break;
             case 6:
-                sq_dec_tile<6>(x, buf, R0, tx, sm.rowf, cc);
+                SQ_DT(6);
                 break;
             default:
-                sq_dec_tile<8>(x, buf, R0, tx, sm.rowf, cc);
+                SQ_DT(8);
                 break;
             }
+#undef SQ_DT
         } else
 #pragma unroll
             for (int r = 0; r < 8; r++) {
@@ -614,6 +888,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                         xr[2 * k] = f.x * rf;
                         xr[2 * k + 1] = f.y * rf;
                     }
+                } else if (GEN) {
+                    sq_dec_row_rt(xr, row, tx, b, rf, cc);
                 } else {
 #define SQ_DEC(B) sq_dec_row<B>(xr, row, tx, rf, cc)
                     SQ_ROWS_SWITCH(b, SQ_DEC)
@@ -640,7 +916,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             pk[c] = pq[c] = 0.0f;
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+            const float kr = SYNC ? sm.k[R0 + r] * nk : sm.k[R0 + r];
+            const float qr = SYNC ? (sm.q[R0 + r] * nq) * qsc : sm.q[R0 + r];
 #pragma unroll
             for (int c = 0; c < 8; c++) {
                 pk[c] = fmaf(x[r * 8 + c], kr, pk[c]);
@@ -666,7 +943,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const float kr = sm.k[R0 + r];
+            const float kr = SYNC ? sm.k[R0 + r] * nk : sm.k[R0 + r];
 #pragma unroll
             for (int c = 0; c < 8; c++)
                 x[r * 8 + c] = fmaf(kr, uu[c], x[r * 8 + c]);
@@ -710,7 +987,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 pq[c] = 0.0f;
 #pragma unroll
                 for (int r = 0; r < 8; r++)
-                    pq[c] = fmaf(x[r * 8 + c], sm.q[R0 + r], pq[c]);
+                    pq[c] =
+                        fmaf(x[r * 8 + c], SYNC ? (sm.q[R0 + r] * nq) * qsc : sm.q[R0 + r], pq[c]);
             }
             sq_col_part<false>(pq, sm.part[1], w, lane);
             __syncthreads();
@@ -754,7 +1032,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             if (!(tx & 1)) {
                 const int i = R0 + (tx >> 1);
                 const int b = sm.bits[i];
-                float ri = 0.0f, ar = 0.0f, ad = 0.0f;
+                float ri = 0.0f, ar = 0.0f, ad = 0.0f, aw = 0.0f;
                 uint16_t h = 0;
                 if (b != STEPQ_BITS_PIVOT) {
                     const float wi = hd->w[i];
@@ -770,18 +1048,22 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     ri = __frcp_rn(r);
                     ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
                     ad = ar * iq;
+                    if (ELEM && hd->ubits)
+                        aw = w2r2; /* sq_quant_row_e: qmax goes to the column scale */
                 }
                 sm.rinv[i] = ri;
                 sm.ar[i] = ar;
                 sm.ad[i] = ad;
+                if (ELEM)
+                    sm.aw[i] = aw;
                 ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
             }
         }
-        /* pivot rows: fp16 values straight into the block */
+        /* pivot rows: fp16 values straight into the block (none in a uniform-width head) */
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const int i = R0 + r;
-            if (sm.bits[i] == STEPQ_BITS_PIVOT) {
+            if (!(ELEM && hd->ubits) && sm.bits[i] == STEPQ_BITS_PIVOT) {
                 uint16_t hb[8];
 #pragma unroll
                 for (int c = 0; c < 8; c++)
@@ -873,7 +1155,20 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }                                                           \
     }
         const int ub = hd->ubits;
-#define SQ_QT(B, CL) sq_quant_tile<B, CL>(x, buf, R0, tx, ci, sm.ar, sm.ad, num, den)
+#define SQ_QT(B, CL)                                             \
+    if (ELEM)                                                    \
+        sq_quant_tile_e<B>(x, buf, R0, tx, ci, sm.aw, num, den); \
+    else                                                         \
+        sq_quant_tile<B, CL>(x, buf, R0, tx, ci, sm.ar, sm.ad, num, den)
+#define SQ_QUANT_RT(CL)                                                                          \
+    _Pragma("unroll") for (int r = 0; r < 8; r++)                                                \
+    {                                                                                            \
+        const int i = R0 + r;                                                                    \
+        const int b = sm.bits[i];                                                                \
+        if (b != STEPQ_BITS_PIVOT)                                                               \
+            sq_quant_row_rt<CL>(x + 8 * r, buf + sm.roff[i], tx, b, ci, sm.ar[i], sm.ad[i], num, \
+                                den);                                                            \
+    }
         if (ub && !clamp) {
             switch (ub) {
             case 2:
@@ -895,12 +1190,17 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 SQ_QT(8, false);
                 break;
             }
+        } else if (GEN && clamp) {
+            SQ_QUANT_RT(true)
+        } else if (GEN) {
+            SQ_QUANT_RT(false)
         } else if (clamp) {
             SQ_QUANT_LOOP(true)
         } else {
             SQ_QUANT_LOOP(false)
         }
 #undef SQ_QT
+#undef SQ_QUANT_RT
 #undef SQ_QUANT_LOOP
         /* 4. fixed-code column refit */
         if (dual) {
@@ -913,7 +1213,9 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     float nm = sq_col_total<false>(sm.part[0], t);
                     float dn = sq_col_total<false>(sm.part[1], t);
                     if (dn > 0.0f) {
-                        float c = nm / dn;
+                        /* sq_quant_row_e left qmax out of the sums */
+                        float c = ELEM && ub && !clamp ? (nm * (float)((1 << (ub - 1)) - 1)) / dn
+                                                       : nm / dn;
                         if (c > STEPQ__SCALE_MAX)
                             fl |= STEPQ__HEALTH_SATURATED;
                         h = sq_scale_h(c);
@@ -947,11 +1249,50 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 if (f & (1u << bit))
                     atomicAdd(io.counts + bit, 1ull);
     }
-    __syncthreads(); /* buf and sm are reused by the next item */
+    if (!V)
+        __syncthreads(); /* buf and sm are reused by the next item (persistent loop) */
+}
+
+/* L2 prefetch of `bytes` (a multiple of 16) at a 16-byte aligned address. */
+__device__ __forceinline__ void sq_pf_l2(const void *p, uint32_t bytes)
+{
+    if ((uintptr_t)p & 15u)
+        return;
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
+}
+
+/*
+ * SQ_V_PF: the block io.pf_dist places later in launch order (about when
+ * this one retires, with pf_dist = resident blocks per device) gets its page
+ * block and its q/k/v/g rows prefetched into L2, so its own staging reads
+ * hit L2 instead of DRAM. A hint only: nothing is written.
+ */
+template <bool UPDATE>
+__device__ __forceinline__ void sq_prefetch_ahead(const sq_step &st, const sq_io &io, int e, int hv,
+                                                  int HV)
+{
+    const unsigned lin = (unsigned)(e * HV + hv + io.pf_dist); /* batch * HV < 2^31 */
+    const int e2 = (int)(lin / (unsigned)HV), h2 = (int)(lin % (unsigned)HV);
+    if (io.pf_dist <= 0 || e2 >= (int)gridDim.y)
+        return;
+    const int32_t s2 = io.slots ? io.slots[e2] : e2;
+    if (s2 < 0 || s2 >= io.n_slots)
+        return;
+    const sq_head_desc *hd = io.heads + h2;
+    sq_pf_l2(io.pages + (size_t)s2 * io.page_stride + hd->block_off, hd->block_bytes);
+    if (UPDATE) {
+        const int hq = h2 / (HV / st.H);
+        const size_t qk = ((size_t)e2 * st.H + hq) * SQ_D, bh = (size_t)e2 * HV + h2;
+        sq_pf_l2(st.q + qk, 4 * SQ_D);
+        sq_pf_l2(st.k + qk, 4 * SQ_D);
+        sq_pf_l2(st.v + bh * SQ_D, 4 * SQ_D);
+        if (st.kda)
+            sq_pf_l2(st.g + bh * SQ_D, 4 * SQ_D);
+    }
 }
 
 /* One block per (entry, head): grid (HV, entries). */
-template <int SRC, bool UPDATE, int SINK>
+template <int SRC, bool UPDATE, int SINK, int V = 0>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_step st, sq_io io)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
@@ -968,8 +1309,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                        hd->block_bytes);
     }
     sq_in in;
-    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
-    sq_tile_item<SRC, UPDATE, SINK>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
+    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x, (V & SQ_V_SYNC) && SRC == SQ_SRC_PACKED);
+    if ((V & SQ_V_PF) && SRC == SQ_SRC_PACKED && threadIdx.x == SQ_THREADS - 32)
+        sq_prefetch_ahead<UPDATE>(st, io, e, hv, HV);
+    sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
 }
 
 /*

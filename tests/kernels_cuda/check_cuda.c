@@ -837,11 +837,70 @@ int main(void)
     RUN("persistent dense bf16 kda 1 step [K,V]",
         run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
     stepq__cuda_set_persist(0);
+    /* the tile-kernel variants (stepq__cuda_set_tile_variant), every width and head kind */
+    static const int tile_variants[] = {
+        STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN,
+        STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN | STEPQ__CUDA_TILE_SYNC,
+        STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN | STEPQ__CUDA_TILE_SYNC | STEPQ__CUDA_TILE_PF
+    };
+    static const char *tile_vname[] = { "elem+gen", "elem+gen+sync", "elem+gen+sync+pf" };
+    for (int tv = 0; tv < 3; tv++) {
+        const char *vn = tile_vname[tv];
+        stepq__cuda_set_tile_variant(tile_variants[tv]);
+        for (int w = 0; w < 6; w++) {
+            if (small && w != 4 && w != 1)
+                continue;
+            snprintf(name, sizeof(name), "%s gdn step stepq @%d", vn, widths[w]);
+            RUN(name,
+                run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 4, B, w & 1, 0, 0));
+            snprintf(name, sizeof(name), "%s gdn step uniform @%d", vn, widths[w]);
+            RUN(name,
+                run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 4, B, !(w & 1), 0, 0));
+        }
+        snprintf(name, sizeof(name), "%s gdn step stepq mixed + pivot head", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
+        snprintf(name, sizeof(name), "%s kda step stepq mixed rows", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
+        snprintf(name, sizeof(name), "%s kda step temporal mixed rows", vn);
+        RUN(name, run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+        snprintf(name, sizeof(name), "%s kda step dsq @5", vn);
+        RUN(name, run_step(STEPQ_METHOD_DSQ, STEPQ_ARCH_KDA, 5, 1, 2, B, 1, 0, 0));
+        snprintf(name, sizeof(name), "%s gdn step non-finite input", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
+        snprintf(name, sizeof(name), "%s kda step non-finite input", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
+        if (!small) {
+            snprintf(name, sizeof(name), "%s gdn step batch 40", vn);
+            RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
+        }
+        snprintf(name, sizeof(name), "%s gdn step stepq @6 huge state", vn);
+        RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
+        snprintf(name, sizeof(name), "%s kda step stepq huge state", vn);
+        RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1e9f));
+        if (tv == 0) {
+            for (int lay = 0; lay < 2; lay++) {
+                snprintf(name, sizeof(name), "%s pack/unpack gdn stepq layout %d", vn, lay);
+                RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
+                                   STEPQ__DTYPE_F32));
+                snprintf(name, sizeof(name), "%s pack/unpack kda stepq layout %d", vn, lay);
+                RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
+                                   STEPQ__DTYPE_F32));
+            }
+            snprintf(name, sizeof(name), "%s pack/unpack gdn uniform@6", vn);
+            RUN(name, run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3, STEPQ__LAYOUT_VK,
+                               STEPQ__DTYPE_F32));
+            snprintf(name, sizeof(name), "%s two-stage kda", vn);
+            RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
+        }
+    }
+    stepq__cuda_set_tile_variant(0);
     /* saturating scales take the clamped quantizer */
     RUN("gdn step stepq @6 huge state",
         run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
     RUN("gdn step uniform @4 huge state",
         run_step_amp(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 4, 2, 4, B, 1e9f));
+    RUN("kda step stepq huge state",
+        run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1e9f));
 
     /* dense fp32 recurrence: one step, and 1024 steps (<= 1e-5 relative) */
     RUN("dense gdn 1 step [K,V]", run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 0));
