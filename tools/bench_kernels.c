@@ -225,8 +225,8 @@ static int usage(FILE *f)
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
                "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-               "  next head; (e+g), (e+g+s), (e+g+s+p) the tile-kernel variants of\n"
-               "  stepq__cuda_set_tile_variant (elem+gen, +sync, +prefetch).\n");
+               "  next head; (o), (o+t), (o+t+r) the tile-kernel variants of\n"
+               "  stepq__cuda_set_tile_variant (order, +tail, +rtu).\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -364,14 +364,14 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4,
                                                   1, 2, 3, 4, 2, 3, 4, 4, 2, 3, 4 };
                 /*
-                 * tile-kernel variants: rows 13-15 elem+gen, 16-18 elem+gen+sync,
-                 * 19 pack elem+gen, 20-22 elem+gen+sync+prefetch
+                 * tile-kernel variants: rows 13-15 order, 16-18 order+tail,
+                 * 19 pack order+tail, 20-22 order+tail+rtu
                  */
-                const int tv_eg = STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN;
-                const int tvar = row >= 20 ? tv_eg | STEPQ__CUDA_TILE_SYNC | STEPQ__CUDA_TILE_PF
-                                 : row >= 16 && row <= 18 ? tv_eg | STEPQ__CUDA_TILE_SYNC
-                                 : row >= 13              ? tv_eg
-                                                          : 0;
+                const int tv_ot = STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL;
+                const int tvar = row >= 20   ? tv_ot | STEPQ__CUDA_TILE_RTU
+                                 : row >= 16 ? tv_ot
+                                 : row >= 13 ? STEPQ__CUDA_TILE_ORDER
+                                             : 0;
                 const int vrow = row >= 13 && row != 19;
                 const struct method *me = &methods[row_method[row]];
                 /* flat: the persistent grid (packed step / bf16 step) */
@@ -381,10 +381,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                          old         ? " (old)"
                          : row == 11 ? " (persistent)"
                          : row == 12 ? " (persistent)"
-                         : row >= 20 ? " (e+g+s+p)"
-                         : row == 19 ? " pack (e+g)"
-                         : row >= 16 ? " (e+g+s)"
-                         : row >= 13 ? " (e+g)"
+                         : row >= 20 ? " (o+t+r)"
+                         : row == 19 ? " pack (o+t)"
+                         : row >= 16 ? " (o+t)"
+                         : row >= 13 ? " (o)"
                          : row == 5  ? " two-stage"
                          : row == 6  ? " pack"
                          : row == 7  ? " unpack"

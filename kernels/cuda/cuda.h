@@ -132,16 +132,15 @@ void stepq__cuda_set_legacy(int on);
 void stepq__cuda_set_persist(int mode);
 
 /** Tile-kernel variant bits for stepq__cuda_set_tile_variant. */
-#define STEPQ__CUDA_TILE_ELEM 1 /**< uniform heads: cheaper decode, pack and refit */
-#define STEPQ__CUDA_TILE_GEN  2 /**< mixed-width heads: run-time widths, no per-row switch */
-#define STEPQ__CUDA_TILE_SYNC 4 /**< packed step: one barrier before the decode */
-#define STEPQ__CUDA_TILE_PF   8 /**< packed step: L2 prefetch for the block one generation ahead */
+#define STEPQ__CUDA_TILE_ORDER 1 /**< grid (batch, heads): resident blocks share a head */
+#define STEPQ__CUDA_TILE_TAIL  2 /**< no final barrier (column scales stored directly) */
+#define STEPQ__CUDA_TILE_RTU   4 /**< packed step: run-time widths for uniform heads too */
 
 /**
- * Selects variants of the tile kernel for the packed step and pack (bits
- * rounded up to the instantiated sets: 0, ELEM|GEN, ELEM|GEN|SYNC,
- * ELEM|GEN|SYNC|PF; pack ignores SYNC and PF). Default 0. For tests and the benchmark;
- * process-wide.
+ * Selects variants of the tile kernel for the packed step, pack and
+ * two-stage stage 2 (bits rounded up to the instantiated sets: 0, ORDER,
+ * ORDER|TAIL, ORDER|TAIL|RTU; RTU only for the packed step). Default 0. For
+ * tests and the benchmark; process-wide.
  */
 void stepq__cuda_set_tile_variant(int bits);
 

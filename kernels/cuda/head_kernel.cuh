@@ -72,7 +72,6 @@ struct sq_io {
     unsigned long long *counts;
     int *skip;           /* two-stage: [entries][HV], stage 1 marks heads left untouched */
     uint32_t buf_stride; /* sq_tile_persist: bytes of each of its two block buffers */
-    int pf_dist;         /* tile kernel SQ_V_PF: blocks ahead whose inputs are prefetched to L2 */
 };
 
 __device__ __forceinline__ float sq_h2f(uint16_t h)

@@ -281,35 +281,25 @@ extern "C" void stepq__cuda_set_tile_variant(int bits)
 
 /*
  * The tile kernel with the selected variant bits, rounded to an instantiated
- * set: packed step 0, ELEM|GEN, ELEM|GEN|SYNC, ELEM|GEN|SYNC|PF; packed sink without update
- * (pack, two-stage stage 2) 0, ELEM|GEN; everything else 0.
+ * set: packed sink (step, pack, two-stage stage 2) 0, ORDER, ORDER|TAIL,
+ * and for the packed step ORDER|TAIL|RTU; everything else 0.
  */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                        const char *who)
 {
     const int v = tile_variant;
+    const dim3 g2(grid.y, grid.x); /* SQ_V_ORDER: (batch, heads) */
     if constexpr (SINK == SQ_SINK_PACKED) {
-        if constexpr (SRC == SQ_SRC_PACKED) {
-            if (v & SQ_V_PF) {
-                static int n_sm; /* benign race: idempotent */
-                if (!n_sm) {
-                    int dev = 0;
-                    SQ_CU(cudaGetDevice(&dev), who);
-                    SQ_CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev), who);
-                }
-                sq_io io2 = io;
-                io2.pf_dist = n_sm * SQ_TMIN_BLOCKS; /* one generation of resident blocks */
-                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ELEM | SQ_V_GEN | SQ_V_SYNC | SQ_V_PF>(
-                    grid, smem, s, st, io2, who);
-            }
-            if (v & SQ_V_SYNC)
-                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ELEM | SQ_V_GEN | SQ_V_SYNC>(
-                    grid, smem, s, st, io, who);
-        }
-        if (v)
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ELEM | SQ_V_GEN>(grid, smem, s, st, io,
-                                                                          who);
+        if constexpr (SRC == SQ_SRC_PACKED)
+            if (v & SQ_V_RTU)
+                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL | SQ_V_RTU>(
+                    g2, smem, s, st, io, who);
+        if (v & SQ_V_TAIL)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL>(g2, smem, s, st, io,
+                                                                            who);
+        if (v & SQ_V_ORDER)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
     }
     return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
 }

@@ -110,79 +110,6 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
     }
 }
 
-/* Reconstructs 8 values of a row: x = (z * rf) * c, z from the magic exponent. */
-template <int B>
-__device__ __forceinline__ void sq_dec_row(float *xr, const uint8_t *row, int tx, float rf,
-                                           const float (&cc)[8])
-{
-    uint32_t lo, hi;
-    sq_ld_codes<B>(row, tx, lo, hi);
-    const float zoff = 8388608.0f + (float)sq_bw<B>::QM;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        float z = __int_as_float(0x4B000000 | sq_code<B>(lo, hi, n)) - zoff;
-        xr[n] = (z * rf) * cc[n];
-    }
-}
-
-/*
- * Codes of 8 values y = x / r (scaled by 1/c_j), stored at row + tx*B, and
- * the refit sums num_j += (z ar) y, den_j += z^2 ad. CL clamps to +-qmax:
- * needed only when a scale saturated (otherwise the fp16 scales cover |y|
- * to within 2^-11 and |z| <= qmax + 0.07 rounds inside the range).
- */
-template <int B, bool CL, bool PRE = false>
-__device__ __forceinline__ void sq_quant_row(const float *yr, uint8_t *row, int tx,
-                                             const float (&ci)[8], float ar, float ad,
-                                             float (&num)[8], float (&den)[8])
-{
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        /* PRE: ci already holds qmax / c_j (uniform-width heads: one FFMA) */
-        float t =
-            PRE ? fmaf(yr[n], ci[n], SQ_MAGIC) : fmaf(yr[n] * ci[n], (float)sq_bw<B>::QM, SQ_MAGIC);
-        if (CL)
-            t = fminf(fmaxf(t, SQ_MAGIC - (float)sq_bw<B>::QM), SQ_MAGIC + (float)sq_bw<B>::QM);
-        uint32_t u = (uint32_t)(__float_as_int(t) - (SQ_MAGIC_I - sq_bw<B>::QM));
-        const int p = n * B;
-        if (p < 32)
-            lo |= u << p;
-        if (p + B > 32)
-            hi |= p >= 32 ? u << (p - 32) : u >> (32 - p);
-        float z = t - SQ_MAGIC;
-        num[n] = fmaf(z * ar, yr[n], num[n]);
-        den[n] = fmaf(z * z, ad, den[n]);
-    }
-    sq_st_codes<B>(row, tx, lo, hi);
-}
-
-/* Decode of a whole tile of a uniform-width GDN head (rows 16*B bytes apart). */
-template <int B>
-__device__ __forceinline__ void sq_dec_tile(float (&x)[64], const uint8_t *buf, int R0, int tx,
-                                            const float *rowf, const float (&cc)[8])
-{
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-        sq_dec_row<B>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, rowf[R0 + r], cc);
-}
-
-/* Quantize + encode a whole tile of a uniform-width GDN head. */
-template <int B, bool CL>
-__device__ __forceinline__ void sq_quant_tile(const float (&x)[64], uint8_t *buf, int R0, int tx,
-                                              const float (&ci)[8], const float *ar,
-                                              const float *ad, float (&num)[8], float (&den)[8])
-{
-    float qci[8];
-#pragma unroll
-    for (int c = 0; c < 8; c++)
-        qci[c] = ci[c] * (float)sq_bw<B>::QM;
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-        sq_quant_row<B, CL, true>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, qci, ar[R0 + r],
-                                  ad[R0 + r], num, den);
-}
-
 #define SQ_ROWS_SWITCH(b, CALL) \
     switch (b) {                \
     case 2:                     \
@@ -208,10 +135,11 @@ __device__ __forceinline__ void sq_quant_tile(const float (&x)[64], uint8_t *buf
     }
 
 /* Variant bits of the tile kernel (stepq__cuda_set_tile_variant). */
-#define SQ_V_ELEM 1 /* uniform heads: position-exponent decode, additive pack, 4-op refit */
-#define SQ_V_GEN  2 /* mixed-width heads: run-time widths (no per-row template switch) */
-#define SQ_V_SYNC 4 /* packed step: one barrier before decode (scales read from the page) */
-#define SQ_V_PF   8 /* packed step: L2 prefetch of the page block and inputs of a later block */
+#define SQ_V_ORDER 1 /* grid (batch, heads): resident blocks share a head (one code path) */
+#define SQ_V_TAIL                                                                               \
+    2              /* no final barrier: column scales go straight to the page, flags by atomics \
+                    */
+#define SQ_V_RTU 4 /* uniform-width heads on run-time widths too (one decode/quantize body) */
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -219,7 +147,7 @@ __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
                                  1.0f / 31.0f, 1.0f / 63.0f, 1.0f / 127.0f };
 
 /*
- * SQ_V_ELEM decode of 8 codes: code n sits at bit p < 24 - B of an extraction
+ * Decode of 8 codes of a uniform-width row: code n sits at bit p < 24 - B of an extraction
  * word W (lo, or (hi:lo) shifted by a multiple of the codes per word), and
  * the float with biased exponent 150 - p and mantissa W & (MASK << p) is
  * exactly 2^(23-p) + u: one LOP3 and one FADD per code.
@@ -257,7 +185,7 @@ template <int B> __host__ __device__ constexpr uint32_t sq_pack_k(bool high)
 }
 
 /*
- * SQ_V_ELEM quantize of 8 values of a uniform-width row. bits(t) = bits(MAGIC)
+ * Quantize of 8 values of a uniform-width row. bits(t) = bits(MAGIC)
  * + z, so sum_n bits(t_n) << p_n - sum_n (bits(MAGIC) - qmax) << p_n is the
  * packed word of u_n = z_n + qmax (exact mod 2^32): one LEA per code and one
  * constant per word; a code across the word boundary takes its exact u. The
@@ -318,7 +246,7 @@ __device__ __forceinline__ void sq_quant_tile_e(const float (&x)[64], uint8_t *b
 }
 
 /*
- * SQ_V_GEN: one code path for every width b (2..8, a run-time value), so the
+ * Run-time widths: one code path for every width b (2..8), so the
  * rows of a mixed-width (KDA) head need no per-row template switch and the
  * two half-warps of a warp do not diverge on different widths. The b bytes
  * of a thread's 8 codes lie within two aligned words (rows are 16-byte
@@ -353,13 +281,16 @@ __device__ __forceinline__ void sq_dec_row_rt(float *xr, const uint8_t *row, int
 /*
  * Codes of 8 values at a run-time width: codes 0..3 and 4..7 are packed into
  * two words by the additive form of sq_quant_row_e (multiplies by 2^(nb)),
- * joined, and stored through a switch on b (the stores only).
+ * joined, and stored through a switch on b (the stores only). CL clamps to
+ * +-qmax: needed only when a scale saturated (otherwise the fp16 scales cover
+ * |y| to within 2^-11 and |z| <= qmax + 0.07 rounds inside the range).
  */
-template <bool CL>
+template <bool CL, bool U>
 __device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, int tx, int b,
                                                 const float (&ci)[8], float ar, float ad,
                                                 float (&num)[8], float (&den)[8])
 {
+    /* U (uniform-width head): ci holds qmax / c_j and ar = w^2 r^2, as sq_quant_row_e */
     const uint32_t qmi = (1u << (b - 1)) - 1u;
     const float qm = __uint_as_float(0x4B000000u | qmi) - 8388608.0f;
     const uint32_t p1 = 1u << b, p2 = 1u << (2 * b), p3 = 1u << (3 * b);
@@ -367,7 +298,7 @@ __device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, i
     uint32_t A = 0, Bw = 0;
 #pragma unroll
     for (int n = 0; n < 8; n++) {
-        float t = fmaf(yr[n] * ci[n], qm, SQ_MAGIC);
+        float t = U ? fmaf(yr[n], ci[n], SQ_MAGIC) : fmaf(yr[n] * ci[n], qm, SQ_MAGIC);
         if (CL)
             t = fminf(fmaxf(t, SQ_MAGIC - qm), SQ_MAGIC + qm);
         const uint32_t bt = __float_as_uint(t);
@@ -376,8 +307,9 @@ __device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, i
         else
             Bw += bt * pw[n & 3];
         const float z = t - SQ_MAGIC;
-        num[n] = fmaf(z * ar, yr[n], num[n]);
-        den[n] = fmaf(z * z, ad, den[n]);
+        const float za = z * ar;
+        num[n] = fmaf(za, yr[n], num[n]);
+        den[n] = U ? fmaf(za, z, den[n]) : fmaf(z * z, ad, den[n]);
     }
     const uint32_t K = ((uint32_t)SQ_MAGIC_I - qmi) * (1u + p1 + p2 + p3);
     A -= K;
@@ -544,7 +476,7 @@ struct __align__(16) sq_tsmem
     float cola[SQ_D], colb[SQ_D];
     float rowf[SQ_D], cold[SQ_D]; /* decode: r dec / qmax (dec for pivots), column scale */
     float rinv[SQ_D], ar[SQ_D], ad[SQ_D];
-    float aw[SQ_D]; /* SQ_V_ELEM uniform heads: refit weight w^2 r^2 */
+    float aw[SQ_D]; /* uniform-width heads: refit weight w^2 r^2 */
     uint16_t roff[SQ_D];
     uint8_t bits[SQ_D];
     float l2[4][2];
@@ -565,7 +497,7 @@ struct sq_in {
  */
 template <bool UPDATE>
 __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
-                                           int t, bool gall = false)
+                                           int t)
 {
     if (!UPDATE)
         return;
@@ -578,7 +510,7 @@ __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv,
     }
     const int j = t - SQ_D;
     in.v = st.v[bh * SQ_D + j];
-    if (st.kda || j == 0 || gall)
+    if (st.kda || j == 0)
         in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? j : 0)];
     if (j == 0)
         in.b = st.beta[bh];
@@ -645,88 +577,11 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
-    constexpr bool ELEM = V & SQ_V_ELEM, GEN = V & SQ_V_GEN;
-    constexpr bool SYNC = (V & SQ_V_SYNC) && UPDATE && SRC == SQ_SRC_PACKED;
+    constexpr bool TAIL = (V & SQ_V_TAIL) && SINK == SQ_SINK_PACKED;
+    constexpr bool RTU = V & SQ_V_RTU;
+    bool col_direct = false; /* TAIL: the column scales were stored to the page directly */
     float kq = 0.0f;
-    /* SYNC: sm.q / sm.k hold the raw inputs, scaled by nq * qsc and nk where read */
-    float nq = 1.0f, nk = 1.0f, qsc = 1.0f;
-    if (SYNC) {
-        /*
-         * One barrier before the decode: warps 0-3 reduce |q|^2, |k|^2 and q.k
-         * of the raw inputs; warps 4-7 compute v, the gate, beta and the decode
-         * factors from the row and column scales read straight from the page.
-         */
-        bool bad = false;
-        if (t < SQ_D) {
-            const float qv = in.q, kv = in.k;
-            bad = !isfinite(qv) || !isfinite(kv);
-            float sq2 = qv * qv, sk2 = kv * kv, sqk = qv * kv;
-#pragma unroll
-            for (int o = 16; o; o >>= 1) {
-                sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
-                sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
-                sqk += __shfl_xor_sync(0xffffffffu, sqk, o);
-            }
-            if (lane == 0) {
-                sm.l2[w][0] = sq2;
-                sm.l2[w][1] = sk2;
-                sm.kqp[w] = sqk;
-            }
-            sm.q[t] = qv;
-            sm.k[t] = kv;
-        } else {
-            const int j = t - SQ_D;
-            const float vv = in.v;
-            bad = !isfinite(vv);
-            sm.v[j] = vv;
-            float g = in.g; /* GDN: every thread loaded the head's gate */
-            if (st.gate) {
-                float ga = g + st.dt_bias[(size_t)hv * (st.kda ? SQ_D : 1) + (st.kda ? j : 0)];
-                float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
-                g = -expf(st.A_log[hv]) * sp;
-            }
-            bad |= !isfinite(g);
-            const float d = expf(g);
-            if (j == 0) {
-                float b = in.b;
-                if (st.beta_sig)
-                    b = 1.0f / (1.0f + expf(-b));
-                bad |= !isfinite(b);
-                sm.beta = b;
-            }
-            const int b = hd->bits[j];
-            const float r = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[j]);
-            sm.rowf[j] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
-            sm.cold[j] =
-                hd->has_col ? sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[j]) : 1.0f;
-        }
-        sq_cp_wait_cur(next);
-        if (__syncthreads_or(bad)) {
-            if (t < SQ_D)
-                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
-            if (t == 0) {
-                if (io.skip)
-                    io.skip[(size_t)e * HV + hv] = 1;
-                if (io.health)
-                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
-                if (io.counts)
-                    atomicAdd(io.counts + 0, 1ull);
-            }
-            __syncthreads(); /* the next item rewrites sm */
-            return;
-        }
-        if (st.l2norm) {
-            /* the same sums and roundings as the two-barrier path: identical q and k */
-            const float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
-            const float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
-            nq = 1.0f / sqrtf(a + 1e-6f);
-            nk = 1.0f / sqrtf(b + 1e-6f);
-        }
-        qsc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
-        kq = (((sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3])) * (nq * nk)) * qsc;
-        if (io.skip && t == 0)
-            io.skip[(size_t)e * HV + hv] = 0;
-    } else if (UPDATE) {
+    if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
             const float qv = in.q, kv = in.k;
@@ -824,19 +679,15 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
 
     /* ---- packed source: decode (decay folded into the row factor) ---- */
     if (SRC == SQ_SRC_PACKED) {
-        if (!SYNC) {
-            if (t < SQ_D) {
-                int b = sm.bits[t];
-                float d = UPDATE ? sm.dec[t] : 1.0f;
-                float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
-                sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d
-                             : ELEM                ? (r * d) * sq_iqm[b & 15]
-                                                   : (r * d) / (float)((1 << (b - 1)) - 1);
-                sm.cold[t] =
-                    hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
-            }
-            __syncthreads();
+        if (t < SQ_D) {
+            int b = sm.bits[t];
+            float d = UPDATE ? sm.dec[t] : 1.0f;
+            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+            sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
+            sm.cold[t] =
+                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
         }
+        __syncthreads();
         float cc[8];
         {
             float4 a = *(const float4 *)(sm.cold + C0), b = *(const float4 *)(sm.cold + C0 + 4);
@@ -844,12 +695,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             cc[4] = b.x, cc[5] = b.y, cc[6] = b.z, cc[7] = b.w;
         }
         const int ub = hd->ubits; /* one width for every row: one dispatch per head */
-        if (ub) {
-#define SQ_DT(B)                                       \
-    if (ELEM)                                          \
-        sq_dec_tile_e<B>(x, buf, R0, tx, sm.rowf, cc); \
-    else                                               \
-        sq_dec_tile<B>(x, buf, R0, tx, sm.rowf, cc)
+        if (ub && !RTU) {
+#define SQ_DT(B) sq_dec_tile_e<B>(x, buf, R0, tx, sm.rowf, cc)
             switch (ub) {
             case 2:
                 SQ_DT(2);
@@ -888,12 +735,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                         xr[2 * k] = f.x * rf;
                         xr[2 * k + 1] = f.y * rf;
                     }
-                } else if (GEN) {
-                    sq_dec_row_rt(xr, row, tx, b, rf, cc);
                 } else {
-#define SQ_DEC(B) sq_dec_row<B>(xr, row, tx, rf, cc)
-                    SQ_ROWS_SWITCH(b, SQ_DEC)
-#undef SQ_DEC
+                    sq_dec_row_rt(xr, row, tx, b, rf, cc);
                 }
             }
     } else if (UPDATE) {
@@ -916,8 +759,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             pk[c] = pq[c] = 0.0f;
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const float kr = SYNC ? sm.k[R0 + r] * nk : sm.k[R0 + r];
-            const float qr = SYNC ? (sm.q[R0 + r] * nq) * qsc : sm.q[R0 + r];
+            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
 #pragma unroll
             for (int c = 0; c < 8; c++) {
                 pk[c] = fmaf(x[r * 8 + c], kr, pk[c]);
@@ -943,7 +785,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const float kr = SYNC ? sm.k[R0 + r] * nk : sm.k[R0 + r];
+            const float kr = sm.k[R0 + r];
 #pragma unroll
             for (int c = 0; c < 8; c++)
                 x[r * 8 + c] = fmaf(kr, uu[c], x[r * 8 + c]);
@@ -987,8 +829,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 pq[c] = 0.0f;
 #pragma unroll
                 for (int r = 0; r < 8; r++)
-                    pq[c] =
-                        fmaf(x[r * 8 + c], SYNC ? (sm.q[R0 + r] * nq) * qsc : sm.q[R0 + r], pq[c]);
+                    pq[c] = fmaf(x[r * 8 + c], sm.q[R0 + r], pq[c]);
             }
             sq_col_part<false>(pq, sm.part[1], w, lane);
             __syncthreads();
@@ -1048,14 +889,12 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     ri = __frcp_rn(r);
                     ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
                     ad = ar * iq;
-                    if (ELEM && hd->ubits)
-                        aw = w2r2; /* sq_quant_row_e: qmax goes to the column scale */
+                    aw = w2r2; /* uniform-width heads: qmax goes to the column scale */
                 }
                 sm.rinv[i] = ri;
                 sm.ar[i] = ar;
                 sm.ad[i] = ad;
-                if (ELEM)
-                    sm.aw[i] = aw;
+                sm.aw[i] = aw;
                 ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
             }
         }
@@ -1063,7 +902,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const int i = R0 + r;
-            if (!(ELEM && hd->ubits) && sm.bits[i] == STEPQ_BITS_PIVOT) {
+            if (!hd->ubits && sm.bits[i] == STEPQ_BITS_PIVOT) {
                 uint16_t hb[8];
 #pragma unroll
                 for (int c = 0; c < 8; c++)
@@ -1123,85 +962,52 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         for (int c = 0; c < 8; c++)
             num[c] = den[c] = 0.0f;
         const bool clamp = sm.sat;
-#define SQ_QUANT_LOOP(CL)                                           \
-    _Pragma("unroll") for (int r = 0; r < 8; r++)                   \
-    {                                                               \
-        const int i = R0 + r;                                       \
-        const int b = sm.bits[i];                                   \
-        const float ar = sm.ar[i], ad = sm.ad[i];                   \
-        uint8_t *row = buf + sm.roff[i];                            \
-        const float *yr = x + 8 * r;                                \
-        switch (b) {                                                \
-        case 2:                                                     \
-            sq_quant_row<2, CL>(yr, row, tx, ci, ar, ad, num, den); \
-            break;                                                  \
-        case 3:                                                     \
-            sq_quant_row<3, CL>(yr, row, tx, ci, ar, ad, num, den); \
-            break;                                                  \
-        case 4:                                                     \
-            sq_quant_row<4, CL>(yr, row, tx, ci, ar, ad, num, den); \
-            break;                                                  \
-        case 5:                                                     \
-            sq_quant_row<5, CL>(yr, row, tx, ci, ar, ad, num, den); \
-            break;                                                  \
-        case 6:                                                     \
-            sq_quant_row<6, CL>(yr, row, tx, ci, ar, ad, num, den); \
-            break;                                                  \
-        case 8:                                                     \
-            sq_quant_row<8, CL>(yr, row, tx, ci, ar, ad, num, den); \
-            break;                                                  \
-        default:                                                    \
-            break; /* pivot row: stored above */                    \
-        }                                                           \
-    }
         const int ub = hd->ubits;
-#define SQ_QT(B, CL)                                             \
-    if (ELEM)                                                    \
-        sq_quant_tile_e<B>(x, buf, R0, tx, ci, sm.aw, num, den); \
-    else                                                         \
-        sq_quant_tile<B, CL>(x, buf, R0, tx, ci, sm.ar, sm.ad, num, den)
-#define SQ_QUANT_RT(CL)                                                                          \
-    _Pragma("unroll") for (int r = 0; r < 8; r++)                                                \
-    {                                                                                            \
-        const int i = R0 + r;                                                                    \
-        const int b = sm.bits[i];                                                                \
-        if (b != STEPQ_BITS_PIVOT)                                                               \
-            sq_quant_row_rt<CL>(x + 8 * r, buf + sm.roff[i], tx, b, ci, sm.ar[i], sm.ad[i], num, \
-                                den);                                                            \
+#define SQ_QUANT_RT(CL, U)                                                           \
+    _Pragma("unroll") for (int r = 0; r < 8; r++)                                    \
+    {                                                                                \
+        const int i = R0 + r;                                                        \
+        const int b = U ? ub : sm.bits[i];                                           \
+        if (U || b != STEPQ_BITS_PIVOT)                                              \
+            sq_quant_row_rt<CL, U>(x + 8 * r, buf + sm.roff[i], tx, b, U ? qci : ci, \
+                                   U ? sm.aw[i] : sm.ar[i], sm.ad[i], num, den);     \
     }
-        if (ub && !clamp) {
+        float qci[8]; /* RTU: qmax / c_j of a uniform-width head */
+        if (ub && !clamp && !RTU) {
+#define SQ_QT(B) sq_quant_tile_e<B>(x, buf, R0, tx, ci, sm.aw, num, den)
             switch (ub) {
             case 2:
-                SQ_QT(2, false);
+                SQ_QT(2);
                 break;
             case 3:
-                SQ_QT(3, false);
+                SQ_QT(3);
                 break;
             case 4:
-                SQ_QT(4, false);
+                SQ_QT(4);
                 break;
             case 5:
-                SQ_QT(5, false);
+                SQ_QT(5);
                 break;
             case 6:
-                SQ_QT(6, false);
+                SQ_QT(6);
                 break;
             default:
-                SQ_QT(8, false);
+                SQ_QT(8);
                 break;
             }
-        } else if (GEN && clamp) {
-            SQ_QUANT_RT(true)
-        } else if (GEN) {
-            SQ_QUANT_RT(false)
-        } else if (clamp) {
-            SQ_QUANT_LOOP(true)
-        } else {
-            SQ_QUANT_LOOP(false)
-        }
 #undef SQ_QT
+        } else if (ub && !clamp) {
+            const float qm = (float)((1 << (ub - 1)) - 1);
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                qci[c] = ci[c] * qm;
+            SQ_QUANT_RT(false, true)
+        } else if (clamp) {
+            SQ_QUANT_RT(true, false)
+        } else {
+            SQ_QUANT_RT(false, false)
+        }
 #undef SQ_QUANT_RT
-#undef SQ_QUANT_LOOP
         /* 4. fixed-code column refit */
         if (dual) {
             sq_col_part<false>(num, sm.part[0], w, lane);
@@ -1214,8 +1020,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     float dn = sq_col_total<false>(sm.part[1], t);
                     if (dn > 0.0f) {
                         /* sq_quant_row_e left qmax out of the sums */
-                        float c = ELEM && ub && !clamp ? (nm * (float)((1 << (ub - 1)) - 1)) / dn
-                                                       : nm / dn;
+                        float c = ub && !clamp ? (nm * (float)((1 << (ub - 1)) - 1)) / dn : nm / dn;
                         if (c > STEPQ__SCALE_MAX)
                             fl |= STEPQ__HEALTH_SATURATED;
                         h = sq_scale_h(c);
@@ -1223,14 +1028,42 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                         h = sq_scale_h(sm.cola[t]);
                     }
                 }
-                ((uint16_t *)(buf + hd->col_scale_off))[t] = h;
+                /* TAIL: every other byte of the block is final since the barrier above */
+                ((uint16_t *)((TAIL ? blk : buf) + hd->col_scale_off))[t] = h;
             }
+            col_direct = TAIL;
         } else if (hd->has_col && t < SQ_D) {
             ((uint16_t *)(buf + hd->col_scale_off))[t] = 0;
         }
     }
 
     /* ---- health (one event per (request, head) and flag) and write-back ---- */
+    if (TAIL) {
+        /*
+         * The first thread to set a flag bit in sm.fl (zeroed before the
+         * input barrier) reports it: one event per (request, head) and flag
+         * without a barrier. Only the column scales were written since the
+         * refit barrier, and they went to the page directly.
+         */
+        if (fl) {
+            const unsigned nb = fl & ~atomicOr(&sm.fl, fl);
+            if (nb && io.health)
+                atomicOr(io.health + slot, nb);
+            if (nb && io.counts)
+                for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+                    if (nb & (1u << bit))
+                        atomicAdd(io.counts + bit, 1ull);
+        }
+        if (!col_direct)
+            __syncthreads();
+        const uint4 *s = (const uint4 *)buf;
+        uint4 *d = (uint4 *)blk;
+        const uint32_t c0 = hd->col_scale_off / 16;
+        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+            if (!col_direct || n - c0 >= 2 * SQ_D / 16) /* n - c0 wraps below c0 */
+                d[n] = s[n];
+        return;
+    }
     if (fl)
         atomicOr(&sm.fl, fl);
     __syncthreads();
@@ -1253,51 +1086,15 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         __syncthreads(); /* buf and sm are reused by the next item (persistent loop) */
 }
 
-/* L2 prefetch of `bytes` (a multiple of 16) at a 16-byte aligned address. */
-__device__ __forceinline__ void sq_pf_l2(const void *p, uint32_t bytes)
-{
-    if ((uintptr_t)p & 15u)
-        return;
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"(bytes) : "memory");
-}
-
-/*
- * SQ_V_PF: the block io.pf_dist places later in launch order (about when
- * this one retires, with pf_dist = resident blocks per device) gets its page
- * block and its q/k/v/g rows prefetched into L2, so its own staging reads
- * hit L2 instead of DRAM. A hint only: nothing is written.
- */
-template <bool UPDATE>
-__device__ __forceinline__ void sq_prefetch_ahead(const sq_step &st, const sq_io &io, int e, int hv,
-                                                  int HV)
-{
-    const unsigned lin = (unsigned)(e * HV + hv + io.pf_dist); /* batch * HV < 2^31 */
-    const int e2 = (int)(lin / (unsigned)HV), h2 = (int)(lin % (unsigned)HV);
-    if (io.pf_dist <= 0 || e2 >= (int)gridDim.y)
-        return;
-    const int32_t s2 = io.slots ? io.slots[e2] : e2;
-    if (s2 < 0 || s2 >= io.n_slots)
-        return;
-    const sq_head_desc *hd = io.heads + h2;
-    sq_pf_l2(io.pages + (size_t)s2 * io.page_stride + hd->block_off, hd->block_bytes);
-    if (UPDATE) {
-        const int hq = h2 / (HV / st.H);
-        const size_t qk = ((size_t)e2 * st.H + hq) * SQ_D, bh = (size_t)e2 * HV + h2;
-        sq_pf_l2(st.q + qk, 4 * SQ_D);
-        sq_pf_l2(st.k + qk, 4 * SQ_D);
-        sq_pf_l2(st.v + bh * SQ_D, 4 * SQ_D);
-        if (st.kda)
-            sq_pf_l2(st.g + bh * SQ_D, 4 * SQ_D);
-    }
-}
-
-/* One block per (entry, head): grid (HV, entries). */
 template <int SRC, bool UPDATE, int SINK, int V = 0>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_step st, sq_io io)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_tsmem sm;
-    const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
+    /* SQ_V_ORDER: grid (batch, heads), so that resident blocks mostly share a head */
+    constexpr bool ORD = V & SQ_V_ORDER;
+    const int hv = ORD ? blockIdx.y : blockIdx.x, e = ORD ? blockIdx.x : blockIdx.y;
+    const int HV = ORD ? gridDim.y : gridDim.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
@@ -1309,9 +1106,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                        hd->block_bytes);
     }
     sq_in in;
-    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x, (V & SQ_V_SYNC) && SRC == SQ_SRC_PACKED);
-    if ((V & SQ_V_PF) && SRC == SQ_SRC_PACKED && threadIdx.x == SQ_THREADS - 32)
-        sq_prefetch_ahead<UPDATE>(st, io, e, hv, HV);
+    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
     sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
 }
 

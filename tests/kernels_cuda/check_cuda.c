@@ -839,11 +839,11 @@ int main(void)
     stepq__cuda_set_persist(0);
     /* the tile-kernel variants (stepq__cuda_set_tile_variant), every width and head kind */
     static const int tile_variants[] = {
-        STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN,
-        STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN | STEPQ__CUDA_TILE_SYNC,
-        STEPQ__CUDA_TILE_ELEM | STEPQ__CUDA_TILE_GEN | STEPQ__CUDA_TILE_SYNC | STEPQ__CUDA_TILE_PF
+        STEPQ__CUDA_TILE_ORDER,
+        STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL,
+        STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL | STEPQ__CUDA_TILE_RTU,
     };
-    static const char *tile_vname[] = { "elem+gen", "elem+gen+sync", "elem+gen+sync+pf" };
+    static const char *tile_vname[] = { "order", "order+tail", "order+tail+rtu" };
     for (int tv = 0; tv < 3; tv++) {
         const char *vn = tile_vname[tv];
         stepq__cuda_set_tile_variant(tile_variants[tv]);
@@ -875,9 +875,7 @@ int main(void)
         }
         snprintf(name, sizeof(name), "%s gdn step stepq @6 huge state", vn);
         RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
-        snprintf(name, sizeof(name), "%s kda step stepq huge state", vn);
-        RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1e9f));
-        if (tv == 0) {
+        if (tv < 2) {
             for (int lay = 0; lay < 2; lay++) {
                 snprintf(name, sizeof(name), "%s pack/unpack gdn stepq layout %d", vn, lay);
                 RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
@@ -899,8 +897,6 @@ int main(void)
         run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
     RUN("gdn step uniform @4 huge state",
         run_step_amp(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 4, 2, 4, B, 1e9f));
-    RUN("kda step stepq huge state",
-        run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1e9f));
 
     /* dense fp32 recurrence: one step, and 1024 steps (<= 1e-5 relative) */
     RUN("dense gdn 1 step [K,V]", run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 0));
