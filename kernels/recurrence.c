@@ -129,10 +129,100 @@ int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32
     return 1;
 }
 
+/*
+ * x if it is finite, else +0 with 1 OR-ed into *bad: isfinite() on the bits
+ * (Inf and NaN are the floats whose exponent field is all ones) and a mask
+ * instead of a branch, so that the loops below vectorise.
+ */
+static inline float finite_or_zero(float x, uint32_t *bad)
+{
+    uint32_t b;
+    memcpy(&b, &x, sizeof(b));
+    uint32_t nf = (b & 0x7f800000u) == 0x7f800000u;
+    *bad |= nf;
+    b &= nf - 1u;
+    memcpy(&x, &b, sizeof(x));
+    return x;
+}
+
+/*
+ * The unit-stride case (cs == 1: [d_k][d_v] rows, every replay in tools/) of
+ * stepq__head_update, written so that the compiler vectorises over j. Each
+ * acc[j] takes the same products in the same order (rows i = 0, 1, ...) as in
+ * the general loop, two rows per pass to halve its loads and stores.
+ */
+static uint32_t head_update_unit(float *S, size_t rs, int arch_kda, int d_k, int d_v,
+                                 const float *q, const float *k, const float *v, const float *g,
+                                 float beta, float *o)
+{
+    double acc[STEPQ__MAX_HEAD_DIM];
+    float u[STEPQ__MAX_HEAD_DIM];
+    uint32_t bad = 0, bad_out = 0;
+    float decay = expf(g[0]);
+    int i = 0;
+
+    for (int j = 0; j < d_v; j++)
+        acc[j] = 0.0;
+    for (; i + 2 <= d_k; i += 2) {
+        float d0 = arch_kda ? expf(g[i]) : decay, d1 = arch_kda ? expf(g[i + 1]) : decay;
+        float *r0 = S + (size_t)i * rs, *r1 = r0 + rs;
+        double k0 = k[i], k1 = k[i + 1];
+        for (int j = 0; j < d_v; j++) {
+            float s0 = r0[j] * d0, s1 = r1[j] * d1;
+            r0[j] = s0;
+            r1[j] = s1;
+            acc[j] = (acc[j] + (double)s0 * k0) + (double)s1 * k1;
+        }
+    }
+    for (; i < d_k; i++) {
+        float d = arch_kda ? expf(g[i]) : decay;
+        float *row = S + (size_t)i * rs;
+        double ki = k[i];
+        for (int j = 0; j < d_v; j++) {
+            float s = row[j] * d;
+            row[j] = s;
+            acc[j] += (double)s * ki;
+        }
+    }
+    for (int j = 0; j < d_v; j++)
+        u[j] = (v[j] - (float)acc[j]) * beta;
+
+    for (int j = 0; j < d_v; j++)
+        acc[j] = 0.0;
+    for (i = 0; i + 2 <= d_k; i += 2) {
+        float *r0 = S + (size_t)i * rs, *r1 = r0 + rs;
+        float k0 = k[i], k1 = k[i + 1];
+        double q0 = q[i], q1 = q[i + 1];
+        for (int j = 0; j < d_v; j++) {
+            float s0 = finite_or_zero(r0[j] + k0 * u[j], &bad);
+            float s1 = finite_or_zero(r1[j] + k1 * u[j], &bad);
+            r0[j] = s0;
+            r1[j] = s1;
+            acc[j] = (acc[j] + (double)s0 * q0) + (double)s1 * q1;
+        }
+    }
+    for (; i < d_k; i++) {
+        float *row = S + (size_t)i * rs;
+        float ki = k[i];
+        double qi = q[i];
+        for (int j = 0; j < d_v; j++) {
+            float s = finite_or_zero(row[j] + ki * u[j], &bad);
+            row[j] = s;
+            acc[j] += (double)s * qi;
+        }
+    }
+    for (int j = 0; j < d_v; j++)
+        o[j] = finite_or_zero((float)acc[j], &bad_out);
+    return (bad ? STEPQ__HEALTH_STATE : 0) | (bad_out ? STEPQ__HEALTH_OUTPUT : 0);
+}
+
 uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_k, int d_v,
                             const float *q, const float *k, const float *v, const float *g,
                             float beta, float *o)
 {
+    if (cs == 1 && (d_k == 1 || rs >= (size_t)d_v))
+        return head_update_unit(S, rs, arch_kda, d_k, d_v, q, k, v, g, beta, o);
+
     double acc[STEPQ__MAX_HEAD_DIM];
     float u[STEPQ__MAX_HEAD_DIM];
     uint32_t flags = 0;
