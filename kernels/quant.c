@@ -48,14 +48,29 @@ static float scale_value(float s, uint16_t *h, uint32_t *flags)
     return stepq__fp16_to_float(*h);
 }
 
-static int8_t quant_code(float t, int qmax)
+/*
+ * The codes of a row: z[j] = clamp(rintf(y[j] * qmax), +-qmax) with
+ * y[j] = (xr[j] / r) / c[j] (c NULL: xr[j] / r), in a loop the compiler
+ * vectorises. Clamping before rounding gives the same code (rint is monotonic and fixes
+ * the integers +-qmax), and on [-127, 127] adding and subtracting 1.5 * 2^23
+ * rounds to the nearest integer, ties to even, exactly as rintf does in the
+ * default rounding mode (the program never changes it); only the sign of a
+ * zero can differ, which the conversion to int8_t drops.
+ */
+static void quant_row(const float *xr, float r, const float *c, int d_v, int qmax, int8_t *z)
 {
-    float q = rintf(t * (float)qmax);
-    if (q > (float)qmax)
-        q = (float)qmax;
-    if (q < (float)-qmax)
-        q = (float)-qmax;
-    return (int8_t)q;
+    const float qf = (float)qmax, magic = 12582912.0f;
+
+    for (int j = 0; j < d_v; j++) {
+        float y = xr[j] / r;
+        if (c)
+            y = y / c[j];
+        float t = y * qf;
+        t = qf < t ? qf : t;
+        t = -qf > t ? -qf : t;
+        t = (t + magic) - magic;
+        z[j] = (int8_t)(int)t;
+    }
 }
 
 static void store_dense(const struct stepq_head_layout *hl, const float *x, uint8_t *blk,
@@ -109,8 +124,17 @@ static inline float max_keep(float acc, float v)
 
 static float row_absmax(const float *xr, int d_v)
 {
+    /* Eight running maxima merged at the end: max is exact and max_keep skips NaN in any
+     * order, so this is the same value as one pass, in a loop that vectorises. */
+    float m8[8] = { 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f };
     float m = 0.0f;
-    for (int j = 0; j < d_v; j++)
+    int j = 0;
+    for (; j + 8 <= d_v; j += 8)
+        for (int t = 0; t < 8; t++)
+            m8[t] = max_keep(m8[t], fabsf(xr[j + t]));
+    for (int t = 0; t < 8; t++)
+        m = max_keep(m, m8[t]);
+    for (; j < d_v; j++)
         m = max_keep(m, fabsf(xr[j]));
     return m;
 }
@@ -133,8 +157,7 @@ static void fit_rowmax(const struct stepq_head_layout *hl, const float *x, uint8
         uint16_t rh;
         float r = scale_value(row_absmax(xr, d_v), &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
-        for (int j = 0; j < d_v; j++)
-            z[j] = quant_code(xr[j] / r, qmax);
+        quant_row(xr, r, NULL, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
     }
 }
@@ -192,9 +215,10 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
         double wi = w ? (double)w[i] : 1.0;
         double w2r = wi * wi * (double)r[i];
         double w2r2 = w2r * (double)r[i];
+        float qf = (float)qmax;
+        quant_row(xr, r[i], c, d_v, qmax, z);
         for (int j = 0; j < d_v; j++) {
-            z[j] = quant_code((xr[j] / r[i]) / c[j], qmax);
-            double zt = (double)((float)z[j] / (float)qmax);
+            double zt = (double)((float)z[j] / qf);
             num[j] += w2r * zt * (double)xr[j];
             den[j] += w2r2 * zt * zt;
         }
