@@ -225,8 +225,8 @@ static int usage(FILE *f)
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
                "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-               "  next head; (o), (o+t), (o+t+r) the tile-kernel variants of\n"
-               "  stepq__cuda_set_tile_variant (order, +tail, +rtu).\n");
+               "  next head; (o), (o+t), (o+t+r), (o+t+g) the tile-kernel variants of\n"
+               "  stepq__cuda_set_tile_variant (order, +tail, +rtu or +group).\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -360,15 +360,16 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
              * kernels (old).
              */
-            for (int row = 0; row < 23 && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4,
-                                                  1, 2, 3, 4, 2, 3, 4, 4, 2, 3, 4 };
+            for (int row = 0; row < 25 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1,
+                                                  2, 3, 4, 2, 3, 4, 4, 2, 3, 4, 3, 4 };
                 /*
                  * tile-kernel variants: rows 13-15 order, 16-18 order+tail,
-                 * 19 pack order+tail, 20-22 order+tail+rtu
+                 * 19 pack order+tail, 20-22 order+tail+rtu, 23-24 order+tail+group
                  */
                 const int tv_ot = STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL;
-                const int tvar = row >= 20   ? tv_ot | STEPQ__CUDA_TILE_RTU
+                const int tvar = row >= 23   ? tv_ot | STEPQ__CUDA_TILE_GROUP
+                                 : row >= 20 ? tv_ot | STEPQ__CUDA_TILE_RTU
                                  : row >= 16 ? tv_ot
                                  : row >= 13 ? STEPQ__CUDA_TILE_ORDER
                                              : 0;
@@ -381,6 +382,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                          old         ? " (old)"
                          : row == 11 ? " (persistent)"
                          : row == 12 ? " (persistent)"
+                         : row >= 23 ? " (o+t+g)"
                          : row >= 20 ? " (o+t+r)"
                          : row == 19 ? " pack (o+t)"
                          : row >= 16 ? " (o+t)"

@@ -135,12 +135,13 @@ void stepq__cuda_set_persist(int mode);
 #define STEPQ__CUDA_TILE_ORDER 1 /**< grid (batch, heads): resident blocks share a head */
 #define STEPQ__CUDA_TILE_TAIL  2 /**< no final barrier (column scales stored directly) */
 #define STEPQ__CUDA_TILE_RTU   4 /**< packed step: run-time widths for uniform heads too */
+#define STEPQ__CUDA_TILE_GROUP 8 /**< packed step: mixed-width rows grouped by width */
 
 /**
  * Selects variants of the tile kernel for the packed step, pack and
  * two-stage stage 2 (bits rounded up to the instantiated sets: 0, ORDER,
- * ORDER|TAIL, ORDER|TAIL|RTU; RTU only for the packed step). Default 0. For
- * tests and the benchmark; process-wide.
+ * ORDER|TAIL, ORDER|TAIL|RTU, ORDER|TAIL|GROUP; RTU and GROUP only for the
+ * packed step). Default 0. For tests and the benchmark; process-wide.
  */
 void stepq__cuda_set_tile_variant(int bits);
 

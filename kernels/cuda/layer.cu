@@ -143,6 +143,23 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         for (int i = 1; i < SQ_D && h->ubits; i++)
             if (hl->row_bits[i] != hl->row_bits[0])
                 h->ubits = 0;
+        /* rows sorted by width (stable; pivots last) for the SQ_V_GROUP tile kernel */
+        {
+            int n = 0;
+            for (int b = 0; b <= 16; b++)
+                for (int i = 0; i < SQ_D; i++)
+                    if (h->bits[i] == b)
+                        h->perm[n++] = (uint8_t)i;
+            for (int s = 0; s < SQ_D; s++)
+                h->inv[h->perm[s]] = (uint8_t)s;
+            for (int g = 0; g < SQ_D / 8; g++) {
+                int b = h->bits[h->perm[8 * g]];
+                for (int r = 1; r < 8; r++)
+                    if (h->bits[h->perm[8 * g + r]] != b)
+                        b = 0;
+                h->gbits[g] = (uint8_t)(hl->quantized && b >= 2 && b <= 8 ? b : 0);
+            }
+        }
         {
             size_t covered = hl->codes_bytes + (hl->quantized ? 2 * (size_t)SQ_D : 0) +
                              (hl->has_col ? 2 * (size_t)SQ_D : 0);
@@ -291,10 +308,14 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
     const int v = tile_variant;
     const dim3 g2(grid.y, grid.x); /* SQ_V_ORDER: (batch, heads) */
     if constexpr (SINK == SQ_SINK_PACKED) {
-        if constexpr (SRC == SQ_SRC_PACKED)
+        if constexpr (SRC == SQ_SRC_PACKED) {
+            if (v & SQ_V_GROUP)
+                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL | SQ_V_GROUP>(
+                    g2, smem, s, st, io, who);
             if (v & SQ_V_RTU)
                 return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL | SQ_V_RTU>(
                     g2, smem, s, st, io, who);
+        }
         if (v & SQ_V_TAIL)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL>(g2, smem, s, st, io,
                                                                             who);

@@ -135,11 +135,14 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
     }
 
 /* Variant bits of the tile kernel (stepq__cuda_set_tile_variant). */
-#define SQ_V_ORDER 1 /* grid (batch, heads): resident blocks share a head (one code path) */
-#define SQ_V_TAIL                                                                               \
-    2              /* no final barrier: column scales go straight to the page, flags by atomics \
-                    */
-#define SQ_V_RTU 4 /* uniform-width heads on run-time widths too (one decode/quantize body) */
+/* grid (batch, heads): resident blocks share a head (one code path) */
+#define SQ_V_ORDER 1
+/* no final barrier: column scales go straight to the page, flags by atomics */
+#define SQ_V_TAIL 2
+/* uniform-width heads on run-time widths too (one decode/quantize body) */
+#define SQ_V_RTU 4
+/* packed step, mixed-width heads: rows sorted by width, templated 8-row groups */
+#define SQ_V_GROUP 8
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -220,6 +223,66 @@ __device__ __forceinline__ void sq_quant_row_e(const float *yr, uint8_t *row, in
     lo -= sq_pack_k<B>(false);
     hi -= sq_pack_k<B>(true);
     sq_st_codes<B>(row, tx, lo, hi);
+}
+
+/*
+ * sq_quant_row_e for a row of a mixed-width head (SQ_V_GROUP): the refit
+ * weights differ per width, so the sums carry ar = w^2 r^2 / qmax and
+ * ad = ar / qmax as the run-time path does.
+ */
+template <int B>
+__device__ __forceinline__ void sq_quant_row_g(const float *yr, uint8_t *row, int tx,
+                                               const float (&qci)[8], float ar, float ad,
+                                               float (&num)[8], float (&den)[8])
+{
+    uint32_t lo = 0, hi = 0;
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const float t = fmaf(yr[n], qci[n], SQ_MAGIC);
+        const uint32_t bt = __float_as_uint(t);
+        const int p = n * B;
+        if (p + B <= 32) {
+            lo += bt << p;
+        } else if (p >= 32) {
+            hi += bt << (p - 32);
+        } else {
+            const uint32_t u = bt - ((uint32_t)SQ_MAGIC_I - (uint32_t)sq_bw<B>::QM);
+            lo += u << p;
+            hi += u >> (32 - p);
+        }
+        const float z = t - SQ_MAGIC;
+        num[n] = fmaf(z * ar, yr[n], num[n]);
+        den[n] = fmaf(z * z, ad, den[n]);
+    }
+    lo -= sq_pack_k<B>(false);
+    hi -= sq_pack_k<B>(true);
+    sq_st_codes<B>(row, tx, lo, hi);
+}
+
+/* SQ_V_GROUP: 8 slots of one width whose rows lie at roff[] (decode / quantize) */
+template <int B>
+__device__ __forceinline__ void sq_dec_group(float (&x)[64], const uint8_t *buf, int R0, int tx,
+                                             const float *rowf, const uint16_t *roff,
+                                             const float (&cc)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_dec_row_e<B>(x + 8 * r, buf + roff[R0 + r], tx, rowf[R0 + r], cc);
+}
+
+template <int B>
+__device__ __forceinline__ void sq_quant_group(const float (&x)[64], uint8_t *buf, int R0, int tx,
+                                               const float (&ci)[8], const float *ar,
+                                               const float *ad, const uint16_t *roff,
+                                               float (&num)[8], float (&den)[8])
+{
+    float qci[8];
+#pragma unroll
+    for (int c = 0; c < 8; c++)
+        qci[c] = ci[c] * (float)sq_bw<B>::QM;
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_quant_row_g<B>(x + 8 * r, buf + roff[R0 + r], tx, qci, ar[R0 + r], ad[R0 + r], num, den);
 }
 
 template <int B>
@@ -479,6 +542,7 @@ struct __align__(16) sq_tsmem
     float aw[SQ_D]; /* uniform-width heads: refit weight w^2 r^2 */
     uint16_t roff[SQ_D];
     uint8_t bits[SQ_D];
+    uint8_t perm[SQ_D]; /* SQ_V_GROUP: row of slot s */
     float l2[4][2];
     float kqp[4];
     float beta, dec0;
@@ -561,9 +625,19 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         sm.fl = 0;
         sm.sat = 0;
     }
+    /*
+     * SQ_V_GROUP (packed step, mixed-width head): every row-indexed quantity
+     * lives at its slot inv[row]; slots are rows sorted by width, so most
+     * 8-slot groups share one width and take the templated code.
+     */
+    constexpr bool GRP = (V & SQ_V_GROUP) && SRC == SQ_SRC_PACKED && UPDATE;
+    const bool grp = GRP && !hd->ubits;
+    const int my_row = grp && t < SQ_D ? hd->perm[t] : t; /* the row of slot t */
     if (packed && t < SQ_D) {
-        sm.bits[t] = hd->bits[t];
-        sm.roff[t] = hd->row_off[t];
+        sm.bits[t] = hd->bits[my_row];
+        sm.roff[t] = hd->row_off[my_row];
+        if (GRP)
+            sm.perm[t] = (uint8_t)my_row;
     }
 
     float x[64];
@@ -599,8 +673,9 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     sm.l2[w][1] = sk2;
                 }
             }
-            sm.q[t] = qv;
-            sm.k[t] = kv;
+            const int sl = grp ? hd->inv[t] : t; /* the slot of row t */
+            sm.q[sl] = qv;
+            sm.k[sl] = kv;
         } else {
             const int j = t - SQ_D;
             const float vv = in.v;
@@ -617,7 +692,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 bad |= !isfinite(g);
                 float d = expf(g);
                 if (st.kda)
-                    sm.dec[j] = d;
+                    sm.dec[grp ? hd->inv[j] : j] = d;
                 else
                     sm.dec0 = d;
             }
@@ -682,7 +757,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         if (t < SQ_D) {
             int b = sm.bits[t];
             float d = UPDATE ? sm.dec[t] : 1.0f;
-            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[GRP ? sm.perm[t] : t]);
             sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
             sm.cold[t] =
                 hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
@@ -718,6 +793,10 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 break;
             }
 #undef SQ_DT
+        } else if (GRP && grp && hd->gbits[R0 >> 3]) {
+#define SQ_DG(B) sq_dec_group<B>(x, buf, R0, tx, sm.rowf, sm.roff, cc)
+            SQ_ROWS_SWITCH(hd->gbits[R0 >> 3], SQ_DG)
+#undef SQ_DG
         } else
 #pragma unroll
             for (int r = 0; r < 8; r++) {
@@ -876,7 +955,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 float ri = 0.0f, ar = 0.0f, ad = 0.0f, aw = 0.0f;
                 uint16_t h = 0;
                 if (b != STEPQ_BITS_PIVOT) {
-                    const float wi = hd->w[i];
+                    const float wi = hd->w[GRP ? sm.perm[i] : i];
                     float s = dual ? sqrtf(mr / wi) : mr;
                     if (s > STEPQ__SCALE_MAX) {
                         fl |= STEPQ__HEALTH_SATURATED;
@@ -895,7 +974,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 sm.ar[i] = ar;
                 sm.ad[i] = ad;
                 sm.aw[i] = aw;
-                ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
+                ((uint16_t *)(buf + hd->row_scale_off))[GRP ? sm.perm[i] : i] = h;
             }
         }
         /* pivot rows: fp16 values straight into the block (none in a uniform-width head) */
@@ -1004,6 +1083,10 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             SQ_QUANT_RT(false, true)
         } else if (clamp) {
             SQ_QUANT_RT(true, false)
+        } else if (GRP && grp && hd->gbits[R0 >> 3]) {
+#define SQ_QG(B) sq_quant_group<B>(x, buf, R0, tx, ci, sm.ar, sm.ad, sm.roff, num, den)
+            SQ_ROWS_SWITCH(hd->gbits[R0 >> 3], SQ_QG)
+#undef SQ_QG
         } else {
             SQ_QUANT_RT(false, false)
         }

@@ -842,9 +842,11 @@ int main(void)
         STEPQ__CUDA_TILE_ORDER,
         STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL,
         STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL | STEPQ__CUDA_TILE_RTU,
+        STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL | STEPQ__CUDA_TILE_GROUP,
     };
-    static const char *tile_vname[] = { "order", "order+tail", "order+tail+rtu" };
-    for (int tv = 0; tv < 3; tv++) {
+    static const char *tile_vname[] = { "order", "order+tail", "order+tail+rtu",
+                                        "order+tail+group" };
+    for (int tv = 0; tv < 4; tv++) {
         const char *vn = tile_vname[tv];
         stepq__cuda_set_tile_variant(tile_variants[tv]);
         for (int w = 0; w < 6; w++) {
