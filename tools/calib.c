@@ -78,42 +78,111 @@ void sq_step(float *S, const struct sq_head *h, int t, float *o)
                        h->k + (size_t)t * h->K, h->v + (size_t)t * h->V, g, h->beta[t], o);
 }
 
-void sq_err_step(float *E, const struct sq_head *h, int t, int native)
+/*
+ * E <- D E and the prediction acc = E^T k from the decayed E (native only),
+ * then E <- E - beta k acc^T; returns the squared readout ||E^T q||^2 of the
+ * result when read is set. Unit-stride loops the compiler vectorises; each
+ * acc[j] sums over rows in order (two rows per pass), as before.
+ */
+static double err_step(float *E, const struct sq_head *h, int t, int native, int read)
 {
-    int K = h->K, V = h->V;
+    int K = h->K, V = h->V, i;
     const float *g = h->g + (size_t)t * (h->kda ? K : 1);
     const float *k = h->k + (size_t)t * K;
     double acc[STEPQ__MAX_HEAD_DIM];
     float d0 = expf(g[0]);
+
+    if (!native) {
+        /* The oracle only decays: the prediction is not used. */
+        for (i = 0; i < K; i++) {
+            float d = h->kda ? expf(g[i]) : d0;
+            float *row = E + (size_t)i * V;
+            for (int j = 0; j < V; j++)
+                row[j] *= d;
+        }
+        return read ? sq_read_err(E, h, t) : 0.0;
+    }
     for (int j = 0; j < V; j++)
         acc[j] = 0.0;
-    for (int i = 0; i < K; i++) {
-        float d = h->kda ? expf(g[i]) : d0;
-        float *row = E + (size_t)i * V;
+    for (i = 0; i + 2 <= K; i += 2) {
+        float da = h->kda ? expf(g[i]) : d0, db = h->kda ? expf(g[i + 1]) : d0;
+        float *ra = E + (size_t)i * V, *rb = ra + V;
+        double ka = k[i], kb = k[i + 1];
         for (int j = 0; j < V; j++) {
-            row[j] *= d;
-            acc[j] += (double)k[i] * row[j];
+            ra[j] *= da;
+            rb[j] *= db;
+            acc[j] = (acc[j] + ka * ra[j]) + kb * rb[j];
         }
     }
-    if (!native)
-        return;
+    for (; i < K; i++) {
+        float d = h->kda ? expf(g[i]) : d0;
+        float *row = E + (size_t)i * V;
+        double ki = k[i];
+        for (int j = 0; j < V; j++) {
+            row[j] *= d;
+            acc[j] += ki * row[j];
+        }
+    }
+
+    /* The correction, with the readout of the corrected rows in the same pass. */
+    const float *q = h->q + (size_t)t * K;
+    float accf[STEPQ__MAX_HEAD_DIM];
     float b = h->beta[t];
-    for (int i = 0; i < K; i++) {
+    double rd[STEPQ__MAX_HEAD_DIM], s = 0.0;
+    for (int j = 0; j < V; j++) {
+        accf[j] = (float)acc[j];
+        rd[j] = 0.0;
+    }
+    for (i = 0; i + 2 <= K; i += 2) {
+        float *ra = E + (size_t)i * V, *rb = ra + V;
+        float bka = b * k[i], bkb = b * k[i + 1];
+        double qa = q[i], qb = q[i + 1];
+        for (int j = 0; j < V; j++) {
+            ra[j] -= bka * accf[j];
+            rb[j] -= bkb * accf[j];
+            rd[j] = (rd[j] + qa * ra[j]) + qb * rb[j];
+        }
+    }
+    for (; i < K; i++) {
         float *row = E + (size_t)i * V;
         float bk = b * k[i];
-        for (int j = 0; j < V; j++)
-            row[j] -= bk * (float)acc[j];
+        double qi = q[i];
+        for (int j = 0; j < V; j++) {
+            row[j] -= bk * accf[j];
+            rd[j] += qi * row[j];
+        }
     }
+    if (!read)
+        return 0.0;
+    for (int j = 0; j < V; j++)
+        s += rd[j] * rd[j];
+    return s;
+}
+
+void sq_err_step(float *E, const struct sq_head *h, int t, int native)
+{
+    err_step(E, h, t, native, 0);
+}
+
+double sq_err_step_read(float *E, const struct sq_head *h, int t, int native)
+{
+    return err_step(E, h, t, native, 1);
 }
 
 double sq_read_err(const float *E, const struct sq_head *h, int t)
 {
-    int K = h->K, V = h->V;
+    int K = h->K, V = h->V, i;
     const float *q = h->q + (size_t)t * K;
     double acc[STEPQ__MAX_HEAD_DIM], s = 0.0;
     for (int j = 0; j < V; j++)
         acc[j] = 0.0;
-    for (int i = 0; i < K; i++) {
+    for (i = 0; i + 2 <= K; i += 2) {
+        const float *ra = E + (size_t)i * V, *rb = ra + V;
+        double qa = q[i], qb = q[i + 1];
+        for (int j = 0; j < V; j++)
+            acc[j] = (acc[j] + qa * ra[j]) + qb * rb[j];
+    }
+    for (; i < K; i++) {
         const float *row = E + (size_t)i * V;
         double qi = q[i];
         for (int j = 0; j < V; j++)

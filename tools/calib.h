@@ -30,6 +30,8 @@ void sq_step(float *S, const struct sq_head *h, int t, float *o);
 void sq_err_step(float *E, const struct sq_head *h, int t, int native);
 /** Squared readout error ||E^T q_t||^2. */
 double sq_read_err(const float *E, const struct sq_head *h, int t);
+/** sq_err_step then sq_read_err (the same bits), with one pass less over E. */
+double sq_err_step_read(float *E, const struct sq_head *h, int t, int native);
 
 /** A storage method for one head, applied in place (quantize + reconstruct). */
 struct sq_quant {

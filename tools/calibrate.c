@@ -205,8 +205,7 @@ static void head_job(void *vctx, int job, int worker)
                     int np = 0, nt = 0;
                     for (int p = 1; p <= P && tsamp[si] + p < T; p++) {
                         int tt = tsamp[si] + p;
-                        sq_err_step(E, &hd[s], tt, 1);
-                        double re = sq_read_err(E, &hd[s], tt);
+                        double re = sq_err_step_read(E, &hd[s], tt, 1);
                         acc += re;
                         np = p;
                         if (p > P - TAIL_FIT) {
