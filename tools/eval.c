@@ -59,6 +59,50 @@ struct ectx {
     int *rc;
 };
 
+/*
+ * s2 = sum_e Sr[e]^2 and se[m] = sum_e (Sq_m[e] - Sr[e])^2 for the M tiles of Sq,
+ * each summed over e in order as one loop per sum would, but up to five sums
+ * per pass: one chain of dependent additions per sum is what limits the speed,
+ * and the chains of different sums overlap.
+ */
+static void state_sums(const float *Sr, const float *Sq, int M, size_t KV, double *s2, double *se)
+{
+    double r = 0.0;
+    for (int m0 = 0; m0 < M; m0 += 4) {
+        const float *X[4];
+        int n = M - m0 < 4 ? M - m0 : 4;
+        for (int u = 0; u < 4; u++)
+            X[u] = Sq + KV * (size_t)(m0 + (u < n ? u : 0));
+        double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
+        if (m0 == 0) {
+            for (size_t e = 0; e < KV; e++) {
+                double y = Sr[e];
+                double d0 = (double)X[0][e] - y, d1 = (double)X[1][e] - y;
+                double d2 = (double)X[2][e] - y, d3 = (double)X[3][e] - y;
+                r += y * y;
+                a0 += d0 * d0;
+                a1 += d1 * d1;
+                a2 += d2 * d2;
+                a3 += d3 * d3;
+            }
+        } else {
+            for (size_t e = 0; e < KV; e++) {
+                double y = Sr[e];
+                double d0 = (double)X[0][e] - y, d1 = (double)X[1][e] - y;
+                double d2 = (double)X[2][e] - y, d3 = (double)X[3][e] - y;
+                a0 += d0 * d0;
+                a1 += d1 * d1;
+                a2 += d2 * d2;
+                a3 += d3 * d3;
+            }
+        }
+        double a[4] = { a0, a1, a2, a3 };
+        for (int u = 0; u < n; u++)
+            se[m0 + u] = a[u];
+    }
+    *s2 = r;
+}
+
 static void head_job(void *vctx, int job, int worker)
 {
     (void)worker;
@@ -68,6 +112,7 @@ static void head_job(void *vctx, int job, int worker)
     int M = c->n_maps + 1, H = I->n_layers * I->HV, kda = I->arch == STEPQ_ARCH_KDA;
     size_t KV = (size_t)K * V;
     struct sq_quant qz[MAX_MAPS + 1], qi[2];
+    double e2[MAX_MAPS + 1], se[MAX_MAPS + 1];
     float *Sr = malloc(sizeof(float) * KV), *Sq = malloc(sizeof(float) * KV * (size_t)M);
     float *E = malloc(sizeof(float) * KV * 4), *orf = malloc(sizeof(float) * (size_t)V);
     float *oq = malloc(sizeof(float) * (size_t)V);
@@ -118,36 +163,36 @@ static void head_job(void *vctx, int job, int worker)
             for (int i = 0; i < (kda ? K : 1); i++)
                 lsum += g[i] / (kda ? K : 1);
             sq_step(Sr, &h, t, orf);
-            double r2 = 0.0, s2 = 0.0;
+            double r2 = 0.0, s2;
             for (int j = 0; j < V; j++)
                 r2 += (double)orf[j] * orf[j];
-            for (size_t e = 0; e < KV; e++)
-                s2 += (double)Sr[e] * Sr[e];
             int bk = t / c->bucket;
             for (int m = 0; m < M; m++) {
                 float *X = Sq + KV * m;
                 sq_step(X, &h, t, oq);
-                double e2 = 0.0, se = 0.0;
+                double e2m = 0.0;
                 for (int j = 0; j < V; j++)
-                    e2 += ((double)oq[j] - orf[j]) * ((double)oq[j] - orf[j]);
+                    e2m += ((double)oq[j] - orf[j]) * ((double)oq[j] - orf[j]);
+                e2[m] = e2m;
                 sq_quant_apply(&qz[m], X);
-                for (size_t e = 0; e < KV; e++)
-                    se += ((double)X[e] - Sr[e]) * ((double)X[e] - Sr[e]);
+            }
+            state_sums(Sr, Sq, M, KV, &s2, se);
+            for (int m = 0; m < M; m++) {
                 struct acc *a = &c->acc[((size_t)m * H + job) * S + s];
-                a->err += e2;
+                a->err += e2[m];
                 a->ref += r2;
                 if (t < EDGE) {
-                    a->err_a += e2;
+                    a->err_a += e2[m];
                     a->ref_a += r2;
                 }
                 if (t >= T - EDGE) {
-                    a->err_b += e2;
+                    a->err_b += e2[m];
                     a->ref_b += r2;
                 }
-                a->serr += se;
+                a->serr += se[m];
                 a->sref += s2;
                 size_t ci = (((size_t)m * H + job) * S + s) * c->nb + bk;
-                c->curve_err[ci] += e2;
+                c->curve_err[ci] += e2[m];
                 c->curve_ref[ci] += r2;
             }
             if (t == c->t_inj) {
@@ -162,10 +207,8 @@ static void head_job(void *vctx, int job, int worker)
             } else if (t > c->t_inj) {
                 for (int b = 0; b < 2; b++) {
                     float *En = E + KV * (2 * b), *Eo = E + KV * (2 * b + 1);
-                    sq_err_step(En, &h, t, 1);
-                    sq_err_step(Eo, &h, t, 0);
-                    inj[2 * b] += sq_read_err(En, &h, t);
-                    inj[2 * b + 1] += sq_read_err(Eo, &h, t);
+                    inj[2 * b] += sq_err_step_read(En, &h, t, 1);
+                    inj[2 * b + 1] += sq_err_step_read(Eo, &h, t, 0);
                 }
             }
         }
