@@ -259,6 +259,39 @@ uint16_t stepq__scale_to_fp16(float s)
 
 /* --- Bit streams --- */
 
+/*
+ * Whole groups of 8 values fill exactly `bits` bytes. The switches below call
+ * these with a constant width, so that the compiler unrolls the shifts.
+ */
+static inline void pack_groups(uint8_t *p, const int8_t *z, size_t groups, int bits)
+{
+    int qmax = stepq__qmax(bits);
+    uint32_t mask = (1u << bits) - 1u;
+
+    for (size_t g = 0; g < groups; g++, z += 8) {
+        uint64_t acc = 0;
+        for (int t = 0; t < 8; t++)
+            acc |= (uint64_t)((uint32_t)(z[t] + qmax) & mask) << (t * bits);
+        for (int t = 0; t < bits; t++)
+            *p++ = (uint8_t)(acc >> (8 * t));
+    }
+}
+
+static inline void unpack_groups(const uint8_t *p, int8_t *z, size_t groups, int bits)
+{
+    int qmax = stepq__qmax(bits);
+    uint32_t mask = (1u << bits) - 1u;
+
+    for (size_t g = 0; g < groups; g++, z += 8) {
+        uint64_t acc = 0;
+        for (int t = 0; t < bits; t++)
+            acc |= (uint64_t)p[t] << (8 * t);
+        p += bits;
+        for (int t = 0; t < 8; t++)
+            z[t] = (int8_t)((int)((acc >> (t * bits)) & mask) - qmax);
+    }
+}
+
 void stepq__pack_codes(uint8_t *dst, uint64_t bit_off, const int8_t *z, size_t n, int bits)
 {
     int qmax = stepq__qmax(bits);
@@ -269,13 +302,32 @@ void stepq__pack_codes(uint8_t *dst, uint64_t bit_off, const int8_t *z, size_t n
 
     /* Whole groups of 8 values fill exactly `bits` bytes: write them whole. */
     if (sh == 0) {
-        for (; k + 8 <= n; k += 8) {
-            uint64_t acc = 0;
-            for (int t = 0; t < 8; t++)
-                acc |= (uint64_t)((uint32_t)(z[k + t] + qmax) & mask) << (t * bits);
-            for (int t = 0; t < bits; t++)
-                *p++ = (uint8_t)(acc >> (8 * t));
+        size_t groups = n / 8;
+        switch (bits) {
+        case 2:
+            pack_groups(p, z, groups, 2);
+            break;
+        case 3:
+            pack_groups(p, z, groups, 3);
+            break;
+        case 4:
+            pack_groups(p, z, groups, 4);
+            break;
+        case 5:
+            pack_groups(p, z, groups, 5);
+            break;
+        case 6:
+            pack_groups(p, z, groups, 6);
+            break;
+        case 8:
+            pack_groups(p, z, groups, 8);
+            break;
+        default:
+            pack_groups(p, z, groups, bits);
+            break;
         }
+        p += groups * (size_t)bits;
+        k = groups * 8;
     }
     /* The rest value by value, preserving the neighbouring bits. */
     for (; k < n; k++) {
@@ -299,14 +351,32 @@ void stepq__unpack_codes(const uint8_t *src, uint64_t bit_off, int8_t *z, size_t
     size_t k = 0;
 
     if (sh == 0) {
-        for (; k + 8 <= n; k += 8) {
-            uint64_t acc = 0;
-            for (int t = 0; t < bits; t++)
-                acc |= (uint64_t)p[t] << (8 * t);
-            p += bits;
-            for (int t = 0; t < 8; t++)
-                z[k + t] = (int8_t)((int)((acc >> (t * bits)) & mask) - qmax);
+        size_t groups = n / 8;
+        switch (bits) {
+        case 2:
+            unpack_groups(p, z, groups, 2);
+            break;
+        case 3:
+            unpack_groups(p, z, groups, 3);
+            break;
+        case 4:
+            unpack_groups(p, z, groups, 4);
+            break;
+        case 5:
+            unpack_groups(p, z, groups, 5);
+            break;
+        case 6:
+            unpack_groups(p, z, groups, 6);
+            break;
+        case 8:
+            unpack_groups(p, z, groups, 8);
+            break;
+        default:
+            unpack_groups(p, z, groups, bits);
+            break;
         }
+        p += groups * (size_t)bits;
+        k = groups * 8;
     }
     for (; k < n; k++) {
         uint32_t w = p[0];
