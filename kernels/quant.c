@@ -49,23 +49,20 @@ static float scale_value(float s, uint16_t *h, uint32_t *flags)
 }
 
 /*
- * The codes of a row: z[j] = clamp(rintf(y[j] * qmax), +-qmax) with
- * y[j] = (xr[j] / r) / c[j] (c NULL: xr[j] / r), in a loop the compiler
- * vectorises. Clamping before rounding gives the same code (rint is monotonic and fixes
- * the integers +-qmax), and on [-127, 127] adding and subtracting 1.5 * 2^23
- * rounds to the nearest integer, ties to even, exactly as rintf does in the
- * default rounding mode (the program never changes it); only the sign of a
- * zero can differ, which the conversion to int8_t drops.
+ * The codes of a row: z[j] = clamp(rintf((y[j] / c[j]) * qmax), +-qmax) (c NULL:
+ * y[j] * qmax), y the row divided by its row scale, in a loop the compiler
+ * vectorises. Clamping before rounding gives the same code (rint is monotonic
+ * and fixes the integers +-qmax), and on [-127, 127] adding and subtracting
+ * 1.5 * 2^23 rounds to the nearest integer, ties to even, exactly as rintf
+ * does in the default rounding mode (the program never changes it); only the
+ * sign of a zero can differ, which the conversion to int8_t drops.
  */
-static void quant_row(const float *xr, float r, const float *c, int d_v, int qmax, int8_t *z)
+static void quant_row(const float *y, const float *c, int d_v, int qmax, int8_t *z)
 {
     const float qf = (float)qmax, magic = 12582912.0f;
 
     for (int j = 0; j < d_v; j++) {
-        float y = xr[j] / r;
-        if (c)
-            y = y / c[j];
-        float t = y * qf;
+        float t = (c ? y[j] / c[j] : y[j]) * qf;
         t = qf < t ? qf : t;
         t = -qf > t ? -qf : t;
         t = (t + magic) - magic;
@@ -145,6 +142,7 @@ static void fit_rowmax(const struct stepq_head_layout *hl, const float *x, uint8
 {
     int d_k = hl->d_k, d_v = hl->d_v;
     int8_t z[STEPQ__MAX_HEAD_DIM];
+    float y[STEPQ__MAX_HEAD_DIM];
 
     for (int i = 0; i < d_k; i++) {
         const float *xr = x + (size_t)i * d_v;
@@ -157,7 +155,9 @@ static void fit_rowmax(const struct stepq_head_layout *hl, const float *x, uint8
         uint16_t rh;
         float r = scale_value(row_absmax(xr, d_v), &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
-        quant_row(xr, r, NULL, d_v, qmax, z);
+        for (int j = 0; j < d_v; j++)
+            y[j] = xr[j] / r;
+        quant_row(y, NULL, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
     }
 }
@@ -169,6 +169,7 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
     int d_k = hl->d_k, d_v = hl->d_v;
     float r[STEPQ__MAX_HEAD_DIM], c[STEPQ__MAX_HEAD_DIM];
     double num[STEPQ__MAX_HEAD_DIM], den[STEPQ__MAX_HEAD_DIM];
+    float yrow[STEPQ__MAX_HEAD_DIM];
     int8_t z[STEPQ__MAX_HEAD_DIM];
     int any_int = 0;
 
@@ -188,15 +189,20 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
     if (!any_int)
         return;
 
-    /* Step 2: column scales of Y = X / r over the integer rows. */
+    /* Step 2: column scales of Y = X / r over the integer rows; Y is kept for step 3 when
+     * there is room (else step 3 divides again: the same values). */
+    float *y = malloc(sizeof(float) * (size_t)d_k * (size_t)d_v);
     for (int j = 0; j < d_v; j++)
         c[j] = 0.0f;
     for (int i = 0; i < d_k; i++) {
         if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
             continue;
         const float *xr = x + (size_t)i * d_v;
-        for (int j = 0; j < d_v; j++)
-            c[j] = max_keep(c[j], fabsf(xr[j] / r[i]));
+        float *yr = y ? y + (size_t)i * d_v : yrow;
+        for (int j = 0; j < d_v; j++) {
+            yr[j] = xr[j] / r[i];
+            c[j] = max_keep(c[j], fabsf(yr[j]));
+        }
     }
     for (int j = 0; j < d_v; j++) {
         uint16_t ch;
@@ -216,7 +222,13 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
         double w2r = wi * wi * (double)r[i];
         double w2r2 = w2r * (double)r[i];
         float qf = (float)qmax;
-        quant_row(xr, r[i], c, d_v, qmax, z);
+        float *yr = yrow;
+        if (y)
+            yr = y + (size_t)i * d_v;
+        else
+            for (int j = 0; j < d_v; j++)
+                yrow[j] = xr[j] / r[i];
+        quant_row(yr, c, d_v, qmax, z);
         for (int j = 0; j < d_v; j++) {
             double zt = (double)((float)z[j] / qf);
             num[j] += w2r * zt * (double)xr[j];
@@ -234,6 +246,7 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
             ch = stepq__scale_to_fp16(c[j]);
         wr16(blk + hl->col_scale_offset + 2 * (size_t)j, ch);
     }
+    free(y);
 }
 
 int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, const float *w,
@@ -260,9 +273,13 @@ int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, con
     /* Non-finite elements become 0 (on a private copy: x stays const). */
     size_t n = (size_t)hl->d_k * (size_t)hl->d_v;
     float *clean = NULL;
-    for (size_t e = 0; e < n; e++) {
-        if (isfinite(x[e]))
-            continue;
+    uint32_t nonfinite = 0;
+    for (size_t e = 0; e < n; e++) { /* isfinite on the bits, no early exit: vectorises */
+        uint32_t b;
+        memcpy(&b, x + e, sizeof(b));
+        nonfinite |= (b & 0x7f800000u) == 0x7f800000u;
+    }
+    if (nonfinite) {
         clean = malloc(n * sizeof(float));
         if (!clean)
             return stepq__error(STEPQ_ENOMEM, "quantize head: out of memory");
@@ -270,7 +287,6 @@ int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, con
             clean[f] = isfinite(x[f]) ? x[f] : 0.0f;
         *flags |= STEPQ__HEALTH_STATE;
         x = clean;
-        break;
     }
 
     uint8_t *blk = block;
