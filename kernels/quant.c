@@ -169,7 +169,7 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
     int d_k = hl->d_k, d_v = hl->d_v;
     float r[STEPQ__MAX_HEAD_DIM], c[STEPQ__MAX_HEAD_DIM];
     double num[STEPQ__MAX_HEAD_DIM], den[STEPQ__MAX_HEAD_DIM];
-    float yrow[STEPQ__MAX_HEAD_DIM];
+    float yrow[STEPQ__MAX_HEAD_DIM], zt_a[STEPQ__MAX_HEAD_DIM], zt_b[STEPQ__MAX_HEAD_DIM];
     int8_t z[STEPQ__MAX_HEAD_DIM];
     int any_int = 0;
 
@@ -211,7 +211,10 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
         den[j] = 0.0;
     }
 
-    /* Step 3: codes, packed row by row; step 4's sums ride along. */
+    /* Step 3: codes, packed row by row; step 4's sums ride along, two rows per pass over
+     * num/den (rows still added in order: the pending row p, then row i). */
+    int p = -1;
+    double w2r_p = 0.0, w2r2_p = 0.0;
     for (int i = 0; i < d_k; i++) {
         int b = hl->row_bits[i];
         if (b == STEPQ_BITS_PIVOT)
@@ -229,12 +232,31 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
             for (int j = 0; j < d_v; j++)
                 yrow[j] = xr[j] / r[i];
         quant_row(yr, c, d_v, qmax, z);
-        for (int j = 0; j < d_v; j++) {
-            double zt = (double)((float)z[j] / qf);
-            num[j] += w2r * zt * (double)xr[j];
-            den[j] += w2r2 * zt * zt;
-        }
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
+        float *zt = p < 0 ? zt_a : zt_b;
+        for (int j = 0; j < d_v; j++)
+            zt[j] = (float)z[j] / qf;
+        if (p < 0) {
+            p = i;
+            w2r_p = w2r;
+            w2r2_p = w2r2;
+            continue;
+        }
+        const float *xp = x + (size_t)p * d_v;
+        for (int j = 0; j < d_v; j++) {
+            double za = zt_a[j], zb = zt_b[j];
+            num[j] = (num[j] + w2r_p * za * (double)xp[j]) + w2r * zb * (double)xr[j];
+            den[j] = (den[j] + w2r2_p * za * za) + w2r2 * zb * zb;
+        }
+        p = -1;
+    }
+    if (p >= 0) {
+        const float *xp = x + (size_t)p * d_v;
+        for (int j = 0; j < d_v; j++) {
+            double za = zt_a[j];
+            num[j] += w2r_p * za * (double)xp[j];
+            den[j] += w2r2_p * za * za;
+        }
     }
 
     /* Step 4: fixed-code column refit (weighted least squares). */
