@@ -268,6 +268,17 @@ static inline void pack_groups(uint8_t *p, const int8_t *z, size_t groups, int b
     int qmax = stepq__qmax(bits);
     uint32_t mask = (1u << bits) - 1u;
 
+    /* 8, 4 and 2 bits: whole values per byte, in byte loops that vectorise. */
+    if (bits == 8 || bits == 4 || bits == 2) {
+        int per = 8 / bits;
+        for (size_t t = 0; t < groups * (size_t)bits; t++) {
+            uint32_t u = 0;
+            for (int v = 0; v < per; v++)
+                u |= ((uint32_t)(z[t * (size_t)per + (size_t)v] + qmax) & mask) << (v * bits);
+            p[t] = (uint8_t)u;
+        }
+        return;
+    }
     for (size_t g = 0; g < groups; g++, z += 8) {
         uint64_t acc = 0;
         for (int t = 0; t < 8; t++)
@@ -282,6 +293,14 @@ static inline void unpack_groups(const uint8_t *p, int8_t *z, size_t groups, int
     int qmax = stepq__qmax(bits);
     uint32_t mask = (1u << bits) - 1u;
 
+    if (bits == 8 || bits == 4 || bits == 2) {
+        int per = 8 / bits;
+        for (size_t t = 0; t < groups * (size_t)bits; t++)
+            for (int v = 0; v < per; v++)
+                z[t * (size_t)per + (size_t)v] =
+                    (int8_t)((int)(((uint32_t)p[t] >> (v * bits)) & mask) - qmax);
+        return;
+    }
     for (size_t g = 0; g < groups; g++, z += 8) {
         uint64_t acc = 0;
         for (int t = 0; t < bits; t++)
