@@ -225,8 +225,8 @@ static int usage(FILE *f)
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
                "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-               "  next head; (o), (o+t), (o+t+r), (o+t+g) the tile-kernel variants of\n"
-               "  stepq__cuda_set_tile_variant (order, +tail, +rtu or +group).\n");
+               "  next head; (in4) the tile kernel with the recurrence inputs on warps 0-3\n"
+               "  (stepq__cuda_set_tile_variant).\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -360,20 +360,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
              * kernels (old).
              */
-            for (int row = 0; row < 25 && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1,
-                                                  2, 3, 4, 2, 3, 4, 4, 2, 3, 4, 3, 4 };
-                /*
-                 * tile-kernel variants: rows 13-15 order, 16-18 order+tail,
-                 * 19 pack order+tail, 20-22 order+tail+rtu, 23-24 order+tail+group
-                 */
-                const int tv_ot = STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL;
-                const int tvar = row >= 23   ? tv_ot | STEPQ__CUDA_TILE_GROUP
-                                 : row >= 20 ? tv_ot | STEPQ__CUDA_TILE_RTU
-                                 : row >= 16 ? tv_ot
-                                 : row >= 13 ? STEPQ__CUDA_TILE_ORDER
-                                             : 0;
-                const int vrow = row >= 13 && row != 19;
+            for (int row = 0; row < 16 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1, 1, 2, 4 };
+                /* rows 13-15: the tile kernel with the recurrence inputs on warps 0-3 */
+                const int tvar = row >= 13 ? STEPQ__CUDA_TILE_IN4 : 0;
+                const int vrow = row >= 13;
                 const struct method *me = &methods[row_method[row]];
                 /* flat: the persistent grid (packed step / bf16 step) */
                 const int old = row >= 8 && row <= 10, flat = row == 11 || row == 12 || vrow;
@@ -382,11 +373,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                          old         ? " (old)"
                          : row == 11 ? " (persistent)"
                          : row == 12 ? " (persistent)"
-                         : row >= 23 ? " (o+t+g)"
-                         : row >= 20 ? " (o+t+r)"
-                         : row == 19 ? " pack (o+t)"
-                         : row >= 16 ? " (o+t)"
-                         : row >= 13 ? " (o)"
+                         : row >= 13 ? " (in4)"
                          : row == 5  ? " two-stage"
                          : row == 6  ? " pack"
                          : row == 7  ? " unpack"
@@ -459,13 +446,13 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
                     state_rw = 2 * (size_t)B * blocks;
-                    c.kind = row < 5 || old || flat  ? K_PACKED
-                             : row == 5              ? K_PACKED_2S
-                             : row == 6 || row == 19 ? K_PACK
-                                                     : K_UNPACK;
+                    c.kind = row < 5 || old || flat ? K_PACKED
+                             : row == 5             ? K_PACKED_2S
+                             : row == 6             ? K_PACK
+                                                    : K_UNPACK;
                     if (row == 5)
                         state_rw += 2 * (size_t)B * HV * D * D * 4; /* scratch write + read */
-                    if (row == 6 || row == 7 || row == 19)
+                    if (row == 6 || row == 7)
                         state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
                 }
                 stepq__cuda_set_legacy(old);

@@ -24,7 +24,7 @@ NCU="ncu --clock-control none --kernel-name regex:sq_tile --launch-skip 2 --laun
  --section LaunchStats --section Occupancy --section InstructionStats --section SchedulerStats"
 STALL="--metrics regex:smsp__average_warps_issue_stalled_.*_per_issue_active\\.ratio"
 $NCU $STALL $S bench kernels --only stepq@6 --batch 512 --shape gdn > "$OUT/ncu_step.txt" 2>&1
-$NCU $S bench kernels --only 'stepq@6 pack' --batch 512 --shape kda > "$OUT/ncu_pack.txt" 2>&1
-$NCU $STALL $S bench kernels --only 'stepq@6 (o+t)' --batch 512 --shape gdn > "$OUT/ncu_step_v.txt" 2>&1
 $NCU $STALL $S bench kernels --only stepq@6 --batch 512 --shape kda > "$OUT/ncu_kda.txt" 2>&1
+$NCU $S bench kernels --only 'stepq@6 pack' --batch 512 --shape kda > "$OUT/ncu_pack.txt" 2>&1
+$NCU $STALL $S bench kernels --only bf16 --batch 512 --shape gdn > "$OUT/ncu_bf16.txt" 2>&1
 exit 0

@@ -132,16 +132,11 @@ void stepq__cuda_set_legacy(int on);
 void stepq__cuda_set_persist(int mode);
 
 /** Tile-kernel variant bits for stepq__cuda_set_tile_variant. */
-#define STEPQ__CUDA_TILE_ORDER 1 /**< grid (batch, heads): resident blocks share a head */
-#define STEPQ__CUDA_TILE_TAIL  2 /**< no final barrier (column scales stored directly) */
-#define STEPQ__CUDA_TILE_RTU   4 /**< packed step: run-time widths for uniform heads too */
-#define STEPQ__CUDA_TILE_GROUP 8 /**< packed step: mixed-width rows grouped by width */
+#define STEPQ__CUDA_TILE_IN4 16 /**< recurrence inputs on warps 0-3 only (comparison) */
 
 /**
- * Selects variants of the tile kernel for the packed step, pack and
- * two-stage stage 2 (bits rounded up to the instantiated sets: 0, ORDER,
- * ORDER|TAIL, ORDER|TAIL|RTU, ORDER|TAIL|GROUP; RTU and GROUP only for the
- * packed step). Default 0. For tests and the benchmark; process-wide.
+ * Selects comparison variants of the tile kernel (packed step and dense bf16
+ * step). Default 0. For tests and the benchmark; process-wide.
  */
 void stepq__cuda_set_tile_variant(int bits);
 

@@ -45,9 +45,6 @@ struct sq_head_desc {
     uint8_t bits[SQ_D];      /* 2..8 or 16 (pivot); 0 for dense methods */
     uint16_t row_off[SQ_D];  /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
     float w[SQ_D];           /* row impact used by the fit (1 when unused) */
-    /* tile kernel SQ_V_GROUP: rows sorted by width (slot s holds row perm[s]) */
-    uint8_t perm[SQ_D], inv[SQ_D];
-    uint8_t gbits[SQ_D / 8]; /* the width of the 8 rows of slot group g, or 0 (mixed, pivot) */
 };
 
 /* The recurrence inputs (device pointers). */

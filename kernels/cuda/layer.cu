@@ -30,6 +30,7 @@ struct stepq__cuda_layer {
     size_t max_block; /* largest block_bytes */
     int offsets16;    /* all head offsets multiples of 16 */
     int all_quant;    /* every head quantized: the tile kernel handles the layer */
+    int any_uniform;  /* some head has one integer width for all rows (ubits) */
     /* cache key */
     const void *key_heads, *key_off, *key_w;
     uint64_t hash;
@@ -143,23 +144,6 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         for (int i = 1; i < SQ_D && h->ubits; i++)
             if (hl->row_bits[i] != hl->row_bits[0])
                 h->ubits = 0;
-        /* rows sorted by width (stable; pivots last) for the SQ_V_GROUP tile kernel */
-        {
-            int n = 0;
-            for (int b = 0; b <= 16; b++)
-                for (int i = 0; i < SQ_D; i++)
-                    if (h->bits[i] == b)
-                        h->perm[n++] = (uint8_t)i;
-            for (int s = 0; s < SQ_D; s++)
-                h->inv[h->perm[s]] = (uint8_t)s;
-            for (int g = 0; g < SQ_D / 8; g++) {
-                int b = h->bits[h->perm[8 * g]];
-                for (int r = 1; r < 8; r++)
-                    if (h->bits[h->perm[8 * g + r]] != b)
-                        b = 0;
-                h->gbits[g] = (uint8_t)(hl->quantized && b >= 2 && b <= 8 ? b : 0);
-            }
-        }
         {
             size_t covered = hl->codes_bytes + (hl->quantized ? 2 * (size_t)SQ_D : 0) +
                              (hl->has_col ? 2 * (size_t)SQ_D : 0);
@@ -217,8 +201,10 @@ extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
     }
     L->n_heads = pl->n_heads;
     L->all_quant = 1;
-    for (int hv = 0; hv < pl->n_heads; hv++)
+    for (int hv = 0; hv < pl->n_heads; hv++) {
         L->all_quant &= pl->heads[hv].quantized;
+        L->any_uniform |= h[hv].ubits != 0;
+    }
     L->key_heads = pl->heads;
     L->key_off = pl->head_offset;
     L->key_w = pl->row_impact;
@@ -289,7 +275,7 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
     return STEPQ_OK;
 }
 
-static int tile_variant; /* stepq__cuda_set_tile_variant: SQ_V_* bits */
+static int tile_variant; /* stepq__cuda_set_tile_variant: STEPQ__CUDA_TILE_* bits */
 
 extern "C" void stepq__cuda_set_tile_variant(int bits)
 {
@@ -297,32 +283,41 @@ extern "C" void stepq__cuda_set_tile_variant(int bits)
 }
 
 /*
- * The tile kernel with the selected variant bits, rounded to an instantiated
- * set: packed sink (step, pack, two-stage stage 2) 0, ORDER, ORDER|TAIL,
- * and for the packed step ORDER|TAIL|RTU; everything else 0.
+ * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
+ * packed step ORDER and ORDER|RTU (each with or without IN4), pack 0 and
+ * RTU, dense bf16 step 0 and IN4; ORDER launches the grid as (batch, heads).
  */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
-                       const char *who)
+                       int v, const char *who)
 {
-    const int v = tile_variant;
-    const dim3 g2(grid.y, grid.x); /* SQ_V_ORDER: (batch, heads) */
-    if constexpr (SINK == SQ_SINK_PACKED) {
-        if constexpr (SRC == SQ_SRC_PACKED) {
-            if (v & SQ_V_GROUP)
-                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL | SQ_V_GROUP>(
-                    g2, smem, s, st, io, who);
-            if (v & SQ_V_RTU)
-                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL | SQ_V_RTU>(
-                    g2, smem, s, st, io, who);
-        }
-        if (v & SQ_V_TAIL)
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_TAIL>(g2, smem, s, st, io,
-                                                                            who);
-        if (v & SQ_V_ORDER)
+    if (tile_variant & STEPQ__CUDA_TILE_IN4)
+        v |= SQ_V_IN4;
+    const dim3 g2(grid.y, grid.x);
+    if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
+        switch (v) {
+        case SQ_V_ORDER | SQ_V_RTU:
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io,
+                                                                           who);
+        case SQ_V_ORDER | SQ_V_IN4:
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_IN4>(g2, smem, s, st, io,
+                                                                           who);
+        case SQ_V_ORDER | SQ_V_RTU | SQ_V_IN4:
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU | SQ_V_IN4>(g2, smem, s,
+                                                                                      st, io, who);
+        default:
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
+        }
+    } else if constexpr (SINK == SQ_SINK_PACKED) {
+        if (v & SQ_V_RTU)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, who);
+        return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
+    } else {
+        if constexpr (UPDATE)
+            if (v & SQ_V_IN4)
+                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_IN4>(grid, smem, s, st, io, who);
+        return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
     }
-    return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
 }
 
 template <int SRC, bool UPDATE, int SINK>
@@ -491,11 +486,15 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     const int persist =
         tile && (persist_mode & STEPQ__CUDA_PERSIST_PACKED) && 2 * smem <= SQ_DYN_SMEM_MAX;
     const int n_items = a->batch * a->HV;
+    /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
+     * uniform (less code) */
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU);
     if (variant == STEPQ__CUDA_FUSED)
         return persist ? launch_persist<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(n_items, a->HV, smem,
                                                                              s, st, io, who)
-               : tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who)
-                      : launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
+               : tile  ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
+                                                                         who)
+                       : launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
     if (variant != STEPQ__CUDA_TWO_STAGE)
         return stepq__error(STEPQ_EINVAL, "%s: unknown variant %d", who, (int)variant);
 
@@ -534,7 +533,8 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     SQ_CU(cudaEventRecord(L->ev_a, s), who);
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
     /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
-    rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who)
+    rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io,
+                                                                 vt & SQ_V_RTU, who)
               : launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who);
     if (rc < 0)
         return rc;
@@ -595,7 +595,8 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     dim3 grid((unsigned)pl->n_heads, (unsigned)n);
     if (use_tile(L))
         return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, tile_smem(L->max_block),
-                                                                (cudaStream_t)stream, st, io, who);
+                                                                (cudaStream_t)stream, st, io,
+                                                                L->any_uniform ? 0 : SQ_V_RTU, who);
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
                                                        (cudaStream_t)stream, st, io, who);
 }
@@ -666,7 +667,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
             a->batch * a->HV, a->HV, bf_stride, (cudaStream_t)a->stream, st, io, who);
     if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16)
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
-                                                              io, who);
+                                                              io, 0, who);
     return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st, io, who);
 }
 

@@ -134,15 +134,17 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
         break;                  \
     }
 
-/* Variant bits of the tile kernel (stepq__cuda_set_tile_variant). */
-/* grid (batch, heads): resident blocks share a head (one code path) */
+/*
+ * Template bits of the tile kernel. ORDER and RTU are chosen by the host
+ * (packed step; layers without a uniform-width head); IN4 is the comparison
+ * variant of stepq__cuda_set_tile_variant.
+ */
+/* grid (batch, heads): resident blocks mostly share a head, so one code path is hot */
 #define SQ_V_ORDER 1
-/* no final barrier: column scales go straight to the page, flags by atomics */
-#define SQ_V_TAIL 2
-/* uniform-width heads on run-time widths too (one decode/quantize body) */
+/* uniform-width heads on the run-time-width path too (no templated width code in the binary) */
 #define SQ_V_RTU 4
-/* packed step, mixed-width heads: rows sorted by width, templated 8-row groups */
-#define SQ_V_GROUP 8
+/* the input phase on warps 0-3 only (as before the split over eight warps) */
+#define SQ_V_IN4 16
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -223,66 +225,6 @@ __device__ __forceinline__ void sq_quant_row_e(const float *yr, uint8_t *row, in
     lo -= sq_pack_k<B>(false);
     hi -= sq_pack_k<B>(true);
     sq_st_codes<B>(row, tx, lo, hi);
-}
-
-/*
- * sq_quant_row_e for a row of a mixed-width head (SQ_V_GROUP): the refit
- * weights differ per width, so the sums carry ar = w^2 r^2 / qmax and
- * ad = ar / qmax as the run-time path does.
- */
-template <int B>
-__device__ __forceinline__ void sq_quant_row_g(const float *yr, uint8_t *row, int tx,
-                                               const float (&qci)[8], float ar, float ad,
-                                               float (&num)[8], float (&den)[8])
-{
-    uint32_t lo = 0, hi = 0;
-#pragma unroll
-    for (int n = 0; n < 8; n++) {
-        const float t = fmaf(yr[n], qci[n], SQ_MAGIC);
-        const uint32_t bt = __float_as_uint(t);
-        const int p = n * B;
-        if (p + B <= 32) {
-            lo += bt << p;
-        } else if (p >= 32) {
-            hi += bt << (p - 32);
-        } else {
-            const uint32_t u = bt - ((uint32_t)SQ_MAGIC_I - (uint32_t)sq_bw<B>::QM);
-            lo += u << p;
-            hi += u >> (32 - p);
-        }
-        const float z = t - SQ_MAGIC;
-        num[n] = fmaf(z * ar, yr[n], num[n]);
-        den[n] = fmaf(z * z, ad, den[n]);
-    }
-    lo -= sq_pack_k<B>(false);
-    hi -= sq_pack_k<B>(true);
-    sq_st_codes<B>(row, tx, lo, hi);
-}
-
-/* SQ_V_GROUP: 8 slots of one width whose rows lie at roff[] (decode / quantize) */
-template <int B>
-__device__ __forceinline__ void sq_dec_group(float (&x)[64], const uint8_t *buf, int R0, int tx,
-                                             const float *rowf, const uint16_t *roff,
-                                             const float (&cc)[8])
-{
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-        sq_dec_row_e<B>(x + 8 * r, buf + roff[R0 + r], tx, rowf[R0 + r], cc);
-}
-
-template <int B>
-__device__ __forceinline__ void sq_quant_group(const float (&x)[64], uint8_t *buf, int R0, int tx,
-                                               const float (&ci)[8], const float *ar,
-                                               const float *ad, const uint16_t *roff,
-                                               float (&num)[8], float (&den)[8])
-{
-    float qci[8];
-#pragma unroll
-    for (int c = 0; c < 8; c++)
-        qci[c] = ci[c] * (float)sq_bw<B>::QM;
-#pragma unroll
-    for (int r = 0; r < 8; r++)
-        sq_quant_row_g<B>(x + 8 * r, buf + roff[R0 + r], tx, qci, ar[R0 + r], ad[R0 + r], num, den);
 }
 
 template <int B>
@@ -542,7 +484,6 @@ struct __align__(16) sq_tsmem
     float aw[SQ_D]; /* uniform-width heads: refit weight w^2 r^2 */
     uint16_t roff[SQ_D];
     uint8_t bits[SQ_D];
-    uint8_t perm[SQ_D]; /* SQ_V_GROUP: row of slot s */
     float l2[4][2];
     float kqp[4];
     float beta, dec0;
@@ -561,12 +502,24 @@ struct sq_in {
  */
 template <bool UPDATE>
 __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
-                                           int t)
+                                           int t, bool in4 = false)
 {
     if (!UPDATE)
         return;
     const int hq = hv / (HV / st.H);
     const size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
+    if (in4) { /* SQ_V_IN4: threads 0..127 load everything of channel t */
+        if (t >= SQ_D)
+            return;
+        in.q = st.q[qk + t];
+        in.k = st.k[qk + t];
+        in.v = st.v[bh * SQ_D + t];
+        if (st.kda || t == 0)
+            in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? t : 0)];
+        if (t == 0)
+            in.b = st.beta[bh];
+        return;
+    }
     if (t < SQ_D) {
         in.q = st.q[qk + t];
         in.k = st.k[qk + t];
@@ -625,19 +578,9 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         sm.fl = 0;
         sm.sat = 0;
     }
-    /*
-     * SQ_V_GROUP (packed step, mixed-width head): every row-indexed quantity
-     * lives at its slot inv[row]; slots are rows sorted by width, so most
-     * 8-slot groups share one width and take the templated code.
-     */
-    constexpr bool GRP = (V & SQ_V_GROUP) && SRC == SQ_SRC_PACKED && UPDATE;
-    const bool grp = GRP && !hd->ubits;
-    const int my_row = grp && t < SQ_D ? hd->perm[t] : t; /* the row of slot t */
     if (packed && t < SQ_D) {
-        sm.bits[t] = hd->bits[my_row];
-        sm.roff[t] = hd->row_off[my_row];
-        if (GRP)
-            sm.perm[t] = (uint8_t)my_row;
+        sm.bits[t] = hd->bits[t];
+        sm.roff[t] = hd->row_off[t];
     }
 
     float x[64];
@@ -651,11 +594,96 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
-    constexpr bool TAIL = (V & SQ_V_TAIL) && SINK == SQ_SINK_PACKED;
-    constexpr bool RTU = V & SQ_V_RTU;
-    bool col_direct = false; /* TAIL: the column scales were stored to the page directly */
+    constexpr bool RTU = V & SQ_V_RTU, IN4 = V & SQ_V_IN4;
     float kq = 0.0f;
-    if (UPDATE) {
+    if (UPDATE && IN4) {
+        bool bad = false;
+        if (t < SQ_D) {
+            float qv = in.q, kv = in.k, vv = in.v;
+            bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
+            if (st.l2norm) {
+                /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
+                float sq2 = qv * qv, sk2 = kv * kv;
+#pragma unroll
+                for (int o = 16; o; o >>= 1) {
+                    sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
+                    sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
+                }
+                if (lane == 0) {
+                    sm.l2[w][0] = sq2;
+                    sm.l2[w][1] = sk2;
+                }
+            }
+            sm.q[t] = qv;
+            sm.k[t] = kv;
+            sm.v[t] = vv;
+            if (st.kda || t == 0) {
+                int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
+                float g = in.g;
+                if (st.gate) {
+                    float ga = g + st.dt_bias[(size_t)hv * ng + gi];
+                    float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
+                    g = -expf(st.A_log[hv]) * sp;
+                }
+                bad |= !isfinite(g);
+                float d = expf(g);
+                if (st.kda)
+                    sm.dec[t] = d;
+                else
+                    sm.dec0 = d;
+            }
+            if (t == 0) {
+                float b = in.b;
+                if (st.beta_sig)
+                    b = 1.0f / (1.0f + expf(-b));
+                bad |= !isfinite(b);
+                sm.beta = b;
+            }
+        }
+        if (__syncthreads_or(bad)) {
+            if (SRC != SQ_SRC_DENSE)
+                sq_cp_wait_cur(next); /* nothing may land in a finished block */
+            if (t < SQ_D)
+                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
+            if (t == 0) {
+                if (io.skip)
+                    io.skip[(size_t)e * HV + hv] = 1;
+                if (io.health)
+                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
+                if (io.counts)
+                    atomicAdd(io.counts + 0, 1ull);
+            }
+            __syncthreads(); /* the next item rewrites sm */
+            return;
+        }
+        if (t < SQ_D) {
+            float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
+            float qv = sm.q[t], kv = sm.k[t];
+            if (st.l2norm) {
+                float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
+                float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
+                qv *= 1.0f / sqrtf(a + 1e-6f);
+                kv *= 1.0f / sqrtf(b + 1e-6f);
+            }
+            qv *= sc;
+            sm.q[t] = qv;
+            sm.k[t] = kv;
+            if (!st.kda)
+                sm.dec[t] = sm.dec0;
+            float p = qv * kv;
+#pragma unroll
+            for (int o = 16; o; o >>= 1)
+                p += __shfl_xor_sync(0xffffffffu, p, o);
+            if (lane == 0)
+                sm.kqp[w] = p;
+        }
+        if (io.skip && t == 0)
+            io.skip[(size_t)e * HV + hv] = 0;
+        if (SRC != SQ_SRC_DENSE)
+            sq_cp_wait_cur(next);
+        __syncthreads();
+        kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
+    } else if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
             const float qv = in.q, kv = in.k;
@@ -673,9 +701,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     sm.l2[w][1] = sk2;
                 }
             }
-            const int sl = grp ? hd->inv[t] : t; /* the slot of row t */
-            sm.q[sl] = qv;
-            sm.k[sl] = kv;
+            sm.q[t] = qv;
+            sm.k[t] = kv;
         } else {
             const int j = t - SQ_D;
             const float vv = in.v;
@@ -692,7 +719,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 bad |= !isfinite(g);
                 float d = expf(g);
                 if (st.kda)
-                    sm.dec[grp ? hd->inv[j] : j] = d;
+                    sm.dec[j] = d;
                 else
                     sm.dec0 = d;
             }
@@ -757,7 +784,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         if (t < SQ_D) {
             int b = sm.bits[t];
             float d = UPDATE ? sm.dec[t] : 1.0f;
-            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[GRP ? sm.perm[t] : t]);
+            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
             sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
             sm.cold[t] =
                 hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
@@ -793,10 +820,6 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 break;
             }
 #undef SQ_DT
-        } else if (GRP && grp && hd->gbits[R0 >> 3]) {
-#define SQ_DG(B) sq_dec_group<B>(x, buf, R0, tx, sm.rowf, sm.roff, cc)
-            SQ_ROWS_SWITCH(hd->gbits[R0 >> 3], SQ_DG)
-#undef SQ_DG
         } else
 #pragma unroll
             for (int r = 0; r < 8; r++) {
@@ -955,7 +978,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 float ri = 0.0f, ar = 0.0f, ad = 0.0f, aw = 0.0f;
                 uint16_t h = 0;
                 if (b != STEPQ_BITS_PIVOT) {
-                    const float wi = hd->w[GRP ? sm.perm[i] : i];
+                    const float wi = hd->w[i];
                     float s = dual ? sqrtf(mr / wi) : mr;
                     if (s > STEPQ__SCALE_MAX) {
                         fl |= STEPQ__HEALTH_SATURATED;
@@ -974,7 +997,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 sm.ar[i] = ar;
                 sm.ad[i] = ad;
                 sm.aw[i] = aw;
-                ((uint16_t *)(buf + hd->row_scale_off))[GRP ? sm.perm[i] : i] = h;
+                ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
             }
         }
         /* pivot rows: fp16 values straight into the block (none in a uniform-width head) */
@@ -1083,10 +1106,6 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             SQ_QUANT_RT(false, true)
         } else if (clamp) {
             SQ_QUANT_RT(true, false)
-        } else if (GRP && grp && hd->gbits[R0 >> 3]) {
-#define SQ_QG(B) sq_quant_group<B>(x, buf, R0, tx, ci, sm.ar, sm.ad, sm.roff, num, den)
-            SQ_ROWS_SWITCH(hd->gbits[R0 >> 3], SQ_QG)
-#undef SQ_QG
         } else {
             SQ_QUANT_RT(false, false)
         }
@@ -1111,42 +1130,14 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                         h = sq_scale_h(sm.cola[t]);
                     }
                 }
-                /* TAIL: every other byte of the block is final since the barrier above */
-                ((uint16_t *)((TAIL ? blk : buf) + hd->col_scale_off))[t] = h;
+                ((uint16_t *)(buf + hd->col_scale_off))[t] = h;
             }
-            col_direct = TAIL;
         } else if (hd->has_col && t < SQ_D) {
             ((uint16_t *)(buf + hd->col_scale_off))[t] = 0;
         }
     }
 
     /* ---- health (one event per (request, head) and flag) and write-back ---- */
-    if (TAIL) {
-        /*
-         * The first thread to set a flag bit in sm.fl (zeroed before the
-         * input barrier) reports it: one event per (request, head) and flag
-         * without a barrier. Only the column scales were written since the
-         * refit barrier, and they went to the page directly.
-         */
-        if (fl) {
-            const unsigned nb = fl & ~atomicOr(&sm.fl, fl);
-            if (nb && io.health)
-                atomicOr(io.health + slot, nb);
-            if (nb && io.counts)
-                for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
-                    if (nb & (1u << bit))
-                        atomicAdd(io.counts + bit, 1ull);
-        }
-        if (!col_direct)
-            __syncthreads();
-        const uint4 *s = (const uint4 *)buf;
-        uint4 *d = (uint4 *)blk;
-        const uint32_t c0 = hd->col_scale_off / 16;
-        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
-            if (!col_direct || n - c0 >= 2 * SQ_D / 16) /* n - c0 wraps below c0 */
-                d[n] = s[n];
-        return;
-    }
     if (fl)
         atomicOr(&sm.fl, fl);
     __syncthreads();
@@ -1165,8 +1156,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 if (f & (1u << bit))
                     atomicAdd(io.counts + bit, 1ull);
     }
-    if (!V)
-        __syncthreads(); /* buf and sm are reused by the next item (persistent loop) */
+    __syncthreads(); /* buf and sm are reused by the next item (persistent loop) */
 }
 
 template <int SRC, bool UPDATE, int SINK, int V = 0>
@@ -1189,7 +1179,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                        hd->block_bytes);
     }
     sq_in in;
-    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
+    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x, (V & SQ_V_IN4) != 0);
     sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
 }
 

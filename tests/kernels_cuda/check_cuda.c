@@ -837,62 +837,21 @@ int main(void)
     RUN("persistent dense bf16 kda 1 step [K,V]",
         run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
     stepq__cuda_set_persist(0);
-    /* the tile-kernel variants (stepq__cuda_set_tile_variant), every width and head kind */
-    static const int tile_variants[] = {
-        STEPQ__CUDA_TILE_ORDER,
-        STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL,
-        STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL | STEPQ__CUDA_TILE_RTU,
-        STEPQ__CUDA_TILE_ORDER | STEPQ__CUDA_TILE_TAIL | STEPQ__CUDA_TILE_GROUP,
-    };
-    static const char *tile_vname[] = { "order", "order+tail", "order+tail+rtu",
-                                        "order+tail+group" };
-    for (int tv = 0; tv < 4; tv++) {
-        const char *vn = tile_vname[tv];
-        stepq__cuda_set_tile_variant(tile_variants[tv]);
-        for (int w = 0; w < 6; w++) {
-            if (small && w != 4 && w != 1)
-                continue;
-            snprintf(name, sizeof(name), "%s gdn step stepq @%d", vn, widths[w]);
-            RUN(name,
-                run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 4, B, w & 1, 0, 0));
-            snprintf(name, sizeof(name), "%s gdn step uniform @%d", vn, widths[w]);
-            RUN(name,
-                run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 4, B, !(w & 1), 0, 0));
-        }
-        snprintf(name, sizeof(name), "%s gdn step stepq mixed + pivot head", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
-        snprintf(name, sizeof(name), "%s kda step stepq mixed rows", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
-        snprintf(name, sizeof(name), "%s kda step temporal mixed rows", vn);
-        RUN(name, run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
-        snprintf(name, sizeof(name), "%s kda step dsq @5", vn);
-        RUN(name, run_step(STEPQ_METHOD_DSQ, STEPQ_ARCH_KDA, 5, 1, 2, B, 1, 0, 0));
-        snprintf(name, sizeof(name), "%s gdn step non-finite input", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
-        snprintf(name, sizeof(name), "%s kda step non-finite input", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
-        if (!small) {
-            snprintf(name, sizeof(name), "%s gdn step batch 40", vn);
-            RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
-        }
-        snprintf(name, sizeof(name), "%s gdn step stepq @6 huge state", vn);
-        RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
-        if (tv < 2) {
-            for (int lay = 0; lay < 2; lay++) {
-                snprintf(name, sizeof(name), "%s pack/unpack gdn stepq layout %d", vn, lay);
-                RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
-                                   STEPQ__DTYPE_F32));
-                snprintf(name, sizeof(name), "%s pack/unpack kda stepq layout %d", vn, lay);
-                RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
-                                   STEPQ__DTYPE_F32));
-            }
-            snprintf(name, sizeof(name), "%s pack/unpack gdn uniform@6", vn);
-            RUN(name, run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3, STEPQ__LAYOUT_VK,
-                               STEPQ__DTYPE_F32));
-            snprintf(name, sizeof(name), "%s two-stage kda", vn);
-            RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
-        }
-    }
+    /* the comparison variant of the tile kernel: recurrence inputs on warps 0-3 */
+    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_IN4);
+    RUN("in4 gdn step stepq @6", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1, 0, 0));
+    RUN("in4 gdn step stepq mixed + pivot head",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 0, 0));
+    RUN("in4 kda step stepq mixed rows",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+    RUN("in4 gdn step non-finite input",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 1, 0));
+    RUN("in4 kda step non-finite input",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 1, 0));
+    RUN("in4 dense bf16 gdn 1 step [V,K]",
+        run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_VK, 2, 4, B, 1, 1));
+    RUN("in4 dense bf16 kda 1 step [K,V]",
+        run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
     stepq__cuda_set_tile_variant(0);
     /* saturating scales take the clamped quantizer */
     RUN("gdn step stepq @6 huge state",
