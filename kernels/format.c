@@ -259,6 +259,13 @@ uint16_t stepq__scale_to_fp16(float s)
 
 /* --- Bit streams --- */
 
+/* Per-byte a + b mod 256 of eight bytes in a word (no carry between bytes). */
+static inline uint64_t bytes_add(uint64_t a, uint64_t b)
+{
+    const uint64_t h = 0x8080808080808080ull;
+    return ((a & ~h) + (b & ~h)) ^ ((a ^ b) & h);
+}
+
 /*
  * Whole groups of 8 values fill exactly `bits` bytes. The switches below call
  * these with a constant width, so that the compiler unrolls the shifts.
@@ -276,6 +283,29 @@ static inline void pack_groups(uint8_t *p, const int8_t *z, size_t groups, int b
             for (int v = 0; v < per; v++)
                 u |= ((uint32_t)(z[t * (size_t)per + (size_t)v] + qmax) & mask) << (v * bits);
             p[t] = (uint8_t)u;
+        }
+        return;
+    }
+    /*
+     * 3, 5, 6 bits: the eight offset codes u_t = (z_t + qmax) & mask side by side, one per
+     * byte of a word, then squeezed into 8 * bits contiguous bits in three steps (pairs in
+     * 16-bit lanes, quads in 32-bit lanes, all eight), value t at bits [t*b, (t+1)*b).
+     */
+    if (bits == 3 || bits == 5 || bits == 6) {
+        const uint64_t ones = 0x0101010101010101ull;
+        const uint64_t m1 = ((1ull << bits) - 1u) * 0x0001000100010001ull;
+        const uint64_t m2 = ((1ull << (2 * bits)) - 1u) * 0x0000000100000001ull;
+        const uint64_t m3 = (1ull << (4 * bits)) - 1u;
+        for (size_t g = 0; g < groups; g++, z += 8) {
+            uint64_t x = 0;
+            for (int t = 0; t < 8; t++)
+                x |= (uint64_t)(uint8_t)z[t] << (8 * t);
+            x = bytes_add(x, (uint64_t)qmax * ones) & ((uint64_t)mask * ones);
+            x = (x & m1) | (((x >> 8) & m1) << bits);
+            x = (x & m2) | (((x >> 16) & m2) << (2 * bits));
+            x = (x & m3) | (((x >> 32) & m3) << (4 * bits));
+            for (int t = 0; t < bits; t++)
+                *p++ = (uint8_t)(x >> (8 * t));
         }
         return;
     }
@@ -299,6 +329,27 @@ static inline void unpack_groups(const uint8_t *p, int8_t *z, size_t groups, int
             for (int v = 0; v < per; v++)
                 z[t * (size_t)per + (size_t)v] =
                     (int8_t)((int)(((uint32_t)p[t] >> (v * bits)) & mask) - qmax);
+        return;
+    }
+    /* 3, 5, 6 bits: the packing steps above in reverse, then z = u - qmax per byte. */
+    if (bits == 3 || bits == 5 || bits == 6) {
+        const uint64_t ones = 0x0101010101010101ull;
+        const uint64_t m1 = ((1ull << bits) - 1u) * 0x0001000100010001ull;
+        const uint64_t m2 = ((1ull << (2 * bits)) - 1u) * 0x0000000100000001ull;
+        const uint64_t m3 = (1ull << (4 * bits)) - 1u;
+        const uint64_t neg = (uint64_t)(uint8_t)(256 - qmax) * ones;
+        for (size_t g = 0; g < groups; g++, z += 8) {
+            uint64_t x = 0;
+            for (int t = 0; t < bits; t++)
+                x |= (uint64_t)p[t] << (8 * t);
+            p += bits;
+            x = (x & m3) | (((x >> (4 * bits)) & m3) << 32);
+            x = (x & m2) | (((x >> (2 * bits)) & m2) << 16);
+            x = (x & m1) | (((x >> bits) & m1) << 8);
+            x = bytes_add(x, neg);
+            for (int t = 0; t < 8; t++)
+                z[t] = (int8_t)(uint8_t)(x >> (8 * t));
+        }
         return;
     }
     for (size_t g = 0; g < groups; g++, z += 8) {
