@@ -132,8 +132,9 @@ static void head_job(void *vctx, int job, int worker)
             double kq = 0.0;
             for (int i = 0; i < K; i++)
                 kq += (double)k[i] * q[i];
+            double e0 = exp((double)g[0]); /* GDN: one gate for every row */
             for (int i = 0; i < K; i++) {
-                double a = exp((double)g[kda ? i : 0]) * (q[i] - h->beta[t] * kq * k[i]);
+                double a = (kda ? exp((double)g[i]) : e0) * (q[i] - h->beta[t] * kq * k[i]);
                 r->omega[i] += a * a;
             }
             for (int i = 0; i < rows; i++)
