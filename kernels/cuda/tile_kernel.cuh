@@ -13,20 +13,34 @@
  * in-thread operations, one reduce-scatter shuffle level between the two
  * half-warps and an 8-way sum over the warps in shared memory.
  *
- * Per element, the fused 6-bit step issues about: decode 5 (shift, mask|
- * magic exponent, FADD to the signed code, two FMUL by the row factor
- * r_i dec_i / qmax_i and the column scale), S^T k and S^T q of the decayed
- * state 2 (o = S_dec^T q + u (k.q): one pass), update 1 (FFMA), row max 1,
- * y = x * (1/r_i) 1, column max 1, quantize 3 (FMUL by 1/c_j, FFMA with
- * 1.5*2^23 = round half to even in the low mantissa bits, IADD), pack ~1.5,
- * refit 5; about 21 FP32-lane operations plus ~2 of shuffles and shared
- * memory, against ~45-55 for the thread-per-column kernel.
+ * Per element, the fused 6-bit step of a uniform-width head issues about:
+ * decode 4 (one LOP3 puts code n under the exponent 150 - p of its bit
+ * position p, so the float is exactly 2^(23-p) + u; FADD to the signed code;
+ * two FMUL by the row factor r_i dec_i / qmax_i and the column scale), S^T k
+ * and S^T q of the decayed state 2 (o = S_dec^T q + u (k.q): one pass),
+ * update 1 (FFMA), row max 1, y = x * (1/r_i) 1, column max 1, quantize 1
+ * (FFMA with qmax/c_j and 1.5*2^23 = round half to even in the low mantissa
+ * bits), pack 1 (bits(t) accumulated by LEA, one constant per word removes
+ * the exponent bits: sum bits(t_n) << p_n - sum (bits(1.5*2^23) - qmax) << p_n
+ * is the packed word, exactly, mod 2^32), refit 4 (z, z w^2 r^2, two FFMA;
+ * qmax is applied to the column scale): about 17 FP32-lane operations plus
+ * ~2 of shuffles and shared memory. Mixed-width (KDA) rows and layers
+ * without a uniform-width head run one body with run-time widths (shifts by
+ * multiples of b, IMAD by 2^(nb) for the pack, a switch on b for the store
+ * only): about 5 more per element, but no per-row template switch, no
+ * divergence between half-warps of different widths and far less code.
+ *
+ * Instruction fetch matters (ncu: ~1 stall cycle per instruction in
+ * no_instruction with six width paths live): the packed step runs on a
+ * (batch, heads) grid, so the blocks resident on the device mostly share a
+ * head and therefore one width's code.
  *
  * Differences to the reference (all within the test tolerances): the
- * reconstruction is (z * (r dec / qmax)) * c instead of ((r c) (z/qmax)) dec,
- * the update uses one FFMA, x / r and y / c are multiplications by the
- * reciprocals, and the refit sums are fp32. The state therefore differs in
- * the last ulp, which moves codes only at ties.
+ * reconstruction is (z * (r dec RN(1/qmax))) * c instead of
+ * ((r c) (z/qmax)) dec, the update uses one FFMA, x / r and y / c are
+ * multiplications by the reciprocals, y/c*qmax is y * RN(qmax/c) on uniform
+ * heads, and the refit sums are fp32. The state therefore differs in the last
+ * ulp, which moves codes only at ties.
  */
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
