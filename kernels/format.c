@@ -362,6 +362,35 @@ static inline void unpack_groups(const uint8_t *p, int8_t *z, size_t groups, int
     }
 }
 
+/* Calls fn(args..., bits) with `bits` a compile-time constant for every width
+ * of the format, so that the inlined group loops get constant shifts. */
+#define WITH_CONST_WIDTH(bits, fn, ...) \
+    do {                                \
+        switch (bits) {                 \
+        case 2:                         \
+            fn(__VA_ARGS__, 2);         \
+            break;                      \
+        case 3:                         \
+            fn(__VA_ARGS__, 3);         \
+            break;                      \
+        case 4:                         \
+            fn(__VA_ARGS__, 4);         \
+            break;                      \
+        case 5:                         \
+            fn(__VA_ARGS__, 5);         \
+            break;                      \
+        case 6:                         \
+            fn(__VA_ARGS__, 6);         \
+            break;                      \
+        case 8:                         \
+            fn(__VA_ARGS__, 8);         \
+            break;                      \
+        default:                        \
+            fn(__VA_ARGS__, bits);      \
+            break;                      \
+        }                               \
+    } while (0)
+
 void stepq__pack_codes(uint8_t *dst, uint64_t bit_off, const int8_t *z, size_t n, int bits)
 {
     int qmax = stepq__qmax(bits);
@@ -373,29 +402,7 @@ void stepq__pack_codes(uint8_t *dst, uint64_t bit_off, const int8_t *z, size_t n
     /* Whole groups of 8 values fill exactly `bits` bytes: write them whole. */
     if (sh == 0) {
         size_t groups = n / 8;
-        switch (bits) {
-        case 2:
-            pack_groups(p, z, groups, 2);
-            break;
-        case 3:
-            pack_groups(p, z, groups, 3);
-            break;
-        case 4:
-            pack_groups(p, z, groups, 4);
-            break;
-        case 5:
-            pack_groups(p, z, groups, 5);
-            break;
-        case 6:
-            pack_groups(p, z, groups, 6);
-            break;
-        case 8:
-            pack_groups(p, z, groups, 8);
-            break;
-        default:
-            pack_groups(p, z, groups, bits);
-            break;
-        }
+        WITH_CONST_WIDTH(bits, pack_groups, p, z, groups);
         p += groups * (size_t)bits;
         k = groups * 8;
     }
@@ -422,29 +429,7 @@ void stepq__unpack_codes(const uint8_t *src, uint64_t bit_off, int8_t *z, size_t
 
     if (sh == 0) {
         size_t groups = n / 8;
-        switch (bits) {
-        case 2:
-            unpack_groups(p, z, groups, 2);
-            break;
-        case 3:
-            unpack_groups(p, z, groups, 3);
-            break;
-        case 4:
-            unpack_groups(p, z, groups, 4);
-            break;
-        case 5:
-            unpack_groups(p, z, groups, 5);
-            break;
-        case 6:
-            unpack_groups(p, z, groups, 6);
-            break;
-        case 8:
-            unpack_groups(p, z, groups, 8);
-            break;
-        default:
-            unpack_groups(p, z, groups, bits);
-            break;
-        }
+        WITH_CONST_WIDTH(bits, unpack_groups, p, z, groups);
         p += groups * (size_t)bits;
         k = groups * 8;
     }
