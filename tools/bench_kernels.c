@@ -225,8 +225,7 @@ static int usage(FILE *f)
                "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
                "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
                "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-               "  next head; (in4) the tile kernel with the recurrence inputs on warps 0-3\n"
-               "  (stepq__cuda_set_tile_variant).\n");
+               "  next head.\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -360,20 +359,16 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
              * kernels (old).
              */
-            for (int row = 0; row < 16 && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1, 1, 2, 4 };
-                /* rows 13-15: the tile kernel with the recurrence inputs on warps 0-3 */
-                const int tvar = row >= 13 ? STEPQ__CUDA_TILE_IN4 : 0;
-                const int vrow = row >= 13;
+            for (int row = 0; row < 13 && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1 };
                 const struct method *me = &methods[row_method[row]];
                 /* flat: the persistent grid (packed step / bf16 step) */
-                const int old = row >= 8 && row <= 10, flat = row == 11 || row == 12 || vrow;
+                const int old = row >= 8 && row <= 10, flat = row >= 11;
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
                          old         ? " (old)"
                          : row == 11 ? " (persistent)"
                          : row == 12 ? " (persistent)"
-                         : row >= 13 ? " (in4)"
                          : row == 5  ? " two-stage"
                          : row == 6  ? " pack"
                          : row == 7  ? " unpack"
@@ -459,11 +454,9 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 stepq__cuda_set_persist(row == 11   ? STEPQ__CUDA_PERSIST_PACKED
                                         : row == 12 ? STEPQ__CUDA_PERSIST_BF16
                                                     : 0);
-                stepq__cuda_set_tile_variant(tvar);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
                 stepq__cuda_set_persist(0);
-                stepq__cuda_set_tile_variant(0);
                 if (us < 0)
                     rc = 1;
                 size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);

@@ -131,15 +131,6 @@ void stepq__cuda_set_legacy(int on);
  */
 void stepq__cuda_set_persist(int mode);
 
-/** Tile-kernel variant bits for stepq__cuda_set_tile_variant. */
-#define STEPQ__CUDA_TILE_IN4 16 /**< recurrence inputs on warps 0-3 only (comparison) */
-
-/**
- * Selects comparison variants of the tile kernel (packed step and dense bf16
- * step). Default 0. For tests and the benchmark; process-wide.
- */
-void stepq__cuda_set_tile_variant(int bits);
-
 /* The dispatch-table entries (signatures of kernels/dsp.h). */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);

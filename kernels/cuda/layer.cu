@@ -275,47 +275,26 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
     return STEPQ_OK;
 }
 
-static int tile_variant; /* stepq__cuda_set_tile_variant: STEPQ__CUDA_TILE_* bits */
-
-extern "C" void stepq__cuda_set_tile_variant(int bits)
-{
-    tile_variant = bits;
-}
-
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
- * packed step ORDER and ORDER|RTU (each with or without IN4), pack 0 and
- * RTU, dense bf16 step 0 and IN4; ORDER launches the grid as (batch, heads).
+ * packed step ORDER and ORDER|RTU, pack 0 and RTU, dense bf16 step 0;
+ * ORDER launches the grid as (batch, heads).
  */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                        int v, const char *who)
 {
-    if (tile_variant & STEPQ__CUDA_TILE_IN4)
-        v |= SQ_V_IN4;
     const dim3 g2(grid.y, grid.x);
     if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
-        switch (v) {
-        case SQ_V_ORDER | SQ_V_RTU:
+        if (v & SQ_V_RTU)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io,
                                                                            who);
-        case SQ_V_ORDER | SQ_V_IN4:
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_IN4>(g2, smem, s, st, io,
-                                                                           who);
-        case SQ_V_ORDER | SQ_V_RTU | SQ_V_IN4:
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU | SQ_V_IN4>(g2, smem, s,
-                                                                                      st, io, who);
-        default:
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
-        }
+        return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
         if (v & SQ_V_RTU)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, who);
         return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
     } else {
-        if constexpr (UPDATE)
-            if (v & SQ_V_IN4)
-                return launch_tile_v<SRC, UPDATE, SINK, SQ_V_IN4>(grid, smem, s, st, io, who);
         return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
     }
 }

@@ -148,17 +148,11 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
         break;                  \
     }
 
-/*
- * Template bits of the tile kernel. ORDER and RTU are chosen by the host
- * (packed step; layers without a uniform-width head); IN4 is the comparison
- * variant of stepq__cuda_set_tile_variant.
- */
+/* Template bits of the tile kernel, chosen by the host (layer.cu, launch_tile). */
 /* grid (batch, heads): resident blocks mostly share a head, so one code path is hot */
 #define SQ_V_ORDER 1
 /* uniform-width heads on the run-time-width path too (no templated width code in the binary) */
 #define SQ_V_RTU 4
-/* the input phase on warps 0-3 only (as before the split over eight warps) */
-#define SQ_V_IN4 16
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -516,24 +510,12 @@ struct sq_in {
  */
 template <bool UPDATE>
 __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
-                                           int t, bool in4 = false)
+                                           int t)
 {
     if (!UPDATE)
         return;
     const int hq = hv / (HV / st.H);
     const size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
-    if (in4) { /* SQ_V_IN4: threads 0..127 load everything of channel t */
-        if (t >= SQ_D)
-            return;
-        in.q = st.q[qk + t];
-        in.k = st.k[qk + t];
-        in.v = st.v[bh * SQ_D + t];
-        if (st.kda || t == 0)
-            in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? t : 0)];
-        if (t == 0)
-            in.b = st.beta[bh];
-        return;
-    }
     if (t < SQ_D) {
         in.q = st.q[qk + t];
         in.k = st.k[qk + t];
@@ -608,96 +590,9 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
-    constexpr bool RTU = V & SQ_V_RTU, IN4 = V & SQ_V_IN4;
+    constexpr bool RTU = V & SQ_V_RTU;
     float kq = 0.0f;
-    if (UPDATE && IN4) {
-        bool bad = false;
-        if (t < SQ_D) {
-            float qv = in.q, kv = in.k, vv = in.v;
-            bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
-            if (st.l2norm) {
-                /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
-                float sq2 = qv * qv, sk2 = kv * kv;
-#pragma unroll
-                for (int o = 16; o; o >>= 1) {
-                    sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
-                    sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
-                }
-                if (lane == 0) {
-                    sm.l2[w][0] = sq2;
-                    sm.l2[w][1] = sk2;
-                }
-            }
-            sm.q[t] = qv;
-            sm.k[t] = kv;
-            sm.v[t] = vv;
-            if (st.kda || t == 0) {
-                int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
-                float g = in.g;
-                if (st.gate) {
-                    float ga = g + st.dt_bias[(size_t)hv * ng + gi];
-                    float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
-                    g = -expf(st.A_log[hv]) * sp;
-                }
-                bad |= !isfinite(g);
-                float d = expf(g);
-                if (st.kda)
-                    sm.dec[t] = d;
-                else
-                    sm.dec0 = d;
-            }
-            if (t == 0) {
-                float b = in.b;
-                if (st.beta_sig)
-                    b = 1.0f / (1.0f + expf(-b));
-                bad |= !isfinite(b);
-                sm.beta = b;
-            }
-        }
-        if (__syncthreads_or(bad)) {
-            if (SRC != SQ_SRC_DENSE)
-                sq_cp_wait_cur(next); /* nothing may land in a finished block */
-            if (t < SQ_D)
-                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
-            if (t == 0) {
-                if (io.skip)
-                    io.skip[(size_t)e * HV + hv] = 1;
-                if (io.health)
-                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
-                if (io.counts)
-                    atomicAdd(io.counts + 0, 1ull);
-            }
-            __syncthreads(); /* the next item rewrites sm */
-            return;
-        }
-        if (t < SQ_D) {
-            float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
-            float qv = sm.q[t], kv = sm.k[t];
-            if (st.l2norm) {
-                float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
-                float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
-                qv *= 1.0f / sqrtf(a + 1e-6f);
-                kv *= 1.0f / sqrtf(b + 1e-6f);
-            }
-            qv *= sc;
-            sm.q[t] = qv;
-            sm.k[t] = kv;
-            if (!st.kda)
-                sm.dec[t] = sm.dec0;
-            float p = qv * kv;
-#pragma unroll
-            for (int o = 16; o; o >>= 1)
-                p += __shfl_xor_sync(0xffffffffu, p, o);
-            if (lane == 0)
-                sm.kqp[w] = p;
-        }
-        if (io.skip && t == 0)
-            io.skip[(size_t)e * HV + hv] = 0;
-        if (SRC != SQ_SRC_DENSE)
-            sq_cp_wait_cur(next);
-        __syncthreads();
-        kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
-    } else if (UPDATE) {
+    if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
             const float qv = in.q, kv = in.k;
@@ -1193,7 +1088,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                        hd->block_bytes);
     }
     sq_in in;
-    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x, (V & SQ_V_IN4) != 0);
+    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
     sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
 }
 

@@ -837,22 +837,6 @@ int main(void)
     RUN("persistent dense bf16 kda 1 step [K,V]",
         run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
     stepq__cuda_set_persist(0);
-    /* the comparison variant of the tile kernel: recurrence inputs on warps 0-3 */
-    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_IN4);
-    RUN("in4 gdn step stepq @6", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1, 0, 0));
-    RUN("in4 gdn step stepq mixed + pivot head",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 0, 0));
-    RUN("in4 kda step stepq mixed rows",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
-    RUN("in4 gdn step non-finite input",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 1, 0));
-    RUN("in4 kda step non-finite input",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 1, 0));
-    RUN("in4 dense bf16 gdn 1 step [V,K]",
-        run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_VK, 2, 4, B, 1, 1));
-    RUN("in4 dense bf16 kda 1 step [K,V]",
-        run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
-    stepq__cuda_set_tile_variant(0);
     /* saturating scales take the clamped quantizer */
     RUN("gdn step stepq @6 huge state",
         run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
