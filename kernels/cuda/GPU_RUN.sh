@@ -27,4 +27,10 @@ $NCU $STALL $S bench kernels --only stepq@6 --batch 512 --shape gdn > "$OUT/ncu_
 $NCU $STALL $S bench kernels --only stepq@6 --batch 512 --shape kda > "$OUT/ncu_kda.txt" 2>&1
 $NCU $S bench kernels --only 'stepq@6 pack' --batch 512 --shape kda > "$OUT/ncu_pack.txt" 2>&1
 $NCU $STALL $S bench kernels --only bf16 --batch 512 --shape gdn > "$OUT/ncu_bf16.txt" 2>&1
+# The peer (flash-linear-attention's fp32 kernels) when a snapshot of its `fla` package
+# was carried in the ignored peers/fla folder (see tools/bench_peer_fla.py).
+if [ -d peers/fla/fla ]; then
+    python3 tools/bench_peer_fla.py --fla peers/fla --json "$OUT/peer.json" > "$OUT/peer.txt" 2>&1
+    echo "peer rc=$?" >> "$OUT/peer.txt"
+fi
 exit 0
