@@ -16,6 +16,7 @@ extern "C" {
 #include "plugin/err.h"
 }
 #include "kernels/cuda/tile_kernel.cuh"
+#include "kernels/cuda/unpack_kernel.cuh"
 
 /* Dynamic shared memory ceiling set on every kernel instance (a GDN pivot
  * head needs 32.5 KiB of block plus 16 KiB of byte codes). */
@@ -299,6 +300,24 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
     }
 }
 
+/* sq_unpack_kernel (STEPQ__CUDA_TILE_UNPACK) on a (batch, heads) grid */
+template <int DT, bool VK>
+static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io, const char *who)
+{
+    static int attr_done;
+    if (grid.x == 0 || grid.y == 0)
+        return STEPQ_OK;
+    if (!attr_done) {
+        SQ_CU(cudaFuncSetAttribute(sq_unpack_kernel<DT, VK>,
+                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
+              who);
+        attr_done = 1;
+    }
+    sq_unpack_kernel<DT, VK><<<grid, SQ_THREADS, smem, s>>>(io);
+    SQ_CU(cudaGetLastError(), who);
+    return STEPQ_OK;
+}
+
 template <int SRC, bool UPDATE, int SINK>
 static int launch_persist(int n_items, int HV, size_t buf_stride, cudaStream_t s, const sq_step &st,
                           sq_io io, const char *who)
@@ -357,6 +376,14 @@ static int persist_mode = 0;
 extern "C" void stepq__cuda_set_persist(int mode)
 {
     persist_mode = mode;
+}
+
+/* stepq__cuda_set_tile_variant: prepared, unmeasured variants (STEPQ__CUDA_TILE_*); 0 = shipped */
+static int tile_variant = 0;
+
+extern "C" void stepq__cuda_set_tile_variant(int bits)
+{
+    tile_variant = bits;
 }
 
 static int use_tile(const stepq__cuda_layer *L)
@@ -602,6 +629,16 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
     io.dense_vec = dense_vec_ok(dst, dst_stride, dtype);
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
     io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    if ((tile_variant & STEPQ__CUDA_TILE_UNPACK) && use_tile(L)) {
+        const dim3 grid((unsigned)n, (unsigned)pl->n_heads);
+        const size_t smem = tile_smem(L->max_block);
+        cudaStream_t s = (cudaStream_t)stream;
+        if (io.bf16)
+            return io.layout_vk ? launch_unpack<SQ_BF16, true>(grid, smem, s, io, who)
+                                : launch_unpack<SQ_BF16, false>(grid, smem, s, io, who);
+        return io.layout_vk ? launch_unpack<SQ_F32, true>(grid, smem, s, io, who)
+                            : launch_unpack<SQ_F32, false>(grid, smem, s, io, who);
+    }
     return launch<SQ_SRC_PACKED, false, SQ_SINK_DENSE>(dim3((unsigned)pl->n_heads, (unsigned)n),
                                                        dyn_smem(L->max_block), (cudaStream_t)stream,
                                                        st, io, who);

@@ -837,6 +837,38 @@ int main(void)
     RUN("persistent dense bf16 kda 1 step [K,V]",
         run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
     stepq__cuda_set_persist(0);
+    /*
+     * Prepared variants (stepq__cuda_set_tile_variant): the checks of the
+     * shipped path, run under each variant. UNPACK: every pack/unpack test
+     * above plus each templated width (stepq: column scales; uniform: none).
+     */
+    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_UNPACK);
+    for (int lay = 0; lay < 2; lay++)
+        for (int dt = 0; dt < 2; dt++) {
+            snprintf(name, sizeof(name), "unpack variant gdn stepq layout %d dtype %d", lay, dt);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
+                               (stepq__dtype)dt));
+            snprintf(name, sizeof(name), "unpack variant kda stepq layout %d dtype %d", lay, dt);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
+                               (stepq__dtype)dt));
+        }
+    for (int w = 0; w < 6; w++) {
+        if (small && w != 4 && w != 1)
+            continue;
+        snprintf(name, sizeof(name), "unpack variant gdn stepq @%d", widths[w]);
+        RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 3,
+                           (stepq__layout)(w & 1), (stepq__dtype)(w >> 1 & 1)));
+        snprintf(name, sizeof(name), "unpack variant gdn uniform @%d", widths[w]);
+        RUN(name, run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 3,
+                           (stepq__layout) !(w & 1), (stepq__dtype)(w >> 1 & 1)));
+    }
+    RUN("unpack variant kda temporal mixed rows",
+        run_pack(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 3, STEPQ__LAYOUT_VK,
+                 STEPQ__DTYPE_BF16));
+    RUN("unpack variant gdn fp32 layer (column kernel)",
+        run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
+    stepq__cuda_set_tile_variant(0);
+
     /* saturating scales take the clamped quantizer */
     RUN("gdn step stepq @6 huge state",
         run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));

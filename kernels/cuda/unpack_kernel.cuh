@@ -1,0 +1,230 @@
+/*
+ * Unpack (prefill hook: packed page -> dense fp32/bf16, [K,V] or [V,K]) on
+ * a store-coalesced mapping with the tile kernel's cheap decode. A prepared
+ * variant (STEPQ__CUDA_TILE_UNPACK, cuda.h), not yet measured: the default
+ * unpack stays on sq_head_kernel.
+ *
+ * Why not sq_tile_kernel's 8x8 micro-tile: its fp32 rows are 32 bytes per
+ * thread (two 16-byte stores per half-sector pair, the pattern that made the
+ * tile's dense fp32 step 2.4x slower than the column kernel), and it holds a
+ * 64-register tile that an unpack does not need (no reductions). Here warp w
+ * owns rows 16w..16w+15 and lane l columns 4l..4l+3: [K,V] rows leave as one
+ * 512-byte (fp32) or 256-byte (bf16) warp store per row; [V,K] takes the
+ * column kernel's pattern (16 bytes per lane per column, four rows at a
+ * time). Every lane of a warp reads the same row's codes: no bank conflicts.
+ * About 16 values live per thread, so 4 blocks share an SM and hide the
+ * staging latency of each other's blocks.
+ *
+ * Exactness: the reference reconstructs x = (r c_j) * (z / qmax) (c_j = 1
+ * without column scales; pivot rows are fp16 values), and check_cuda compares
+ * bf16 unpack bit for bit. The signed code z is exact as a float (the
+ * position-exponent decode of tile_kernel.cuh), z / qmax is correctly rounded
+ * by one Markstein correction of z * RN(1/qmax) (sq_div; checked exhaustively
+ * on the host for |z| <= qmax, b = 2..6 and 8: z * RN(1/qmax) alone is off
+ * in 40 of those 374 cases), and both products are separate roundings. bf16 stores
+ * use cvt.rn (round to nearest even, as the reference) when every row and
+ * column scale of the block is finite and the row is not a pivot row (values
+ * below 65504^2, far from bf16 overflow); otherwise the reference's
+ * saturating conversion, as the column kernel.
+ *
+ * Per element: 2 operations to the float code (templates on uniform-width
+ * heads; 3 on run-time widths), 3 for z / qmax, 2 multiplies, a quarter
+ * store; per 4 elements two 32-bit shared loads and a funnel shift. The
+ * column kernel's mixed-width path spends ~20 (per-row shared loads, LUT
+ * index and load, one store per element), which is why KDA unpack ran at
+ * 49.6% of copy bandwidth.
+ */
+#ifndef STEPQ_KERNELS_CUDA_UNPACK_KERNEL_CUH
+#define STEPQ_KERNELS_CUDA_UNPACK_KERNEL_CUH
+
+#include "kernels/cuda/tile_kernel.cuh"
+
+/* 4 blocks per SM (<= 64 registers): the staging of one block hides behind the others' stores */
+#define SQ_UMIN_BLOCKS 4
+
+/* Per-row constants of the unpack (one 16-byte broadcast load per row). */
+struct __align__(16) sq_urow
+{
+    float r;     /* row scale (pivot rows: unused) */
+    float qm;    /* qmax (pivot rows: 1) */
+    float iq;    /* RN(1 / qmax) */
+    uint32_t bo; /* width | byte offset of the row's codes << 8 */
+};
+
+/* Four codes of a row at columns j0..j0+3 (j0 % 4 == 0) -> x = (r c) * (z / qmax). B = 0: b. */
+template <int B>
+__device__ __forceinline__ void sq_uquad(float (&v)[4], const uint8_t *buf, uint32_t roff, int b,
+                                         int j0, const sq_urow &ro, const float (&c)[4])
+{
+    const uint32_t bit = (uint32_t)j0 * (uint32_t)(B ? B : b);
+    uint32_t W;
+    if (B == 8) {
+        W = *(const uint32_t *)(buf + roff + (bit >> 3));
+    } else if (B == 4) {
+        W = *(const uint16_t *)(buf + roff + (bit >> 3));
+    } else if (B == 2) {
+        W = buf[roff + (bit >> 3)];
+    } else { /* 4b <= 32 bits within two aligned words (16 bytes of slack after the block) */
+        const uint32_t a = roff + ((bit >> 5) << 2);
+        W = __funnelshift_r(*(const uint32_t *)(buf + a), *(const uint32_t *)(buf + a + 4),
+                            bit & 31u);
+    }
+#pragma unroll
+    for (int n = 0; n < 4; n++) {
+        float z;
+        if constexpr (B != 0) {
+            constexpr int G = 23 / B; /* codes per extraction word (position-exponent decode) */
+            const int s = (n / G) * G * B, p = n * B - s;
+            const uint32_t Wn = s ? W >> s : W;
+            const float f =
+                __uint_as_float(((uint32_t)(150 - p) << 23) | (Wn & (sq_bw<B>::MASK << p)));
+            z = f - ((float)(1u << (23 - p)) + (float)sq_bw<B>::QM);
+        } else {
+            const uint32_t mask = (1u << b) - 1u;
+            const uint32_t u = (W >> (n * b)) & mask;
+            z = __uint_as_float(0x4B000000u | u) - __uint_as_float(0x4B000000u | (mask >> 1));
+        }
+        v[n] = __fmul_rn(__fmul_rn(ro.r, c[n]), sq_div(z, ro.qm, ro.iq));
+    }
+}
+
+/* Four dense values at element n of dst (16-byte fp32 / 8-byte bf16 store when `vec`). */
+template <int DT>
+__device__ __forceinline__ void sq_ustore4(void *dst, size_t n, const float (&v)[4], bool vec,
+                                           bool sat)
+{
+    if (DT == SQ_F32) {
+        float *p = (float *)dst + n;
+        if (vec) {
+            *(float4 *)p = make_float4(v[0], v[1], v[2], v[3]);
+        } else {
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                p[k] = v[k];
+        }
+        return;
+    }
+    uint16_t *p = (uint16_t *)dst + n;
+    unsigned fl = 0; /* unpack reports no health */
+    if (!sat && vec) {
+        *(uint2 *)p = make_uint2(sq_bf16x2(v[0], v[1]), sq_bf16x2(v[2], v[3]));
+    } else {
+#pragma unroll
+        for (int k = 0; k < 4; k++)
+            p[k] = sq_bf16_sat(v[k], &fl);
+    }
+}
+
+/*
+ * The block's 128 rows: warp w rows 16w + 4g + k (g, k = 0..3), lane l
+ * columns 4l..4l+3. [K,V]: each row leaves as soon as it is decoded; [V,K]:
+ * after four rows, one store per column. B: the head's uniform width, or 0
+ * (run-time widths and pivot rows).
+ */
+template <int B, int DT, bool VK>
+__device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow *rows,
+                                               const float *cs, void *dst, size_t off, bool vec,
+                                               bool slow, int w, int lane)
+{
+    const int j0 = 4 * lane;
+    const float4 c4 = *(const float4 *)(cs + j0);
+    const float c[4] = { c4.x, c4.y, c4.z, c4.w };
+#pragma unroll 1
+    for (int g = 0; g < 4; g++) {
+        float v[4][4];
+        bool piv = false;
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int i = 16 * w + 4 * g + k;
+            const sq_urow ro = rows[i];
+            const int b = (int)(ro.bo & 0xffu);
+            const uint32_t roff = ro.bo >> 8;
+            if (B == 0 && b == STEPQ_BITS_PIVOT) { /* warp-uniform */
+                const uint2 h = *(const uint2 *)(buf + roff + 2 * j0);
+                const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
+                const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
+                v[k][0] = a.x, v[k][1] = a.y, v[k][2] = d.x, v[k][3] = d.y;
+                piv = true;
+            } else {
+                sq_uquad<B>(v[k], buf, roff, b, j0, ro, c);
+            }
+            if (!VK)
+                sq_ustore4<DT>(dst, off + (size_t)i * SQ_D + j0, v[k], vec,
+                               slow || (B == 0 && b == STEPQ_BITS_PIVOT));
+        }
+        if (VK) {
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) {
+                const float col[4] = { v[0][cc], v[1][cc], v[2][cc], v[3][cc] };
+                sq_ustore4<DT>(dst, off + (size_t)(j0 + cc) * SQ_D + 16 * w + 4 * g, col, vec,
+                               slow || piv);
+            }
+        }
+    }
+}
+
+/* One block per (entry, head) on a (batch, heads) grid. DT: SQ_F32 or SQ_BF16; VK: [V,K]. */
+template <int DT, bool VK>
+__global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(sq_io io)
+{
+    extern __shared__ __align__(16) uint8_t sq_dyn[];
+    __shared__ sq_urow rows[SQ_D];
+    __shared__ __align__(16) float cs[SQ_D];
+    const int e = blockIdx.x, hv = blockIdx.y, t = threadIdx.x;
+    const int32_t slot = io.slots ? io.slots[e] : e;
+    if (slot < 0 || slot >= io.n_slots)
+        return; /* uniform over the block */
+    const sq_head_desc *hd = io.heads + hv;
+    const uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
+    sq_stage_block(sq_dyn, blk, hd->block_bytes);
+    /* row and column scales straight from the page while the block travels: one barrier */
+    bool bad = false;
+    if (t < SQ_D) {
+        const int b = hd->bits[t];
+        const bool piv = b == STEPQ_BITS_PIVOT;
+        const float r = piv ? 1.0f : sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[t]);
+        const float c =
+            hd->has_col ? sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t]) : 1.0f;
+        const float qm = piv ? 1.0f : (float)((1 << (b - 1)) - 1);
+        sq_urow ro;
+        ro.r = r;
+        ro.qm = qm;
+        ro.iq = piv ? 1.0f : sq_iqm[b & 15];
+        ro.bo = (uint32_t)b | (uint32_t)hd->row_off[t] << 8;
+        rows[t] = ro;
+        cs[t] = c;
+        bad = !isfinite(r) || !isfinite(c);
+    }
+    sq_cp_wait_cur(false);
+    const bool slow = __syncthreads_or(bad);
+    const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
+    const int w = t >> 5, lane = t & 31;
+    const bool vec = io.dense_vec;
+#define SQ_UR(B) sq_unpack_rows<B, DT, VK>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane)
+    switch (hd->ubits) { /* one width for every row: templated decode */
+    case 2:
+        SQ_UR(2);
+        break;
+    case 3:
+        SQ_UR(3);
+        break;
+    case 4:
+        SQ_UR(4);
+        break;
+    case 5:
+        SQ_UR(5);
+        break;
+    case 6:
+        SQ_UR(6);
+        break;
+    case 8:
+        SQ_UR(8);
+        break;
+    default:
+        SQ_UR(0);
+        break;
+    }
+#undef SQ_UR
+}
+
+#endif /* STEPQ_KERNELS_CUDA_UNPACK_KERNEL_CUH */
