@@ -80,7 +80,16 @@ static int cmp_float(const void *a, const void *b)
 }
 
 /* A launcher for one configuration. */
-enum kind { K_DENSE_F32, K_DENSE_BF16, K_PACKED, K_PACKED_2S, K_PACK, K_UNPACK };
+enum kind {
+    K_DENSE_F32,
+    K_DENSE_BF16,
+    K_PACKED,
+    K_PACKED_2S,
+    K_PACK,
+    K_UNPACK,
+    K_UNPACK_BF16, /* bf16 [K,V] */
+    K_UNPACK_VK,   /* fp32 [V,K] */
+};
 
 struct ctx {
     struct stepq__step_args a;
@@ -111,6 +120,14 @@ static int launch(struct ctx *c)
     case K_UNPACK:
         return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
                                            (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
+                                           STEPQ__DTYPE_F32, c->s);
+    case K_UNPACK_BF16:
+        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
+                                           (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
+                                           STEPQ__DTYPE_BF16, c->s);
+    case K_UNPACK_VK:
+        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
+                                           (size_t)c->a.HV * D * D, STEPQ__LAYOUT_VK,
                                            STEPQ__DTYPE_F32, c->s);
     }
     return STEPQ_EINVAL;
@@ -214,18 +231,41 @@ static int layouts(struct stepq_head_layout *hl, const struct method *me, stepq_
     return 0;
 }
 
+/*
+ * Rows of the prepared variants (stepq__cuda_set_tile_variant; kernels/cuda/README.md,
+ * "Prepared variants"), after the shipped rows. A row with vbits 0 is the shipped kernel's
+ * row for a configuration the shipped rows do not cover; labels end in the variant's tag.
+ */
+struct vrow {
+    const char *label;
+    int method; /* index into methods[] */
+    enum kind kind;
+    int vbits;
+};
+
+static const struct vrow vrows[] = {
+    { "stepq@6 unpack (u)", 4, K_UNPACK, STEPQ__CUDA_TILE_UNPACK },
+    { "stepq@6 unpack bf16", 4, K_UNPACK_BF16, 0 },
+    { "stepq@6 unpack bf16 (u)", 4, K_UNPACK_BF16, STEPQ__CUDA_TILE_UNPACK },
+    { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0 },
+    { "stepq@6 unpack [V,K] (u)", 4, K_UNPACK_VK, STEPQ__CUDA_TILE_UNPACK },
+};
+#define N_VROWS ((int)(sizeof(vrows) / sizeof(vrows[0])))
+
 static int usage(FILE *f)
 {
-    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick] [--only LABEL] [--batch B]\n"
-               "                           [--shape gdn|kda]\n"
-               "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
-               "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
-               "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
-               "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
-               "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
-               "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
-               "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-               "  next head.\n");
+    fprintf(f,
+            "usage: stepq bench kernels [--json FILE] [--quick] [--only LABEL] [--batch B]\n"
+            "                           [--shape gdn|kda]\n"
+            "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
+            "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
+            "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
+            "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
+            "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
+            "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
+            "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
+            "  next head; rows ending in (u) run prepared variants (stepq__cuda_set_tile_variant:\n"
+            "  u = unpack kernel), next to shipped rows of the same configuration.\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -344,7 +384,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         stepq_arch arch = shape ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
         int H = shape ? 32 : 16, HV = 32, ng = shape ? D : 1;
         printf("%s\n", shape_name[shape]);
-        printf("%-22s %5s %10s %12s %9s %7s %8s %12s\n", "method", "B", "us", "bytes", "GB/s",
+        printf("%-24s %5s %10s %12s %9s %7s %8s %12s\n", "method", "B", "us", "bytes", "GB/s",
                "copy%", "vs fp32", "peer us (q)");
         for (int bi = 0; bi < 7 && rc == 0; bi++) {
             int B = batches[bi];
@@ -357,13 +397,15 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             /*
              * rows: 5 methods (step), two-stage stepq@6, pack and unpack of
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
-             * kernels (old).
+             * kernels (old), the persistent grids, then the prepared-variant rows (vrows).
              */
-            for (int row = 0; row < 13 && rc == 0; row++) {
+            for (int row = 0; row < 13 + N_VROWS && rc == 0; row++) {
                 static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1 };
-                const struct method *me = &methods[row_method[row]];
-                /* flat: the persistent grid (packed step / bf16 step) */
-                const int old = row >= 8 && row <= 10, flat = row >= 11;
+                const struct vrow *vr = row >= 13 ? &vrows[row - 13] : NULL;
+                const struct method *me = &methods[vr ? vr->method : row_method[row]];
+                /* flat: the persistent grid (packed step / bf16 step); a step row of a variant */
+                const int old = row >= 8 && row <= 10,
+                          flat = (row >= 11 && !vr) || (vr && vr->kind == K_PACKED);
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
                          old         ? " (old)"
@@ -373,7 +415,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                          : row == 6  ? " pack"
                          : row == 7  ? " unpack"
                                      : "");
-                const char *label = lab;
+                const char *label = vr ? vr->label : lab;
                 if (only && strcmp(only, label))
                     continue;
                 struct stepq_head_layout hl[32];
@@ -441,22 +483,27 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
                     state_rw = 2 * (size_t)B * blocks;
-                    c.kind = row < 5 || old || flat ? K_PACKED
-                             : row == 5             ? K_PACKED_2S
-                             : row == 6             ? K_PACK
-                                                    : K_UNPACK;
+                    c.kind = vr                       ? vr->kind
+                             : row < 5 || old || flat ? K_PACKED
+                             : row == 5               ? K_PACKED_2S
+                             : row == 6               ? K_PACK
+                                                      : K_UNPACK;
                     if (row == 5)
                         state_rw += 2 * (size_t)B * HV * D * D * 4; /* scratch write + read */
-                    if (row == 6 || row == 7)
+                    if (c.kind == K_PACK || c.kind == K_UNPACK || c.kind == K_UNPACK_VK)
                         state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
+                    if (c.kind == K_UNPACK_BF16)
+                        state_rw = state_rw / 2 + (size_t)B * HV * D * D * 2;
                 }
                 stepq__cuda_set_legacy(old);
+                stepq__cuda_set_tile_variant(vr ? vr->vbits : 0);
                 stepq__cuda_set_persist(row == 11   ? STEPQ__CUDA_PERSIST_PACKED
                                         : row == 12 ? STEPQ__CUDA_PERSIST_BF16
                                                     : 0);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
                 stepq__cuda_set_persist(0);
+                stepq__cuda_set_tile_variant(0);
                 if (us < 0)
                     rc = 1;
                 size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);
@@ -472,7 +519,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     char sp[16] = "-";
                     if ((row < 6 || old || flat) && fp32_us > 0)
                         snprintf(sp, sizeof(sp), "%.2fx", fp32_us / us);
-                    printf("%-22s %5d %10.1f %12zu %9.0f %6.1f%% %8s %12s\n", label, B, us, bytes,
+                    printf("%-24s %5d %10.1f %12zu %9.0f %6.1f%% %8s %12s\n", label, B, us, bytes,
                            gbs, 100.0 * gbs / copy_gbs, sp, peer);
                     if (jf)
                         fprintf(
