@@ -249,6 +249,9 @@ static const struct vrow vrows[] = {
     { "stepq@6 unpack bf16 (u)", 4, K_UNPACK_BF16, STEPQ__CUDA_TILE_UNPACK },
     { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0 },
     { "stepq@6 unpack [V,K] (u)", 4, K_UNPACK_VK, STEPQ__CUDA_TILE_UNPACK },
+    { "stepq@6 (rc)", 4, K_PACKED, STEPQ__CUDA_TILE_ROWC },
+    { "stepq@4 (rc)", 3, K_PACKED, STEPQ__CUDA_TILE_ROWC },
+    { "stepq@6 pack (rc)", 4, K_PACK, STEPQ__CUDA_TILE_ROWC },
 };
 #define N_VROWS ((int)(sizeof(vrows) / sizeof(vrows[0])))
 
@@ -264,8 +267,10 @@ static int usage(FILE *f)
             "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
             "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
             "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-            "  next head; rows ending in (u) run prepared variants (stepq__cuda_set_tile_variant:\n"
-            "  u = unpack kernel), next to shipped rows of the same configuration.\n");
+            "  next head; rows ending in (u) or (rc) run prepared variants (set_tile_variant:\n"
+            "  u = unpack kernel, rc = per-row constants of the run-time-width path: KDA only,\n"
+            "  GDN layers have uniform-width heads and run the shipped kernel), next to shipped\n"
+            "  rows of the same configuration.\n");
     return f == stdout ? 0 : 2;
 }
 

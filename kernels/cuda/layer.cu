@@ -278,7 +278,7 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
- * packed step ORDER and ORDER|RTU, pack 0 and RTU, dense bf16 step 0;
+ * packed step ORDER, ORDER|RTU and ORDER|RTU|ROWC, pack 0, RTU and RTU|ROWC, dense bf16 step 0;
  * ORDER launches the grid as (batch, heads).
  */
 template <int SRC, bool UPDATE, int SINK>
@@ -287,11 +287,17 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
 {
     const dim3 g2(grid.y, grid.x);
     if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
+        if ((v & SQ_V_RTU) && (v & SQ_V_ROWC))
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU | SQ_V_ROWC>(g2, smem, s,
+                                                                                       st, io, who);
         if (v & SQ_V_RTU)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io,
                                                                            who);
         return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
+        if ((v & SQ_V_RTU) && (v & SQ_V_ROWC))
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_ROWC>(grid, smem, s, st, io,
+                                                                          who);
         if (v & SQ_V_RTU)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, who);
         return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
@@ -389,6 +395,12 @@ extern "C" void stepq__cuda_set_tile_variant(int bits)
 static int use_tile(const stepq__cuda_layer *L)
 {
     return !legacy_kernels && (!L || L->all_quant);
+}
+
+/* Template bits of the pack (and two-stage stage 2): run-time widths without a uniform head. */
+static int pack_variant(const stepq__cuda_layer *L)
+{
+    return L->any_uniform ? 0 : SQ_V_RTU | (tile_variant & STEPQ__CUDA_TILE_ROWC ? SQ_V_ROWC : 0);
 }
 
 static int check_args(const struct stepq__step_args *a, const char *who)
@@ -494,7 +506,8 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     const int n_items = a->batch * a->HV;
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
-    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU);
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) |
+                   (tile_variant & STEPQ__CUDA_TILE_ROWC ? SQ_V_ROWC : 0);
     if (variant == STEPQ__CUDA_FUSED)
         return persist ? launch_persist<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(n_items, a->HV, smem,
                                                                              s, st, io, who)
@@ -540,7 +553,7 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
     /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
     rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io,
-                                                                 vt & SQ_V_RTU, who)
+                                                                 vt & (SQ_V_RTU | SQ_V_ROWC), who)
               : launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who);
     if (rc < 0)
         return rc;
@@ -600,9 +613,8 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     io.counts = (unsigned long long *)counts;
     dim3 grid((unsigned)pl->n_heads, (unsigned)n);
     if (use_tile(L))
-        return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, tile_smem(L->max_block),
-                                                                (cudaStream_t)stream, st, io,
-                                                                L->any_uniform ? 0 : SQ_V_RTU, who);
+        return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
+            grid, tile_smem(L->max_block), (cudaStream_t)stream, st, io, pack_variant(L), who);
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
                                                        (cudaStream_t)stream, st, io, who);
 }

@@ -153,6 +153,9 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
 #define SQ_V_ORDER 1
 /* uniform-width heads on the run-time-width path too (no templated width code in the binary) */
 #define SQ_V_RTU 4
+/* prepared variant (STEPQ__CUDA_TILE_ROWC): run-time-width rows read per-row constants from a
+ * shared table filled once per block (with SQ_V_RTU only) */
+#define SQ_V_ROWC 8
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -325,6 +328,96 @@ __device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, i
         den[n] = U ? fmaf(za, z, den[n]) : fmaf(z * z, ad, den[n]);
     }
     const uint32_t K = ((uint32_t)SQ_MAGIC_I - qmi) * (1u + p1 + p2 + p3);
+    A -= K;
+    Bw -= K;
+    const uint32_t s4 = 4u * (uint32_t)b;
+    const uint32_t lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
+    const uint32_t hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
+#define SQ_ST(B) sq_st_codes<B>(row, tx, lo, hi)
+    SQ_ROWS_SWITCH(b, SQ_ST)
+#undef SQ_ST
+}
+
+/*
+ * Per-row constants of the run-time-width path (SQ_V_ROWC), filled once per
+ * block by thread i for row i instead of being recomputed by the 16 lanes of
+ * the row in the decode and again in the quantize (~20 integer operations
+ * per row and pass: shifts, masks, the powers 2^(nb), the pack constant).
+ * Decode: d0 = shifts b, 2b, 3b, 4b; d1 = mask, bits(2^23 + qmax), byte
+ * offset of the row's codes. Quantize: q = qmax, the pack constant K
+ * (bits); the refit weights stay in sm.ar, sm.ad (with them in the table
+ * the unrolled rows of the pack spilled). Pivot rows: d0.x = 0 and the
+ * byte offset.
+ */
+struct __align__(16) sq_rowc
+{
+    uint4 d0, d1;
+    float2 q, pad;
+};
+
+__device__ __forceinline__ void sq_rowc_fill(sq_rowc &rc, int b, uint32_t roff)
+{
+    if (b < 2 || b > 8) {
+        rc.d0 = make_uint4(0, 0, 0, 0);
+        rc.d1 = make_uint4(0, 0, roff, 0);
+        rc.q = rc.pad = make_float2(0.0f, 0.0f);
+        return;
+    }
+    const uint32_t ub = (uint32_t)b, mask = (1u << ub) - 1u, qmi = mask >> 1;
+    const uint32_t p1 = 1u << ub, p2 = 1u << (2 * ub), p3 = 1u << (3 * ub);
+    rc.d0 = make_uint4(ub, 2 * ub, 3 * ub, 4 * ub);
+    rc.d1 = make_uint4(mask, 0x4B000000u | qmi, roff, 0u);
+    rc.q = make_float2((float)qmi,
+                       __uint_as_float(((uint32_t)SQ_MAGIC_I - qmi) * (1u + p1 + p2 + p3)));
+    rc.pad = make_float2(0.0f, 0.0f);
+}
+
+/* sq_dec_row_rt with the row's constants from the table (d0, d1). */
+__device__ __forceinline__ void sq_dec_row_rc(float *xr, const uint8_t *row, int tx,
+                                              const uint4 &d0, const uint4 &d1, float rf,
+                                              const float (&cc)[8])
+{
+    const uint32_t off = (uint32_t)tx * d0.x, a = off & ~3u, sh = (off & 3u) * 8u;
+    const uint32_t w0 = *(const uint32_t *)(row + a), w1 = *(const uint32_t *)(row + a + 4);
+    const uint32_t lo = __funnelshift_r(w0, w1, sh), hi = w1 >> sh;
+    const uint32_t w2 = __funnelshift_rc(lo, hi, d0.w); /* codes 4..7 */
+    const float zoff = __uint_as_float(d1.y);
+    const uint32_t s[4] = { 0u, d0.x, d0.y, d0.z };
+#pragma unroll
+    for (int n = 0; n < 8; n++) {
+        const uint32_t u = ((n < 4 ? lo : w2) >> s[n & 3]) & d1.x;
+        const float z = __uint_as_float(0x4B000000u | u) - zoff;
+        xr[n] = (z * rf) * cc[n];
+    }
+}
+
+/*
+ * sq_quant_row_rt<false, false> with the row's constants from the table:
+ * the same codes, sums and bytes; the 2^(nb) sums in Horner form (three
+ * IMAD by 2^b per word, equal mod 2^32).
+ */
+__device__ __forceinline__ void sq_quant_row_rc(const float *yr, uint8_t *row, int tx, int b,
+                                                const float2 &q, float ar, float ad,
+                                                const float (&ci)[8], float (&num)[8],
+                                                float (&den)[8])
+{
+    const float qm = q.x;
+    const uint32_t p1 = 1u << b;
+    uint32_t A = 0, Bw = 0;
+#pragma unroll
+    for (int n = 7; n >= 0; n--) { /* Horner from the highest code: one IMAD each */
+        const float t = fmaf(yr[n] * ci[n], qm, SQ_MAGIC);
+        const uint32_t bt = __float_as_uint(t);
+        if (n >= 4)
+            Bw = Bw * p1 + bt;
+        else
+            A = A * p1 + bt;
+        const float z = t - SQ_MAGIC;
+        const float za = z * ar;
+        num[n] = fmaf(za, yr[n], num[n]);
+        den[n] = fmaf(z * z, ad, den[n]);
+    }
+    const uint32_t K = __float_as_uint(q.y);
     A -= K;
     Bw -= K;
     const uint32_t s4 = 4u * (uint32_t)b;
@@ -574,9 +667,17 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         sm.fl = 0;
         sm.sat = 0;
     }
+    constexpr bool ROWC = (V & SQ_V_ROWC) && (V & SQ_V_RTU);
+    sq_rowc *rowc = nullptr; /* SQ_V_ROWC: per-row constants (the row scales add ar, ad) */
+    if constexpr (ROWC) {
+        __shared__ sq_rowc rowc_tab[SQ_D];
+        rowc = rowc_tab;
+    }
     if (packed && t < SQ_D) {
         sm.bits[t] = hd->bits[t];
         sm.roff[t] = hd->row_off[t];
+        if (ROWC)
+            sq_rowc_fill(rowc[t], hd->bits[t], hd->row_off[t]);
     }
 
     float x[64];
@@ -733,9 +834,14 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
 #pragma unroll
             for (int r = 0; r < 8; r++) {
                 const int i = R0 + r;
-                const int b = sm.bits[i];
+                uint4 d0 = make_uint4(0, 0, 0, 0), d1 = d0;
+                if (ROWC) {
+                    d0 = rowc[i].d0;
+                    d1 = rowc[i].d1;
+                }
+                const int b = ROWC ? (d0.x ? (int)d0.x : STEPQ_BITS_PIVOT) : sm.bits[i];
                 const float rf = sm.rowf[i];
-                const uint8_t *row = buf + sm.roff[i];
+                const uint8_t *row = buf + (ROWC ? d1.z : sm.roff[i]);
                 float *xr = x + 8 * r;
                 if (b == STEPQ_BITS_PIVOT) {
                     uint4 v = *(const uint4 *)(row + 16 * tx);
@@ -746,6 +852,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                         xr[2 * k] = f.x * rf;
                         xr[2 * k + 1] = f.y * rf;
                     }
+                } else if (ROWC) {
+                    sq_dec_row_rc(xr, row, tx, d0, d1, rf, cc);
                 } else {
                     sq_dec_row_rt(xr, row, tx, b, rf, cc);
                 }
@@ -1015,6 +1123,15 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             SQ_QUANT_RT(false, true)
         } else if (clamp) {
             SQ_QUANT_RT(true, false)
+        } else if (ROWC) {
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                const int i = R0 + r;
+                const int b = sm.bits[i];
+                if (b != STEPQ_BITS_PIVOT)
+                    sq_quant_row_rc(x + 8 * r, buf + sm.roff[i], tx, b, rowc[i].q, sm.ar[i],
+                                    sm.ad[i], ci, num, den);
+            }
         } else {
             SQ_QUANT_RT(false, false)
         }

@@ -867,6 +867,35 @@ int main(void)
                  STEPQ__DTYPE_BF16));
     RUN("unpack variant gdn fp32 layer (column kernel)",
         run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
+    /* ROWC: every check of a layer without a uniform-width head (run-time widths), and others */
+    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_ROWC);
+    RUN("rowc kda step stepq mixed rows",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
+    RUN("rowc kda step temporal mixed rows",
+        run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+    RUN("rowc kda step non-finite input",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
+    if (!small)
+        RUN("rowc kda step batch 40",
+            run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 4, 8, 40, 1, 0, 0));
+    RUN("rowc kda step two-stage",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
+    RUN("rowc kda step uniform @4",
+        run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_KDA, 4, 2, 2, B, 0, 0, 0));
+    RUN("rowc gdn step stepq mixed + pivot head",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
+    for (int lay = 0; lay < 2; lay++)
+        for (int dt = 0; dt < 2; dt++) {
+            snprintf(name, sizeof(name), "rowc pack/unpack kda stepq layout %d dtype %d", lay, dt);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
+                               (stepq__dtype)dt));
+        }
+    /* both prepared variants at once */
+    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_UNPACK | STEPQ__CUDA_TILE_ROWC);
+    RUN("unpack+rowc kda step stepq mixed rows",
+        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+    RUN("unpack+rowc pack/unpack kda stepq",
+        run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16));
     stepq__cuda_set_tile_variant(0);
 
     /* saturating scales take the clamped quantizer */
