@@ -252,6 +252,12 @@ static const struct vrow vrows[] = {
     { "stepq@6 (rc)", 4, K_PACKED, STEPQ__CUDA_TILE_ROWC },
     { "stepq@4 (rc)", 3, K_PACKED, STEPQ__CUDA_TILE_ROWC },
     { "stepq@6 pack (rc)", 4, K_PACK, STEPQ__CUDA_TILE_ROWC },
+    { "uniform@6 (s)", 2, K_PACKED, STEPQ__CUDA_TILE_SPREAD },
+    { "stepq@6 (s)", 4, K_PACKED, STEPQ__CUDA_TILE_SPREAD },
+    { "stepq@6 pack (s)", 4, K_PACK, STEPQ__CUDA_TILE_SPREAD },
+    { "stepq@6 (rc+s)", 4, K_PACKED, STEPQ__CUDA_TILE_ROWC | STEPQ__CUDA_TILE_SPREAD },
+    { "stepq@4 (rc+s)", 3, K_PACKED, STEPQ__CUDA_TILE_ROWC | STEPQ__CUDA_TILE_SPREAD },
+    { "stepq@6 pack (rc+s)", 4, K_PACK, STEPQ__CUDA_TILE_ROWC | STEPQ__CUDA_TILE_SPREAD },
 };
 #define N_VROWS ((int)(sizeof(vrows) / sizeof(vrows[0])))
 
@@ -267,10 +273,10 @@ static int usage(FILE *f)
             "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
             "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
             "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-            "  next head; rows ending in (u) or (rc) run prepared variants (set_tile_variant:\n"
+            "  next head; rows ending in (u), (rc), (s) run prepared variants (set_tile_variant:\n"
             "  u = unpack kernel, rc = per-row constants of the run-time-width path: KDA only,\n"
-            "  GDN layers have uniform-width heads and run the shipped kernel), next to shipped\n"
-            "  rows of the same configuration.\n");
+            "  GDN layers have uniform-width heads and run the shipped kernel; s = per-column\n"
+            "  phases on all 256 threads), next to shipped rows of the same configuration.\n");
     return f == stdout ? 0 : 2;
 }
 

@@ -134,6 +134,7 @@ void stepq__cuda_set_persist(int mode);
 /** Prepared-variant bits for stepq__cuda_set_tile_variant (README, "Prepared variants"). */
 #define STEPQ__CUDA_TILE_UNPACK 1 /**< unpack on sq_unpack_kernel (unpack_kernel.cuh) */
 #define STEPQ__CUDA_TILE_ROWC   2 /**< run-time widths: per-row constants from a shared table */
+#define STEPQ__CUDA_TILE_SPREAD 4 /**< per-column phases on all 256 threads (same results) */
 
 /**
  * Selects prepared kernel variants that have not been measured yet (bits

@@ -278,9 +278,21 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
- * packed step ORDER, ORDER|RTU and ORDER|RTU|ROWC, pack 0, RTU and RTU|ROWC, dense bf16 step 0;
+ * packed step ORDER, ORDER|RTU and ORDER|RTU|ROWC, pack 0, RTU and RTU|ROWC, each of these also
+ * with SPREAD; dense bf16 step 0 (ROWC applies with RTU only: the kernel ignores it otherwise);
  * ORDER launches the grid as (batch, heads).
  */
+/* launch_tile_v with SQ_V_SPREAD added when v asks for it (packed sinks only). */
+template <int SRC, bool UPDATE, int SINK, int V>
+static int launch_tile_s(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                         int v, const char *who)
+{
+    if constexpr (SINK == SQ_SINK_PACKED)
+        if (v & SQ_V_SPREAD)
+            return launch_tile_v<SRC, UPDATE, SINK, V | SQ_V_SPREAD>(grid, smem, s, st, io, who);
+    return launch_tile_v<SRC, UPDATE, SINK, V>(grid, smem, s, st, io, who);
+}
+
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                        int v, const char *who)
@@ -288,19 +300,19 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
     const dim3 g2(grid.y, grid.x);
     if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
         if ((v & SQ_V_RTU) && (v & SQ_V_ROWC))
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU | SQ_V_ROWC>(g2, smem, s,
-                                                                                       st, io, who);
+            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU | SQ_V_ROWC>(
+                g2, smem, s, st, io, v, who);
         if (v & SQ_V_RTU)
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io,
+            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io, v,
                                                                            who);
-        return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
+        return launch_tile_s<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, v, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
         if ((v & SQ_V_RTU) && (v & SQ_V_ROWC))
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_ROWC>(grid, smem, s, st, io,
+            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_ROWC>(grid, smem, s, st, io, v,
                                                                           who);
         if (v & SQ_V_RTU)
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, who);
-        return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
+            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, v, who);
+        return launch_tile_s<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, v, who);
     } else {
         return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
     }
@@ -397,10 +409,17 @@ static int use_tile(const stepq__cuda_layer *L)
     return !legacy_kernels && (!L || L->all_quant);
 }
 
-/* Template bits of the pack (and two-stage stage 2): run-time widths without a uniform head. */
+/* Template bits of the prepared variants selected (stepq__cuda_set_tile_variant). */
+static int variant_bits(void)
+{
+    return (tile_variant & STEPQ__CUDA_TILE_ROWC ? SQ_V_ROWC : 0) |
+           (tile_variant & STEPQ__CUDA_TILE_SPREAD ? SQ_V_SPREAD : 0);
+}
+
+/* Template bits of the pack: run-time widths without a uniform-width head. */
 static int pack_variant(const stepq__cuda_layer *L)
 {
-    return L->any_uniform ? 0 : SQ_V_RTU | (tile_variant & STEPQ__CUDA_TILE_ROWC ? SQ_V_ROWC : 0);
+    return (L->any_uniform ? 0 : SQ_V_RTU) | variant_bits();
 }
 
 static int check_args(const struct stepq__step_args *a, const char *who)
@@ -506,8 +525,7 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     const int n_items = a->batch * a->HV;
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
-    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) |
-                   (tile_variant & STEPQ__CUDA_TILE_ROWC ? SQ_V_ROWC : 0);
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) | variant_bits();
     if (variant == STEPQ__CUDA_FUSED)
         return persist ? launch_persist<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(n_items, a->HV, smem,
                                                                              s, st, io, who)
@@ -553,7 +571,7 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
     /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
     rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io,
-                                                                 vt & (SQ_V_RTU | SQ_V_ROWC), who)
+                                                                 vt & ~SQ_V_ORDER, who)
               : launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who);
     if (rc < 0)
         return rc;

@@ -890,11 +890,60 @@ int main(void)
             RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
                                (stepq__dtype)dt));
         }
-    /* both prepared variants at once */
-    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_UNPACK | STEPQ__CUDA_TILE_ROWC);
-    RUN("unpack+rowc kda step stepq mixed rows",
+    /* SPREAD (alone and with ROWC): the checks of the shipped packed step and pack */
+    static const int spread_v[] = { STEPQ__CUDA_TILE_SPREAD,
+                                    STEPQ__CUDA_TILE_SPREAD | STEPQ__CUDA_TILE_ROWC };
+    for (int sv = 0; sv < 2; sv++) {
+        const char *vn = sv ? "spread+rowc" : "spread";
+        stepq__cuda_set_tile_variant(spread_v[sv]);
+        for (int w = 0; w < 6; w++) {
+            if (small && w != 4 && w != 1)
+                continue;
+            snprintf(name, sizeof(name), "%s gdn step stepq @%d", vn, widths[w]);
+            RUN(name,
+                run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 4, B, w & 1, 0, 0));
+            snprintf(name, sizeof(name), "%s gdn step uniform @%d", vn, widths[w]);
+            RUN(name,
+                run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 4, B, !(w & 1), 0, 0));
+        }
+        snprintf(name, sizeof(name), "%s gdn step stepq mixed + pivot head", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
+        snprintf(name, sizeof(name), "%s kda step stepq mixed rows", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
+        snprintf(name, sizeof(name), "%s kda step temporal mixed rows", vn);
+        RUN(name, run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
+        snprintf(name, sizeof(name), "%s kda step dsq @5", vn);
+        RUN(name, run_step(STEPQ_METHOD_DSQ, STEPQ_ARCH_KDA, 5, 1, 2, B, 1, 0, 0));
+        snprintf(name, sizeof(name), "%s gdn step non-finite input", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
+        snprintf(name, sizeof(name), "%s kda step non-finite input", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
+        snprintf(name, sizeof(name), "%s gdn step stepq @6 huge state", vn);
+        RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
+        snprintf(name, sizeof(name), "%s gdn step uniform @4 huge state", vn);
+        RUN(name, run_step_amp(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 4, 2, 4, B, 1e9f));
+        snprintf(name, sizeof(name), "%s gdn step two-stage", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 1));
+        snprintf(name, sizeof(name), "%s kda step two-stage", vn);
+        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
+        for (int lay = 0; lay < 2; lay++) {
+            snprintf(name, sizeof(name), "%s pack/unpack gdn stepq layout %d", vn, lay);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
+                               (stepq__dtype)lay));
+            snprintf(name, sizeof(name), "%s pack/unpack kda stepq layout %d", vn, lay);
+            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
+                               (stepq__dtype)!lay));
+        }
+        snprintf(name, sizeof(name), "%s pack/unpack gdn uniform@6", vn);
+        RUN(name, run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3, STEPQ__LAYOUT_VK,
+                           STEPQ__DTYPE_F32));
+    }
+    /* all prepared variants at once */
+    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_UNPACK | STEPQ__CUDA_TILE_ROWC |
+                                 STEPQ__CUDA_TILE_SPREAD);
+    RUN("all variants kda step stepq mixed rows",
         run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
-    RUN("unpack+rowc pack/unpack kda stepq",
+    RUN("all variants pack/unpack kda stepq",
         run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16));
     stepq__cuda_set_tile_variant(0);
 
