@@ -852,9 +852,7 @@ int main(void)
             RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
                                (stepq__dtype)dt));
         }
-    for (int w = 0; w < 6; w++) {
-        if (small && w != 4 && w != 1)
-            continue;
+    for (int w = 0; w < 6 && !small; w++) {
         snprintf(name, sizeof(name), "unpack variant gdn stepq @%d", widths[w]);
         RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 3,
                            (stepq__layout)(w & 1), (stepq__dtype)(w >> 1 & 1)));
@@ -893,11 +891,12 @@ int main(void)
     /* SPREAD (alone and with ROWC): the checks of the shipped packed step and pack */
     static const int spread_v[] = { STEPQ__CUDA_TILE_SPREAD,
                                     STEPQ__CUDA_TILE_SPREAD | STEPQ__CUDA_TILE_ROWC };
-    for (int sv = 0; sv < 2; sv++) {
+    /* SANITIZE=1: SPREAD|ROWC only (it contains SPREAD's code), fewer widths */
+    for (int sv = small; sv < 2; sv++) {
         const char *vn = sv ? "spread+rowc" : "spread";
         stepq__cuda_set_tile_variant(spread_v[sv]);
         for (int w = 0; w < 6; w++) {
-            if (small && w != 4 && w != 1)
+            if (small && w != 4)
                 continue;
             snprintf(name, sizeof(name), "%s gdn step stepq @%d", vn, widths[w]);
             RUN(name,
