@@ -672,7 +672,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
     constexpr bool ROWC = (V & SQ_V_ROWC) && (V & SQ_V_RTU);
     constexpr bool SPREAD = V & SQ_V_SPREAD;
-    sq_rowc *rowc = nullptr; /* SQ_V_ROWC: per-row constants (the row scales add ar, ad) */
+    sq_rowc *rowc = nullptr; /* SQ_V_ROWC: per-row constants (sq_rowc) */
     if constexpr (ROWC) {
         __shared__ sq_rowc rowc_tab[SQ_D];
         rowc = rowc_tab;
