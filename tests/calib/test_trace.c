@@ -118,16 +118,25 @@ static void check_values(const struct stepq_trace_set *ts, int s, int li, int li
     check_values_as(ts, s, s, li, lid, hv);
 }
 
-static void round_trip_fp32_and_bf16_values_exact(void **state)
+/* Writes `name` under dir as the whole trace (layers 0,2, streams [0, ns) of `total`) and
+ * opens it as a set of one file. */
+static struct stepq_trace_set *write_and_open_one(const char *name, int ns, int total,
+                                                  stepq_trace_dtype dt)
 {
-    (void)state;
     char p[256];
-    snprintf(p, sizeof(p), "%s/a.safetensors", dir);
-    /* Values are multiples of 1/8 below 2^8 * 8: exact in bf16 too when small; use fp32 here. */
-    write_trace(p, 0, 2, 2, STEPQ_TRACE_F32, "0,2");
+    snprintf(p, sizeof(p), "%s/%s", dir, name);
+    write_trace(p, 0, ns, total, dt, "0,2");
     const char *paths[1] = { p };
     struct stepq_trace_set *ts;
     assert_int_equal(stepq_trace_set_open(paths, 1, &ts), 0);
+    return ts;
+}
+
+static void round_trip_fp32_and_bf16_values_exact(void **state)
+{
+    (void)state;
+    /* Values are multiples of 1/8 below 2^8 * 8: exact in bf16 too when small; use fp32 here. */
+    struct stepq_trace_set *ts = write_and_open_one("a.safetensors", 2, 2, STEPQ_TRACE_F32);
     const struct stepq_trace_info *I = stepq_trace_set_info(ts);
     assert_int_equal(I->n_streams, 2);
     assert_int_equal(I->n_layers, 2);
@@ -179,12 +188,7 @@ static void set_joins_files_split_by_streams_and_layers(void **state)
 static void bf16_storage_rounds_to_nearest(void **state)
 {
     (void)state;
-    char p[256];
-    snprintf(p, sizeof(p), "%s/b.safetensors", dir);
-    write_trace(p, 0, 1, 1, STEPQ_TRACE_BF16, "0,2");
-    const char *paths[1] = { p };
-    struct stepq_trace_set *ts;
-    assert_int_equal(stepq_trace_set_open(paths, 1, &ts), 0);
+    struct stepq_trace_set *ts = write_and_open_one("b.safetensors", 1, 1, STEPQ_TRACE_BF16);
     float q[12];
     assert_int_equal(stepq_trace_head(ts, 0, 1, 0, 0, 4, q, NULL, NULL, NULL, NULL, NULL), 0);
     /* 200.125 is not representable in bf16 (8 significant bits): 200.0 */
