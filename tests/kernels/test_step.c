@@ -111,6 +111,25 @@ static void pages_fill(struct pages *p, uint64_t seed)
 }
 
 /*
+ * NS pages of HV heads filled with a packed random state (seed_pages), and a
+ * problem of B requests on the same arch and head shape (seed_problem).
+ */
+static void packed_problem_init(struct pages *p, struct problem *pr, stepq_method m,
+                                stepq_arch arch, int B, int H, int HV, int dk, int dv, int NS,
+                                int bits, uint64_t seed_pages, uint64_t seed_problem)
+{
+    pages_init(p, m, arch, NS, HV, dk, dv, bits);
+    pages_fill(p, seed_pages);
+    problem_init(pr, arch, B, H, HV, dk, dv, seed_problem);
+}
+
+static void packed_problem_free(struct pages *p, struct problem *pr)
+{
+    problem_free(pr);
+    pages_free(p);
+}
+
+/*
  * Eq. 4: the packed step equals, page by page and byte by byte,
  * pack(step_dense(unpack(page))) with the same inputs, for every method and
  * both architectures; the outputs are the readout of the fp32 updated state.
@@ -123,9 +142,8 @@ static void packed_step_is_quantize_of_update_of_dequantize(void **state)
         for (size_t m = 0; m < N_METHODS; m++) {
             struct pages p;
             struct problem pr;
-            pages_init(&p, all_methods[m], (stepq_arch)arch, NS, HV, DK, DV, 4);
-            pages_fill(&p, 100 + m);
-            problem_init(&pr, (stepq_arch)arch, B, H, HV, DK, DV, 7 + m);
+            packed_problem_init(&p, &pr, all_methods[m], (stepq_arch)arch, B, H, HV, DK, DV, NS, 4,
+                                100 + m, 7 + m);
             pr.slots[0] = 4;
             pr.slots[1] = 1;
             pr.slots[2] = 2;
@@ -155,8 +173,7 @@ static void packed_step_is_quantize_of_update_of_dequantize(void **state)
             assert_memory_equal(p.mem, expect, pages_bytes(&p));
             assert_memory_equal(pr.o, o_ref, sizeof(o_ref));
             free(expect);
-            problem_free(&pr);
-            pages_free(&p);
+            packed_problem_free(&p, &pr);
         }
     }
 }
@@ -168,9 +185,7 @@ static void fp32_packed_step_equals_dense_step(void **state)
     enum { B = 2, H = 2, HV = 4, DK = 8, DV = 8, NS = 3 };
     struct pages p;
     struct problem pr;
-    pages_init(&p, STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, NS, HV, DK, DV, 0);
-    pages_fill(&p, 1);
-    problem_init(&pr, STEPQ_ARCH_GDN, B, H, HV, DK, DV, 2);
+    packed_problem_init(&p, &pr, STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, B, H, HV, DK, DV, NS, 0, 1, 2);
     size_t stride = (size_t)HV * DK * DV;
     float dense[NS * HV * DK * DV], o_ref[B * HV * DV];
     int32_t all[NS] = { 0, 1, 2 };
@@ -186,8 +201,7 @@ static void fp32_packed_step_equals_dense_step(void **state)
             assert_memory_equal(p.mem + s * p.pl.page_stride + p.offset[h],
                                 dense + s * stride + (size_t)h * DK * DV, sizeof(float) * DK * DV);
     assert_memory_equal(pr.o, o_ref, sizeof(o_ref));
-    problem_free(&pr);
-    pages_free(&p);
+    packed_problem_free(&p, &pr);
 }
 
 static void pack_and_unpack_accept_both_layouts(void **state)
@@ -245,9 +259,8 @@ static void packed_step_skips_padding_and_leaves_other_pages(void **state)
     enum { B = 3, H = 1, HV = 2, DK = 8, DV = 8, NS = 5 };
     struct pages p;
     struct problem pr;
-    pages_init(&p, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, NS, HV, DK, DV, 6);
-    pages_fill(&p, 9);
-    problem_init(&pr, STEPQ_ARCH_GDN, B, H, HV, DK, DV, 10);
+    packed_problem_init(&p, &pr, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, B, H, HV, DK, DV, NS, 6, 9,
+                        10);
     pr.slots[0] = -1;
     pr.slots[1] = 3;
     pr.slots[2] = -1;
@@ -268,8 +281,7 @@ static void packed_step_skips_padding_and_leaves_other_pages(void **state)
         assert_true(pr.o[2 * HV * DV + e] == 7.0f);
     }
     free(before);
-    problem_free(&pr);
-    pages_free(&p);
+    packed_problem_free(&p, &pr);
 }
 
 static void packed_kernels_reject_bad_layers_without_writing(void **state)
@@ -278,9 +290,8 @@ static void packed_kernels_reject_bad_layers_without_writing(void **state)
     enum { B = 1, H = 1, HV = 2, DK = 4, DV = 4, NS = 2 };
     struct pages p;
     struct problem pr;
-    pages_init(&p, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, NS, HV, DK, DV, 4);
-    pages_fill(&p, 1);
-    problem_init(&pr, STEPQ_ARCH_GDN, B, H, HV, DK, DV, 1);
+    packed_problem_init(&p, &pr, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, B, H, HV, DK, DV, NS, 4, 1,
+                        1);
     pr.a.n_slots = NS;
     uint8_t *before = pages_snapshot(&p);
     float x[HV * DK * DV] = { 0 };
@@ -309,8 +320,7 @@ static void packed_kernels_reject_bad_layers_without_writing(void **state)
                      STEPQ_EINVAL);
     assert_memory_equal(p.mem, before, pages_bytes(&p));
     free(before);
-    problem_free(&pr);
-    pages_free(&p);
+    packed_problem_free(&p, &pr);
 }
 
 /* A NaN input keeps the head's page bytes as they were; flag INPUT. */
@@ -320,9 +330,7 @@ static void non_finite_input_keeps_the_packed_page(void **state)
     enum { B = 1, H = 1, HV = 2, DK = 4, DV = 4, NS = 2 };
     struct pages p;
     struct problem pr;
-    pages_init(&p, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, NS, HV, DK, DV, 4);
-    pages_fill(&p, 3);
-    problem_init(&pr, STEPQ_ARCH_KDA, B, H, HV, DK, DV, 4);
+    packed_problem_init(&p, &pr, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, B, H, HV, DK, DV, NS, 4, 3, 4);
     pr.a.n_slots = NS;
     uint32_t health[NS] = { 0 };
     uint64_t counts[STEPQ__HEALTH_NCOUNTS] = { 0 };
@@ -337,8 +345,7 @@ static void non_finite_input_keeps_the_packed_page(void **state)
     assert_int_equal(health[1], STEPQ__HEALTH_INPUT);
     assert_int_equal(counts[0], 2);
     free(before);
-    problem_free(&pr);
-    pages_free(&p);
+    packed_problem_free(&p, &pr);
 }
 
 /* A page corrupted to hold fp16 Inf/NaN (pivot row) is repaired: the step
@@ -349,9 +356,7 @@ static void corrupted_page_is_stored_finite_and_flagged(void **state)
     enum { B = 1, H = 1, HV = 2, DK = 4, DV = 4, NS = 2 };
     struct pages p;
     struct problem pr;
-    pages_init(&p, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, NS, HV, DK, DV, 4);
-    pages_fill(&p, 3);
-    problem_init(&pr, STEPQ_ARCH_KDA, B, H, HV, DK, DV, 4);
+    packed_problem_init(&p, &pr, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, B, H, HV, DK, DV, NS, 4, 3, 4);
     pr.a.n_slots = NS;
     uint32_t health[NS] = { 0 };
     pr.a.health = health;
@@ -370,8 +375,7 @@ static void corrupted_page_is_stored_finite_and_flagged(void **state)
         assert_true(isfinite(x[e]));
     for (int e = 0; e < HV * DV; e++)
         assert_true(isfinite(pr.o[e]));
-    problem_free(&pr);
-    pages_free(&p);
+    packed_problem_free(&p, &pr);
 }
 
 /*
