@@ -17,6 +17,19 @@ struct problem {
     int32_t *slots;
 };
 
+/* Points a at the per-row tensors of a step: inputs q, k, v, g, beta and output o. */
+static inline void step_args_set_tensors(struct stepq__step_args *a, const float *q, const float *k,
+                                         const float *v, const float *g, const float *beta,
+                                         float *o)
+{
+    a->q = q;
+    a->k = k;
+    a->v = v;
+    a->g = g;
+    a->beta = beta;
+    a->o = o;
+}
+
 /* Allocates and fills inputs for n rows (requests of a step, or tokens of a prefill). */
 static inline void problem_init(struct problem *p, stepq_arch arch, int n, int H, int HV, int d_k,
                                 int d_v, uint64_t seed)
@@ -51,12 +64,7 @@ static inline void problem_init(struct problem *p, stepq_arch arch, int n, int H
     p->a.d_v = d_v;
     p->a.n_slots = n + 1;
     p->a.slots = p->slots;
-    p->a.q = p->q;
-    p->a.k = p->k;
-    p->a.v = p->v;
-    p->a.g = p->g;
-    p->a.beta = p->beta;
-    p->a.o = p->o;
+    step_args_set_tensors(&p->a, p->q, p->k, p->v, p->g, p->beta, p->o);
     p->a.opt.l2norm = 1;
 }
 
@@ -82,12 +90,9 @@ static inline struct stepq__step_args problem_token(const struct problem *p, int
     a.batch = 1;
     a.n_slots = 1;
     a.slots = slot;
-    a.q = p->q + (size_t)t * a.H * a.d_k;
-    a.k = p->k + (size_t)t * a.H * a.d_k;
-    a.v = p->v + (size_t)t * a.HV * a.d_v;
-    a.g = p->g + (size_t)t * a.HV * n_g;
-    a.beta = p->beta + (size_t)t * a.HV;
-    a.o = o;
+    step_args_set_tensors(&a, p->q + (size_t)t * a.H * a.d_k, p->k + (size_t)t * a.H * a.d_k,
+                          p->v + (size_t)t * a.HV * a.d_v, p->g + (size_t)t * a.HV * n_g,
+                          p->beta + (size_t)t * a.HV, o);
     return a;
 }
 

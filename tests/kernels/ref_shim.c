@@ -8,6 +8,7 @@
 
 #include "kernels/dsp.h"
 #include "plugin/err.h"
+#include "tests/kernels/problem.h"
 
 #define SHIM_API __attribute__((visibility("default")))
 
@@ -51,12 +52,9 @@ int stepq_ref_shim_run(int arch, int B, int T, int H, int HV, int d_k, int d_v, 
     if (chunk > 0) {
         a.batch = T;
         for (int b = 0; b < B; b++) {
-            a.q = q + (size_t)b * T * sq;
-            a.k = k + (size_t)b * T * sq;
-            a.v = v + (size_t)b * T * sv;
-            a.g = g + (size_t)b * T * sg;
-            a.beta = beta + (size_t)b * T * HV;
-            a.o = o + (size_t)b * T * sv;
+            step_args_set_tensors(&a, q + (size_t)b * T * sq, k + (size_t)b * T * sq,
+                                  v + (size_t)b * T * sv, g + (size_t)b * T * sg,
+                                  beta + (size_t)b * T * HV, o + (size_t)b * T * sv);
             int rc = stepq__ref_prefill_chunked(&a, chunk, state + (size_t)b * HV * d_k * d_v,
                                                 STEPQ__LAYOUT_KV);
             if (rc < 0)
@@ -80,12 +78,7 @@ int stepq_ref_shim_run(int arch, int B, int T, int H, int HV, int d_k, int d_v, 
     a.batch = B;
     a.n_slots = B;
     a.slots = slots;
-    a.q = tq;
-    a.k = tk;
-    a.v = tv;
-    a.g = tg;
-    a.beta = tb;
-    a.o = to;
+    step_args_set_tensors(&a, tq, tk, tv, tg, tb, to);
     struct stepq__dense_states st = { state, (size_t)HV * d_k * d_v, STEPQ__LAYOUT_KV };
     for (int t = 0; t < T && rc == STEPQ_OK; t++) {
         for (int b = 0; b < B; b++) {

@@ -28,12 +28,7 @@ static struct stepq__step_args one_head(stepq_arch arch, const float *q, const f
     a.d_k = a.d_v = 2;
     a.n_slots = 1;
     a.slots = slot;
-    a.q = q;
-    a.k = k;
-    a.v = v;
-    a.g = g;
-    a.beta = beta;
-    a.o = o;
+    step_args_set_tensors(&a, q, k, v, g, beta, o);
     a.opt.scale = 1.0f;
     return a;
 }
