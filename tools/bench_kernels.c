@@ -263,20 +263,18 @@ static const struct vrow vrows[] = {
 
 static int usage(FILE *f)
 {
-    fprintf(f,
-            "usage: stepq bench kernels [--json FILE] [--quick] [--only LABEL] [--batch B]\n"
-            "                           [--shape gdn|kda]\n"
-            "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
-            "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
-            "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
-            "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
-            "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
-            "  (for profilers). Rows marked (old) run the thread-per-column kernels,\n"
-            "  (persistent) the packed / bf16 step as a persistent grid that prefetches the\n"
-            "  next head; rows ending in (u), (rc), (s) run prepared variants (set_tile_variant:\n"
-            "  u = unpack kernel, rc = per-row constants of the run-time-width path: KDA only,\n"
-            "  GDN layers have uniform-width heads and run the shipped kernel; s = per-column\n"
-            "  phases on all 256 threads), next to shipped rows of the same configuration.\n");
+    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick] [--only LABEL] [--batch B]\n"
+               "                           [--shape gdn|kda]\n"
+               "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
+               "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
+               "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
+               "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
+               "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
+               "  (for profilers). Rows marked (old) run the thread-per-column kernels; rows\n"
+               "  ending in (u), (rc), (s) run prepared variants (set_tile_variant:\n"
+               "  u = unpack kernel, rc = per-row constants of the run-time-width path: KDA only,\n"
+               "  GDN layers have uniform-width heads and run the shipped kernel; s = per-column\n"
+               "  phases on all 256 threads), next to shipped rows of the same configuration.\n");
     return f == stdout ? 0 : 2;
 }
 
@@ -408,24 +406,21 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             /*
              * rows: 5 methods (step), two-stage stepq@6, pack and unpack of
              * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
-             * kernels (old), the persistent grids, then the prepared-variant rows (vrows).
+             * kernels (old), then the prepared-variant rows (vrows).
              */
-            for (int row = 0; row < 13 + N_VROWS && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4, 4, 1 };
-                const struct vrow *vr = row >= 13 ? &vrows[row - 13] : NULL;
+            for (int row = 0; row < 11 + N_VROWS && rc == 0; row++) {
+                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4 };
+                const struct vrow *vr = row >= 11 ? &vrows[row - 11] : NULL;
                 const struct method *me = &methods[vr ? vr->method : row_method[row]];
-                /* flat: the persistent grid (packed step / bf16 step); a step row of a variant */
-                const int old = row >= 8 && row <= 10,
-                          flat = (row >= 11 && !vr) || (vr && vr->kind == K_PACKED);
+                /* flat: a packed-step row of a prepared variant */
+                const int old = row >= 8 && row <= 10, flat = vr && vr->kind == K_PACKED;
                 char lab[32];
                 snprintf(lab, sizeof(lab), "%s%s", me->name,
-                         old         ? " (old)"
-                         : row == 11 ? " (persistent)"
-                         : row == 12 ? " (persistent)"
-                         : row == 5  ? " two-stage"
-                         : row == 6  ? " pack"
-                         : row == 7  ? " unpack"
-                                     : "");
+                         old        ? " (old)"
+                         : row == 5 ? " two-stage"
+                         : row == 6 ? " pack"
+                         : row == 7 ? " unpack"
+                                    : "");
                 const char *label = vr ? vr->label : lab;
                 if (only && strcmp(only, label))
                     continue;
@@ -508,12 +503,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 }
                 stepq__cuda_set_legacy(old);
                 stepq__cuda_set_tile_variant(vr ? vr->vbits : 0);
-                stepq__cuda_set_persist(row == 11   ? STEPQ__CUDA_PERSIST_PACKED
-                                        : row == 12 ? STEPQ__CUDA_PERSIST_BF16
-                                                    : 0);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
-                stepq__cuda_set_persist(0);
                 stepq__cuda_set_tile_variant(0);
                 if (us < 0)
                     rc = 1;

@@ -118,19 +118,6 @@ int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size
  */
 void stepq__cuda_set_legacy(int on);
 
-/** Persistent-grid selection bits for stepq__cuda_set_persist. */
-#define STEPQ__CUDA_PERSIST_PACKED 1 /**< fused packed step */
-#define STEPQ__CUDA_PERSIST_BF16   2 /**< dense bf16 step */
-
-/**
- * Selects which tile kernels run as a persistent grid that stages the next
- * head (cp.async into a second shared buffer) while the current one is
- * updated; the others run one block per (request, head). Default 0: both
- * persistent variants measured slower on the H200 (the packed one spills at
- * the 128-register cap; README). For tests and the benchmark; process-wide.
- */
-void stepq__cuda_set_persist(int mode);
-
 /** Prepared-variant bits for stepq__cuda_set_tile_variant (README, "Prepared variants"). */
 #define STEPQ__CUDA_TILE_UNPACK 1 /**< unpack on sq_unpack_kernel (unpack_kernel.cuh) */
 #define STEPQ__CUDA_TILE_ROWC   2 /**< run-time widths: per-row constants from a shared table */

@@ -70,8 +70,7 @@ struct sq_io {
     int dense_vec; /* dense base and stride allow 16-byte (fp32) / 8-byte (bf16) vectors */
     uint32_t *health;
     unsigned long long *counts;
-    int *skip;           /* two-stage: [entries][HV], stage 1 marks heads left untouched */
-    uint32_t buf_stride; /* sq_tile_persist: bytes of each of its two block buffers */
+    int *skip; /* two-stage: [entries][HV], stage 1 marks heads left untouched */
 };
 
 __device__ __forceinline__ float sq_h2f(uint16_t h)

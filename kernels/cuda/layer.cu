@@ -336,41 +336,6 @@ static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io
     return STEPQ_OK;
 }
 
-template <int SRC, bool UPDATE, int SINK>
-static int launch_persist(int n_items, int HV, size_t buf_stride, cudaStream_t s, const sq_step &st,
-                          sq_io io, const char *who)
-{
-    /* per instantiation; benign races (idempotent values) */
-    static int attr_done, n_sm, occ;
-    static size_t occ_smem;
-    const size_t smem = 2 * buf_stride;
-    if (n_items == 0)
-        return STEPQ_OK;
-    if (!attr_done) {
-        int dev = 0;
-        SQ_CU(cudaFuncSetAttribute(sq_tile_persist<SRC, UPDATE, SINK>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
-              who);
-        SQ_CU(cudaGetDevice(&dev), who);
-        SQ_CU(cudaDeviceGetAttribute(&n_sm, cudaDevAttrMultiProcessorCount, dev), who);
-        attr_done = 1;
-    }
-    if (occ_smem != smem) {
-        SQ_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-                  &occ, sq_tile_persist<SRC, UPDATE, SINK>, SQ_THREADS, smem),
-              who);
-        occ_smem = smem;
-    }
-    io.buf_stride = (uint32_t)buf_stride;
-    long grid = (long)n_sm * (occ > 0 ? occ : 1);
-    if (grid > n_items)
-        grid = n_items;
-    sq_tile_persist<SRC, UPDATE, SINK>
-        <<<(unsigned)grid, SQ_THREADS, smem, s>>>(st, io, n_items, HV);
-    SQ_CU(cudaGetLastError(), who);
-    return STEPQ_OK;
-}
-
 /* Dynamic shared memory of the tile kernel: the block and 16 bytes read past it. */
 static size_t tile_smem(size_t max_block)
 {
@@ -382,18 +347,6 @@ static int legacy_kernels; /* stepq__cuda_set_legacy: thread-per-column kernel e
 extern "C" void stepq__cuda_set_legacy(int on)
 {
     legacy_kernels = on != 0;
-}
-
-/*
- * stepq__cuda_set_persist: bit 0 packed step, bit 1 bf16 dense step. Default
- * none: on the H200 both persistent variants measured slower than one block
- * per (request, head) (README, "Measurements").
- */
-static int persist_mode = 0;
-
-extern "C" void stepq__cuda_set_persist(int mode)
-{
-    persist_mode = mode;
 }
 
 /* stepq__cuda_set_tile_variant: prepared, unmeasured variants (STEPQ__CUDA_TILE_*); 0 = shipped */
@@ -519,19 +472,13 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     const int tile = use_tile(L);
     if (tile)
         smem = tile_smem(L->max_block);
-    /* persistent grid with prefetch when two block buffers fit */
-    const int persist =
-        tile && (persist_mode & STEPQ__CUDA_PERSIST_PACKED) && 2 * smem <= SQ_DYN_SMEM_MAX;
-    const int n_items = a->batch * a->HV;
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
     const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) | variant_bits();
     if (variant == STEPQ__CUDA_FUSED)
-        return persist ? launch_persist<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(n_items, a->HV, smem,
-                                                                             s, st, io, who)
-               : tile  ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
-                                                                         who)
-                       : launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
+        return tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
+                                                                       who)
+                    : launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
     if (variant != STEPQ__CUDA_TWO_STAGE)
         return stepq__error(STEPQ_EINVAL, "%s: unknown variant %d", who, (int)variant);
 
@@ -705,12 +652,6 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
      * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
      * 2.4x faster than the tile's 32-byte-per-thread rows.
      */
-    /* bf16 persistent variant: the next head's tile staged by cp.async while this one updates */
-    const size_t bf_stride = 2 * SQ_D * SQ_D + 16;
-    if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16 && io.dense_vec &&
-        (persist_mode & STEPQ__CUDA_PERSIST_BF16) && 2 * bf_stride <= SQ_DYN_SMEM_MAX)
-        return launch_persist<SQ_SRC_STAGED, true, SQ_SINK_DENSE>(
-            a->batch * a->HV, a->HV, bf_stride, (cudaStream_t)a->stream, st, io, who);
     if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16)
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
                                                               io, 0, who);

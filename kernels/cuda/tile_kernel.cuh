@@ -48,7 +48,6 @@
 #include "kernels/cuda/head_kernel.cuh"
 
 #define SQ_TMIN_BLOCKS 2
-#define SQ_SRC_STAGED  2 /* dense bf16 tile staged in shared memory by the persistent kernel */
 #define SQ_MAGIC       12582912.0f /* 1.5 * 2^23: t = y + MAGIC rounds y half to even */
 #define SQ_MAGIC_I     0x4B400000
 
@@ -630,13 +629,10 @@ __device__ __forceinline__ void sq_cp_commit()
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 }
 
-/* Waits for the current head's block; `next` leaves the newest group (the prefetch) in flight. */
-__device__ __forceinline__ void sq_cp_wait_cur(bool next)
+/* Waits for the head's block (every outstanding cp.async group). */
+__device__ __forceinline__ void sq_cp_wait_cur()
 {
-    if (next)
-        asm volatile("cp.async.wait_group 1;\n" ::: "memory");
-    else
-        asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
 }
 
 /* Issues the cp.async copy of a head block into buf (one commit group). */
@@ -650,16 +646,15 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 /*
  * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
  * dense; SINK: packed (quantized) or dense. With a packed source the block
- * has been staged into buf by the caller (sq_stage_block); `next`: a later
- * commit group (the next item's prefetch) may still be in flight.
+ * has been staged into buf by the caller (sq_stage_block).
  * Ends with a barrier: buf and sm are free when it returns. V: SQ_V_* bits.
  */
 template <int SRC, bool UPDATE, int SINK, int V = 0>
 __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
                                              int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
-                                             const sq_in &in, bool next, const int t)
+                                             const sq_in &in)
 {
-    /* t: threadIdx.x (sq_tid_opaque() in the persistent loop) */
+    const int t = threadIdx.x;
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
@@ -747,7 +742,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
         if (__syncthreads_or(bad)) {
             if (SRC != SQ_SRC_DENSE)
-                sq_cp_wait_cur(next); /* nothing may land in a finished block */
+                sq_cp_wait_cur(); /* nothing may land in a finished block */
             if (t < SQ_D)
                 st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
             if (t == 0) {
@@ -758,7 +753,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 if (io.counts)
                     atomicAdd(io.counts + 0, 1ull);
             }
-            __syncthreads(); /* the next item rewrites sm */
+            __syncthreads(); /* buf and sm are free when it returns */
             return;
         }
         if (t < SQ_D) {
@@ -785,11 +780,11 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         if (io.skip && t == 0)
             io.skip[(size_t)e * HV + hv] = 0;
         if (SRC != SQ_SRC_DENSE)
-            sq_cp_wait_cur(next);
+            sq_cp_wait_cur();
         __syncthreads();
         kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
     } else if (SRC == SQ_SRC_PACKED) {
-        sq_cp_wait_cur(next);
+        sq_cp_wait_cur();
         __syncthreads();
     }
 
@@ -868,8 +863,6 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 }
             }
     } else if (UPDATE) {
-        if (SRC == SQ_SRC_STAGED)
-            sq_tload<SQ_BF16>(x, buf, 0, io.layout_vk, true, R0, C0);
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const float d = sm.dec[R0 + r];
@@ -1209,7 +1202,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 if (f & (1u << bit))
                     atomicAdd(io.counts + bit, 1ull);
     }
-    __syncthreads(); /* buf and sm are reused by the next item (persistent loop) */
+    __syncthreads(); /* buf and sm are free when it returns */
 }
 
 template <int SRC, bool UPDATE, int SINK, int V = 0>
@@ -1233,93 +1226,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     }
     sq_in in;
     sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
-    sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in, false, threadIdx.x);
-}
-
-/*
- * %tid.x through volatile asm: in the persistent loop the compiler would
- * otherwise hoist every thread-derived address out of it and keep them live
- * across the whole item (spills).
- */
-__device__ __forceinline__ int sq_tid_opaque()
-{
-    int t;
-    asm volatile("mov.u32 %0, %%tid.x;" : "=r"(t));
-    return t;
-}
-
-/* The slot of work item `it` (entry it / HV, head it % HV), or -1 when skipped. */
-template <bool UPDATE>
-__device__ __forceinline__ int32_t sq_item_slot(const sq_io &io, int it, int HV)
-{
-    const int e = it / HV;
-    const int32_t slot = io.slots ? io.slots[e] : e;
-    if (slot < 0 || slot >= io.n_slots)
-        return -1;
-    if (!UPDATE && io.skip && io.skip[it])
-        return -1;
-    return slot;
-}
-
-/* The first item >= it (stride gridDim.x) whose slot is not skipped, or >= n_items. */
-template <bool UPDATE>
-__device__ __forceinline__ int sq_next_item(const sq_io &io, int it, int n_items, int HV)
-{
-    while (it < n_items && sq_item_slot<UPDATE>(io, it, HV) < 0)
-        it += gridDim.x;
-    return it;
-}
-
-/* Stages item `it`'s source: its packed block, or its bf16 dense tile (32 KiB). */
-template <int SRC>
-__device__ __forceinline__ void sq_stage_item(uint8_t *buf, const sq_io &io, int it, int HV,
-                                              int32_t slot)
-{
-    if (SRC == SQ_SRC_PACKED) {
-        const sq_head_desc *hd = io.heads + it % HV;
-        sq_stage_block(buf, io.pages + (size_t)slot * io.page_stride + hd->block_off,
-                       hd->block_bytes);
-    } else {
-        const size_t off = (size_t)(io.dense_by_slot ? slot : it / HV) * io.dense_stride +
-                           (size_t)(it % HV) * SQ_D * SQ_D;
-        sq_stage_block(buf, (const uint8_t *)((const uint16_t *)io.dense + off), 2 * SQ_D * SQ_D);
-    }
-}
-
-/*
- * Persistent variant for packed sources (and staged bf16 dense tiles): gridDim.x blocks walk the
- * items it = blockIdx.x + k * gridDim.x; while item k is processed, the block of item k+1 is
- * already travelling into the second buffer (cp.async) and its q/k/v/g/beta into registers, so the
- * load latency hides behind the fit. Dynamic shared memory: two buffers of io.buf_stride bytes.
- */
-template <int SRC, bool UPDATE, int SINK>
-__global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS)
-    sq_tile_persist(sq_step st, sq_io io, int n_items, int HV)
-{
-    extern __shared__ __align__(16) uint8_t sq_dyn[];
-    __shared__ sq_tsmem sm;
-    int it = sq_next_item<UPDATE>(io, (int)blockIdx.x, n_items, HV);
-    if (it >= n_items)
-        return;
-    int cur = 0;
-    sq_stage_item<SRC>(sq_dyn, io, it, HV, sq_item_slot<UPDATE>(io, it, HV));
-    /*
-     * Only `it` and `cur` live across an item (the next item is recomputed
-     * after it): the item body already uses 127 of the 128 registers.
-     */
-    while (it < n_items) {
-        int nx = sq_next_item<UPDATE>(io, it + (int)gridDim.x, n_items, HV);
-        if (nx < n_items)
-            sq_stage_item<SRC>(sq_dyn + (cur ^ 1) * io.buf_stride, io, nx, HV,
-                               sq_item_slot<UPDATE>(io, nx, HV));
-        sq_in in;
-        sq_load_in<UPDATE>(in, st, it % HV, it / HV, HV, threadIdx.x);
-        sq_tile_item<SRC, UPDATE, SINK>(
-            st, io, it % HV, it / HV, HV, sq_item_slot<UPDATE>(io, it, HV),
-            sq_dyn + cur * io.buf_stride, sm, in, nx < n_items, sq_tid_opaque());
-        it = sq_next_item<UPDATE>(io, it + (int)gridDim.x, n_items, HV);
-        cur ^= 1;
-    }
+    sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in);
 }
 
 #endif /* STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH */

@@ -829,20 +829,6 @@ int main(void)
     RUN("legacy dense bf16 gdn 1 step [K,V]",
         run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 1));
     stepq__cuda_set_legacy(0);
-    /* the persistent grids (packed step, bf16 step) */
-    stepq__cuda_set_persist(STEPQ__CUDA_PERSIST_PACKED);
-    RUN("persistent gdn step stepq mixed + pivot head",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
-    RUN("persistent kda step stepq mixed rows",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
-    RUN("persistent gdn step non-finite input",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
-    stepq__cuda_set_persist(STEPQ__CUDA_PERSIST_BF16);
-    RUN("persistent dense bf16 gdn 1 step [V,K]",
-        run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_VK, 2, 4, B, 1, 1));
-    RUN("persistent dense bf16 kda 1 step [K,V]",
-        run_dense(STEPQ_ARCH_KDA, STEPQ__LAYOUT_KV, 2, 2, B, 1, 1));
-    stepq__cuda_set_persist(0);
     /*
      * Prepared variants (stepq__cuda_set_tile_variant): the checks of the
      * shipped path, run under each variant (RUN_FULL: fewer under
