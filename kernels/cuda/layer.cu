@@ -551,6 +551,21 @@ static int check_dense_io(int n, const int32_t *slots, const void *buf, size_t s
     return STEPQ_OK;
 }
 
+/* The work description of a pack / unpack: the layer's pages and one dense tensor per entry. */
+static sq_io transfer_io(const struct stepq__packed_layer *pl, const stepq__cuda_layer *L,
+                         const int32_t *slots, void *dense, size_t stride, stepq__layout layout,
+                         stepq__dtype dtype)
+{
+    sq_io io = make_io(pl, L);
+    io.slots = slots;
+    io.dense = dense;
+    io.dense_stride = stride;
+    io.dense_vec = dense_vec_ok(dense, stride, dtype);
+    io.layout_vk = layout == STEPQ__LAYOUT_VK;
+    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    return io;
+}
+
 extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L,
                                          int n, const int32_t *slots, const void *src,
                                          size_t src_stride, stepq__layout layout,
@@ -567,13 +582,7 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     sq_step st;
     memset(&st, 0, sizeof(st));
     st.H = st.HV = pl->n_heads;
-    sq_io io = make_io(pl, L);
-    io.slots = slots;
-    io.dense = (void *)src;
-    io.dense_stride = src_stride;
-    io.dense_vec = dense_vec_ok(src, src_stride, dtype);
-    io.layout_vk = layout == STEPQ__LAYOUT_VK;
-    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    sq_io io = transfer_io(pl, L, slots, (void *)src, src_stride, layout, dtype);
     io.health = health;
     io.counts = (unsigned long long *)counts;
     dim3 grid((unsigned)pl->n_heads, (unsigned)n);
@@ -599,13 +608,7 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
     sq_step st;
     memset(&st, 0, sizeof(st));
     st.H = st.HV = pl->n_heads;
-    sq_io io = make_io(pl, L);
-    io.slots = slots;
-    io.dense = dst;
-    io.dense_stride = dst_stride;
-    io.dense_vec = dense_vec_ok(dst, dst_stride, dtype);
-    io.layout_vk = layout == STEPQ__LAYOUT_VK;
-    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    sq_io io = transfer_io(pl, L, slots, dst, dst_stride, layout, dtype);
     if ((tile_variant & STEPQ__CUDA_TILE_UNPACK) && use_tile(L)) {
         const dim3 grid((unsigned)n, (unsigned)pl->n_heads);
         const size_t smem = tile_smem(L->max_block);
