@@ -56,29 +56,6 @@ def parse_args(argv=None):
     return a
 
 
-def map_bits_per_value(path):
-    """Compact bits per value of a GDN map (config/SCHEMA.md accounting)."""
-    with open(path) as f:
-        m = json.load(f)
-    meth = m["method"]
-    if meth in ("fp32", "bf16", "fp16"):
-        return 32.0 if meth == "fp32" else 16.0
-    md = m["model"]
-    K, V = md["head_k_dim"], md["head_v_dim"]
-    col = meth in ("dsq", "spatial", "stepq")
-    bits = 0
-    n = 0
-    for layer in m["layers"]:
-        for h in layer["heads"]:
-            b = h["bits"]
-            n += K * V
-            if b == 16:
-                bits += 16 * K * V
-            else:
-                bits += 8 * ((K * V * b + 7) // 8) + 16 * K + (16 * V if col else 0)
-    return bits / n
-
-
 def _ptr(t):
     """Address of a torch tensor's or a numpy array's data."""
     return t.data_ptr() if hasattr(t, "data_ptr") else t.ctypes.data
@@ -116,6 +93,8 @@ class Shim:
         L.stepq_shim_layer_index.restype = i
         L.stepq_shim_shape.argtypes = [vp, ctypes.POINTER(i)]
         L.stepq_shim_shape.restype = i
+        L.stepq_shim_bits_per_value.argtypes = [vp, ctypes.POINTER(ctypes.c_double)]
+        L.stepq_shim_bits_per_value.restype = i
         L.stepq_shim_roundtrip.argtypes = [vp, i, vp, i]
         L.stepq_shim_roundtrip.restype = i
         L.stepq_shim_close.argtypes = [vp]
@@ -144,6 +123,18 @@ class Shim:
         self.shapes[h.value] = (out[1], out[2], out[3])
         self.nlayers[h.value] = out[0]
         return h
+
+    def bits_per_value(self, map_path):
+        """Compact bits per value of a map, from the library's accounting (config/SCHEMA.md)."""
+        h = self.open(map_path)
+        d = ctypes.c_double()
+        rc = self.lib.stepq_shim_bits_per_value(h, ctypes.byref(d))
+        self.lib.stepq_shim_close(h)
+        self.shapes.pop(h.value, None)
+        self.nlayers.pop(h.value, None)
+        if rc < 0:
+            raise SystemExit("nll_eval: %s: %s" % (map_path, self.err()))
+        return d.value
 
     def shape(self, h):
         """(HV, d_k, d_v) of the map behind h."""
@@ -198,7 +189,7 @@ def self_test(a):
     for name, path in specs:
         with open(path) as f:
             m = json.load(f)
-        bpv = map_bits_per_value(path)
+        bpv = shim.bits_per_value(path)
         if m["method"] in ("fp32", "bf16", "fp16"):
             print("self-test: %-16s dense %s, %.3f bits/value" % (name, m["method"], bpv))
             continue
@@ -548,7 +539,7 @@ def main(argv=None):
         el = ms(d[:, -256:].mean(dim=1).tolist())
         n = ms(r["nll"].mean(dim=1).tolist())
         bpv = 32.0 if name == "fp32" and r["path"] is None else 16.0 if name == "bf16" and r["path"] is None \
-            else map_bits_per_value(r["path"])
+            else shim.bits_per_value(r["path"])
         # Paired difference against stepq at the same nominal budget (per-stream differences, so
         # the stream-to-stream spread of the text cancels).
         vs, vs_m, vs_se = None, None, None

@@ -46,6 +46,7 @@ struct shim {
 SHIM_API int stepq_shim_open(const char *map_path, int threads, void **out);
 SHIM_API int stepq_shim_layer_index(void *h, int model_layer);
 SHIM_API int stepq_shim_shape(void *h, int out[5]);
+SHIM_API int stepq_shim_bits_per_value(void *h, double *out);
 SHIM_API int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n);
 SHIM_API void stepq_shim_close(void *h);
 SHIM_API const char *stepq_shim_last_error(void);
@@ -87,6 +88,20 @@ int stepq_shim_shape(void *h, int out[5])
     out[2] = s->sh.head_k_dim;
     out[3] = s->sh.head_v_dim;
     out[4] = s->sh.arch == STEPQ_ARCH_KDA;
+    return STEPQ_OK;
+}
+
+/* The map's compact bits per state value, from the library's accounting (config/SCHEMA.md). */
+int stepq_shim_bits_per_value(void *h, double *out)
+{
+    const struct shim *s = h;
+    stepq_map_memory mem;
+    if (!s || !out)
+        return stepq__error(STEPQ_EINVAL, "shim: NULL handle or output");
+    int rc = stepq_map_memory_info(s->map, &mem);
+    if (rc < 0)
+        return rc;
+    *out = mem.bits_per_value;
     return STEPQ_OK;
 }
 
