@@ -1,14 +1,19 @@
 /*
- * stepq bench kernels [--json FILE] [--quick]: one decode step of one layer
- * on the GPU, timed with CUDA events (3 warm-up launches, median of 20),
- * for the Qwen3-Next-80B-A3B (GDN, 32 value heads over 16 q/k heads) and
- * Kimi-Linear-48B (KDA, 32 heads) layer shapes at TP1.
+ * stepq bench kernels [--json FILE] [--quick] [--peer FILE]: one decode step,
+ * pack and unpack of one layer on the GPU, timed with CUDA events (3 warm-up
+ * launches, median of 20), for the Qwen3-Next-80B-A3B (GDN, 32 value heads
+ * over 16 q/k heads) and Kimi-Linear-48B (KDA, 32 heads) layer shapes at TP1.
  *
  * Bytes moved = state bytes read + written (packed pages incl. alignment, or
  * the dense state; the two-stage rows add their fp32 scratch write + read)
  * + q/k/v/g/beta read + o written. The device copy bandwidth is measured in
  * the same run (cudaMemcpy device-to-device of 1 GiB, read + write counted).
+ *
+ * The peer (flash-linear-attention's fp32-state kernels) is timed by
+ * tools/bench_peer_fla.py in its own process; --peer reads its JSON. Without
+ * it the fp32 rows carry the peer times quoted in issue 5, marked as quoted.
  */
+#include <errno.h>
 #include <math.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -18,6 +23,7 @@
 #include "tools/commands.h"
 
 #if STEPQ_HAVE_CUDA
+#include <cjson/cJSON.h>
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/cuda.h"
@@ -29,11 +35,18 @@
 #define WARMUP 3
 #define RUNS   20
 #define MAX_B  512
+/* A peer file is a few kB; anything this large is not one. */
+#define PEER_MAX_BYTES (1u << 20)
 
-/* Quoted from issue 5 (fla fused_recurrent_gated_delta_rule, fp32 state, same H200): NOT measured
- * here. */
-static const int peer_b[] = { 1, 8, 32, 64, 128, 256, 512 };
-static const double peer_us_gdn[] = { 82, 75, 113, 158, 245, 431, 797 };
+static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
+#define N_BATCHES ((int)(sizeof(batches) / sizeof(batches[0])))
+
+/*
+ * Quoted from issue 5 (fla fused_recurrent_gated_delta_rule / fused_recurrent_kda, fp32
+ * state, same H200 model), per shape (GDN, KDA) and batch; 0: none quoted. NOT measured here.
+ */
+static const double peer_us_quoted[2][N_BATCHES] = { { 82, 75, 113, 158, 245, 431, 797 },
+                                                     { 0, 0, 0, 0, 0, 0, 742 } };
 
 static uint64_t rng = 88172645463325252ull;
 static float frand(void)
@@ -85,11 +98,19 @@ enum kind {
     K_DENSE_BF16,
     K_PACKED,
     K_PACKED_2S,
-    K_PACK,
-    K_UNPACK,
-    K_UNPACK_BF16, /* bf16 [K,V] */
-    K_UNPACK_VK,   /* fp32 [V,K] */
+    K_PACK,        /* from fp32 [K,V] */
+    K_PACK_BF16,   /* from bf16 [K,V] */
+    K_PACK_VK,     /* from fp32 [V,K] */
+    K_UNPACK,      /* to fp32 [K,V] */
+    K_UNPACK_BF16, /* to bf16 [K,V] */
+    K_UNPACK_VK,   /* to fp32 [V,K] */
 };
+
+/* Whether a kind is a decode step (reads q/k/v/g/beta, writes o) rather than a pack / unpack. */
+static int is_step(enum kind k)
+{
+    return k == K_DENSE_F32 || k == K_DENSE_BF16 || k == K_PACKED || k == K_PACKED_2S;
+}
 
 struct ctx {
     struct stepq__step_args a;
@@ -102,33 +123,36 @@ struct ctx {
 
 static int launch(struct ctx *c)
 {
+    const size_t stride = (size_t)c->a.HV * D * D;
     switch (c->kind) {
     case K_DENSE_F32:
-        return stepq__cuda_step_dense_ex(&c->a, c->dense, (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
+        return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
                                          STEPQ__DTYPE_F32);
     case K_DENSE_BF16:
-        return stepq__cuda_step_dense_ex(&c->a, c->dense, (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
+        return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
                                          STEPQ__DTYPE_BF16);
     case K_PACKED:
         return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_FUSED);
     case K_PACKED_2S:
         return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_TWO_STAGE);
     case K_PACK:
-        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
-                                         (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
-                                         STEPQ__DTYPE_F32, NULL, NULL, c->s);
+        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
+                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32, NULL, NULL, c->s);
+    case K_PACK_BF16:
+        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
+                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16, NULL, NULL, c->s);
+    case K_PACK_VK:
+        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
+                                         STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32, NULL, NULL, c->s);
     case K_UNPACK:
-        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
-                                           (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
-                                           STEPQ__DTYPE_F32, c->s);
+        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
+                                           STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32, c->s);
     case K_UNPACK_BF16:
-        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
-                                           (size_t)c->a.HV * D * D, STEPQ__LAYOUT_KV,
-                                           STEPQ__DTYPE_BF16, c->s);
+        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
+                                           STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16, c->s);
     case K_UNPACK_VK:
-        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense,
-                                           (size_t)c->a.HV * D * D, STEPQ__LAYOUT_VK,
-                                           STEPQ__DTYPE_F32, c->s);
+        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
+                                           STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32, c->s);
     }
     return STEPQ_EINVAL;
 }
@@ -232,73 +256,255 @@ static int layouts(struct stepq_head_layout *hl, const struct method *me, stepq_
 }
 
 /*
- * Rows of the prepared variants (stepq__cuda_set_tile_variant; kernels/cuda/README.md,
- * "Prepared variants"), after the shipped rows. A row with vbits 0 is the shipped kernel's
- * row for a configuration the shipped rows do not cover; labels end in the variant's tag.
+ * The rows of each batch, in print order. Step rows first (the ones with a "vs fp32"
+ * and "vs peer"), then pack and unpack of stepq@6 with each dense side, then the
+ * thread-per-column kernels (old; stepq__cuda_set_legacy) for comparison.
  */
-struct vrow {
-    const char *label;
-    int method; /* index into methods[] */
+struct row {
+    const char *label; /* unique: --only selects by it */
+    int method;        /* index into methods[] */
     enum kind kind;
-    int vbits;
+    int old;
 };
 
-static const struct vrow vrows[] = {
-    { "stepq@6 unpack (u)", 4, K_UNPACK, STEPQ__CUDA_TILE_UNPACK },
+static const struct row rows[] = {
+    { "fp32", 0, K_DENSE_F32, 0 },
+    { "bf16", 1, K_DENSE_BF16, 0 },
+    { "uniform@6", 2, K_PACKED, 0 },
+    { "stepq@4", 3, K_PACKED, 0 },
+    { "stepq@6", 4, K_PACKED, 0 },
+    { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
+    { "stepq@6 pack", 4, K_PACK, 0 },
+    { "stepq@6 pack bf16", 4, K_PACK_BF16, 0 },
+    { "stepq@6 pack [V,K]", 4, K_PACK_VK, 0 },
+    { "stepq@6 unpack", 4, K_UNPACK, 0 },
     { "stepq@6 unpack bf16", 4, K_UNPACK_BF16, 0 },
-    { "stepq@6 unpack bf16 (u)", 4, K_UNPACK_BF16, STEPQ__CUDA_TILE_UNPACK },
     { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0 },
-    { "stepq@6 unpack [V,K] (u)", 4, K_UNPACK_VK, STEPQ__CUDA_TILE_UNPACK },
-    { "stepq@6 (rc)", 4, K_PACKED, STEPQ__CUDA_TILE_ROWC },
-    { "stepq@4 (rc)", 3, K_PACKED, STEPQ__CUDA_TILE_ROWC },
-    { "stepq@6 pack (rc)", 4, K_PACK, STEPQ__CUDA_TILE_ROWC },
-    { "uniform@6 (s)", 2, K_PACKED, STEPQ__CUDA_TILE_SPREAD },
-    { "stepq@6 (s)", 4, K_PACKED, STEPQ__CUDA_TILE_SPREAD },
-    { "stepq@6 pack (s)", 4, K_PACK, STEPQ__CUDA_TILE_SPREAD },
-    { "stepq@6 (rc+s)", 4, K_PACKED, STEPQ__CUDA_TILE_ROWC | STEPQ__CUDA_TILE_SPREAD },
-    { "stepq@4 (rc+s)", 3, K_PACKED, STEPQ__CUDA_TILE_ROWC | STEPQ__CUDA_TILE_SPREAD },
-    { "stepq@6 pack (rc+s)", 4, K_PACK, STEPQ__CUDA_TILE_ROWC | STEPQ__CUDA_TILE_SPREAD },
+    { "fp32 (old)", 0, K_DENSE_F32, 1 },
+    { "bf16 (old)", 1, K_DENSE_BF16, 1 },
+    { "stepq@6 (old)", 4, K_PACKED, 1 },
+    { "stepq@6 unpack (old)", 4, K_UNPACK, 1 },
+    { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, 1 },
+    { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, 1 },
 };
-#define N_VROWS ((int)(sizeof(vrows) / sizeof(vrows[0])))
+#define N_ROWS ((int)(sizeof(rows) / sizeof(rows[0])))
+
+/* Peer timings per shape (0 GDN, 1 KDA) and batch index; 0 where the peer has none. */
+struct peer {
+    const char *file; /* --peer FILE, or NULL: the quoted numbers */
+    char device[128];
+    double copy_gbs;
+    double us[2][N_BATCHES];
+};
+
+static int peer_fail(const char *file, const char *problem)
+{
+    fprintf(stderr, "stepq bench kernels: --peer %s: %s\n", file, problem);
+    return 2;
+}
+
+/* A finite number > 0, or 0. */
+static double positive(const cJSON *it)
+{
+    return cJSON_IsNumber(it) && isfinite(it->valuedouble) && it->valuedouble > 0 ? it->valuedouble
+                                                                                  : 0;
+}
+
+/* Validates one row of the peer file and records its time; returns 0 or the exit status. */
+static int peer_row(struct peer *p, const cJSON *r, int i)
+{
+    char msg[256];
+    if (!cJSON_IsObject(r)) {
+        snprintf(msg, sizeof(msg), "rows[%d]: not an object", i);
+        return peer_fail(p->file, msg);
+    }
+    const cJSON *shape = cJSON_GetObjectItemCaseSensitive(r, "shape");
+    const cJSON *batch = cJSON_GetObjectItemCaseSensitive(r, "batch");
+    double us = positive(cJSON_GetObjectItemCaseSensitive(r, "us"));
+    int sh = -1;
+    if (cJSON_IsString(shape) && shape->valuestring)
+        sh = !strcmp(shape->valuestring, "gdn") ? 0 : !strcmp(shape->valuestring, "kda") ? 1 : -1;
+    if (sh < 0) {
+        snprintf(msg, sizeof(msg), "rows[%d].shape: missing, or not \"gdn\" or \"kda\"", i);
+        return peer_fail(p->file, msg);
+    }
+    if (!cJSON_IsNumber(batch) || !(batch->valuedouble >= 1 && batch->valuedouble <= 65535) ||
+        batch->valuedouble != floor(batch->valuedouble)) {
+        snprintf(msg, sizeof(msg), "rows[%d].batch: missing, or not an integer in 1..65535", i);
+        return peer_fail(p->file, msg);
+    }
+    if (us == 0) {
+        snprintf(msg, sizeof(msg), "rows[%d].us: missing, or not a finite number > 0", i);
+        return peer_fail(p->file, msg);
+    }
+    /* Batches this bench does not run are valid and unused. */
+    for (int bi = 0; bi < N_BATCHES; bi++) {
+        if (batches[bi] != (int)batch->valuedouble)
+            continue;
+        if (p->us[sh][bi] > 0) {
+            snprintf(msg, sizeof(msg), "rows[%d]: a second row for %s at batch %d", i,
+                     shape->valuestring, batches[bi]);
+            return peer_fail(p->file, msg);
+        }
+        p->us[sh][bi] = us;
+    }
+    return 0;
+}
+
+/*
+ * Reads the JSON of tools/bench_peer_fla.py: {"device": str, "copy_gbs": number > 0,
+ * "rows": [{"shape": "gdn"|"kda", "batch": int, "us": number > 0, ...}, ...]}; other
+ * fields are ignored. Returns 0, or 2 after naming the file and the problem.
+ */
+static int peer_load(struct peer *p, const char *file)
+{
+    memset(p, 0, sizeof(*p));
+    p->file = file;
+    char msg[256];
+    FILE *f = fopen(file, "rb");
+    if (!f) {
+        snprintf(msg, sizeof(msg), "cannot open it: %s", strerror(errno));
+        return peer_fail(file, msg);
+    }
+    char *buf = malloc(PEER_MAX_BYTES + 1);
+    size_t n = buf ? fread(buf, 1, PEER_MAX_BYTES + 1, f) : 0;
+    int rd_err = ferror(f) ? errno : 0;
+    fclose(f);
+    if (!buf)
+        return peer_fail(file, "out of memory");
+    if (rd_err || n > PEER_MAX_BYTES) {
+        free(buf);
+        snprintf(msg, sizeof(msg), "%s%s", rd_err ? "cannot read it: " : "",
+                 rd_err ? strerror(rd_err) : "larger than 1 MiB: not a peer file");
+        return peer_fail(file, msg);
+    }
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
+    int rc = 0;
+    if (!root) {
+        snprintf(msg, sizeof(msg), "not valid JSON (at byte %td of %zu)", end ? end - buf : 0, n);
+        free(buf);
+        return peer_fail(file, msg);
+    }
+    free(buf);
+    const cJSON *dev = cJSON_GetObjectItemCaseSensitive(root, "device");
+    const cJSON *rws = cJSON_GetObjectItemCaseSensitive(root, "rows");
+    if (!cJSON_IsObject(root))
+        rc = peer_fail(file, "not a JSON object");
+    else if (!cJSON_IsString(dev) || !dev->valuestring || !dev->valuestring[0])
+        rc = peer_fail(file, "device: missing, or not a non-empty string");
+    else if ((p->copy_gbs = positive(cJSON_GetObjectItemCaseSensitive(root, "copy_gbs"))) == 0)
+        rc = peer_fail(file, "copy_gbs: missing, or not a finite number > 0");
+    else if (!cJSON_IsArray(rws) || cJSON_GetArraySize(rws) < 1)
+        rc = peer_fail(file, "rows: missing, or not a non-empty array");
+    else {
+        snprintf(p->device, sizeof(p->device), "%s", dev->valuestring);
+        int i = 0;
+        for (const cJSON *r = rws->child; r && rc == 0; r = r->next, i++)
+            rc = peer_row(p, r, i);
+    }
+    cJSON_Delete(root);
+    return rc;
+}
+
+/* A JSON string literal of s. */
+static void json_str(FILE *f, const char *s)
+{
+    fputc('"', f);
+    for (; *s; s++) {
+        unsigned char ch = (unsigned char)*s;
+        if (ch == '"' || ch == '\\')
+            fprintf(f, "\\%c", ch);
+        else if (ch < 0x20)
+            fprintf(f, "\\u%04x", ch);
+        else
+            fputc(ch, f);
+    }
+    fputc('"', f);
+}
 
 static int usage(FILE *f)
 {
-    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick] [--only LABEL] [--batch B]\n"
-               "                           [--shape gdn|kda]\n"
+    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick] [--peer FILE] [--only LABEL]\n"
+               "                           [--batch B] [--shape gdn|kda]\n"
                "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
                "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
-               "  --quick: batches 1, 64 and 512 only. --only: one row label (e.g. 'stepq@6',\n"
-               "  'stepq@6 pack', 'fp32 (old)'); --batch, --shape: one batch / one layer shape\n"
-               "  (for profilers). Rows marked (old) run the thread-per-column kernels; rows\n"
-               "  ending in (u), (rc), (s) run prepared variants (set_tile_variant:\n"
-               "  u = unpack kernel, rc = per-row constants of the run-time-width path: KDA only,\n"
-               "  GDN layers have uniform-width heads and run the shipped kernel; s = per-column\n"
-               "  phases on all 256 threads), next to shipped rows of the same configuration.\n");
+               "  --quick: batches 1, 64 and 512 only. --only: one row label (below);\n"
+               "  --batch (1, 8, 32, 64, 128, 256 or 512), --shape: one batch / one layer shape\n"
+               "  (for profilers). --json: every row, machine-readable.\n"
+               "  --peer: the JSON of tools/bench_peer_fla.py (flash-linear-attention's fp32\n"
+               "  kernels, timed in a separate process): adds 'peer us' and 'vs peer' (peer us /\n"
+               "  us) to the step rows at the batches it has. Without it the fp32 rows show the\n"
+               "  times quoted in issue 5 as 'peer us (q)', not measured.\n"
+               "  Rows marked (old) run the thread-per-column kernels; 'bf16' and '[V,K]' name\n"
+               "  the dense side of a pack or unpack (fp32 [K,V] otherwise). Rows:\n");
+    int col = 0;
+    for (int i = 0; i < N_ROWS; i++) {
+        int w = (int)strlen(rows[i].label) + 4;
+        if (col + w > 80) {
+            fputc('\n', f);
+            col = 0;
+        }
+        col += fprintf(f, "%s'%s'%s", col ? " " : "    ", rows[i].label, i + 1 < N_ROWS ? "," : "");
+    }
+    fputc('\n', f);
     return f == stdout ? 0 : 2;
 }
 
 int stepq_tool_bench_kernels(int argc, char **argv)
 {
-    const char *json = NULL;
-    const char *only = NULL;
+    const char *json = NULL, *only = NULL, *peer_file = NULL;
     int quick = 0, only_b = 0, only_shape = -1;
     for (int i = 1; i < argc; i++) {
         if (!strcmp(argv[i], "--json") && i + 1 < argc)
             json = argv[++i];
+        else if (!strcmp(argv[i], "--peer") && i + 1 < argc)
+            peer_file = argv[++i];
         else if (!strcmp(argv[i], "--only") && i + 1 < argc)
             only = argv[++i];
         else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
             only_b = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--shape") && i + 1 < argc)
-            only_shape = !strcmp(argv[++i], "kda");
-        else if (!strcmp(argv[i], "--quick"))
+        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
+            i++;
+            only_shape = !strcmp(argv[i], "gdn") ? 0 : !strcmp(argv[i], "kda") ? 1 : -2;
+            if (only_shape < 0)
+                return usage(stderr);
+        } else if (!strcmp(argv[i], "--quick"))
             quick = 1;
         else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
             return usage(stdout);
         else
             return usage(stderr);
     }
+    if (only_b) {
+        int known = 0;
+        for (int bi = 0; bi < N_BATCHES; bi++)
+            known |= batches[bi] == only_b;
+        if (!known)
+            return usage(stderr);
+    }
+    if (only) {
+        int known = 0;
+        for (int ri = 0; ri < N_ROWS; ri++)
+            known |= !strcmp(rows[ri].label, only);
+        if (!known) {
+            fprintf(stderr, "stepq bench kernels: --only '%s': no such row (see --help)\n", only);
+            return 2;
+        }
+    }
+    /* The peer file is read before the device is looked for: a bad file fails the same way
+     * with or without a GPU. */
+    struct peer peer;
+    memset(&peer, 0, sizeof(peer));
+    if (peer_file) {
+        int prc = peer_load(&peer, peer_file);
+        if (prc)
+            return prc;
+    } else
+        memcpy(peer.us, peer_us_quoted, sizeof(peer.us));
+    const int measured = peer_file != NULL;
+
     if (stepq__cuda_device_count() < 1) {
         fprintf(stderr, "stepq bench kernels: no CUDA device available; nothing measured\n");
         return 1;
@@ -331,8 +537,16 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     cudaFree(c1);
     printf("device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n", prop.name,
            prop.multiProcessorCount, copy_gbs);
-    printf("timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n\n",
+    printf("timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
            WARMUP, RUNS);
+    if (measured) {
+        printf("peer: flash-linear-attention fp32 kernels from %s, measured in a separate process\n"
+               "      (tools/bench_peer_fla.py) on %s with its own copy bandwidth %.0f GB/s\n",
+               peer.file, peer.device, peer.copy_gbs);
+        if (strcmp(peer.device, prop.name))
+            printf("      NOTE: the peer's device is not this one (%s)\n", prop.name);
+    }
+    printf("\n");
 
     FILE *jf = NULL;
     if (json) {
@@ -341,8 +555,19 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             fprintf(stderr, "stepq bench kernels: cannot write %s\n", json);
             return 1;
         }
-        fprintf(jf, "{\"device\": \"%s\", \"copy_gbs\": %.1f, \"runs\": %d, \"rows\": [", prop.name,
-                copy_gbs, RUNS);
+        fprintf(jf, "{\"device\": ");
+        json_str(jf, prop.name);
+        fprintf(jf, ", \"copy_gbs\": %.1f, \"runs\": %d,\n \"peer\": ", copy_gbs, RUNS);
+        if (measured) {
+            fprintf(jf, "{\"source\": \"measured\", \"file\": ");
+            json_str(jf, peer.file);
+            fprintf(jf, ", \"device\": ");
+            json_str(jf, peer.device);
+            fprintf(jf, ", \"copy_gbs\": %.1f, \"applies_to\": \"step rows\"}", peer.copy_gbs);
+        } else
+            fprintf(jf, "{\"source\": \"quoted\", \"reference\": \"issue 5\", \"applies_to\": "
+                        "\"fp32 rows\"}");
+        fprintf(jf, ",\n \"rows\": [");
     }
     int first_row = 1, rc = 0;
 
@@ -386,16 +611,19 @@ int stepq_tool_bench_kernels(int argc, char **argv)
 
     static const char *shape_name[] = { "Qwen3-Next-80B-A3B (GDN, HV=32, H=16)",
                                         "Kimi-Linear-48B (KDA, HV=32, H=32)" };
-    static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
     for (int shape = 0; shape < 2 && rc == 0; shape++) {
         if (only_shape >= 0 && shape != only_shape)
             continue;
         stepq_arch arch = shape ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
         int H = shape ? 32 : 16, HV = 32, ng = shape ? D : 1;
         printf("%s\n", shape_name[shape]);
-        printf("%-24s %5s %10s %12s %9s %7s %8s %12s\n", "method", "B", "us", "bytes", "GB/s",
-               "copy%", "vs fp32", "peer us (q)");
-        for (int bi = 0; bi < 7 && rc == 0; bi++) {
+        printf("%-26s %5s %10s %12s %9s %7s %8s", "method", "B", "us", "bytes", "GB/s", "copy%",
+               "vs fp32");
+        if (measured)
+            printf(" %9s %8s\n", "peer us", "vs peer");
+        else
+            printf(" %12s\n", "peer us (q)");
+        for (int bi = 0; bi < N_BATCHES && rc == 0; bi++) {
             int B = batches[bi];
             if (quick && B != 1 && B != 64 && B != 512)
                 continue;
@@ -403,26 +631,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 continue;
             double fp32_us = 0;
             size_t io_bytes = (size_t)B * (2 * H * D + HV * D + HV * ng + HV + HV * D) * 4;
-            /*
-             * rows: 5 methods (step), two-stage stepq@6, pack and unpack of
-             * stepq@6, then fp32, bf16 and stepq@6 on the thread-per-column
-             * kernels (old), then the prepared-variant rows (vrows).
-             */
-            for (int row = 0; row < 11 + N_VROWS && rc == 0; row++) {
-                static const int row_method[] = { 0, 1, 2, 3, 4, 4, 4, 4, 0, 1, 4 };
-                const struct vrow *vr = row >= 11 ? &vrows[row - 11] : NULL;
-                const struct method *me = &methods[vr ? vr->method : row_method[row]];
-                /* flat: a packed-step row of a prepared variant */
-                const int old = row >= 8 && row <= 10, flat = vr && vr->kind == K_PACKED;
-                char lab[32];
-                snprintf(lab, sizeof(lab), "%s%s", me->name,
-                         old        ? " (old)"
-                         : row == 5 ? " two-stage"
-                         : row == 6 ? " pack"
-                         : row == 7 ? " unpack"
-                                    : "");
-                const char *label = vr ? vr->label : lab;
-                if (only && strcmp(only, label))
+            for (int ri = 0; ri < N_ROWS && rc == 0; ri++) {
+                const struct row *rw = &rows[ri];
+                const struct method *me = &methods[rw->method];
+                const int step = is_step(rw->kind);
+                if (only && strcmp(only, rw->label))
                     continue;
                 struct stepq_head_layout hl[32];
                 size_t off[32], pos = 0;
@@ -469,69 +682,87 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 c.pl.heads = hl;
                 c.pl.head_offset = off;
                 c.pl.row_impact = w;
+                const size_t dense_f32 = (size_t)B * HV * D * D * 4;
                 size_t state_rw;
                 if (me->budget == 0) {
-                    c.kind = me->m == STEPQ_METHOD_FP32 ? K_DENSE_F32 : K_DENSE_BF16;
-                    state_rw = 2 * (size_t)B * HV * D * D * (me->m == STEPQ_METHOD_FP32 ? 4 : 2);
+                    c.kind = rw->kind;
+                    state_rw = rw->kind == K_DENSE_F32 ? 2 * dense_f32 : dense_f32;
                 } else {
                     if (stepq__cuda_layer_prepare(&c.pl, &c.L) < 0) {
                         fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                         rc = 1;
                         break;
                     }
-                    /* valid pages: pack random fp32 states into every slot used */
+                    /*
+                     * Valid pages: pack random fp32 states into every slot used. A pack from
+                     * bf16 reads the bf16 states unpacked from them (the dense buffer's fp32
+                     * bits read as bf16 would hold NaNs and infinities).
+                     */
                     c.kind = K_PACK;
-                    if (launch(&c) < 0 || !cu_ok(cudaStreamSynchronize(s), "pack")) {
-                        fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
+                    if (launch(&c) < 0 || !cu_ok(cudaStreamSynchronize(s), "pack"))
                         rc = 1;
-                    }
+                    c.kind = K_UNPACK_BF16;
+                    if (rc == 0 && rw->kind == K_PACK_BF16 &&
+                        (launch(&c) < 0 || !cu_ok(cudaStreamSynchronize(s), "unpack")))
+                        rc = 1;
+                    if (rc)
+                        fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     size_t blocks = 0;
                     for (int h = 0; h < HV; h++)
                         blocks += hl[h].block_bytes;
-                    state_rw = 2 * (size_t)B * blocks;
-                    c.kind = vr                       ? vr->kind
-                             : row < 5 || old || flat ? K_PACKED
-                             : row == 5               ? K_PACKED_2S
-                             : row == 6               ? K_PACK
-                                                      : K_UNPACK;
-                    if (row == 5)
-                        state_rw += 2 * (size_t)B * HV * D * D * 4; /* scratch write + read */
-                    if (c.kind == K_PACK || c.kind == K_UNPACK || c.kind == K_UNPACK_VK)
-                        state_rw = state_rw / 2 + (size_t)B * HV * D * D * 4;
-                    if (c.kind == K_UNPACK_BF16)
-                        state_rw = state_rw / 2 + (size_t)B * HV * D * D * 2;
+                    c.kind = rw->kind;
+                    /* A pack or unpack moves the pages one way and the dense states the other. */
+                    const int bf16_side = rw->kind == K_PACK_BF16 || rw->kind == K_UNPACK_BF16;
+                    state_rw = (size_t)B * blocks;
+                    state_rw += step ? state_rw : bf16_side ? dense_f32 / 2 : dense_f32;
+                    if (rw->kind == K_PACKED_2S)
+                        state_rw += 2 * dense_f32; /* scratch write + read */
                 }
-                stepq__cuda_set_legacy(old);
-                stepq__cuda_set_tile_variant(vr ? vr->vbits : 0);
+                stepq__cuda_set_legacy(rw->old);
                 double us = rc ? -1 : time_us(&c, e0, e1);
                 stepq__cuda_set_legacy(0);
-                stepq__cuda_set_tile_variant(0);
                 if (us < 0)
                     rc = 1;
-                size_t bytes = state_rw + (row < 6 || old || flat ? io_bytes : 0);
-                if (row == 0)
+                size_t bytes = state_rw + (step ? io_bytes : 0);
+                if (ri == 0)
                     fp32_us = us;
                 double gbs = bytes / (us * 1e-6) / 1e9;
-                char peer[16] = "";
-                if (row == 0 && shape == 0)
-                    snprintf(peer, sizeof(peer), "%.0f", peer_us_gdn[bi]);
-                if (row == 0 && shape == 1 && B == 512)
-                    snprintf(peer, sizeof(peer), "742");
+                /* The peer runs a decode step on fp32 states: measured, next to every step
+                 * row; quoted, on the fp32 row as in issue 5. */
+                double pus = (measured ? step : ri == 0) ? peer.us[shape][bi] : 0;
+                double quoted = ri == 0 ? peer_us_quoted[shape][bi] : 0;
                 if (rc == 0) {
-                    char sp[16] = "-";
-                    if ((row < 6 || old || flat) && fp32_us > 0)
+                    char sp[16] = "-", pc[16] = "-", vp[16] = "-";
+                    if (step && fp32_us > 0)
                         snprintf(sp, sizeof(sp), "%.2fx", fp32_us / us);
-                    printf("%-24s %5d %10.1f %12zu %9.0f %6.1f%% %8s %12s\n", label, B, us, bytes,
-                           gbs, 100.0 * gbs / copy_gbs, sp, peer);
-                    if (jf)
-                        fprintf(
-                            jf,
-                            "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
-                            "\"us\": %.2f, \"bytes\": %zu, \"gbs\": %.1f, \"copy_frac\": %.4f, "
-                            "\"speedup_vs_fp32\": %.3f, \"peer_us_quoted\": %s}",
-                            first_row ? "" : ",", shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b",
-                            label, B, us, bytes, gbs, gbs / copy_gbs,
-                            row < 6 || old || flat ? fp32_us / us : 0.0, peer[0] ? peer : "null");
+                    if (pus > 0) {
+                        snprintf(pc, sizeof(pc), "%.0f", pus);
+                        snprintf(vp, sizeof(vp), "%.2fx", pus / us);
+                    }
+                    printf("%-26s %5d %10.1f %12zu %9.0f %6.1f%% %8s", rw->label, B, us, bytes, gbs,
+                           100.0 * gbs / copy_gbs, sp);
+                    if (measured)
+                        printf(" %9s %8s\n", pc, vp);
+                    else
+                        printf(" %12s\n", pus > 0 ? pc : "");
+                    if (jf) {
+                        fprintf(jf,
+                                "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
+                                "\"us\": %.2f, \"bytes\": %zu, \"gbs\": %.1f, \"copy_frac\": %.4f, "
+                                "\"speedup_vs_fp32\": %.3f, ",
+                                first_row ? "" : ",",
+                                shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", rw->label, B, us,
+                                bytes, gbs, gbs / copy_gbs, step ? fp32_us / us : 0.0);
+                        if (quoted > 0)
+                            fprintf(jf, "\"peer_us_quoted\": %.0f, ", quoted);
+                        else
+                            fprintf(jf, "\"peer_us_quoted\": null, ");
+                        if (pus > 0)
+                            fprintf(jf, "\"peer_us\": %.2f, \"speedup_vs_peer\": %.3f}", pus,
+                                    pus / us);
+                        else
+                            fprintf(jf, "\"peer_us\": null, \"speedup_vs_peer\": null}");
+                    }
                     first_row = 0;
                 }
                 stepq__cuda_layer_release(c.L);
@@ -541,13 +772,21 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         }
         printf("\n");
     }
-    (void)peer_b;
-    printf("peer us (q): quoted from issue 5 (flash-linear-attention "
-           "fused_recurrent_gated_delta_rule /\n"
-           "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
+    if (measured)
+        printf("peer us: flash-linear-attention fused_recurrent_gated_delta_rule /\n"
+               "fused_recurrent_kda (fp32 state) from %s, a separate process; vs peer = peer us /\n"
+               "us, on the step rows at the batches the peer file has.\n",
+               peer.file);
+    else
+        printf("peer us (q): quoted from issue 5 (flash-linear-attention "
+               "fused_recurrent_gated_delta_rule /\n"
+               "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
     if (jf) {
         fprintf(jf, "\n]}\n");
-        fclose(jf);
+        if (fclose(jf)) {
+            fprintf(stderr, "stepq bench kernels: cannot write %s\n", json);
+            rc = 1;
+        }
     }
     cudaFree(dstate);
     cudaFree(pages);

@@ -1,7 +1,10 @@
 #!/bin/sh
 # GPU run of the CUDA kernels (the lead runs this on the H200 from the repo root
 # after: . .devdeps/env.sh && meson setup build-gpu -Dcuda=enabled --buildtype=release
-#        && ninja -C build-gpu). Logs go to $OUT (at most 8 files come back).
+#        && ninja -C build-gpu). Logs go to $OUT (at most 8 files come back):
+# check.txt, sanitize.txt, peer.txt, peer.json, bench.txt, bench.json, ncu.txt, and
+# with FULL=1 the full bench (every batch) in bench_full.txt / bench_full.json, or
+# appended to bench.txt (no JSON) where separate files would make more than 8.
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 T=build-gpu/tests/kernels_cuda/check_cuda
@@ -16,9 +19,48 @@ echo "check_cuda rc=$?" >> "$OUT/check.txt"
   SANITIZE=1 compute-sanitizer --tool racecheck --error-exitcode 9 $T 2>&1 | tail -15
   echo "racecheck rc=$?"; } > "$OUT/sanitize.txt" 2>&1
 
-# bench.json: every row (shipped and prepared variants) for side-by-side comparison
-$S bench kernels --quick --json "$OUT/bench.json" > "$OUT/bench.txt" 2>&1
-echo "bench rc=$?" >> "$OUT/bench.txt"
+# The peer (flash-linear-attention's fp32 kernels) when a snapshot of its `fla` package
+# was carried in the ignored peers/fla folder (see tools/bench_peer_fla.py). It runs
+# first, in its own process, so the bench can print it next to its rows (--peer).
+PEER=
+if [ -d peers/fla/fla ]; then
+    python3 tools/bench_peer_fla.py --fla peers/fla --json "$OUT/peer.json" > "$OUT/peer.txt" 2>&1
+    prc=$?
+    echo "peer rc=$prc" >> "$OUT/peer.txt"
+    [ $prc -eq 0 ] && [ -s "$OUT/peer.json" ] && PEER=$OUT/peer.json
+fi
+
+bench() { # text file, bench arguments...
+    f=$1
+    shift
+    if [ -n "$PEER" ]; then
+        $S bench kernels --peer "$PEER" "$@" >> "$f" 2>&1
+        r=$?
+        if [ $r -eq 2 ]; then # the bench rejected the peer file (the reason is in $f)
+            echo "bench rc=2 with --peer $PEER; again without it" >> "$f"
+            $S bench kernels "$@" >> "$f" 2>&1
+            r=$?
+        fi
+    else
+        $S bench kernels "$@" >> "$f" 2>&1
+        r=$?
+    fi
+    echo "bench rc=$r" >> "$f"
+}
+: > "$OUT/bench.txt"
+bench "$OUT/bench.txt" --quick --json "$OUT/bench.json"
+if [ "${FULL:-0}" = 1 ]; then
+    # Two more files next to those so far and ncu.txt, unless that makes more than 8
+    # (with the peer's two it makes 9): then the text goes into bench.txt, without JSON.
+    n=$(ls "$OUT" | wc -l)
+    if [ $((n + 3)) -le 8 ]; then
+        : > "$OUT/bench_full.txt"
+        bench "$OUT/bench_full.txt" --json "$OUT/bench_full.json"
+    else
+        echo "=== full bench (FULL=1; its JSON is not kept: at most 8 files come back)" >> "$OUT/bench.txt"
+        bench "$OUT/bench.txt"
+    fi
+fi
 
 # Every ncu report goes to one file (at most 8 files come back from a device run).
 NCU="ncu --clock-control none --launch-skip 2 --launch-count 1 \
@@ -37,14 +79,8 @@ ncu_one "gdn stepq@6 B=512" sq_tile --only stepq@6 --batch 512 --shape gdn
 ncu_one "kda stepq@6 B=512" sq_tile --only stepq@6 --batch 512 --shape kda
 ncu_one "kda stepq@6 pack B=512" sq_tile --only 'stepq@6 pack' --batch 512 --shape kda
 ncu_one "gdn bf16 B=512" sq_tile --only bf16 --batch 512 --shape gdn
-# prepared variants (README, "Prepared variants"): rc+s on KDA, the unpack kernel vs the shipped one
-ncu_one "kda stepq@6 (rc+s) B=512" sq_tile --only 'stepq@6 (rc+s)' --batch 512 --shape kda
-ncu_one "kda stepq@6 unpack (u) B=512" sq_unpack --only 'stepq@6 unpack (u)' --batch 512 --shape kda
-ncu_one "kda stepq@6 unpack (shipped) B=512" sq_head --only 'stepq@6 unpack' --batch 512 --shape kda
-# The peer (flash-linear-attention's fp32 kernels) when a snapshot of its `fla` package
-# was carried in the ignored peers/fla folder (see tools/bench_peer_fla.py).
-if [ -d peers/fla/fla ]; then
-    python3 tools/bench_peer_fla.py --fla peers/fla --json "$OUT/peer.json" > "$OUT/peer.txt" 2>&1
-    echo "peer rc=$?" >> "$OUT/peer.txt"
-fi
+# The unpack kernel (sq_unpack_kernel, unpack_kernel.cuh), shipped for every unpack.
+ncu_one "gdn stepq@6 unpack B=512" sq_unpack --only 'stepq@6 unpack' --batch 512 --shape gdn
+ncu_one "kda stepq@6 unpack B=512" sq_unpack --only 'stepq@6 unpack' --batch 512 --shape kda
+ncu_one "gdn stepq@6 unpack [V,K] B=512" sq_unpack --only 'stepq@6 unpack [V,K]' --batch 512 --shape gdn
 exit 0
