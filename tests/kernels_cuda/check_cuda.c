@@ -5,8 +5,10 @@
  * around and between head blocks and pages, checked after every call.
  *
  * Tolerances (issue 5): fp32 outputs and states NMSE <= 1e-10; codes equal
- * except ties (at most 1e-4 of codes differ, and only by +-1); scales and
- * fp16/bf16 values within one ulp; health words and counters equal.
+ * except ties (differing only by +-1; a pack, whose source is known, proves
+ * each differing code a rounding tie, the others allow at most 1e-4 of
+ * codes); scales and fp16/bf16 values within one ulp; health words and
+ * counters equal.
  * SANITIZE=1 shrinks the sizes for compute-sanitizer. Exit 77: no GPU.
  */
 #include <cuda_runtime_api.h>
@@ -149,11 +151,140 @@ static int ulp16(uint16_t a, uint16_t b)
     return abs(ia - ib);
 }
 
-/* Compares pages produced by the GPU (got) with the reference (ref). */
-static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_t *ref,
-                         const char *what)
+/* The dense source of a pack: lets compare_pages prove differing codes ties. */
+struct pack_src {
+    const float *x; /* n entries of HV heads in `layout`, as the reference read them */
+    size_t stride;  /* elements from one entry to the next */
+    stepq__layout layout;
+    int n;
+    const int32_t *slots; /* entry e was packed into slot slots[e] (-1: skipped) */
+};
+
+/*
+ * One head of the source with the scales that each side quantized it with.
+ * Column scales are the step-2 ones of kernels/quant.h (c_j = fp16(max_i
+ * |x_ij / r_i|)), recomputed here: the stored ones are the refit, which no
+ * code was rounded with.
+ */
+struct tie_head {
+    float x[D][D];             /* x_ij ([d_k][d_v]); non-finite as 0, the reference's sanitising */
+    double r_ref[D], r_got[D]; /* row scales read from each page (0 on pivot rows) */
+    double c_ref[D];           /* the reference's step-2 column scales (1 without) */
+    double c_lo[D], c_hi[D];   /* every step-2 column scale the GPU can have computed */
+};
+
+/*
+ * Relative error bound, in units of 2^-24, of the unrounded code argument
+ * t = x / r / c * qmax as computed by either side with the same scales: at
+ * most 5 roundings (GPU: x * RN(1/r), times RN(1/c), times qmax, and
+ * RN(1/r), RN(1/c) themselves; reference: three), 8 leaves a margin.
+ */
+#define TIE_ULPS 8
+
+static int tie_near(double z, double t)
 {
-    size_t codes = 0, diff = 0, ties_scale = 0;
+    return fabs(z - t) <= 0.5 + TIE_ULPS * 0x1p-24 * fmax(fabs(t), 1.0);
+}
+
+/* t = x / r / c * qmax in double, clamped to +-qmax as the codes are. */
+static double tie_arg(double x, double r, double c, double qm)
+{
+    double t = x / r / c * qm;
+    return fmax(-qm, fmin(qm, t));
+}
+
+/* The entry of the source packed into slot s, or -1. */
+static int src_entry(const struct pack_src *ps, int s)
+{
+    for (int e = 0; e < ps->n; e++)
+        if (ps->slots[e] == s)
+            return e;
+    return -1;
+}
+
+/* Loads entry e, head h of the source and both pages' scales (a: GPU, b: reference). */
+static void tie_head_load(struct tie_head *th, const struct pack_src *ps, int e, int h,
+                          const struct stepq_head_layout *hl, const uint8_t *a, const uint8_t *b)
+{
+    const float *x = ps->x + (size_t)e * ps->stride + (size_t)h * D * D;
+    for (int i = 0; i < D; i++)
+        for (int j = 0; j < D; j++) {
+            float v = ps->layout == STEPQ__LAYOUT_KV ? x[i * D + j] : x[j * D + i];
+            th->x[i][j] = isfinite(v) ? v : 0.0f;
+        }
+    for (int i = 0; i < D; i++) {
+        size_t rp = hl->row_scale_offset + 2 * (size_t)i;
+        int piv = hl->row_bits[i] == STEPQ_BITS_PIVOT;
+        th->r_ref[i] = piv ? 0 : stepq__fp16_to_float(rd16(b + rp));
+        th->r_got[i] = piv ? 0 : stepq__fp16_to_float(rd16(a + rp));
+    }
+    for (int j = 0; j < D; j++) {
+        th->c_ref[j] = th->c_lo[j] = th->c_hi[j] = 1.0;
+        if (!hl->has_col)
+            continue;
+        /* the reference's column max, in its float arithmetic (exact: max is) */
+        float m = 0.0f;
+        double mg = 0;
+        for (int i = 0; i < D; i++) {
+            if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+                continue;
+            float y = fabsf(th->x[i][j] / (float)th->r_ref[i]);
+            m = y > m ? y : m;
+            mg = fmax(mg, fabs(th->x[i][j] / th->r_got[i]));
+        }
+        th->c_ref[j] = stepq__fp16_to_float(stepq__scale_to_fp16(m));
+        /*
+         * The GPU's column max (its row scales, y = x * RN(1/r): within 2^-23
+         * of mg) rounds to either fp16 neighbour of a rounding midpoint that
+         * lies within TIE_ULPS float ulps of mg: then its step-2 scale, and
+         * every code of the column with it, may differ from the reference's.
+         */
+        th->c_lo[j] =
+            stepq__fp16_to_float(stepq__scale_to_fp16((float)(mg * (1 - TIE_ULPS * 0x1p-24))));
+        th->c_hi[j] =
+            stepq__fp16_to_float(stepq__scale_to_fp16((float)(mg * (1 + TIE_ULPS * 0x1p-24))));
+    }
+}
+
+/*
+ * Code (i, j), za from the GPU and zb from the reference, |za - zb| = 1.
+ * With t the exact argument under the reference's scales, a tie is
+ * |za - t| <= 0.5 + eps and |zb - t| <= 0.5 + eps, eps = TIE_ULPS 2^-24
+ * max(|t|, 1): t lies within eps of the half-integer between the codes,
+ * where the two roundings of t may part. Failing that, za is accepted only as
+ * the rounding (within eps) of t under the GPU's own scales: its row scale
+ * (one fp16 ulp from the reference's is allowed) or a step-2 column scale
+ * that its column max can round to (c_lo, c_hi). Returns 0 (tie), 1 (the
+ * GPU's scales), -1 (no tie) or -2 (zb is not a rounding of t: this file's
+ * model of the reference is wrong); *t_ref gets t.
+ */
+static int tie_check(const struct tie_head *th, int i, int j, double qm, int za, int zb,
+                     double *t_ref)
+{
+    double x = th->x[i][j];
+    double t = tie_arg(x, th->r_ref[i], th->c_ref[j], qm);
+    *t_ref = t;
+    if (!tie_near(zb, t))
+        return -2;
+    if (tie_near(za, t))
+        return 0;
+    if (tie_near(za, tie_arg(x, th->r_got[i], th->c_lo[j], qm)) ||
+        tie_near(za, tie_arg(x, th->r_got[i], th->c_hi[j], qm)))
+        return 1;
+    return -1;
+}
+
+/*
+ * Compares pages produced by the GPU (got) with the reference (ref). ps: the
+ * source of a pack, or NULL (pages the step wrote): with it every differing
+ * code must be a proven tie (tie_check), without it at most 1e-4 of the
+ * codes may differ.
+ */
+static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_t *ref,
+                         const struct pack_src *ps, const char *what)
+{
+    static struct tie_head th;
+    size_t codes = 0, diff = 0, ties_scale = 0, by_scale = 0;
     int8_t za[D], zb[D];
     for (size_t i = 0; i < L->bytes; i++) {
         int in_block = 0;
@@ -175,6 +306,9 @@ static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_
                 codes += head_codes;
                 continue;
             }
+            int entry = ps ? src_entry(ps, s) : -1;
+            CHECK(!ps || entry >= 0, "%s: slot %d head %d was not packed but its block changed",
+                  what, s, h);
             if (hl->method == STEPQ_METHOD_FP32) {
                 CHECK(nmse((const float *)a, (const float *)b, D * D) <= 1e-10,
                       "%s: slot %d head %d fp32 state NMSE %g", what, s, h,
@@ -208,6 +342,8 @@ static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_
             }
             double den[D] = { 0 }, flip[D] = { 0 };
             codes += head_codes;
+            if (ps)
+                tie_head_load(&th, ps, entry, h, hl, a, b);
             for (int i = 0; i < D; i++) {
                 int bi = hl->row_bits[i];
                 if (bi == STEPQ_BITS_PIVOT) {
@@ -237,6 +373,21 @@ static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_
                         flip[j] += W * (3 * fabs(zt) + 2 / qm) / qm;
                         CHECK(abs(za[j] - zb[j]) <= 1, "%s: slot %d head %d code (%d,%d): %d vs %d",
                               what, s, h, i, j, za[j], zb[j]);
+                        if (!ps)
+                            continue;
+                        double t;
+                        int k = tie_check(&th, i, j, qm, za[j], zb[j], &t);
+                        CHECK(k != -2,
+                              "%s: slot %d head %d code (%d,%d): reference code %d, but x / r%s *"
+                              " qmax = %.9g (check_cuda's recomputation of the reference is wrong)",
+                              what, s, h, i, j, zb[j], hl->has_col ? " / c" : "", t);
+                        CHECK(k >= 0,
+                              "%s: slot %d head %d code (%d,%d) @%d: %d vs %d is no tie: x = %.9g,"
+                              " x / r%s * qmax = %.9g (r %.9g, c %.9g; GPU's c %.9g..%.9g)",
+                              what, s, h, i, j, bi, za[j], zb[j], (double)th.x[i][j],
+                              hl->has_col ? " / c" : "", t, th.r_ref[i], th.c_ref[j], th.c_lo[j],
+                              th.c_hi[j]);
+                        by_scale += (size_t)k;
                     }
                 }
             }
@@ -263,8 +414,12 @@ static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_
                     ties_scale++;
                 }
         }
-    CHECK(diff <= codes / 10000, "%s: %zu of %zu codes differ (> 1e-4)", what, diff, codes);
-    if (diff)
+    CHECK(ps || diff <= codes / 10000, "%s: %zu of %zu codes differ (> 1e-4)", what, diff, codes);
+    if (diff && ps)
+        printf("  %s: %zu of %zu codes differ by +-1, each a proven tie (%zu of them under the"
+               " GPU's own scales); %zu column scales moved by them beyond one ulp\n",
+               what, diff, codes, by_scale, ties_scale);
+    else if (diff)
         printf("  %s: %zu of %zu codes differ by +-1 (ties); %zu column scales moved by them"
                " beyond one ulp\n",
                what, diff, codes, ties_scale);
@@ -410,7 +565,7 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     CU(cudaMemcpy(h_got, d.health, 4 * (size_t)n_slots, cudaMemcpyDeviceToHost));
     CU(cudaMemcpy(c_got, d.counts, sizeof(c_got), cudaMemcpyDeviceToHost));
 
-    int rc = compare_pages(&L, got, ref, what);
+    int rc = compare_pages(&L, got, ref, NULL, what);
     if (!rc) {
         double e = nmse(o_got, o_ref, (size_t)batch * HV * D);
         if (e > 1e-10) {
@@ -521,8 +676,9 @@ static int run_pack(stepq_method m, stepq_arch arch, int bits, int HV, int n, st
     CU(cudaMemcpy(got, dpages, L.bytes, cudaMemcpyDeviceToHost));
     CU(cudaMemcpy(h_got, dh, sizeof(h_got), cudaMemcpyDeviceToHost));
     CU(cudaMemcpy(c_got, dc, sizeof(c_got), cudaMemcpyDeviceToHost));
-    /* Unwritten slots hold the sentinel on both sides; compare_pages checks gaps only. */
-    int rc = compare_pages(&L, got, ref, what);
+    /* Unwritten slots hold the sentinel on both sides; compare_pages checks they still do. */
+    struct pack_src ps = { src, stride, lay, n, slots };
+    int rc = compare_pages(&L, got, ref, &ps, what);
     if (!rc && (memcmp(h_got, h_ref, sizeof(h_ref)) || memcmp(c_got, c_ref, sizeof(c_ref)))) {
         printf("FAIL %s: health words or counts differ\n", what);
         rc = 1;
@@ -797,9 +953,10 @@ int main(void)
     RUN("kda step non-finite input",
         run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
     RUN("gdn step batch 1", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, 1, 0, 0, 0));
-    if (!small)
-        RUN("gdn step batch 40",
-            run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
+    RUN_FULL(1, "gdn step batch 40",
+             run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 8, 40, 1, 0, 0));
+    RUN_FULL(1, "kda step batch 40",
+             run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 4, 8, 40, 1, 0, 0));
     RUN("gdn step two-stage", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 1));
     RUN("kda step two-stage", run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
 
@@ -813,8 +970,21 @@ int main(void)
             RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
                                (stepq__dtype)dt));
         }
-    RUN("pack/unpack gdn uniform@6", run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3,
-                                              STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32));
+    /* each templated width, stepq (column scales) and uniform (none) */
+    for (int w = 0; w < 6; w++) {
+        snprintf(name, sizeof(name), "pack/unpack gdn stepq @%d", widths[w]);
+        RUN_FULL(1, name,
+                 run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 3,
+                          (stepq__layout)(w & 1), (stepq__dtype)(w >> 1 & 1)));
+        snprintf(name, sizeof(name), "pack/unpack gdn uniform @%d", widths[w]);
+        RUN_FULL(widths[w] != 6, name,
+                 run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 3,
+                          (stepq__layout) !(w & 1), (stepq__dtype)(w >> 1 & 1)));
+    }
+    RUN_FULL(1, "pack/unpack kda temporal mixed rows",
+             run_pack(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 3, STEPQ__LAYOUT_VK,
+                      STEPQ__DTYPE_BF16));
+    /* an fp32 layer: the column kernel */
     RUN("pack/unpack gdn fp32",
         run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
 
@@ -826,124 +996,11 @@ int main(void)
         run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
     RUN("legacy pack/unpack gdn stepq",
         run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32));
+    RUN("legacy pack/unpack gdn stepq bf16 [K,V]",
+        run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16));
     RUN("legacy dense bf16 gdn 1 step [K,V]",
         run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 1));
     stepq__cuda_set_legacy(0);
-    /*
-     * Prepared variants (stepq__cuda_set_tile_variant): the checks of the
-     * shipped path, run under each variant (RUN_FULL: fewer under
-     * SANITIZE=1). UNPACK: every pack/unpack test above plus each templated
-     * width (stepq: column scales; uniform: none).
-     */
-    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_UNPACK);
-    for (int lay = 0; lay < 2; lay++)
-        for (int dt = 0; dt < 2; dt++) {
-            snprintf(name, sizeof(name), "unpack variant gdn stepq layout %d dtype %d", lay, dt);
-            RUN_FULL(!(lay == 0 && dt == 1), name,
-                     run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
-                              (stepq__dtype)dt));
-            snprintf(name, sizeof(name), "unpack variant kda stepq layout %d dtype %d", lay, dt);
-            RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
-                               (stepq__dtype)dt));
-        }
-    for (int w = 0; w < 6 && !small; w++) {
-        snprintf(name, sizeof(name), "unpack variant gdn stepq @%d", widths[w]);
-        RUN(name, run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 3,
-                           (stepq__layout)(w & 1), (stepq__dtype)(w >> 1 & 1)));
-        snprintf(name, sizeof(name), "unpack variant gdn uniform @%d", widths[w]);
-        RUN(name, run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 3,
-                           (stepq__layout) !(w & 1), (stepq__dtype)(w >> 1 & 1)));
-    }
-    RUN_FULL(1, "unpack variant kda temporal mixed rows",
-             run_pack(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 3, STEPQ__LAYOUT_VK,
-                      STEPQ__DTYPE_BF16));
-    RUN_FULL(
-        1, "unpack variant gdn fp32 layer (column kernel)",
-        run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32));
-    /* ROWC: every check of a layer without a uniform-width head (run-time widths), and others */
-    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_ROWC);
-    RUN("rowc kda step stepq mixed rows",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
-    RUN_FULL(1, "rowc kda step temporal mixed rows",
-             run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
-    RUN("rowc kda step non-finite input",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
-    RUN_FULL(1, "rowc kda step batch 40",
-             run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 4, 8, 40, 1, 0, 0));
-    RUN_FULL(1, "rowc kda step two-stage",
-             run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
-    RUN_FULL(1, "rowc kda step uniform @4",
-             run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_KDA, 4, 2, 2, B, 0, 0, 0));
-    RUN_FULL(1, "rowc gdn step stepq mixed + pivot head",
-             run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
-    for (int lay = 0; lay < 2; lay++)
-        for (int dt = 0; dt < 2; dt++) {
-            snprintf(name, sizeof(name), "rowc pack/unpack kda stepq layout %d dtype %d", lay, dt);
-            RUN_FULL(lay || dt, name,
-                     run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
-                              (stepq__dtype)dt));
-        }
-    /* SPREAD (alone and with ROWC): the checks of the shipped packed step and pack */
-    static const int spread_v[] = { STEPQ__CUDA_TILE_SPREAD,
-                                    STEPQ__CUDA_TILE_SPREAD | STEPQ__CUDA_TILE_ROWC };
-    /* SANITIZE=1: SPREAD|ROWC only (it contains SPREAD's code), one width */
-    for (int sv = small; sv < 2; sv++) {
-        const char *vn = sv ? "spread+rowc" : "spread";
-        stepq__cuda_set_tile_variant(spread_v[sv]);
-        for (int w = 0; w < 6; w++) {
-            if (small && w != 4)
-                continue;
-            snprintf(name, sizeof(name), "%s gdn step stepq @%d", vn, widths[w]);
-            RUN(name,
-                run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, widths[w], 2, 4, B, w & 1, 0, 0));
-            snprintf(name, sizeof(name), "%s gdn step uniform @%d", vn, widths[w]);
-            RUN_FULL(
-                1, name,
-                run_step(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, widths[w], 2, 4, B, !(w & 1), 0, 0));
-        }
-        snprintf(name, sizeof(name), "%s gdn step stepq mixed + pivot head", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
-        snprintf(name, sizeof(name), "%s kda step stepq mixed rows", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 0, 0, 0));
-        snprintf(name, sizeof(name), "%s kda step temporal mixed rows", vn);
-        RUN_FULL(1, name, run_step(STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
-        snprintf(name, sizeof(name), "%s kda step dsq @5", vn);
-        RUN_FULL(1, name, run_step(STEPQ_METHOD_DSQ, STEPQ_ARCH_KDA, 5, 1, 2, B, 1, 0, 0));
-        snprintf(name, sizeof(name), "%s gdn step non-finite input", vn);
-        RUN_FULL(1, name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 0));
-        snprintf(name, sizeof(name), "%s kda step non-finite input", vn);
-        RUN_FULL(1, name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 1, 0));
-        snprintf(name, sizeof(name), "%s gdn step stepq @6 huge state", vn);
-        RUN(name, run_step_amp(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 6, 2, 4, B, 1e9f));
-        snprintf(name, sizeof(name), "%s gdn step uniform @4 huge state", vn);
-        RUN_FULL(1, name, run_step_amp(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 4, 2, 4, B, 1e9f));
-        snprintf(name, sizeof(name), "%s gdn step two-stage", vn);
-        RUN_FULL(1, name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 0, 1, 1));
-        snprintf(name, sizeof(name), "%s kda step two-stage", vn);
-        RUN(name, run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 1));
-        for (int lay = 0; lay < 2; lay++) {
-            snprintf(name, sizeof(name), "%s pack/unpack gdn stepq layout %d", vn, lay);
-            RUN_FULL(1, name,
-                     run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 4, 4, (stepq__layout)lay,
-                              (stepq__dtype)lay));
-            snprintf(name, sizeof(name), "%s pack/unpack kda stepq layout %d", vn, lay);
-            RUN_FULL(lay, name,
-                     run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, (stepq__layout)lay,
-                              (stepq__dtype)!lay));
-        }
-        snprintf(name, sizeof(name), "%s pack/unpack gdn uniform@6", vn);
-        RUN_FULL(1, name,
-                 run_pack(STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 6, 2, 3, STEPQ__LAYOUT_VK,
-                          STEPQ__DTYPE_F32));
-    }
-    /* all prepared variants at once */
-    stepq__cuda_set_tile_variant(STEPQ__CUDA_TILE_UNPACK | STEPQ__CUDA_TILE_ROWC |
-                                 STEPQ__CUDA_TILE_SPREAD);
-    RUN("all variants kda step stepq mixed rows",
-        run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 2, B, 1, 0, 0));
-    RUN("all variants pack/unpack kda stepq",
-        run_pack(STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 0, 2, 4, STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16));
-    stepq__cuda_set_tile_variant(0);
 
     /* saturating scales take the clamped quantizer */
     RUN("gdn step stepq @6 huge state",
