@@ -86,6 +86,33 @@ static int fill_random(void *dev, size_t n, float scale)
     return 1;
 }
 
+/*
+ * Dense states that are finite read either way: every 32-bit word is two
+ * bf16 values of magnitude <= scale (high half: the word's fp32 value is
+ * within one bf16 ulp of it). Random fp32 bits read as bf16 would put NaN
+ * and Inf (exponent 0xff in a low half, 1 in 256) in every head, and the
+ * dense bf16 step would time its non-finite path.
+ */
+static int fill_states(void *dev, size_t n, float scale)
+{
+    static uint32_t *pat;
+    static const size_t pat_n = 4u << 20;
+    if (!pat) {
+        pat = malloc(pat_n * sizeof(uint32_t));
+        if (!pat)
+            return 0;
+        for (size_t i = 0; i < pat_n; i++)
+            pat[i] = (uint32_t)stepq__bf16_from_float(scale * frand()) << 16 |
+                     stepq__bf16_from_float(scale * frand());
+    }
+    for (size_t off = 0; off < n; off += pat_n * sizeof(uint32_t)) {
+        size_t len = n - off < pat_n * sizeof(uint32_t) ? n - off : pat_n * sizeof(uint32_t);
+        if (!cu_ok(cudaMemcpy((char *)dev + off, pat, len, cudaMemcpyHostToDevice), "fill"))
+            return 0;
+    }
+    return 1;
+}
+
 static int cmp_float(const void *a, const void *b)
 {
     float x = *(const float *)a, y = *(const float *)b;
@@ -589,7 +616,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
              cu_ok(cudaMalloc((void **)&dt_bias, 32 * D * 4), "malloc") &&
              cu_ok(cudaMalloc((void **)&o, MAX_B * 32 * D * 4), "malloc") &&
              cu_ok(cudaMalloc((void **)&dslots, MAX_B * 4), "malloc");
-    if (!ok || !fill_random(dstate, state_bytes, 0.05f) || !fill_random(q, MAX_B * 32 * D * 4, 1) ||
+    if (!ok || !fill_states(dstate, state_bytes, 0.05f) || !fill_random(q, MAX_B * 32 * D * 4, 1) ||
         !fill_random(k, MAX_B * 32 * D * 4, 1) || !fill_random(v, MAX_B * 32 * D * 4, 1) ||
         !fill_random(g, MAX_B * 32 * D * 4, 1) || !fill_random(beta, MAX_B * 32 * 4, 1) ||
         !fill_random(A_log, 32 * 4, 0.5f) || !fill_random(dt_bias, 32 * D * 4, 0.5f))
@@ -687,6 +714,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 if (me->budget == 0) {
                     c.kind = rw->kind;
                     state_rw = rw->kind == K_DENSE_F32 ? 2 * dense_f32 : dense_f32;
+                    /* the fp32 rows before left fp32 bits: make the bf16 view finite again */
+                    if (rw->kind == K_DENSE_BF16 &&
+                        !fill_states(dstate, (size_t)(MAX_B + 1) * HV * D * D * 4, 0.05f))
+                        rc = 1;
                 } else {
                     if (stepq__cuda_layer_prepare(&c.pl, &c.L) < 0) {
                         fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());

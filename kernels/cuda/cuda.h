@@ -118,21 +118,6 @@ int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size
  */
 void stepq__cuda_set_legacy(int on);
 
-/** Prepared-variant bits for stepq__cuda_set_tile_variant (README, "Prepared variants"). */
-#define STEPQ__CUDA_TILE_UNPACK 1 /**< unpack on sq_unpack_kernel (unpack_kernel.cuh) */
-#define STEPQ__CUDA_TILE_ROWC   2 /**< run-time widths: per-row constants from a shared table */
-#define STEPQ__CUDA_TILE_SPREAD 4 /**< per-column phases on all 256 threads (same results) */
-
-/**
- * Selects prepared kernel variants that have not been measured yet (bits
- * STEPQ__CUDA_TILE_*); 0, the default, runs the shipped kernels unchanged.
- * A variant applies where the shipped path runs a tile kernel or would
- * (layers whose heads are all quantized; not with stepq__cuda_set_legacy).
- * For tests and the benchmark; process-wide, not synchronised with launches
- * in flight on other threads.
- */
-void stepq__cuda_set_tile_variant(int bits);
-
 /* The dispatch-table entries (signatures of kernels/dsp.h). */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);

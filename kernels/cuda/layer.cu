@@ -278,47 +278,29 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
- * packed step ORDER, ORDER|RTU and ORDER|RTU|ROWC, pack 0, RTU and RTU|ROWC, each of these also
- * with SPREAD; dense bf16 step 0 (ROWC applies with RTU only: the kernel ignores it otherwise);
- * ORDER launches the grid as (batch, heads).
+ * packed step ORDER and ORDER|RTU, pack 0 and RTU, dense bf16 step 0; ORDER
+ * launches the grid as (batch, heads).
  */
-/* launch_tile_v with SQ_V_SPREAD added when v asks for it (packed sinks only). */
-template <int SRC, bool UPDATE, int SINK, int V>
-static int launch_tile_s(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
-                         int v, const char *who)
-{
-    if constexpr (SINK == SQ_SINK_PACKED)
-        if (v & SQ_V_SPREAD)
-            return launch_tile_v<SRC, UPDATE, SINK, V | SQ_V_SPREAD>(grid, smem, s, st, io, who);
-    return launch_tile_v<SRC, UPDATE, SINK, V>(grid, smem, s, st, io, who);
-}
-
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                        int v, const char *who)
 {
-    const dim3 g2(grid.y, grid.x);
     if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
-        if ((v & SQ_V_RTU) && (v & SQ_V_ROWC))
-            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU | SQ_V_ROWC>(
-                g2, smem, s, st, io, v, who);
+        const dim3 g2(grid.y, grid.x);
         if (v & SQ_V_RTU)
-            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io, v,
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io,
                                                                            who);
-        return launch_tile_s<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, v, who);
+        return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
-        if ((v & SQ_V_RTU) && (v & SQ_V_ROWC))
-            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_ROWC>(grid, smem, s, st, io, v,
-                                                                          who);
         if (v & SQ_V_RTU)
-            return launch_tile_s<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, v, who);
-        return launch_tile_s<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, v, who);
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, who);
+        return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
     } else {
         return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
     }
 }
 
-/* sq_unpack_kernel (STEPQ__CUDA_TILE_UNPACK) on a (batch, heads) grid */
+/* sq_unpack_kernel on a (heads, batch) grid: blocks resident together write neighbouring heads */
 template <int DT, bool VK>
 static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io, const char *who)
 {
@@ -349,30 +331,15 @@ extern "C" void stepq__cuda_set_legacy(int on)
     legacy_kernels = on != 0;
 }
 
-/* stepq__cuda_set_tile_variant: prepared, unmeasured variants (STEPQ__CUDA_TILE_*); 0 = shipped */
-static int tile_variant = 0;
-
-extern "C" void stepq__cuda_set_tile_variant(int bits)
-{
-    tile_variant = bits;
-}
-
 static int use_tile(const stepq__cuda_layer *L)
 {
     return !legacy_kernels && (!L || L->all_quant);
 }
 
-/* Template bits of the prepared variants selected (stepq__cuda_set_tile_variant). */
-static int variant_bits(void)
-{
-    return (tile_variant & STEPQ__CUDA_TILE_ROWC ? SQ_V_ROWC : 0) |
-           (tile_variant & STEPQ__CUDA_TILE_SPREAD ? SQ_V_SPREAD : 0);
-}
-
 /* Template bits of the pack: run-time widths without a uniform-width head. */
 static int pack_variant(const stepq__cuda_layer *L)
 {
-    return (L->any_uniform ? 0 : SQ_V_RTU) | variant_bits();
+    return L->any_uniform ? 0 : SQ_V_RTU;
 }
 
 static int check_args(const struct stepq__step_args *a, const char *who)
@@ -474,7 +441,7 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         smem = tile_smem(L->max_block);
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
-    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) | variant_bits();
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU);
     if (variant == STEPQ__CUDA_FUSED)
         return tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
                                                                        who)
@@ -609,8 +576,8 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
     memset(&st, 0, sizeof(st));
     st.H = st.HV = pl->n_heads;
     sq_io io = transfer_io(pl, L, slots, dst, dst_stride, layout, dtype);
-    if ((tile_variant & STEPQ__CUDA_TILE_UNPACK) && use_tile(L)) {
-        const dim3 grid((unsigned)n, (unsigned)pl->n_heads);
+    if (use_tile(L)) {
+        const dim3 grid((unsigned)pl->n_heads, (unsigned)n);
         const size_t smem = tile_smem(L->max_block);
         cudaStream_t s = (cudaStream_t)stream;
         if (io.bf16)

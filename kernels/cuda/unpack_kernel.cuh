@@ -1,17 +1,21 @@
 /*
  * Unpack (prefill hook: packed page -> dense fp32/bf16, [K,V] or [V,K]) on
- * a store-coalesced mapping with the tile kernel's cheap decode. A prepared
- * variant (STEPQ__CUDA_TILE_UNPACK, cuda.h), not yet measured: the default
- * unpack stays on sq_head_kernel.
+ * a store-coalesced mapping with the tile kernel's cheap decode: the unpack
+ * of every layer whose heads are all quantized (sq_head_kernel keeps dense
+ * pages and the legacy comparison rows).
  *
  * Why not sq_tile_kernel's 8x8 micro-tile: its fp32 rows are 32 bytes per
  * thread (two 16-byte stores per half-sector pair, the pattern that made the
  * tile's dense fp32 step 2.4x slower than the column kernel), and it holds a
  * 64-register tile that an unpack does not need (no reductions). Here warp w
  * owns rows 16w..16w+15 and lane l columns 4l..4l+3: [K,V] rows leave as one
- * 512-byte (fp32) or 256-byte (bf16) warp store per row; [V,K] takes the
- * column kernel's pattern (16 bytes per lane per column, four rows at a
- * time). Every lane of a warp reads the same row's codes: no bank conflicts.
+ * 512-byte (fp32) or 256-byte (bf16) warp store per row. [V,K] goes through
+ * a 16 KiB shared transpose, 32 rows at a time: warp w decodes rows
+ * 4w..4w+3 of the chunk into it, then lane l takes row l of the chunk and
+ * writes 4 columns, each a 128-byte (fp32) / 64-byte (bf16) warp store.
+ * (The column kernel's pattern, 16 bytes per lane per column, measured
+ * 8.3-24% of copy bandwidth.) Every lane of a warp reads the same row's
+ * codes: no bank conflicts.
  * About 16 values live per thread, so 4 blocks share an SM and hide the
  * staging latency of each other's blocks.
  *
@@ -116,12 +120,11 @@ __device__ __forceinline__ void sq_ustore4(void *dst, size_t n, const float (&v)
 }
 
 /*
- * The block's 128 rows: warp w rows 16w + 4g + k (g, k = 0..3), lane l
- * columns 4l..4l+3. [K,V]: each row leaves as soon as it is decoded; [V,K]:
- * after four rows, one store per column. B: the head's uniform width, or 0
- * (run-time widths and pivot rows).
+ * [K,V]: the block's 128 rows, warp w rows 16w + 4g + k (g, k = 0..3), lane
+ * l columns 4l..4l+3; each row leaves as soon as it is decoded. B: the
+ * head's uniform width, or 0 (run-time widths and pivot rows).
  */
-template <int B, int DT, bool VK>
+template <int B, int DT>
 __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow *rows,
                                                const float *cs, void *dst, size_t off, bool vec,
                                                bool slow, int w, int lane)
@@ -132,7 +135,6 @@ __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow
 #pragma unroll 1
     for (int g = 0; g < 4; g++) {
         float v[4][4];
-        bool piv = false;
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int i = 16 * w + 4 * g + k;
@@ -144,33 +146,94 @@ __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow
                 const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
                 const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
                 v[k][0] = a.x, v[k][1] = a.y, v[k][2] = d.x, v[k][3] = d.y;
-                piv = true;
             } else {
                 sq_uquad<B>(v[k], buf, roff, b, j0, ro, c);
             }
-            if (!VK)
-                sq_ustore4<DT>(dst, off + (size_t)i * SQ_D + j0, v[k], vec,
-                               slow || (B == 0 && b == STEPQ_BITS_PIVOT));
-        }
-        if (VK) {
-#pragma unroll
-            for (int cc = 0; cc < 4; cc++) {
-                const float col[4] = { v[0][cc], v[1][cc], v[2][cc], v[3][cc] };
-                sq_ustore4<DT>(dst, off + (size_t)(j0 + cc) * SQ_D + 16 * w + 4 * g, col, vec,
-                               slow || piv);
-            }
+            sq_ustore4<DT>(dst, off + (size_t)i * SQ_D + j0, v[k], vec,
+                           slow || (B == 0 && b == STEPQ_BITS_PIVOT));
         }
     }
 }
 
-/* One block per (entry, head) on a (batch, heads) grid. DT: SQ_F32 or SQ_BF16; VK: [V,K]. */
+/*
+ * [V,K] through the shared transpose T (32 rows x 128 columns, float4
+ * granules swizzled by row: granule q of row r sits at q ^ (r & 7), so the
+ * row writes and the column-quad reads are both conflict-free). Chunk ch
+ * holds rows 32ch..32ch+31: warp w decodes rows 4w..4w+3 of it (lane l
+ * columns 4l..4l+3); after a barrier lane l reads row l's granules
+ * 4w..4w+3 (columns 16w..16w+15) and writes column j's rows as one warp
+ * store per column. No vector stores, so any stride works.
+ */
+template <int B, int DT>
+__device__ __forceinline__ void sq_unpack_rows_vk(const uint8_t *buf, const sq_urow *rows,
+                                                  const float *cs, float4 *T, void *dst,
+                                                  size_t off, bool slow, int w, int lane)
+{
+    const int j0 = 4 * lane;
+    const float4 c4 = *(const float4 *)(cs + j0);
+    const float c[4] = { c4.x, c4.y, c4.z, c4.w };
+#pragma unroll 1
+    for (int ch = 0; ch < 4; ch++) {
+#pragma unroll
+        for (int k = 0; k < 4; k++) {
+            const int rr = 4 * w + k, i = 32 * ch + rr;
+            const sq_urow ro = rows[i];
+            const int b = (int)(ro.bo & 0xffu);
+            const uint32_t roff = ro.bo >> 8;
+            float v[4];
+            if (B == 0 && b == STEPQ_BITS_PIVOT) { /* warp-uniform */
+                const uint2 h = *(const uint2 *)(buf + roff + 2 * j0);
+                const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
+                const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
+                v[0] = a.x, v[1] = a.y, v[2] = d.x, v[3] = d.y;
+            } else {
+                sq_uquad<B>(v, buf, roff, b, j0, ro, c);
+            }
+            T[rr * 32 + (lane ^ (rr & 7))] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        __syncthreads();
+        const int i = 32 * ch + lane;
+        /* bf16: the reference's saturating conversion for pivot rows and non-finite scales */
+        const bool sat = slow || (B == 0 && (rows[i].bo & 0xffu) == STEPQ_BITS_PIVOT);
+#pragma unroll
+        for (int g = 0; g < 4; g++) {
+            const int q = 4 * w + g;
+            const float4 f = T[lane * 32 + (q ^ (lane & 7))];
+            const float x[4] = { f.x, f.y, f.z, f.w };
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) {
+                const size_t n = off + (size_t)(4 * q + cc) * SQ_D + i;
+                if (DT == SQ_F32) {
+                    ((float *)dst)[n] = x[cc];
+                } else {
+                    unsigned fl = 0; /* unpack reports no health */
+                    ((uint16_t *)dst)[n] =
+                        sat ? sq_bf16_sat(x[cc], &fl)
+                            : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
+                }
+            }
+        }
+        __syncthreads(); /* T is rewritten by the next chunk */
+    }
+}
+
+/*
+ * One block per (entry, head) on a (heads, batch) grid: blocks that run
+ * together write neighbouring heads of one entry. DT: SQ_F32 or SQ_BF16;
+ * VK: [V,K].
+ */
 template <int DT, bool VK>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(sq_io io)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_urow rows[SQ_D];
     __shared__ __align__(16) float cs[SQ_D];
-    const int e = blockIdx.x, hv = blockIdx.y, t = threadIdx.x;
+    float4 *T = nullptr; /* [V,K]: the 32 x 128 transpose (16 KiB) */
+    if constexpr (VK) {
+        __shared__ float4 tr[32 * 32];
+        T = tr;
+    }
+    const int hv = blockIdx.x, e = blockIdx.y, t = threadIdx.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
@@ -200,7 +263,13 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
     const int w = t >> 5, lane = t & 31;
     const bool vec = io.dense_vec;
-#define SQ_UR(B) sq_unpack_rows<B, DT, VK>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane)
+#define SQ_UR(B)                                                                                  \
+    do {                                                                                          \
+        if constexpr (VK)                                                                         \
+            sq_unpack_rows_vk<B, DT>(sq_dyn, rows, cs, T, io.dense, off, slow, w, lane);          \
+        else                                                                                      \
+            sq_unpack_rows<B, DT>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane);           \
+    } while (0)
     switch (hd->ubits) { /* one width for every row: templated decode */
     case 2:
         SQ_UR(2);
