@@ -8,14 +8,14 @@
  * thread (two 16-byte stores per half-sector pair, the pattern that made the
  * tile's dense fp32 step 2.4x slower than the column kernel), and it holds a
  * 64-register tile that an unpack does not need (no reductions). Here warp w
- * owns rows 16w..16w+15 and lane l columns 4l..4l+3: [K,V] rows leave as one
- * 512-byte (fp32) or 256-byte (bf16) warp store per row. [V,K] goes through
- * a 16 KiB shared transpose, 32 rows at a time: warp w decodes rows
- * 4w..4w+3 of the chunk into it, then lane l takes row l of the chunk and
- * writes 4 columns, each a 128-byte (fp32) / 64-byte (bf16) warp store.
- * (The column kernel's pattern, 16 bytes per lane per column, measured
- * 8.3-24% of copy bandwidth.) Every lane of a warp reads the same row's
- * codes: no bank conflicts.
+ * owns rows 16w..16w+15 and lane l columns 4l..4l+3 (all lanes of a warp
+ * read the same row's codes: no bank conflicts). bf16 [K,V] rows leave as
+ * one 256-byte warp store per row (86% of copy bandwidth). fp32 [K,V] and
+ * [V,K] go through a 16 KiB shared buffer, 32 rows at a time, so that every
+ * warp store writes 128 contiguous bytes (sq_unpack_rows_t): measured on the
+ * H200 at B = 512, 16-byte-per-lane stores ran fp32 [K,V] at 53-74% and
+ * [V,K] columns at 8-24% of copy bandwidth, 128-byte warp stores [V,K] at
+ * 83-85% (and the column kernel's [K,V] rows at 82%).
  * About 16 values live per thread, so 4 blocks share an SM and hide the
  * staging latency of each other's blocks.
  *
@@ -156,18 +156,24 @@ __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow
 }
 
 /*
- * [V,K] through the shared transpose T (32 rows x 128 columns, float4
- * granules swizzled by row: granule q of row r sits at q ^ (r & 7), so the
- * row writes and the column-quad reads are both conflict-free). Chunk ch
- * holds rows 32ch..32ch+31: warp w decodes rows 4w..4w+3 of it (lane l
- * columns 4l..4l+3); after a barrier lane l reads row l's granules
- * 4w..4w+3 (columns 16w..16w+15) and writes column j's rows as one warp
- * store per column. No vector stores, so any stride works.
+ * Through the shared buffer T (32 rows x 128 columns, float4 granules
+ * swizzled by row: granule q of row r sits at q ^ (r & 7), so the row
+ * writes, the column-quad reads and the row reads by lane are all
+ * conflict-free). Chunk ch holds rows 32ch..32ch+31: warp w decodes rows
+ * 4w..4w+3 of it (lane l columns 4l..4l+3). Then every warp store is 128
+ * contiguous bytes (fp32; 64 for bf16), the pattern that measured 82-85% of
+ * copy bandwidth where 16-byte-per-lane stores measured 53% (fp32 [K,V],
+ * GDN) and 8-24% ([V,K] columns):
+ *   [V,K] (VK): after a barrier lane l reads row l's granules 4w..4w+3
+ *   (columns 16w..16w+15) and writes each column's 32 rows with one store;
+ *   [K,V] (fp32 only): warp w writes back its own 4 rows, lane l columns
+ *   l + 32m (m = 0..3), after a warp barrier only.
+ * No vector stores, so any stride works.
  */
-template <int B, int DT>
-__device__ __forceinline__ void sq_unpack_rows_vk(const uint8_t *buf, const sq_urow *rows,
-                                                  const float *cs, float4 *T, void *dst,
-                                                  size_t off, bool slow, int w, int lane)
+template <int B, int DT, bool VK>
+__device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_urow *rows,
+                                                 const float *cs, float4 *T, void *dst,
+                                                 size_t off, bool slow, int w, int lane)
 {
     const int j0 = 4 * lane;
     const float4 c4 = *(const float4 *)(cs + j0);
@@ -190,6 +196,22 @@ __device__ __forceinline__ void sq_unpack_rows_vk(const uint8_t *buf, const sq_u
                 sq_uquad<B>(v, buf, roff, b, j0, ro, c);
             }
             T[rr * 32 + (lane ^ (rr & 7))] = make_float4(v[0], v[1], v[2], v[3]);
+        }
+        if (!VK) { /* fp32 [K,V]: the warp's own rows, 128-byte stores */
+            __syncwarp();
+            const float *Tf = (const float *)T;
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                const int rr = 4 * w + k;
+                float *d = (float *)dst + off + (size_t)(32 * ch + rr) * SQ_D;
+#pragma unroll
+                for (int m = 0; m < 4; m++) {
+                    const int q = 8 * m + (lane >> 2);
+                    d[32 * m + lane] = Tf[rr * SQ_D + 4 * (q ^ (rr & 7)) + (lane & 3)];
+                }
+            }
+            __syncwarp(); /* T's rows are rewritten by the next chunk */
+            continue;
         }
         __syncthreads();
         const int i = 32 * ch + lane;
@@ -228,8 +250,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_urow rows[SQ_D];
     __shared__ __align__(16) float cs[SQ_D];
-    float4 *T = nullptr; /* [V,K]: the 32 x 128 transpose (16 KiB) */
-    if constexpr (VK) {
+    float4 *T = nullptr; /* [V,K] and fp32 [K,V]: 32 x 128 staging (16 KiB) */
+    if constexpr (VK || DT == SQ_F32) {
         __shared__ float4 tr[32 * 32];
         T = tr;
     }
@@ -265,8 +287,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     const bool vec = io.dense_vec;
 #define SQ_UR(B)                                                                                  \
     do {                                                                                          \
-        if constexpr (VK)                                                                         \
-            sq_unpack_rows_vk<B, DT>(sq_dyn, rows, cs, T, io.dense, off, slow, w, lane);          \
+        if constexpr (VK || DT == SQ_F32)                                                         \
+            sq_unpack_rows_t<B, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, slow, w, lane);       \
         else                                                                                      \
             sq_unpack_rows<B, DT>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane);           \
     } while (0)
