@@ -14,6 +14,13 @@ models do before calling them, while the C reference gets the unexpanded q/k.
 They l2-normalise q and k (use_qk_l2norm_in_kernel=True), scale q by
 d_k^-1/2 and return the state as [B, H, K, V].
 
+With a CUDA device (stepq_ref_shim_has_cuda()), the CUDA dense fp32 decode
+step (stepq__cuda_step_dense, state on the device for all steps) is checked
+the same way at the shape it supports, d_k = d_v = 128, over 1024 steps with
+grouped value heads (issue 5: <= 1e-5 relative to transformers); its distance
+to the C reference is printed as information. Without a device that part
+prints "skipped: no CUDA device" and the CPU checks still decide the result.
+
 Usage: check_vs_transformers.py [path/to/libstepq_ref_shim.so]
        (default: build-gpu/tests/kernels/libstepq_ref_shim.so, then build/...)
 Exit status: 0 all within tolerance, 1 a mismatch, 77 torch/transformers or
@@ -26,6 +33,7 @@ import sys
 
 TOL = 1e-5
 GDN, KDA = 0, 1
+ENODEV = -19  # STEPQ_ENODEV: the CUDA part is skipped, not failed
 
 
 def find_shim(argv):
@@ -58,6 +66,10 @@ def main(argv):
     lib.stepq_ref_shim_run.argtypes = [ctypes.c_int] * 7 + [fp] * 7 + [
         ctypes.c_int, ctypes.c_float, ctypes.c_int, ctypes.c_int, ctypes.c_int, fp, fp]
     lib.stepq_ref_shim_run.restype = ctypes.c_int
+    lib.stepq_ref_shim_run_cuda.argtypes = lib.stepq_ref_shim_run.argtypes
+    lib.stepq_ref_shim_run_cuda.restype = ctypes.c_int
+    lib.stepq_ref_shim_has_cuda.argtypes = []
+    lib.stepq_ref_shim_has_cuda.restype = ctypes.c_int
     lib.stepq_ref_shim_last_error.restype = ctypes.c_char_p
 
     # The hub decorator may route to a Triton kernel on CUDA tensors; the
@@ -73,36 +85,46 @@ def main(argv):
     def ptr(t):
         return ctypes.c_void_p(t.data_ptr()) if t is not None else None
 
-    def run_c(arch, q, k, v, g, beta, state0, chunk, A_log=None, dt_bias=None, raw=False):
+    def call(fn, arch, q, k, v, g, beta, state0, chunk, A_log, dt_bias, raw):
         B, T, H, dk = q.shape
         HV, dv = v.shape[2], v.shape[3]
         state = state0.clone().contiguous()
         o = torch.zeros(B, T, HV, dv, dtype=torch.float32)
         args = [q, k, v, g, beta, A_log, dt_bias]
         args = [a.contiguous() if a is not None else None for a in args]
-        rc = lib.stepq_ref_shim_run(arch, B, T, H, HV, dk, dv, *[ptr(a) for a in args],
-                                    1, 0.0, int(raw), int(raw), chunk, ptr(state), ptr(o))
+        rc = fn(arch, B, T, H, HV, dk, dv, *[ptr(a) for a in args],
+                1, 0.0, int(raw), int(raw), chunk, ptr(state), ptr(o))
+        return rc, o, state
+
+    def run_c(arch, q, k, v, g, beta, state0, chunk, A_log=None, dt_bias=None, raw=False):
+        rc, o, state = call(lib.stepq_ref_shim_run, arch, q, k, v, g, beta, state0, chunk,
+                            A_log, dt_bias, raw)
         if rc != 0:
             raise RuntimeError(f"reference returned {rc}: {lib.stepq_ref_shim_last_error().decode()}")
         return o, state
+
+    def run_cuda(arch, q, k, v, g, beta, state0, A_log=None, dt_bias=None, raw=False):
+        """The CUDA decode step, token by token; (rc, o, state), rc < 0 on an error."""
+        return call(lib.stepq_ref_shim_run_cuda, arch, q, k, v, g, beta, state0, 0,
+                    A_log, dt_bias, raw)
 
     def rel(a, b):
         return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
     failures = 0
 
-    def report(name, o, s, o_ref, s_ref):
+    def report(name, o, s, o_ref, s_ref, checked=True):
         nonlocal failures
         eo, es = rel(o, o_ref), rel(s, s_ref)
+        if not checked:
+            print(f"info {name}: output rel err {eo:.3e}, state rel err {es:.3e}")
+            return
         ok = eo <= TOL and es <= TOL
         failures += not ok
         print(f"{'ok  ' if ok else 'FAIL'} {name}: output rel err {eo:.3e}, state rel err {es:.3e}"
               f" (tolerance {TOL:g})")
 
-    torch.manual_seed(1234)
-    B, T, H, HV, DK, DV = 2, 320, 2, 6, 64, 48
-    G = HV // H
-    for arch, name in ((GDN, "gdn"), (KDA, "kda")):
+    def make_inputs(arch, B, T, H, HV, DK, DV):
         q = torch.randn(B, T, H, DK)
         k = torch.randn(B, T, H, DK)
         v = torch.randn(B, T, HV, DV)
@@ -117,21 +139,65 @@ def main(argv):
         state0 = torch.randn(B, HV, DK, DV) * 0.1
         if arch == GDN:
             g, a, dt_bias = g[..., 0], a[..., 0], dt_bias[:, 0]
+        return q, k, v, g, beta, a, b_raw, A_log, dt_bias, state0
 
+    def run_transformers(arch, q, k, v, g, beta, state0):
+        G = v.shape[2] // q.shape[2]
         qx, kx = q.repeat_interleave(G, dim=2), k.repeat_interleave(G, dim=2)
         fn = gdn_ref if arch == GDN else kda_ref
         out = fn(qx, kx, v, g, beta, initial_state=state0.clone(), output_final_state=True,
                  use_qk_l2norm_in_kernel=True)
-        o_ref, s_ref = out[0].float(), out[1].float()
+        return fn.__name__, out[0].float(), out[1].float()
+
+    torch.manual_seed(1234)
+    B, T, H, HV, DK, DV = 2, 320, 2, 6, 64, 48
+    for arch, name in ((GDN, "gdn"), (KDA, "kda")):
+        q, k, v, g, beta, a, b_raw, A_log, dt_bias, state0 = make_inputs(arch, B, T, H, HV, DK, DV)
+        fname, o_ref, s_ref = run_transformers(arch, q, k, v, g, beta, state0)
 
         shape = f"B={B} T={T} H={H} HV={HV} d_k={DK} d_v={DV}"
         o, s = run_c(arch, q, k, v, g, beta, state0, 0)
-        report(f"{name} decode step x{T} vs {fn.__name__} [{shape}]", o, s, o_ref, s_ref)
+        report(f"{name} decode step x{T} vs {fname} [{shape}]", o, s, o_ref, s_ref)
         o, s = run_c(arch, q, k, v, a, b_raw, state0, 0, A_log, dt_bias, raw=True)
         report(f"{name} decode, gate and beta in kernel", o, s, o_ref, s_ref)
         for chunk in (64, 100):
             o, s = run_c(arch, q, k, v, g, beta, state0, chunk)
             report(f"{name} chunked prefill (chunk {chunk})", o, s, o_ref, s_ref)
+
+    # The CUDA fp32 decode step (issue 5): d_k = d_v = 128, the only shape it
+    # implements, 1024 steps, 2 value heads per q/k head.
+    def check_cuda():
+        nonlocal failures
+        if not lib.stepq_ref_shim_has_cuda():
+            print("skipped: no CUDA device (CUDA fp32 decode step vs transformers)")
+            return
+        torch.manual_seed(5)
+        B, T, H, HV, DK, DV = 2, 1024, 2, 4, 128, 128
+        shape = f"B={B} T={T} H={H} HV={HV} d_k={DK} d_v={DV}"
+        for arch, name in ((GDN, "gdn"), (KDA, "kda")):
+            q, k, v, g, beta, a, b_raw, A_log, dt_bias, state0 = make_inputs(
+                arch, B, T, H, HV, DK, DV)
+            fname, o_ref, s_ref = run_transformers(arch, q, k, v, g, beta, state0)
+            for raw in (False, True):
+                gates = (a, b_raw, A_log, dt_bias) if raw else (g, beta, None, None)
+                what = f"{name} cuda fp32 decode x{T}"
+                what += ", gate and beta in kernel" if raw else f" vs {fname} [{shape}]"
+                rc, o, s = run_cuda(arch, q, k, v, *gates[:2], state0, *gates[2:], raw=raw)
+                err = lib.stepq_ref_shim_last_error().decode() if rc else ""
+                if rc == ENODEV:
+                    print(f"skipped: no CUDA device ({err})")
+                    return
+                if rc != 0:
+                    failures += 1
+                    print(f"FAIL {what}: returned {rc}: {err}")
+                    continue
+                report(what, o, s, o_ref, s_ref)
+                o_c, s_c = run_c(arch, q, k, v, *gates[:2], state0, 0, *gates[2:], raw=raw)
+                report(f"{name} cuda fp32 decode vs C reference decode"
+                       + (", gate and beta in kernel" if raw else ""), o, s, o_c, s_c,
+                       checked=False)
+
+    check_cuda()
 
     print("PASS" if failures == 0 else f"FAIL: {failures} comparison(s) over tolerance")
     return 0 if failures == 0 else 1
