@@ -324,6 +324,15 @@ static size_t tile_smem(size_t max_block)
     return (max_block + 16 + 15) & ~(size_t)15;
 }
 
+/* A pack on the tile kernel: its dense head is staged into the block's buffer (sq_stage_dense). */
+static size_t pack_smem(size_t max_block, const sq_io &io)
+{
+    const size_t blk = tile_smem(max_block);
+    const size_t dense = SQ_STAGE_BYTES(io.bf16 ? 2 : 4);
+    return blk > dense ? blk : dense;
+}
+static_assert(SQ_STAGE_BYTES(4) <= SQ_DYN_SMEM_MAX, "the staged fp32 head exceeds the attribute");
+
 static int legacy_kernels; /* stepq__cuda_set_legacy: thread-per-column kernel everywhere */
 
 extern "C" void stepq__cuda_set_legacy(int on)
@@ -484,8 +493,8 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     SQ_CU(cudaEventRecord(L->ev_a, s), who);
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
     /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
-    rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io,
-                                                                 vt & ~SQ_V_ORDER, who)
+    rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
+                    grid, pack_smem(L->max_block, io), L->s2, st, io, vt & ~SQ_V_ORDER, who)
               : launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who);
     if (rc < 0)
         return rc;
@@ -555,7 +564,7 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     dim3 grid((unsigned)pl->n_heads, (unsigned)n);
     if (use_tile(L))
         return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
-            grid, tile_smem(L->max_block), (cudaStream_t)stream, st, io, pack_variant(L), who);
+            grid, pack_smem(L->max_block, io), (cudaStream_t)stream, st, io, pack_variant(L), who);
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
                                                        (cudaStream_t)stream, st, io, who);
 }

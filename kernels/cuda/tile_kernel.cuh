@@ -638,9 +638,121 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 }
 
 /*
+ * Staged dense source of the pack (SRC dense, SINK packed, no update; also
+ * two-stage stage 2). Loaded by sq_tload, a thread's 8 rows x 32 bytes (fp32
+ * [K,V]; 8 columns for [V,K], 16 bytes per row for bf16) were few, wide loads
+ * serialised behind 2 blocks per SM, and [V,K] / bf16 coalesced poorly
+ * (ncu, KDA fp32 pack: long_scoreboard 1.73 stall cycles per instruction).
+ * Instead the head's 128 contiguous rows of 128 elements (64 KiB fp32,
+ * 32 KiB bf16) are copied into the kernel's buffer with 16-byte cp.async,
+ * thread n taking the granules n, n + 256, ... of the head (fully
+ * coalesced; 16 or 8 in flight per thread without holding registers),
+ * issued before the per-row descriptor setup; each thread then reads its
+ * micro-tile from shared memory: the same floats as sq_tload, so the pack
+ * is unchanged bit for bit. A tensor without 16-byte alignment
+ * (!io.dense_vec) fills the same layout element by element.
+ *
+ * The buffer also receives the packed block, which is first written after
+ * the non-finite check's __syncthreads_or (every micro-tile is in registers
+ * by then): hence the two share it and the dynamic size is the larger of
+ * the two (layer.cu, pack_smem).
+ *
+ * Swizzle: 16-byte granule g of staged row a is stored at granule
+ * g ^ (g >> 3 & 1) ^ (a >> 3 & 7) of the row. An LDS.128 is served a
+ * quarter-warp (8 lanes) at a time, conflict-free when the 8 granules fall
+ * in different 16-byte bank groups (granule index mod 8):
+ * - cp.async: 8 lanes write 8 consecutive granules of one row (a fixed);
+ * - [K,V] reads: 8 lanes (tx = 0..7 or 8..15) read row R0 + r, granule tx
+ *   (bf16) or 2tx + k (fp32: granules 0, 2, .., 14 would meet in pairs; the
+ *   g >> 3 term moves lanes 4..7 to the odd bank groups);
+ * - [V,K] reads: lane tx reads row 8tx + c, one granule fixed by R0 (the
+ *   same for all 8 lanes: an 8-way conflict unswizzled); a >> 3 = tx
+ *   spreads them over the 8 bank groups.
+ */
+#define SQ_STAGE_BYTES(es) (SQ_D * SQ_D * (es)) /* staged dense head of es-byte elements */
+
+/* Physical granule of granule g in a staged row of group a8 = row >> 3 (see above). */
+__device__ __forceinline__ uint32_t sq_stage_swz(uint32_t a8, uint32_t g)
+{
+    return g ^ (((g >> 3) & 1u) ^ (a8 & 7u));
+}
+
+/* Issues the cp.async copy of one dense head (src: its first element) into buf. */
+template <int DT> __device__ __forceinline__ void sq_stage_dense(uint8_t *buf, const void *src)
+{
+    constexpr uint32_t RB = SQ_D * (DT == SQ_F32 ? 4 : 2), GR = RB / 16; /* row: bytes, granules */
+    const uint8_t *s = (const uint8_t *)src;
+#pragma unroll
+    for (uint32_t it = 0; it < SQ_D * GR / SQ_THREADS; it++) {
+        const uint32_t n = it * SQ_THREADS + threadIdx.x, a = n / GR;
+        sq_cp_async16(buf + a * RB + 16 * sq_stage_swz(a >> 3, n % GR), s + 16 * n);
+    }
+    sq_cp_commit();
+}
+
+/*
+ * Without 16-byte alignment (!io.dense_vec): the same staged layout, one
+ * element at a time (plain loads and stores; rare, so not tuned). The tile
+ * is then read by the one path above: the fallback through sq_tload made
+ * the pack spill (128-152 B; -Xptxas -v).
+ */
+template <int DT>
+__device__ __forceinline__ void sq_stage_dense_scalar(uint8_t *buf, const void *src)
+{
+    constexpr uint32_t ES = DT == SQ_F32 ? 4 : 2, RB = SQ_D * ES;
+#pragma unroll 8
+    for (uint32_t n = threadIdx.x; n < SQ_D * SQ_D; n += SQ_THREADS) {
+        const uint32_t a = n / SQ_D, o = (n % SQ_D) * ES;
+        uint8_t *d = buf + a * RB + 16 * sq_stage_swz(a >> 3, o / 16) + o % 16;
+        if (DT == SQ_F32)
+            *(float *)d = ((const float *)src)[n];
+        else
+            *(uint16_t *)d = ((const uint16_t *)src)[n];
+    }
+}
+
+/*
+ * sq_tload (vector case) from the staged head in buf. VK is a template
+ * parameter so that each layout has its own loads: with a run-time vk the
+ * compiler shared them and transposed through 56 selects.
+ */
+template <int DT, bool VK>
+__device__ __forceinline__ void sq_tload_staged(float (&x)[64], const uint8_t *buf, int R0, int C0)
+{
+    constexpr uint32_t ES = DT == SQ_F32 ? 4 : 2, RB = SQ_D * ES;
+    /* [K,V]: staged rows R0.., elements C0..; [V,K]: rows C0.., elements R0.. */
+    const uint32_t a0 = VK ? C0 : R0, g0 = (VK ? R0 : C0) * ES / 16;
+    const uint8_t *base = buf + a0 * RB;
+    /* the 8 rows share a row group; fp32: g0 is even, so granule g0 + 1 lies at p0 ^ 16 */
+    const uint32_t p0 = 16 * sq_stage_swz(a0 >> 3, g0), p1 = p0 ^ 16;
+#pragma unroll
+    for (int a = 0; a < 8; a++) {
+        const uint8_t *row = base + a * RB;
+        float e[8];
+        if (DT == SQ_F32) {
+            float4 u = *(const float4 *)(row + p0), v = *(const float4 *)(row + p1);
+            e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
+            e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
+        } else {
+            uint4 u = *(const uint4 *)(row + p0);
+            uint32_t wd[4] = { u.x, u.y, u.z, u.w };
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                e[2 * k] = __uint_as_float(wd[k] << 16);
+                e[2 * k + 1] = __uint_as_float(wd[k] & 0xffff0000u);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < 8; b++)
+            x[VK ? b * 8 + a : a * 8 + b] = e[b];
+    }
+}
+
+/*
  * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
  * dense; SINK: packed (quantized) or dense. With a packed source the block
- * has been staged into buf by the caller (sq_stage_block).
+ * has been staged into buf by the caller (sq_stage_block), and so has the
+ * dense head of a pack (sq_stage_dense, sq_stage_dense_scalar).
  * Ends with a barrier: buf and sm are free when it returns. V: SQ_V_* bits.
  */
 template <int SRC, bool UPDATE, int SINK, int V = 0>
@@ -674,7 +786,19 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     float x[64];
-    if (SRC == SQ_SRC_DENSE) {
+    if (SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED) {
+        /* the pack: the head was staged into buf by the caller (sq_stage_dense) */
+        sq_cp_wait_cur();
+        __syncthreads();
+        if (io.bf16 && io.layout_vk)
+            sq_tload_staged<SQ_BF16, true>(x, buf, R0, C0);
+        else if (io.bf16)
+            sq_tload_staged<SQ_BF16, false>(x, buf, R0, C0);
+        else if (io.layout_vk)
+            sq_tload_staged<SQ_F32, true>(x, buf, R0, C0);
+        else
+            sq_tload_staged<SQ_F32, false>(x, buf, R0, C0);
+    } else if (SRC == SQ_SRC_DENSE) {
         size_t off =
             (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
         if (io.bf16)
@@ -1187,11 +1311,34 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     constexpr bool ORD = V & SQ_V_ORDER;
     const int hv = ORD ? blockIdx.y : blockIdx.x, e = ORD ? blockIdx.x : blockIdx.y;
     const int HV = ORD ? gridDim.y : gridDim.x;
+    /*
+     * The pack issues its dense head first: the source is indexed by entry
+     * (io.dense_by_slot is 0 for a pack), so its copy need not wait for the
+     * slot id and skip flag; a block that then returns early waits for it.
+     */
+    constexpr bool STAGE = SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED;
+    if (STAGE) {
+        const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
+        if (io.bf16) {
+            const uint16_t *src = (const uint16_t *)io.dense + off;
+            if (io.dense_vec)
+                sq_stage_dense<SQ_BF16>(sq_dyn, src);
+            else
+                sq_stage_dense_scalar<SQ_BF16>(sq_dyn, src);
+        } else {
+            const float *src = (const float *)io.dense + off;
+            if (io.dense_vec)
+                sq_stage_dense<SQ_F32>(sq_dyn, src);
+            else
+                sq_stage_dense_scalar<SQ_F32>(sq_dyn, src);
+        }
+    }
     const int32_t slot = io.slots ? io.slots[e] : e;
-    if (slot < 0 || slot >= io.n_slots)
-        return; /* uniform over the block */
-    if (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])
-        return;
+    if (slot < 0 || slot >= io.n_slots || (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])) {
+        if (STAGE)
+            sq_cp_wait_cur(); /* no copy may land after the block has gone */
+        return;               /* uniform over the block */
+    }
     if (SRC == SQ_SRC_PACKED) {
         const sq_head_desc *hd = io.heads + hv;
         sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,
