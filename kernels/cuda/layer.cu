@@ -278,8 +278,8 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
- * packed step ORDER and ORDER|RTU, pack 0 and RTU, dense bf16 step 0; ORDER
- * launches the grid as (batch, heads).
+ * packed step ORDER and ORDER|RTU, pack 0, RTU, STAGE and RTU|STAGE, dense
+ * bf16 step 0; ORDER launches the grid as (batch, heads).
  */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
@@ -292,6 +292,11 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
                                                                            who);
         return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
+        if ((v & SQ_V_RTU) && (v & SQ_V_STAGE))
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_STAGE>(grid, smem, s, st, io,
+                                                                           who);
+        if (v & SQ_V_STAGE)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_STAGE>(grid, smem, s, st, io, who);
         if (v & SQ_V_RTU)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU>(grid, smem, s, st, io, who);
         return launch_tile_v<SRC, UPDATE, SINK, 0>(grid, smem, s, st, io, who);
@@ -324,11 +329,11 @@ static size_t tile_smem(size_t max_block)
     return (max_block + 16 + 15) & ~(size_t)15;
 }
 
-/* A pack on the tile kernel: its dense head is staged into the block's buffer (sq_stage_dense). */
+/* A pack on the tile kernel: a [V,K] head is staged into the block's buffer (sq_stage_dense). */
 static size_t pack_smem(size_t max_block, const sq_io &io)
 {
     const size_t blk = tile_smem(max_block);
-    const size_t dense = SQ_STAGE_BYTES(io.bf16 ? 2 : 4);
+    const size_t dense = io.layout_vk ? SQ_STAGE_BYTES(io.bf16 ? 2 : 4) : 0;
     return blk > dense ? blk : dense;
 }
 static_assert(SQ_STAGE_BYTES(4) <= SQ_DYN_SMEM_MAX, "the staged fp32 head exceeds the attribute");
@@ -345,10 +350,10 @@ static int use_tile(const stepq__cuda_layer *L)
     return !legacy_kernels && (!L || L->all_quant);
 }
 
-/* Template bits of the pack: run-time widths without a uniform-width head. */
-static int pack_variant(const stepq__cuda_layer *L)
+/* Template bits of the pack: run-time widths without a uniform-width head; [V,K] staged. */
+static int pack_variant(const stepq__cuda_layer *L, const sq_io &io)
 {
-    return L->any_uniform ? 0 : SQ_V_RTU;
+    return (L->any_uniform ? 0 : SQ_V_RTU) | (io.layout_vk ? SQ_V_STAGE : 0);
 }
 
 static int check_args(const struct stepq__step_args *a, const char *who)
@@ -564,7 +569,7 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     dim3 grid((unsigned)pl->n_heads, (unsigned)n);
     if (use_tile(L))
         return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
-            grid, pack_smem(L->max_block, io), (cudaStream_t)stream, st, io, pack_variant(L), who);
+            grid, pack_smem(L->max_block, io), (cudaStream_t)stream, st, io, pack_variant(L, io), who);
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
                                                        (cudaStream_t)stream, st, io, who);
 }

@@ -152,6 +152,8 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
 #define SQ_V_ORDER 1
 /* uniform-width heads on the run-time-width path too (no templated width code in the binary) */
 #define SQ_V_RTU 4
+/* the pack stages its dense head in shared memory (sq_stage_dense): [V,K] sources only */
+#define SQ_V_STAGE 8
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -638,11 +640,13 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 }
 
 /*
- * Staged dense source of the pack (SRC dense, SINK packed, no update; also
- * two-stage stage 2). Loaded by sq_tload, a thread's 8 rows x 32 bytes (fp32
- * [K,V]; 8 columns for [V,K], 16 bytes per row for bf16) were few, wide loads
- * serialised behind 2 blocks per SM, and [V,K] / bf16 coalesced poorly
- * (ncu, KDA fp32 pack: long_scoreboard 1.73 stall cycles per instruction).
+ * Staged dense source of the pack of a [V,K] tensor (SQ_V_STAGE). Loaded by
+ * sq_tload, a thread's 8 columns x 32 bytes of a [V,K] head coalesce poorly.
+ * Measured on the H200 at B = 512 (fp32, us, GDN / KDA): [V,K] 533 / 594
+ * direct, 411 / 510 staged; but [K,V] 387 / 447 direct and 406 / 507
+ * staged (bf16 [K,V] 327 / 415 direct, 345 / 443 staged): where sq_tload's
+ * rows are already contiguous, waiting for the whole head before any
+ * arithmetic costs more than it saves. So only [V,K] packs stage.
  * Instead the head's 128 contiguous rows of 128 elements (64 KiB fp32,
  * 32 KiB bf16) are copied into the kernel's buffer with 16-byte cp.async,
  * thread n taking the granules n, n + 256, ... of the head (fully
@@ -786,8 +790,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     }
 
     float x[64];
-    if (SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED) {
-        /* the pack: the head was staged into buf by the caller (sq_stage_dense) */
+    if (SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED && (V & SQ_V_STAGE)) {
+        /* a [V,K] pack: the head was staged into buf by the caller (sq_stage_dense) */
         sq_cp_wait_cur();
         __syncthreads();
         if (io.bf16 && io.layout_vk)
@@ -1316,7 +1320,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
      * (io.dense_by_slot is 0 for a pack), so its copy need not wait for the
      * slot id and skip flag; a block that then returns early waits for it.
      */
-    constexpr bool STAGE = SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED;
+    constexpr bool STAGE = SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED &&
+                           (V & SQ_V_STAGE);
     if (STAGE) {
         const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
         if (io.bf16) {
