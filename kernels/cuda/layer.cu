@@ -568,8 +568,9 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
     io.counts = (unsigned long long *)counts;
     dim3 grid((unsigned)pl->n_heads, (unsigned)n);
     if (use_tile(L))
-        return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
-            grid, pack_smem(L->max_block, io), (cudaStream_t)stream, st, io, pack_variant(L, io), who);
+        return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, pack_smem(L->max_block, io),
+                                                                (cudaStream_t)stream, st, io,
+                                                                pack_variant(L, io), who);
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
                                                        (cudaStream_t)stream, st, io, who);
 }

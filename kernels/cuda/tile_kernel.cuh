@@ -1320,8 +1320,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
      * (io.dense_by_slot is 0 for a pack), so its copy need not wait for the
      * slot id and skip flag; a block that then returns early waits for it.
      */
-    constexpr bool STAGE = SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED &&
-                           (V & SQ_V_STAGE);
+    constexpr bool STAGE =
+        SRC == SQ_SRC_DENSE && !UPDATE && SINK == SQ_SINK_PACKED && (V & SQ_V_STAGE);
     if (STAGE) {
         const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
         if (io.bf16) {

@@ -172,8 +172,8 @@ __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow
  */
 template <int B, int DT, bool VK>
 __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_urow *rows,
-                                                 const float *cs, float4 *T, void *dst,
-                                                 size_t off, bool slow, int w, int lane)
+                                                 const float *cs, float4 *T, void *dst, size_t off,
+                                                 bool slow, int w, int lane)
 {
     const int j0 = 4 * lane;
     const float4 c4 = *(const float4 *)(cs + j0);
@@ -229,9 +229,8 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
                     ((float *)dst)[n] = x[cc];
                 } else {
                     unsigned fl = 0; /* unpack reports no health */
-                    ((uint16_t *)dst)[n] =
-                        sat ? sq_bf16_sat(x[cc], &fl)
-                            : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
+                    ((uint16_t *)dst)[n] = sat ? sq_bf16_sat(x[cc], &fl)
+                                               : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
                 }
             }
         }
@@ -285,12 +284,12 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
     const int w = t >> 5, lane = t & 31;
     const bool vec = io.dense_vec;
-#define SQ_UR(B)                                                                                  \
-    do {                                                                                          \
-        if constexpr (VK || DT == SQ_F32)                                                         \
-            sq_unpack_rows_t<B, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, slow, w, lane);       \
-        else                                                                                      \
-            sq_unpack_rows<B, DT>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane);           \
+#define SQ_UR(B)                                                                            \
+    do {                                                                                    \
+        if constexpr (VK || DT == SQ_F32)                                                   \
+            sq_unpack_rows_t<B, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, slow, w, lane); \
+        else                                                                                \
+            sq_unpack_rows<B, DT>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane);     \
     } while (0)
     switch (hd->ubits) { /* one width for every row: templated decode */
     case 2:
