@@ -33,6 +33,25 @@ SHIM_API int stepq_ref_shim_run_cuda(int arch, int B, int T, int H, int HV, int 
 SHIM_API int stepq_ref_shim_has_cuda(void);
 SHIM_API const char *stepq_ref_shim_last_error(void);
 
+/* The step arguments both paths share (tensors, batch and slots are set by the caller). */
+static void shim_args(struct stepq__step_args *a, int arch, int H, int HV, int d_k, int d_v,
+                      const float *A_log, const float *dt_bias, int l2norm, float scale,
+                      int gate_in_kernel, int beta_sigmoid)
+{
+    memset(a, 0, sizeof(*a));
+    a->arch = (stepq_arch)arch;
+    a->H = H;
+    a->HV = HV;
+    a->d_k = d_k;
+    a->d_v = d_v;
+    a->A_log = A_log;
+    a->dt_bias = dt_bias;
+    a->opt.l2norm = l2norm;
+    a->opt.scale = scale;
+    a->opt.gate_in_kernel = gate_in_kernel;
+    a->opt.beta_sigmoid = beta_sigmoid;
+}
+
 /*
  * Runs B requests of T tokens. Inputs are laid out as transformers takes
  * them: q, k [B][T][H][d_k], v [B][T][HV][d_v], g [B][T][HV] (GDN) or
@@ -50,18 +69,8 @@ int stepq_ref_shim_run(int arch, int B, int T, int H, int HV, int d_k, int d_v, 
     size_t sq = (size_t)H * d_k, sv = (size_t)HV * d_v, sg = (size_t)HV * n_g;
     struct stepq__step_args a;
 
-    memset(&a, 0, sizeof(a));
-    a.arch = (stepq_arch)arch;
-    a.H = H;
-    a.HV = HV;
-    a.d_k = d_k;
-    a.d_v = d_v;
-    a.A_log = A_log;
-    a.dt_bias = dt_bias;
-    a.opt.l2norm = l2norm;
-    a.opt.scale = scale;
-    a.opt.gate_in_kernel = gate_in_kernel;
-    a.opt.beta_sigmoid = beta_sigmoid;
+    shim_args(&a, arch, H, HV, d_k, d_v, A_log, dt_bias, l2norm, scale, gate_in_kernel,
+              beta_sigmoid);
 
     if (chunk > 0) {
         a.batch = T;
@@ -227,21 +236,10 @@ int stepq_ref_shim_run_cuda(int arch, int B, int T, int H, int HV, int d_k, int 
         goto cuda_err;
 
     struct stepq__step_args a;
-    memset(&a, 0, sizeof(a));
-    a.arch = (stepq_arch)arch;
+    shim_args(&a, arch, H, HV, d_k, d_v, d_A, d_dt, l2norm, scale, gate_in_kernel, beta_sigmoid);
     a.batch = B;
-    a.H = H;
-    a.HV = HV;
-    a.d_k = d_k;
-    a.d_v = d_v;
     a.n_slots = B;
     a.slots = d_slots;
-    a.A_log = d_A;
-    a.dt_bias = d_dt;
-    a.opt.l2norm = l2norm;
-    a.opt.scale = scale;
-    a.opt.gate_in_kernel = gate_in_kernel;
-    a.opt.beta_sigmoid = beta_sigmoid;
     a.stream = NULL; /* legacy default stream: the steps run in order */
     struct stepq__dense_states st = { d_S, (size_t)HV * d_k * d_v, STEPQ__LAYOUT_KV };
     for (int t = 0; t < T; t++) {
