@@ -2,9 +2,10 @@
  * The micro-tiled head kernel: one 256-thread block per (entry, value head)
  * of a 128x128 state, every thread owning an 8-row x 8-column tile in 64
  * registers. Used for every quantized page (fused decode step, pack =
- * two-stage stage 2) and for the dense bf16 decode step; head_kernel.cuh
- * (thread per column) remains for unpack, the dense fp32 step, two-stage
- * stage 1 and layers whose pages hold dense methods (fp32/bf16/fp16 pages).
+ * two-stage stage 2) and for the dense bf16 decode step; unpack_kernel.cuh
+ * unpacks; head_kernel.cuh (thread per column) remains for the dense fp32
+ * step, two-stage stage 1 and layers whose pages hold dense methods
+ * (fp32/bf16/fp16 pages).
  *
  * Thread t: warp w = t / 32, tx = t % 16 (columns 8tx..8tx+7), ty = 2w +
  * (t % 32) / 16 (rows 8ty..8ty+7). A warp holds 16 complete rows, so a row
