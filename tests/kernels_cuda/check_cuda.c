@@ -901,6 +901,169 @@ static void report(const char *name, int rc)
     printf("%s %s\n", rc ? "FAIL" : "ok  ", name);
 }
 
+/* The call's status is `want` and the message names the entry `who`. */
+#define BAD(call, want, who)                                                                     \
+    do {                                                                                         \
+        int rc_ = (call);                                                                        \
+        CHECK(rc_ == (want), "%s returned %d (%s), expected %d", #call, rc_, stepq_last_error(), \
+              (int)(want));                                                                      \
+        CHECK(strstr(stepq_last_error(), (who)) != NULL, "%s: message '%s' does not name %s",    \
+              #call, stepq_last_error(), (who));                                                 \
+        n_bad++;                                                                                 \
+    } while (0)
+
+/*
+ * Invalid arguments to every CUDA entry: the documented status, a message
+ * naming the entry, no sticky CUDA error, and the device pages byte for
+ * byte as they were; then a valid pack still works.
+ */
+static int run_bad_args(void)
+{
+    enum { HV = 2, H = 1, B = 4, NS = B + 2 };
+    static const char step[] = "cuda step (packed)", pack[] = "cuda pack", unpack[] = "cuda unpack",
+                      dense[] = "cuda step (dense)";
+    int n_bad = 0;
+    struct layer L, L3;
+    if (make_layer(&L, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, HV, NS, 6) ||
+        make_layer(&L3, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 3, NS, 6))
+        return 1;
+    uint8_t *pages = malloc(L.bytes), *got = malloc(L.bytes);
+    CHECK(pages && got, "oom");
+    if (fill_pages(&L, pages, 0.3f))
+        return 1;
+    const size_t nd = (size_t)B * HV * D * D, nq = (size_t)B * H * D, nv = (size_t)B * HV * D;
+    float *zeros = calloc(nd, sizeof(float));
+    int32_t hs[B] = { 3, 0, -1, 5 };
+    CHECK(zeros, "oom");
+    uint8_t *dp = dup_dev(pages, L.bytes);
+    float *dq = dup_dev(zeros, 4 * nq), *dk = dup_dev(zeros, 4 * nq), *dv = dup_dev(zeros, 4 * nv);
+    float *dg = dup_dev(zeros, 4 * (size_t)B * HV), *db = dup_dev(zeros, 4 * (size_t)B * HV);
+    float *dout = dup_dev(zeros, 4 * nv), *ddense = dup_dev(zeros, 4 * nd);
+    int32_t *dslots = dup_dev(hs, sizeof(hs));
+    CHECK(dp && dq && dk && dv && dg && db && dout && ddense && dslots, "device allocation");
+
+    struct stepq__packed_layer dpl = L.pl, mis = L.pl, dpl3 = L3.pl;
+    dpl.base = dp;
+    mis.base = dp + 8; /* not 16-byte aligned */
+    dpl3.base = dp;
+    stepq__cuda_layer *cl = NULL, *cl3 = NULL;
+    SQ(stepq__cuda_layer_prepare(&dpl, &cl));
+    SQ(stepq__cuda_layer_prepare(&dpl3, &cl3));
+
+    struct stepq__step_args a = { 0 };
+    a.arch = STEPQ_ARCH_GDN;
+    a.batch = B;
+    a.H = H;
+    a.HV = HV;
+    a.d_k = a.d_v = D;
+    a.n_slots = NS;
+    a.opt.l2norm = 1;
+    a.slots = dslots;
+    a.q = dq;
+    a.k = dk;
+    a.v = dv;
+    a.g = dg;
+    a.beta = db;
+    a.o = dout;
+    struct stepq__step_args x;
+
+    /* fused packed step */
+    x = a, x.d_k = x.d_v = 64;
+    BAD(stepq__cuda_step_packed_prepared(&x, &dpl, cl, STEPQ__CUDA_FUSED), STEPQ_ENOTSUP, step);
+    x = a, x.batch = 70000;
+    BAD(stepq__cuda_step_packed_prepared(&x, &dpl, cl, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    x = a, x.slots = NULL;
+    BAD(stepq__cuda_step_packed_prepared(&x, &dpl, cl, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    x = a, x.q = NULL;
+    BAD(stepq__cuda_step_packed_prepared(&x, &dpl, cl, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    x = a, x.HV = 4;
+    BAD(stepq__cuda_step_packed_prepared(&x, &dpl, cl, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    x = a, x.opt.gate_in_kernel = 1; /* without A_log, dt_bias */
+    BAD(stepq__cuda_step_packed_prepared(&x, &dpl, cl, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    BAD(stepq__cuda_step_packed_prepared(&a, &mis, cl, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    BAD(stepq__cuda_step_packed_prepared(&a, &dpl, cl3, STEPQ__CUDA_FUSED), STEPQ_EINVAL, step);
+    BAD(stepq__cuda_step_packed_prepared(&a, &dpl, NULL, STEPQ__CUDA_TWO_STAGE), STEPQ_EINVAL,
+        step);
+    BAD(stepq__cuda_step_packed_prepared(&a, &dpl, cl, (stepq__cuda_variant)7), STEPQ_EINVAL, step);
+
+    /* pack and unpack (prefill hooks) */
+    const size_t stride = (size_t)HV * D * D;
+    BAD(stepq__cuda_pack_prepared(&dpl, cl, -1, dslots, ddense, stride, STEPQ__LAYOUT_KV,
+                                  STEPQ__DTYPE_F32, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_pack_prepared(&dpl, cl, 70000, dslots, ddense, stride, STEPQ__LAYOUT_KV,
+                                  STEPQ__DTYPE_F32, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_pack_prepared(&dpl, cl, B, dslots, ddense, stride - 1, STEPQ__LAYOUT_VK,
+                                  STEPQ__DTYPE_BF16, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_pack_prepared(&dpl, cl, B, NULL, ddense, stride, STEPQ__LAYOUT_KV,
+                                  STEPQ__DTYPE_F32, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_pack_prepared(&dpl, cl, B, dslots, NULL, stride, STEPQ__LAYOUT_KV,
+                                  STEPQ__DTYPE_F32, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_pack_prepared(&mis, cl, B, dslots, ddense, stride, STEPQ__LAYOUT_KV,
+                                  STEPQ__DTYPE_F32, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_pack_prepared(&dpl, cl3, B, dslots, ddense, stride, STEPQ__LAYOUT_KV,
+                                  STEPQ__DTYPE_F32, NULL, NULL, NULL),
+        STEPQ_EINVAL, pack);
+    BAD(stepq__cuda_unpack_prepared(&dpl, cl, B, dslots, ddense, stride - 64, STEPQ__LAYOUT_KV,
+                                    STEPQ__DTYPE_F32, NULL),
+        STEPQ_EINVAL, unpack);
+    BAD(stepq__cuda_unpack_prepared(&mis, cl, B, dslots, ddense, stride, STEPQ__LAYOUT_VK,
+                                    STEPQ__DTYPE_BF16, NULL),
+        STEPQ_EINVAL, unpack);
+    BAD(stepq__cuda_unpack_prepared(&dpl, cl, B, dslots, NULL, stride, STEPQ__LAYOUT_KV,
+                                    STEPQ__DTYPE_F32, NULL),
+        STEPQ_EINVAL, unpack);
+
+    /* dense fp32 step on the same states */
+    x = a, x.n_slots = 0;
+    BAD(stepq__cuda_step_dense_ex(&x, ddense, stride, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32),
+        STEPQ_EINVAL, dense);
+    x = a, x.d_k = 64;
+    BAD(stepq__cuda_step_dense_ex(&x, ddense, stride, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32),
+        STEPQ_ENOTSUP, dense);
+    BAD(stepq__cuda_step_dense_ex(&a, ddense, stride / 2, STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32),
+        STEPQ_EINVAL, dense);
+
+    CU(cudaDeviceSynchronize());
+    CU(cudaGetLastError()); /* nothing sticky */
+    CU(cudaMemcpy(got, dp, L.bytes, cudaMemcpyDeviceToHost));
+    CHECK(!memcmp(got, pages, L.bytes), "a rejected call changed the pages");
+    /*
+     * A valid call still works. Slot ids out of range live on the device, so
+     * the kernels skip them like -1 (cuda.h): only slot 3's page may change.
+     */
+    const int32_t hs2[B] = { NS, 3, -7, 1 << 30 };
+    CU(cudaMemcpy(dslots, hs2, sizeof(hs2), cudaMemcpyHostToDevice));
+    SQ(stepq__cuda_pack_prepared(&dpl, cl, B, dslots, ddense, stride, STEPQ__LAYOUT_KV,
+                                 STEPQ__DTYPE_F32, NULL, NULL, NULL));
+    CU(cudaDeviceSynchronize());
+    CU(cudaMemcpy(got, dp, L.bytes, cudaMemcpyDeviceToHost));
+    const size_t ps = L.pl.page_stride;
+    CHECK(!memcmp(got, pages, 3 * ps) && !memcmp(got + 4 * ps, pages + 4 * ps, L.bytes - 4 * ps),
+          "a pack with out-of-range slot ids wrote outside slot 3's page");
+    CHECK(memcmp(got + 3 * ps, pages + 3 * ps, ps), "the pack did not write slot 3's page");
+    printf("  %d invalid calls rejected with their status and entry name, pages unchanged; slot ids"
+           " %d, -7 and 2^30 skipped\n",
+           n_bad, NS);
+
+    stepq__cuda_layer_release(cl);
+    stepq__cuda_layer_release(cl3);
+    void *dev[] = { dp, dq, dk, dv, dg, db, dout, ddense, dslots };
+    for (size_t i = 0; i < sizeof(dev) / sizeof(dev[0]); i++)
+        cudaFree(dev[i]);
+    free(pages);
+    free(got);
+    free(zeros);
+    free_layer(&L);
+    free_layer(&L3);
+    return 0;
+}
+
 #define RUN(name, call) report(name, (call))
 /* A check left out under SANITIZE=1 when `skip` (the sanitizers see each kernel once or twice). */
 #define RUN_FULL(skip, name, call) \
@@ -1001,6 +1164,8 @@ int main(void)
     RUN("legacy dense bf16 gdn 1 step [K,V]",
         run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 1));
     stepq__cuda_set_legacy(0);
+
+    RUN("invalid arguments: status, message, pages unchanged", run_bad_args());
 
     /* saturating scales take the clamped quantizer */
     RUN("gdn step stepq @6 huge state",
