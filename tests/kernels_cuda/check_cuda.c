@@ -480,6 +480,30 @@ static float step_amp = 0.3f; /* magnitude of the random states packed into page
  * One packed decode step, CUDA vs reference. variant: fused or two-stage.
  * nonfinite: request 0 gets a NaN in q (head untouched, output 0, flag).
  */
+/* Step arguments of a batch: shape, l2norm, slot ids and the per-row tensors (o: output). */
+static struct stepq__step_args step_args(stepq_arch arch, int batch, int H, int HV, int n_slots,
+                                         const int32_t *slots, const float *q, const float *k,
+                                         const float *v, const float *g, const float *beta,
+                                         float *o)
+{
+    struct stepq__step_args a = { 0 };
+    a.arch = arch;
+    a.batch = batch;
+    a.H = H;
+    a.HV = HV;
+    a.d_k = a.d_v = D;
+    a.n_slots = n_slots;
+    a.opt.l2norm = 1;
+    a.slots = slots;
+    a.q = q;
+    a.k = k;
+    a.v = v;
+    a.g = g;
+    a.beta = beta;
+    a.o = o;
+    return a;
+}
+
 static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, int batch, int gate,
                     int nonfinite, stepq__cuda_variant variant)
 {
@@ -515,22 +539,10 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     for (size_t n = 0; n < (size_t)batch * HV * D; n++)
         o_ref[n] = o_got[n] = 12345.0f;
 
-    struct stepq__step_args a = { 0 };
-    a.arch = arch;
-    a.batch = batch;
-    a.H = H;
-    a.HV = HV;
-    a.d_k = a.d_v = D;
-    a.n_slots = n_slots;
-    a.opt.l2norm = 1;
+    struct stepq__step_args a =
+        step_args(arch, batch, H, HV, n_slots, in.slots, in.q, in.k, in.v, in.g, in.beta, o_ref);
     a.opt.gate_in_kernel = gate;
     a.opt.beta_sigmoid = gate;
-    a.slots = in.slots;
-    a.q = in.q;
-    a.k = in.k;
-    a.v = in.v;
-    a.g = in.g;
-    a.beta = in.beta;
     a.A_log = in.A_log;
     a.dt_bias = in.dt_bias;
     a.o = o_ref;
@@ -950,21 +962,8 @@ static int run_bad_args(void)
     SQ(stepq__cuda_layer_prepare(&dpl, &cl));
     SQ(stepq__cuda_layer_prepare(&dpl3, &cl3));
 
-    struct stepq__step_args a = { 0 };
-    a.arch = STEPQ_ARCH_GDN;
-    a.batch = B;
-    a.H = H;
-    a.HV = HV;
-    a.d_k = a.d_v = D;
-    a.n_slots = NS;
-    a.opt.l2norm = 1;
-    a.slots = dslots;
-    a.q = dq;
-    a.k = dk;
-    a.v = dv;
-    a.g = dg;
-    a.beta = db;
-    a.o = dout;
+    const struct stepq__step_args a =
+        step_args(STEPQ_ARCH_GDN, B, H, HV, NS, dslots, dq, dk, dv, dg, db, dout);
     struct stepq__step_args x;
 
     /* fused packed step */
