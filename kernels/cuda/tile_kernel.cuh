@@ -65,17 +65,6 @@ template <int B> struct sq_bw {
     static constexpr uint32_t MASK = (1u << B) - 1u;
 };
 
-/* Code n of 8 packed codes (lo = bits 0..31, hi = bits 32..63). */
-template <int B> __device__ __forceinline__ uint32_t sq_code(uint32_t lo, uint32_t hi, int n)
-{
-    const int p = n * B;
-    if (p + B <= 32)
-        return (lo >> p) & sq_bw<B>::MASK;
-    if (p >= 32)
-        return (hi >> (p - 32)) & sq_bw<B>::MASK;
-    return __funnelshift_r(lo, hi, p) & sq_bw<B>::MASK;
-}
-
 /* Loads the B bytes of 8 codes at row + tx*B (row 16-byte aligned). */
 template <int B>
 __device__ __forceinline__ void sq_ld_codes(const uint8_t *row, int tx, uint32_t &lo, uint32_t &hi)
