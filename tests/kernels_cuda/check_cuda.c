@@ -476,10 +476,6 @@ static void *dup_dev(const void *h, size_t n)
 
 static float step_amp = 0.3f; /* magnitude of the random states packed into pages */
 
-/*
- * One packed decode step, CUDA vs reference. variant: fused or two-stage.
- * nonfinite: request 0 gets a NaN in q (head untouched, output 0, flag).
- */
 /* Step arguments of a batch: shape, l2norm, slot ids and the per-row tensors (o: output). */
 static struct stepq__step_args step_args(stepq_arch arch, int batch, int H, int HV, int n_slots,
                                          const int32_t *slots, const float *q, const float *k,
@@ -504,6 +500,10 @@ static struct stepq__step_args step_args(stepq_arch arch, int batch, int H, int 
     return a;
 }
 
+/*
+ * One packed decode step, CUDA vs reference. variant: fused or two-stage.
+ * nonfinite: request 0 gets a NaN in q (head untouched, output 0, flag).
+ */
 static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, int batch, int gate,
                     int nonfinite, stepq__cuda_variant variant)
 {
@@ -545,7 +545,6 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     a.opt.beta_sigmoid = gate;
     a.A_log = in.A_log;
     a.dt_bias = in.dt_bias;
-    a.o = o_ref;
     a.health = h_ref;
     a.counts = c_ref;
     L.pl.base = ref;
@@ -778,17 +777,10 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
     memcpy(slots0, in.slots, sizeof(int32_t) * batch);
     void *dS =
         bf16 ? dup_dev(S16, 2 * stride * n_slots) : dup_dev(S, sizeof(float) * stride * n_slots);
-    struct stepq__step_args a = { 0 };
-    a.arch = arch;
-    a.batch = batch;
-    a.H = H;
-    a.HV = HV;
-    a.d_k = a.d_v = D;
-    a.n_slots = n_slots;
-    a.opt.l2norm = 1;
-    a.slots = in.slots;
-    struct stepq__step_args d = a;
-    d.slots = dup_dev(in.slots, sizeof(int32_t) * batch);
+    /* gen_inputs refills the same buffers every step: the arguments point at them once. */
+    const struct stepq__step_args a =
+        step_args(arch, batch, H, HV, n_slots, in.slots, in.q, in.k, in.v, in.g, in.beta, o_ref);
+    int32_t *dslots = dup_dev(in.slots, sizeof(int32_t) * batch);
     float *dq, *dk, *dv, *dg, *db, *dout;
     CU(cudaMalloc((void **)&dq, sizeof(float) * batch * H * D));
     CU(cudaMalloc((void **)&dk, sizeof(float) * batch * H * D));
@@ -796,17 +788,13 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
     CU(cudaMalloc((void **)&dg, sizeof(float) * batch * HV * ng));
     CU(cudaMalloc((void **)&db, sizeof(float) * batch * HV));
     CU(cudaMalloc((void **)&dout, sizeof(float) * batch * HV * D));
+    const struct stepq__step_args d =
+        step_args(arch, batch, H, HV, n_slots, dslots, dq, dk, dv, dg, db, dout);
     struct stepq__dense_states st = { S, stride, lay }, dst = { (float *)dS, stride, lay };
     double worst = 0;
     for (int t = 0; t < steps; t++) {
         gen_inputs(&in, arch, n_slots, 0);
         memcpy(in.slots, slots0, sizeof(int32_t) * batch); /* the same requests every step */
-        a.q = in.q;
-        a.k = in.k;
-        a.v = in.v;
-        a.g = in.g;
-        a.beta = in.beta;
-        a.o = o_ref;
         SQ(stepq__ref_step_dense(&a, &st));
         if (bf16) /* the GPU stores the updated state as bf16 */
             for (size_t e = 0; e < stride * n_slots; e++)
@@ -816,12 +804,6 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
         CU(cudaMemcpy(dv, in.v, sizeof(float) * batch * HV * D, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(dg, in.g, sizeof(float) * batch * HV * ng, cudaMemcpyHostToDevice));
         CU(cudaMemcpy(db, in.beta, sizeof(float) * batch * HV, cudaMemcpyHostToDevice));
-        d.q = dq;
-        d.k = dk;
-        d.v = dv;
-        d.g = dg;
-        d.beta = db;
-        d.o = dout;
         if (bf16)
             SQ(stepq__cuda_step_dense_ex(&d, dS, stride, lay, STEPQ__DTYPE_BF16));
         else
@@ -881,7 +863,7 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
         printf("  %s: state relative error %.3g, output NMSE %.3g\n", what, rel, worst);
     }
     cudaFree(dS);
-    cudaFree((void *)d.slots);
+    cudaFree(dslots);
     cudaFree(dq);
     cudaFree(dk);
     cudaFree(dv);
