@@ -179,7 +179,7 @@ __device__ __forceinline__ float sq_rowmax16(float (&v)[16], int lane)
     return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 16));
 }
 
-/* 16-byte asynchronous global -> shared copy (cp.async, sm_80+), and its wait. */
+/* 16-byte asynchronous global -> shared copy (cp.async, sm_80+), its wait and commit. */
 __device__ __forceinline__ void sq_cp_async16(void *smem, const void *gmem)
 {
     unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
@@ -189,6 +189,19 @@ __device__ __forceinline__ void sq_cp_async16(void *smem, const void *gmem)
 __device__ __forceinline__ void sq_cp_async_wait_all()
 {
     asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void sq_cp_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/* Issues the cp.async copy of a head block into buf (bytes: a multiple of 16), one group. */
+__device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk, uint32_t bytes)
+{
+    for (uint32_t n = threadIdx.x; n < bytes / 16; n += SQ_THREADS)
+        sq_cp_async16(buf + 16 * n, blk + 16 * n);
+    sq_cp_commit();
 }
 
 enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
@@ -338,8 +351,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
     float x[SQ_NR];
     if (SRC == SQ_SRC_PACKED) {
         if (quant) {
-            for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
-                sq_cp_async16(buf + 16 * n, blk + 16 * n);
+            sq_stage_block(buf, blk, hd->block_bytes);
         } else if (method == STEPQ_METHOD_FP32) {
             sq_load_tile<SQ_F32>(x, blk, 0, false, false, half, j);
         } else if (method == STEPQ_METHOD_BF16) {

@@ -610,25 +610,6 @@ __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv,
         in.b = st.beta[bh];
 }
 
-__device__ __forceinline__ void sq_cp_commit()
-{
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-/* Waits for the head's block (every outstanding cp.async group). */
-__device__ __forceinline__ void sq_cp_wait_cur()
-{
-    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
-}
-
-/* Issues the cp.async copy of a head block into buf (one commit group). */
-__device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk, uint32_t bytes)
-{
-    for (uint32_t n = threadIdx.x; n < bytes / 16; n += SQ_THREADS)
-        sq_cp_async16(buf + 16 * n, blk + 16 * n);
-    sq_cp_commit();
-}
-
 /*
  * Staged dense source of the pack of a [V,K] tensor (SQ_V_STAGE). Loaded by
  * sq_tload, a thread's 8 columns x 32 bytes of a [V,K] head coalesce poorly.
@@ -807,7 +788,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         sq_tload_at(x, io, slot, e, hv, R0, C0);
     } else if (SRC == SQ_SRC_DENSE && STAGED) {
         /* a [V,K] pack: the head was staged into buf by the caller (sq_stage_dense) */
-        sq_cp_wait_cur();
+        sq_cp_async_wait_all();
         __syncthreads();
         if (io.bf16 && io.layout_vk)
             sq_tload_staged<SQ_BF16, true>(x, buf, R0, C0);
@@ -872,7 +853,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
         if (__syncthreads_or(bad)) {
             if (SRC != SQ_SRC_DENSE)
-                sq_cp_wait_cur(); /* nothing may land in a finished block */
+                sq_cp_async_wait_all(); /* nothing may land in a finished block */
             if (t < SQ_D)
                 st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
             if (t == 0) {
@@ -910,11 +891,11 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         if (io.skip && t == 0)
             io.skip[(size_t)e * HV + hv] = 0;
         if (SRC != SQ_SRC_DENSE)
-            sq_cp_wait_cur();
+            sq_cp_async_wait_all();
         __syncthreads();
         kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
     } else if (SRC == SQ_SRC_PACKED) {
-        sq_cp_wait_cur();
+        sq_cp_async_wait_all();
         __syncthreads();
     }
 
@@ -1349,8 +1330,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     const int32_t slot = io.slots ? io.slots[e] : e;
     if (slot < 0 || slot >= io.n_slots || (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])) {
         if (STAGE)
-            sq_cp_wait_cur(); /* no copy may land after the block has gone */
-        return;               /* uniform over the block */
+            sq_cp_async_wait_all(); /* no copy may land after the block has gone */
+        return;                     /* uniform over the block */
     }
     if (SRC == SQ_SRC_PACKED) {
         const sq_head_desc *hd = io.heads + hv;

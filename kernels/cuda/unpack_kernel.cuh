@@ -279,7 +279,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
         cs[t] = c;
         bad = !isfinite(r) || !isfinite(c);
     }
-    sq_cp_wait_cur();
+    sq_cp_async_wait_all();
     const bool slow = __syncthreads_or(bad);
     const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
     const int w = t >> 5, lane = t & 31;
