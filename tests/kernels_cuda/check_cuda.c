@@ -430,8 +430,34 @@ struct inputs {
     int batch, H, HV;
     int32_t *slots;
     float *q, *k, *v, *g, *beta, *A_log, *dt_bias;
-    float *o;
 };
+
+/* Allocates the inputs of `batch` requests (filled by gen_inputs, freed by inputs_free). */
+static void inputs_alloc(struct inputs *in, stepq_arch arch, int batch, int H, int HV)
+{
+    int ng = arch == STEPQ_ARCH_KDA ? D : 1;
+    *in = (struct inputs){ .batch = batch, .H = H, .HV = HV };
+    in->slots = malloc(sizeof(int32_t) * batch);
+    in->q = malloc(sizeof(float) * batch * H * D);
+    in->k = malloc(sizeof(float) * batch * H * D);
+    in->v = malloc(sizeof(float) * batch * HV * D);
+    in->g = malloc(sizeof(float) * batch * HV * ng);
+    in->beta = malloc(sizeof(float) * batch * HV);
+    in->A_log = malloc(sizeof(float) * HV);
+    in->dt_bias = malloc(sizeof(float) * HV * ng);
+}
+
+static void inputs_free(struct inputs *in)
+{
+    free(in->slots);
+    free(in->q);
+    free(in->k);
+    free(in->v);
+    free(in->g);
+    free(in->beta);
+    free(in->A_log);
+    free(in->dt_bias);
+}
 
 static void gen_inputs(struct inputs *in, stepq_arch arch, int n_slots, int gate)
 {
@@ -516,15 +542,8 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     if (make_layer(&L, m, arch, HV, n_slots, bits))
         return 1;
     uint8_t *pages = malloc(L.bytes), *ref = malloc(L.bytes), *got = malloc(L.bytes);
-    struct inputs in = { .batch = batch, .H = H, .HV = HV };
-    in.slots = malloc(sizeof(int32_t) * batch);
-    in.q = malloc(sizeof(float) * batch * H * D);
-    in.k = malloc(sizeof(float) * batch * H * D);
-    in.v = malloc(sizeof(float) * batch * HV * D);
-    in.g = malloc(sizeof(float) * batch * HV * ng);
-    in.beta = malloc(sizeof(float) * batch * HV);
-    in.A_log = malloc(sizeof(float) * HV);
-    in.dt_bias = malloc(sizeof(float) * HV * ng);
+    struct inputs in;
+    inputs_alloc(&in, arch, batch, H, HV);
     float *o_ref = calloc((size_t)batch * HV * D, sizeof(float));
     float *o_got = calloc((size_t)batch * HV * D, sizeof(float));
     uint32_t *h_ref = calloc((size_t)n_slots, 4), *h_got = calloc((size_t)n_slots, 4);
@@ -613,14 +632,7 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     free(pages);
     free(ref);
     free(got);
-    free(in.slots);
-    free(in.q);
-    free(in.k);
-    free(in.v);
-    free(in.g);
-    free(in.beta);
-    free(in.A_log);
-    free(in.dt_bias);
+    inputs_free(&in);
     free(o_ref);
     free(o_got);
     free(h_ref);
@@ -761,15 +773,8 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
         if (bf16)
             S[e] = stepq__bf16_to_float(S16[e]);
     }
-    struct inputs in = { .batch = batch, .H = H, .HV = HV };
-    in.slots = malloc(sizeof(int32_t) * batch);
-    in.q = malloc(sizeof(float) * batch * H * D);
-    in.k = malloc(sizeof(float) * batch * H * D);
-    in.v = malloc(sizeof(float) * batch * HV * D);
-    in.g = malloc(sizeof(float) * batch * HV * ng);
-    in.beta = malloc(sizeof(float) * batch * HV);
-    in.A_log = malloc(sizeof(float) * HV);
-    in.dt_bias = malloc(sizeof(float) * HV * ng);
+    struct inputs in;
+    inputs_alloc(&in, arch, batch, H, HV);
     float *o_ref = calloc((size_t)batch * HV * D, sizeof(float));
     float *o_got = calloc((size_t)batch * HV * D, sizeof(float));
     int32_t slots0[64];
@@ -873,14 +878,7 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
     free(S);
     free(S16);
     free(Sg);
-    free(in.slots);
-    free(in.q);
-    free(in.k);
-    free(in.v);
-    free(in.g);
-    free(in.beta);
-    free(in.A_log);
-    free(in.dt_bias);
+    inputs_free(&in);
     free(o_ref);
     free(o_got);
     return rc;
