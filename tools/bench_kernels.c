@@ -66,24 +66,33 @@ static int cu_ok(cudaError_t e, const char *what)
     return 0;
 }
 
-/* Fills n bytes of device memory with random floats in [-scale, scale) from a 16 MiB pattern. */
-static int fill_random(void *dev, size_t n, float scale)
+/* Words in the host patterns the fills repeat over device memory (16 MiB). */
+#define PAT_N (4u << 20)
+
+/* Copies the PAT_N 32-bit words at pat over n bytes of device memory, repeated. */
+static int fill_with(void *dev, size_t n, const void *pat)
 {
-    static float *pat;
-    static const size_t pat_n = 4u << 20;
-    if (!pat) {
-        pat = malloc(pat_n * sizeof(float));
-        if (!pat)
-            return 0;
-    }
-    for (size_t i = 0; i < pat_n; i++)
-        pat[i] = scale * frand();
-    for (size_t off = 0; off < n; off += pat_n * sizeof(float)) {
-        size_t len = n - off < pat_n * sizeof(float) ? n - off : pat_n * sizeof(float);
+    const size_t pat_bytes = PAT_N * sizeof(uint32_t);
+    for (size_t off = 0; off < n; off += pat_bytes) {
+        size_t len = n - off < pat_bytes ? n - off : pat_bytes;
         if (!cu_ok(cudaMemcpy((char *)dev + off, pat, len, cudaMemcpyHostToDevice), "fill"))
             return 0;
     }
     return 1;
+}
+
+/* Fills n bytes of device memory with random floats in [-scale, scale) from a 16 MiB pattern. */
+static int fill_random(void *dev, size_t n, float scale)
+{
+    static float *pat;
+    if (!pat) {
+        pat = malloc(PAT_N * sizeof(float));
+        if (!pat)
+            return 0;
+    }
+    for (size_t i = 0; i < PAT_N; i++)
+        pat[i] = scale * frand();
+    return fill_with(dev, n, pat);
 }
 
 /*
@@ -96,21 +105,15 @@ static int fill_random(void *dev, size_t n, float scale)
 static int fill_states(void *dev, size_t n, float scale)
 {
     static uint32_t *pat;
-    static const size_t pat_n = 4u << 20;
     if (!pat) {
-        pat = malloc(pat_n * sizeof(uint32_t));
+        pat = malloc(PAT_N * sizeof(uint32_t));
         if (!pat)
             return 0;
-        for (size_t i = 0; i < pat_n; i++)
+        for (size_t i = 0; i < PAT_N; i++)
             pat[i] = (uint32_t)stepq__bf16_from_float(scale * frand()) << 16 |
                      stepq__bf16_from_float(scale * frand());
     }
-    for (size_t off = 0; off < n; off += pat_n * sizeof(uint32_t)) {
-        size_t len = n - off < pat_n * sizeof(uint32_t) ? n - off : pat_n * sizeof(uint32_t);
-        if (!cu_ok(cudaMemcpy((char *)dev + off, pat, len, cudaMemcpyHostToDevice), "fill"))
-            return 0;
-    }
-    return 1;
+    return fill_with(dev, n, pat);
 }
 
 static int cmp_float(const void *a, const void *b)
