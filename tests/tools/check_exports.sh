@@ -5,11 +5,11 @@ lib="$1"
 command -v nm >/dev/null 2>&1 || { echo "nm not installed: skipped"; exit 77; }
 syms=$(nm -D --defined-only "$lib" | awk '$2 ~ /^[TDBRVW]$/ {print $3}')
 [ -n "$syms" ] || { echo "FAIL: no exported symbols in $lib"; exit 1; }
+# Internal stepq__ names fail this too: the character after "stepq_" is "_".
 bad=$(printf '%s\n' "$syms" | grep -v '^stepq_[a-z0-9]' || true)
-internal=$(printf '%s\n' "$syms" | grep '^stepq__' || true)
 n=$(printf '%s\n' "$syms" | wc -l)
-if [ -n "$bad$internal" ]; then
-    echo "FAIL: non-public symbols exported:"; printf '%s\n' $bad $internal
+if [ -n "$bad" ]; then
+    echo "FAIL: non-public symbols exported:"; printf '%s\n' $bad
     exit 1
 fi
 for s in stepq_strerror stepq_map_load_file stepq_pool_open; do
