@@ -113,28 +113,30 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
     }
 }
 
-#define SQ_ROWS_SWITCH(b, CALL) \
-    switch (b) {                \
-    case 2:                     \
-        CALL(2);                \
-        break;                  \
-    case 3:                     \
-        CALL(3);                \
-        break;                  \
-    case 4:                     \
-        CALL(4);                \
-        break;                  \
-    case 5:                     \
-        CALL(5);                \
-        break;                  \
-    case 6:                     \
-        CALL(6);                \
-        break;                  \
-    case 8:                     \
-        CALL(8);                \
-        break;                  \
-    default:                    \
-        break;                  \
+/* CALL(b) for an integer width b (2..6 or 8) as a template argument; DEF for any other b. */
+#define SQ_WIDTH_SWITCH(b, CALL, DEF) \
+    switch (b) {                      \
+    case 2:                           \
+        CALL(2);                      \
+        break;                        \
+    case 3:                           \
+        CALL(3);                      \
+        break;                        \
+    case 4:                           \
+        CALL(4);                      \
+        break;                        \
+    case 5:                           \
+        CALL(5);                      \
+        break;                        \
+    case 6:                           \
+        CALL(6);                      \
+        break;                        \
+    case 8:                           \
+        CALL(8);                      \
+        break;                        \
+    default:                          \
+        DEF;                          \
+        break;                        \
     }
 
 /* Template bits of the tile kernel, chosen by the host (layer.cu, launch_tile). */
@@ -322,7 +324,7 @@ __device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, i
     const uint32_t lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
     const uint32_t hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
 #define SQ_ST(B) sq_st_codes<B>(row, tx, lo, hi)
-    SQ_ROWS_SWITCH(b, SQ_ST)
+    SQ_WIDTH_SWITCH(b, SQ_ST, )
 #undef SQ_ST
 }
 
@@ -412,7 +414,7 @@ __device__ __forceinline__ void sq_quant_row_rc(const float *yr, uint8_t *row, i
     const uint32_t lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
     const uint32_t hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
 #define SQ_ST(B) sq_st_codes<B>(row, tx, lo, hi)
-    SQ_ROWS_SWITCH(b, SQ_ST)
+    SQ_WIDTH_SWITCH(b, SQ_ST, )
 #undef SQ_ST
 }
 
@@ -919,26 +921,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         const int ub = hd->ubits; /* one width for every row: one dispatch per head */
         if (ub && !RTU) {
 #define SQ_DT(B) sq_dec_tile_e<B>(x, buf, R0, tx, sm.rowf, cc)
-            switch (ub) {
-            case 2:
-                SQ_DT(2);
-                break;
-            case 3:
-                SQ_DT(3);
-                break;
-            case 4:
-                SQ_DT(4);
-                break;
-            case 5:
-                SQ_DT(5);
-                break;
-            case 6:
-                SQ_DT(6);
-                break;
-            default:
-                SQ_DT(8);
-                break;
-            }
+            SQ_WIDTH_SWITCH(ub, SQ_DT, )
 #undef SQ_DT
         } else
 #pragma unroll
@@ -1203,26 +1186,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         float qci[8]; /* RTU: qmax / c_j of a uniform-width head */
         if (ub && !clamp && !RTU) {
 #define SQ_QT(B) sq_quant_tile_e<B>(x, buf, R0, tx, ci, sm.aw, num, den)
-            switch (ub) {
-            case 2:
-                SQ_QT(2);
-                break;
-            case 3:
-                SQ_QT(3);
-                break;
-            case 4:
-                SQ_QT(4);
-                break;
-            case 5:
-                SQ_QT(5);
-                break;
-            case 6:
-                SQ_QT(6);
-                break;
-            default:
-                SQ_QT(8);
-                break;
-            }
+            SQ_WIDTH_SWITCH(ub, SQ_QT, )
 #undef SQ_QT
         } else if (ub && !clamp) {
             const float qm = (float)((1 << (ub - 1)) - 1);

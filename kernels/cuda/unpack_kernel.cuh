@@ -291,29 +291,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
         else                                                                                \
             sq_unpack_rows<B, DT>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane);     \
     } while (0)
-    switch (hd->ubits) { /* one width for every row: templated decode */
-    case 2:
-        SQ_UR(2);
-        break;
-    case 3:
-        SQ_UR(3);
-        break;
-    case 4:
-        SQ_UR(4);
-        break;
-    case 5:
-        SQ_UR(5);
-        break;
-    case 6:
-        SQ_UR(6);
-        break;
-    case 8:
-        SQ_UR(8);
-        break;
-    default:
-        SQ_UR(0);
-        break;
-    }
+    /* one width for every row: templated decode; else run-time widths */
+    SQ_WIDTH_SWITCH(hd->ubits, SQ_UR, SQ_UR(0))
 #undef SQ_UR
 }
 
