@@ -120,7 +120,7 @@ evalstage() { # which: 4 (fp32, bf16 and the 4-bit maps), 6 (fp32 and the 6-, 8-
 
 nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
     need_maps
-    local which=${1:-all} A=() tag=${1:-all} nb=()
+    local which=${1:-all} A=() nb=()
     for n in $MAPS_ORDER; do
         case $n in fp32|bf16) continue ;; esac
         case $which in
@@ -130,11 +130,11 @@ nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
         A+=(--map "$n=$OUT/maps/$n.json")
     done
     [ "$which" = 6 ] && nb=(--no-bf16)
-    log "nll on test ($tag)"
+    log "nll on test ($which)"
     PYTHONUNBUFFERED=1 python3 tools/nll_eval.py --model "$MODEL" --text "$TEST_TEXT" \
         --streams "$NLL_STREAMS" --prefill "$PREFILL" --decode "$DECODE" \
         --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" "${nb[@]}" \
-        --json "$OUT/nll-test-$tag.json" --markdown "$OUT/nll-test-$tag.md" ${NLL_ARGS:-} 2>&1 | tee -a "$OUT/study.log"
+        --json "$OUT/nll-test-$which.json" --markdown "$OUT/nll-test-$which.md" ${NLL_ARGS:-} 2>&1 | tee -a "$OUT/study.log"
 }
 
 # Packs what exists so far into $PACK: called after every stage, so a device
