@@ -288,7 +288,7 @@ def main(argv=None):
         m.register_forward_pre_hook(pre)
     # Per layer: stores through the method, of them with no initial state (must be the
     # prefill only), and the last state handed back to the layer (checked against the cache).
-    calls = {"n": 0, "per_layer": {}, "fresh": {}, "names": {}, "last": {}}
+    calls = {"per_layer": {}, "fresh": {}, "names": {}, "last": {}}
 
     def wrap(fn, name):
         def wrapped(*args, **kwargs):
@@ -302,7 +302,6 @@ def main(argv=None):
                 if L is None:
                     raise SystemExit("nll_eval: a recurrent kernel ran outside a GatedDeltaNet layer")
                 st = state["fn"](st, L)
-                calls["n"] += 1
                 calls["per_layer"][L] = calls["per_layer"].get(L, 0) + 1
                 if kwargs.get("initial_state", 0) is None:
                     calls["fresh"][L] = calls["fresh"].get(L, 0) + 1
@@ -493,7 +492,7 @@ def main(argv=None):
                 out[m * S:(m + 1) * S] = fn(st[m * S:(m + 1) * S], L)
             return out
         state["fn"] = group_fn
-        calls.update(n=0, per_layer={}, fresh={}, names={}, last={})
+        calls.update(per_layer={}, fresh={}, names={}, last={})
         t0 = time.time()
         idg = ids.repeat(Mg, 1)  # row m*S + s: method m, stream s
         nll = torch.zeros(B, a.decode, dtype=torch.float64)
