@@ -129,12 +129,15 @@ class Shim:
         h = self.open(map_path)
         d = ctypes.c_double()
         rc = self.lib.stepq_shim_bits_per_value(h, ctypes.byref(d))
-        self.lib.stepq_shim_close(h)
-        self.shapes.pop(h.value, None)
-        self.nlayers.pop(h.value, None)
+        self.close(h)
         if rc < 0:
             raise SystemExit("nll_eval: %s: %s" % (map_path, self.err()))
         return d.value
+
+    def close(self, h):
+        self.lib.stepq_shim_close(h)
+        self.shapes.pop(h.value, None)
+        self.nlayers.pop(h.value, None)
 
     def shape(self, h):
         """(HV, d_k, d_v) of the map behind h."""
@@ -237,7 +240,7 @@ def self_test(a):
         assert shim.lib.stepq_shim_roundtrip(h, len(ids), ctypes.c_void_p(x.ctypes.data), 1) < 0
         print("self-test: %-16s %-8s %.3f bits/value, relative squared error %.3e"
               % (name, m["method"], bpv, errs[name]))
-        shim.lib.stepq_shim_close(h)
+        shim.close(h)
     u = [errs.get("uniform@%d" % b) for b in (4, 6, 8)]
     if None not in u:
         assert u[0] > u[1] > u[2], u
