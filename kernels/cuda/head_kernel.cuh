@@ -207,6 +207,54 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
 
 /*
+ * The decay exp(g) of head hv, key channel j (0: GDN's one gate per head);
+ * with st.gate, g is the raw gate and g = -exp(A_log) softplus(g + dt_bias)
+ * is formed here (torch's softplus: in double as the reference when DBL,
+ * else in fp32). bad notes a non-finite gate.
+ */
+template <bool DBL>
+__device__ __forceinline__ float sq_decay(const sq_step &st, int hv, int j, float g, bool &bad)
+{
+    if (st.gate) {
+        const int ng = st.kda ? SQ_D : 1;
+        const float ga = g + st.dt_bias[(size_t)hv * ng + j];
+        const float sp = ga > 20.0f ? ga : DBL ? (float)log1p(exp((double)ga)) : log1pf(expf(ga));
+        g = -expf(st.A_log[hv]) * sp;
+    }
+    bad |= !isfinite(g);
+    return expf(g);
+}
+
+/* beta, or sigmoid(beta) with st.beta_sig; bad notes a non-finite one. */
+__device__ __forceinline__ float sq_beta(const sq_step &st, float b, bool &bad)
+{
+    if (st.beta_sig)
+        b = 1.0f / (1.0f + expf(-b));
+    bad |= !isfinite(b);
+    return b;
+}
+
+/*
+ * Non-finite recurrence inputs of (entry e, head hv): the state keeps its
+ * content (the caller writes nothing back), the output row is 0, stage 2 of
+ * the two-stage step skips the head, and the slot's health notes INPUT.
+ */
+__device__ __forceinline__ void sq_input_failed(const sq_step &st, const sq_io &io, int e, int HV,
+                                                int hv, int32_t slot, int t)
+{
+    if (t < SQ_D)
+        st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
+    if (t == 0) {
+        if (io.skip)
+            io.skip[(size_t)e * HV + hv] = 1;
+        if (io.health)
+            atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
+        if (io.counts)
+            atomicAdd(io.counts + 0, 1ull);
+    }
+}
+
+/*
  * The thread's 64 elements (rows half*64.., column j) of a dense head at
  * p + off. [K,V]: a warp reads 128 contiguous bytes per row. [V,K]: each
  * thread reads its column's 64 contiguous rows as 16-byte (fp32) or 8-byte
@@ -405,42 +453,21 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             sm.k[t] = kv;
             sm.v[t] = vv;
             if (st.kda || t == 0) {
-                int gi = st.kda ? t : 0, ng = st.kda ? SQ_D : 1;
-                float g = st.g[bh * ng + gi];
-                if (st.gate) {
-                    float ga = g + st.dt_bias[(size_t)hv * ng + gi];
-                    float sp = ga > 20.0f ? ga : (float)log1p(exp((double)ga)); /* torch softplus */
-                    g = -expf(st.A_log[hv]) * sp;
-                }
-                bad |= !isfinite(g);
-                float d = expf(g);
+                const int gi = st.kda ? t : 0;
+                float d = sq_decay<true>(st, hv, gi, st.g[bh * (st.kda ? SQ_D : 1) + gi], bad);
                 if (st.kda)
                     sm.dec[t] = d;
                 else
                     sm.dec0 = d;
             }
-            if (t == 0) {
-                float b = st.beta[bh];
-                if (st.beta_sig)
-                    b = 1.0f / (1.0f + expf(-b));
-                bad |= !isfinite(b);
-                sm.beta = b;
-            }
+            if (t == 0)
+                sm.beta = sq_beta(st, st.beta[bh], bad);
         }
         if (__syncthreads_or(bad)) {
             /* The state keeps its previous content; the output row is 0. */
             if (SRC == SQ_SRC_PACKED)
                 sq_cp_async_wait_all(); /* nothing may land in a finished block */
-            if (t < SQ_D)
-                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
-            if (t == 0) {
-                if (io.skip)
-                    io.skip[(size_t)e * HV + hv] = 1;
-                if (io.health)
-                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
-                if (io.counts)
-                    atomicAdd(io.counts + 0, 1ull);
-            }
+            sq_input_failed(st, io, e, HV, hv, slot, t);
             return;
         }
         if (t < SQ_D) {

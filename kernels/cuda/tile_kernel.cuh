@@ -831,41 +831,19 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             bad = !isfinite(vv);
             sm.v[j] = vv;
             if (st.kda || j == 0) {
-                int ng = st.kda ? SQ_D : 1;
-                float g = in.g;
-                if (st.gate) {
-                    float ga = g + st.dt_bias[(size_t)hv * ng + (st.kda ? j : 0)];
-                    float sp = ga > 20.0f ? ga : log1pf(expf(ga)); /* torch softplus (fp32) */
-                    g = -expf(st.A_log[hv]) * sp;
-                }
-                bad |= !isfinite(g);
-                float d = expf(g);
+                float d = sq_decay<false>(st, hv, st.kda ? j : 0, in.g, bad);
                 if (st.kda)
                     sm.dec[j] = d;
                 else
                     sm.dec0 = d;
             }
-            if (j == 0) {
-                float b = in.b;
-                if (st.beta_sig)
-                    b = 1.0f / (1.0f + expf(-b));
-                bad |= !isfinite(b);
-                sm.beta = b;
-            }
+            if (j == 0)
+                sm.beta = sq_beta(st, in.b, bad);
         }
         if (__syncthreads_or(bad)) {
             if (SRC != SQ_SRC_DENSE)
                 sq_cp_async_wait_all(); /* nothing may land in a finished block */
-            if (t < SQ_D)
-                st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
-            if (t == 0) {
-                if (io.skip)
-                    io.skip[(size_t)e * HV + hv] = 1;
-                if (io.health)
-                    atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
-                if (io.counts)
-                    atomicAdd(io.counts + 0, 1ull);
-            }
+            sq_input_failed(st, io, e, HV, hv, slot, t);
             __syncthreads(); /* buf and sm are free when it returns */
             return;
         }
