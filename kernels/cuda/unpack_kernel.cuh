@@ -120,6 +120,27 @@ __device__ __forceinline__ void sq_ustore4(void *dst, size_t n, const float (&v)
 }
 
 /*
+ * Row i's four values at columns j0..j0+3: fp16 values of a pivot row (only
+ * with B = 0) or the decoded codes. Returns whether the row is a pivot row.
+ */
+template <int B>
+__device__ __forceinline__ bool sq_urow_quad(float (&v)[4], const uint8_t *buf, const sq_urow &ro,
+                                             int j0, const float (&c)[4])
+{
+    const int b = (int)(ro.bo & 0xffu);
+    const uint32_t roff = ro.bo >> 8;
+    if (B == 0 && b == STEPQ_BITS_PIVOT) { /* warp-uniform */
+        const uint2 h = *(const uint2 *)(buf + roff + 2 * j0);
+        const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
+        const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
+        v[0] = a.x, v[1] = a.y, v[2] = d.x, v[3] = d.y;
+        return true;
+    }
+    sq_uquad<B>(v, buf, roff, b, j0, ro, c);
+    return false;
+}
+
+/*
  * [K,V]: the block's 128 rows, warp w rows 16w + 4g + k (g, k = 0..3), lane
  * l columns 4l..4l+3; each row leaves as soon as it is decoded. B: the
  * head's uniform width, or 0 (run-time widths and pivot rows).
@@ -138,19 +159,8 @@ __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow
 #pragma unroll
         for (int k = 0; k < 4; k++) {
             const int i = 16 * w + 4 * g + k;
-            const sq_urow ro = rows[i];
-            const int b = (int)(ro.bo & 0xffu);
-            const uint32_t roff = ro.bo >> 8;
-            if (B == 0 && b == STEPQ_BITS_PIVOT) { /* warp-uniform */
-                const uint2 h = *(const uint2 *)(buf + roff + 2 * j0);
-                const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
-                const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
-                v[k][0] = a.x, v[k][1] = a.y, v[k][2] = d.x, v[k][3] = d.y;
-            } else {
-                sq_uquad<B>(v[k], buf, roff, b, j0, ro, c);
-            }
-            sq_ustore4<DT>(dst, off + (size_t)i * SQ_D + j0, v[k], vec,
-                           slow || (B == 0 && b == STEPQ_BITS_PIVOT));
+            const bool piv = sq_urow_quad<B>(v[k], buf, rows[i], j0, c);
+            sq_ustore4<DT>(dst, off + (size_t)i * SQ_D + j0, v[k], vec, slow || piv);
         }
     }
 }
@@ -182,19 +192,9 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
     for (int ch = 0; ch < 4; ch++) {
 #pragma unroll
         for (int k = 0; k < 4; k++) {
-            const int rr = 4 * w + k, i = 32 * ch + rr;
-            const sq_urow ro = rows[i];
-            const int b = (int)(ro.bo & 0xffu);
-            const uint32_t roff = ro.bo >> 8;
+            const int rr = 4 * w + k;
             float v[4];
-            if (B == 0 && b == STEPQ_BITS_PIVOT) { /* warp-uniform */
-                const uint2 h = *(const uint2 *)(buf + roff + 2 * j0);
-                const float2 a = __half22float2(*reinterpret_cast<const __half2 *>(&h.x));
-                const float2 d = __half22float2(*reinterpret_cast<const __half2 *>(&h.y));
-                v[0] = a.x, v[1] = a.y, v[2] = d.x, v[3] = d.y;
-            } else {
-                sq_uquad<B>(v, buf, roff, b, j0, ro, c);
-            }
+            sq_urow_quad<B>(v, buf, rows[32 * ch + rr], j0, c);
             T[rr * 32 + (lane ^ (rr & 7))] = make_float4(v[0], v[1], v[2], v[3]);
         }
         if (!VK) { /* fp32 [K,V]: the warp's own rows, 128-byte stores */
