@@ -240,40 +240,38 @@ extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
 
 /* --- launches --- */
 
-template <int SRC, bool UPDATE, int SINK>
-static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
-                  const char *who)
+/*
+ * Launches kernel K on grid (256 threads, smem bytes of dynamic shared
+ * memory), raising its dynamic shared memory ceiling on the first launch.
+ */
+template <auto K, typename... A>
+static int launch_k(dim3 grid, size_t smem, cudaStream_t s, const char *who, const A &...args)
 {
     static int attr_done; /* benign race: the attribute call is idempotent */
     if (grid.x == 0 || grid.y == 0)
         return STEPQ_OK;
     if (!attr_done) {
-        SQ_CU(cudaFuncSetAttribute(sq_head_kernel<SRC, UPDATE, SINK>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
+        SQ_CU(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
               who);
         attr_done = 1;
     }
-    sq_head_kernel<SRC, UPDATE, SINK><<<grid, SQ_THREADS, smem, s>>>(st, io);
+    K<<<grid, SQ_THREADS, smem, s>>>(args...);
     SQ_CU(cudaGetLastError(), who);
     return STEPQ_OK;
+}
+
+template <int SRC, bool UPDATE, int SINK>
+static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                  const char *who)
+{
+    return launch_k<sq_head_kernel<SRC, UPDATE, SINK>>(grid, smem, s, who, st, io);
 }
 
 template <int SRC, bool UPDATE, int SINK, int V>
 static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                          const char *who)
 {
-    static int attr_done;
-    if (grid.x == 0 || grid.y == 0)
-        return STEPQ_OK;
-    if (!attr_done) {
-        SQ_CU(cudaFuncSetAttribute(sq_tile_kernel<SRC, UPDATE, SINK, V>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
-              who);
-        attr_done = 1;
-    }
-    sq_tile_kernel<SRC, UPDATE, SINK, V><<<grid, SQ_THREADS, smem, s>>>(st, io);
-    SQ_CU(cudaGetLastError(), who);
-    return STEPQ_OK;
+    return launch_k<sq_tile_kernel<SRC, UPDATE, SINK, V>>(grid, smem, s, who, st, io);
 }
 
 /*
@@ -309,18 +307,7 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
 template <int DT, bool VK>
 static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io, const char *who)
 {
-    static int attr_done;
-    if (grid.x == 0 || grid.y == 0)
-        return STEPQ_OK;
-    if (!attr_done) {
-        SQ_CU(cudaFuncSetAttribute(sq_unpack_kernel<DT, VK>,
-                                   cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
-              who);
-        attr_done = 1;
-    }
-    sq_unpack_kernel<DT, VK><<<grid, SQ_THREADS, smem, s>>>(io);
-    SQ_CU(cudaGetLastError(), who);
-    return STEPQ_OK;
+    return launch_k<sq_unpack_kernel<DT, VK>>(grid, smem, s, who, io);
 }
 
 /* Dynamic shared memory of the tile kernel: the block and 16 bytes read past it. */
