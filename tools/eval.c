@@ -60,6 +60,34 @@ struct ectx {
 };
 
 /*
+ * One pass of state_sums: a[u] = sum_e (X[u][e] - Sr[e])^2 for four tiles, and, when r is
+ * not NULL, *r += sum_e Sr[e]^2 in the same pass. Inlined with r constant at each call, so
+ * that the test leaves the loop.
+ */
+static inline void diff_sums4(const float *Sr, const float *const X[4], size_t KV, double *r,
+                              double a[4])
+{
+    double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0, rr = r ? *r : 0.0;
+    for (size_t e = 0; e < KV; e++) {
+        double y = Sr[e];
+        double d0 = (double)X[0][e] - y, d1 = (double)X[1][e] - y;
+        double d2 = (double)X[2][e] - y, d3 = (double)X[3][e] - y;
+        if (r)
+            rr += y * y;
+        a0 += d0 * d0;
+        a1 += d1 * d1;
+        a2 += d2 * d2;
+        a3 += d3 * d3;
+    }
+    if (r)
+        *r = rr;
+    a[0] = a0;
+    a[1] = a1;
+    a[2] = a2;
+    a[3] = a3;
+}
+
+/*
  * s2 = sum_e Sr[e]^2 and se[m] = sum_e (Sq_m[e] - Sr[e])^2 for the M tiles of Sq,
  * each summed over e in order as one loop per sum would, but up to five sums
  * per pass: one chain of dependent additions per sum is what limits the speed,
@@ -70,33 +98,14 @@ static void state_sums(const float *Sr, const float *Sq, int M, size_t KV, doubl
     double r = 0.0;
     for (int m0 = 0; m0 < M; m0 += 4) {
         const float *X[4];
+        double a[4];
         int n = M - m0 < 4 ? M - m0 : 4;
         for (int u = 0; u < 4; u++)
             X[u] = Sq + KV * (size_t)(m0 + (u < n ? u : 0));
-        double a0 = 0.0, a1 = 0.0, a2 = 0.0, a3 = 0.0;
-        if (m0 == 0) {
-            for (size_t e = 0; e < KV; e++) {
-                double y = Sr[e];
-                double d0 = (double)X[0][e] - y, d1 = (double)X[1][e] - y;
-                double d2 = (double)X[2][e] - y, d3 = (double)X[3][e] - y;
-                r += y * y;
-                a0 += d0 * d0;
-                a1 += d1 * d1;
-                a2 += d2 * d2;
-                a3 += d3 * d3;
-            }
-        } else {
-            for (size_t e = 0; e < KV; e++) {
-                double y = Sr[e];
-                double d0 = (double)X[0][e] - y, d1 = (double)X[1][e] - y;
-                double d2 = (double)X[2][e] - y, d3 = (double)X[3][e] - y;
-                a0 += d0 * d0;
-                a1 += d1 * d1;
-                a2 += d2 * d2;
-                a3 += d3 * d3;
-            }
-        }
-        double a[4] = { a0, a1, a2, a3 };
+        if (m0 == 0)
+            diff_sums4(Sr, X, KV, &r, a);
+        else
+            diff_sums4(Sr, X, KV, NULL, a);
         for (int u = 0; u < n; u++)
             se[m0 + u] = a[u];
     }
