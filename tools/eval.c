@@ -278,6 +278,18 @@ static void map_label(char *buf, size_t len, const char *path, stepq_map_t *map)
     }
 }
 
+/* The plot group of method m: 0 (budget <= 4 bits), 1 (5-6 bits, dense maps and the internal
+ * uniform@6) or 2 (7-8 bits); -1 for fp32 maps, which are not plotted. */
+static int chart_group(stepq_map_t *const *maps, int n_maps, int m)
+{
+    if (m >= n_maps)
+        return 1;
+    if (stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
+        return -1;
+    double bb = stepq_map_budget_bits(maps[m]);
+    return bb > 8.0 ? 1 : bb <= 4.0 ? 0 : bb <= 6.0 ? 1 : 2;
+}
+
 static void usage(FILE *f)
 {
     fprintf(f,
@@ -614,13 +626,8 @@ int stepq_tool_eval(int argc, char **argv)
          * group, the internal uniform@6 too), so each stays legible. */
         for (int chart = 0; chart < 6 && !rc; chart++) {
             int kind = chart / 3, grp = chart % 3, count = 0;
-            for (int m = 0; m < M; m++) {
-                double bb = m < n_maps ? stepq_map_budget_bits(maps[m]) : 6.0;
-                int g = bb > 8.0 ? 1 : bb <= 4.0 ? 0 : bb <= 6.0 ? 1 : 2;
-                if (m < n_maps && stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
-                    continue;
-                count += g == grp;
-            }
+            for (int m = 0; m < M; m++)
+                count += chart_group(maps, n_maps, m) == grp;
             if (!count)
                 continue;
             static const char *const gname[3] = { "b4", "b6", "b8" };
@@ -649,11 +656,7 @@ int stepq_tool_eval(int argc, char **argv)
                     bucket);
             int first = 1;
             for (int m = 0; m < M; m++) {
-                if (m < n_maps && stepq_map_method(maps[m]) == STEPQ_METHOD_FP32)
-                    continue;
-                double bb = m < n_maps ? stepq_map_budget_bits(maps[m]) : 6.0;
-                int g = bb > 8.0 ? 1 : bb <= 4.0 ? 0 : bb <= 6.0 ? 1 : 2;
-                if (g != grp)
+                if (chart_group(maps, n_maps, m) != grp)
                     continue;
                 char name[128];
                 if (m < n_maps)
