@@ -267,6 +267,24 @@ static inline uint64_t bytes_add(uint64_t a, uint64_t b)
 }
 
 /*
+ * The lane masks of the three squeeze steps of pack_groups (unpack_groups undoes them with
+ * the same masks): `bits` bits per 16-bit lane, 2 * bits per 32-bit lane, 4 * bits per word.
+ */
+struct squeeze_masks {
+    uint64_t m1, m2, m3;
+};
+
+static inline struct squeeze_masks squeeze_masks(int bits)
+{
+    struct squeeze_masks m = {
+        ((1ull << bits) - 1u) * 0x0001000100010001ull,
+        ((1ull << (2 * bits)) - 1u) * 0x0000000100000001ull,
+        (1ull << (4 * bits)) - 1u,
+    };
+    return m;
+}
+
+/*
  * Whole groups of 8 values fill exactly `bits` bytes. The switches below call
  * these with a constant width, so that the compiler unrolls the shifts.
  */
@@ -293,17 +311,15 @@ static inline void pack_groups(uint8_t *p, const int8_t *z, size_t groups, int b
      */
     if (bits == 3 || bits == 5 || bits == 6) {
         const uint64_t ones = 0x0101010101010101ull;
-        const uint64_t m1 = ((1ull << bits) - 1u) * 0x0001000100010001ull;
-        const uint64_t m2 = ((1ull << (2 * bits)) - 1u) * 0x0000000100000001ull;
-        const uint64_t m3 = (1ull << (4 * bits)) - 1u;
+        const struct squeeze_masks m = squeeze_masks(bits);
         for (size_t g = 0; g < groups; g++, z += 8) {
             uint64_t x = 0;
             for (int t = 0; t < 8; t++)
                 x |= (uint64_t)(uint8_t)z[t] << (8 * t);
             x = bytes_add(x, (uint64_t)qmax * ones) & ((uint64_t)mask * ones);
-            x = (x & m1) | (((x >> 8) & m1) << bits);
-            x = (x & m2) | (((x >> 16) & m2) << (2 * bits));
-            x = (x & m3) | (((x >> 32) & m3) << (4 * bits));
+            x = (x & m.m1) | (((x >> 8) & m.m1) << bits);
+            x = (x & m.m2) | (((x >> 16) & m.m2) << (2 * bits));
+            x = (x & m.m3) | (((x >> 32) & m.m3) << (4 * bits));
             for (int t = 0; t < bits; t++)
                 *p++ = (uint8_t)(x >> (8 * t));
         }
@@ -334,18 +350,16 @@ static inline void unpack_groups(const uint8_t *p, int8_t *z, size_t groups, int
     /* 3, 5, 6 bits: the packing steps above in reverse, then z = u - qmax per byte. */
     if (bits == 3 || bits == 5 || bits == 6) {
         const uint64_t ones = 0x0101010101010101ull;
-        const uint64_t m1 = ((1ull << bits) - 1u) * 0x0001000100010001ull;
-        const uint64_t m2 = ((1ull << (2 * bits)) - 1u) * 0x0000000100000001ull;
-        const uint64_t m3 = (1ull << (4 * bits)) - 1u;
+        const struct squeeze_masks m = squeeze_masks(bits);
         const uint64_t neg = (uint64_t)(uint8_t)(256 - qmax) * ones;
         for (size_t g = 0; g < groups; g++, z += 8) {
             uint64_t x = 0;
             for (int t = 0; t < bits; t++)
                 x |= (uint64_t)p[t] << (8 * t);
             p += bits;
-            x = (x & m3) | (((x >> (4 * bits)) & m3) << 32);
-            x = (x & m2) | (((x >> (2 * bits)) & m2) << 16);
-            x = (x & m1) | (((x >> bits) & m1) << 8);
+            x = (x & m.m3) | (((x >> (4 * bits)) & m.m3) << 32);
+            x = (x & m.m2) | (((x >> (2 * bits)) & m.m2) << 16);
+            x = (x & m.m1) | (((x >> bits) & m.m1) << 8);
             x = bytes_add(x, neg);
             for (int t = 0; t < 8; t++)
                 z[t] = (int8_t)(uint8_t)(x >> (8 * t));
