@@ -140,9 +140,7 @@ static void head_job(void *vctx, int job, int worker)
             stepq_map_t *mp = c->maps[m];
             meth = stepq_map_method(mp);
             if (!stepq_method_is_dense(meth)) {
-                const uint8_t *lb = stepq_map_layer_bits(mp, li);
-                for (int i = 0; i < K; i++)
-                    rb[i] = kda ? lb[hv * K + i] : lb[hv];
+                sq_map_row_bits(mp, li, hv, K, kda, rb);
                 w = stepq_map_row_impact(mp, li, hv);
             }
         } else {

@@ -123,9 +123,7 @@ static void rt_job(void *vctx, int job, int worker)
     uint8_t rb[STEPQ__MAX_HEAD_DIM];
     const float *w = NULL;
     if (!stepq_method_is_dense(meth)) {
-        const uint8_t *lb = stepq_map_layer_bits(r->s->map, r->li);
-        for (int i = 0; i < K; i++)
-            rb[i] = kda ? lb[hv * K + i] : lb[hv];
+        sq_map_row_bits(r->s->map, r->li, hv, K, kda, rb);
         w = stepq_map_row_impact(r->s->map, r->li, hv);
     }
     struct sq_quant qz;
@@ -201,12 +199,10 @@ int stepq_shim_cuda_open(void *h, int max_n)
             rc = stepq__error(STEPQ_ENOMEM, "shim: out of memory");
             break;
         }
-        const uint8_t *lb = stepq_map_layer_bits(s->map, l);
         size_t pos = 0;
         for (int hv = 0; hv < HV && rc >= 0; hv++) {
             uint8_t rb[STEPQ__MAX_HEAD_DIM];
-            for (int i = 0; i < K; i++)
-                rb[i] = kda ? lb[hv * K + i] : lb[hv];
+            sq_map_row_bits(s->map, l, hv, K, kda, rb);
             rc = stepq__head_layout_init(&c->hl[hv], meth, sh->arch, K, V, rb, 16);
             c->off[hv] = pos;
             pos += c->hl[hv].block_bytes;
