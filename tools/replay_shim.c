@@ -109,7 +109,7 @@ struct rt {
     struct shim *s;
     int li;
     float *x;
-    atomic_int rc; /* first failure of any worker */
+    atomic_int rc; /* a failure of any worker (the last one stored), else 0 */
 };
 
 static void rt_job(void *vctx, int job, int worker)
