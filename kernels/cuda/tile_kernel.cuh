@@ -480,29 +480,6 @@ __device__ __forceinline__ float sq_row_max(const float (&m)[8], int tx)
     return fmaxf(v[0], __shfl_xor_sync(0xffffffffu, v[0], 1));
 }
 
-/* Row (or, vk, column) a of x from 8 consecutive dense values: fp32 u, v or bf16 u. */
-__device__ __forceinline__ void sq_tput8(float (&x)[64], int a, bool vk, float4 u, float4 v)
-{
-    const float e[8] = { u.x, u.y, u.z, u.w, v.x, v.y, v.z, v.w };
-#pragma unroll
-    for (int b = 0; b < 8; b++)
-        x[vk ? b * 8 + a : a * 8 + b] = e[b];
-}
-
-__device__ __forceinline__ void sq_tput8(float (&x)[64], int a, bool vk, uint4 u)
-{
-    const uint32_t wd[4] = { u.x, u.y, u.z, u.w };
-    float e[8];
-#pragma unroll
-    for (int k = 0; k < 4; k++) {
-        e[2 * k] = __uint_as_float(wd[k] << 16);
-        e[2 * k + 1] = __uint_as_float(wd[k] & 0xffff0000u);
-    }
-#pragma unroll
-    for (int b = 0; b < 8; b++)
-        x[vk ? b * 8 + a : a * 8 + b] = e[b];
-}
-
 /* Dense tile load: fp32 or bf16, [K,V] or [V,K]; 16-byte vectors when `vec`. */
 template <int DT>
 __device__ __forceinline__ void sq_tload(float (&x)[64], const void *p, size_t off, bool vk,
@@ -513,14 +490,24 @@ __device__ __forceinline__ void sq_tload(float (&x)[64], const void *p, size_t o
         for (int a = 0; a < 8; a++) {
             /* [K,V]: row R0+a, columns C0..; [V,K]: column C0+a, rows R0.. */
             size_t n = off + (vk ? (size_t)(C0 + a) * SQ_D + R0 : (size_t)(R0 + a) * SQ_D + C0);
+            float e[8];
             if (DT == SQ_F32) {
                 const float4 *s = (const float4 *)((const float *)p + n);
-                const float4 u = s[0], v = s[1];
-                sq_tput8(x, a, vk, u, v);
+                float4 u = s[0], v = s[1];
+                e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
+                e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
             } else {
-                const uint4 u = *(const uint4 *)((const uint16_t *)p + n);
-                sq_tput8(x, a, vk, u);
+                uint4 u = *(const uint4 *)((const uint16_t *)p + n);
+                uint32_t wd[4] = { u.x, u.y, u.z, u.w };
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    e[2 * k] = __uint_as_float(wd[k] << 16);
+                    e[2 * k + 1] = __uint_as_float(wd[k] & 0xffff0000u);
+                }
             }
+#pragma unroll
+            for (int b = 0; b < 8; b++)
+                x[vk ? b * 8 + a : a * 8 + b] = e[b];
         }
         return;
     }
@@ -718,10 +705,23 @@ __device__ __forceinline__ void sq_tload_staged(float (&x)[64], const uint8_t *b
 #pragma unroll
     for (int a = 0; a < 8; a++) {
         const uint8_t *row = base + a * RB;
-        if (DT == SQ_F32)
-            sq_tput8(x, a, VK, *(const float4 *)(row + p0), *(const float4 *)(row + p1));
-        else
-            sq_tput8(x, a, VK, *(const uint4 *)(row + p0));
+        float e[8];
+        if (DT == SQ_F32) {
+            float4 u = *(const float4 *)(row + p0), v = *(const float4 *)(row + p1);
+            e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
+            e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
+        } else {
+            uint4 u = *(const uint4 *)(row + p0);
+            uint32_t wd[4] = { u.x, u.y, u.z, u.w };
+#pragma unroll
+            for (int k = 0; k < 4; k++) {
+                e[2 * k] = __uint_as_float(wd[k] << 16);
+                e[2 * k + 1] = __uint_as_float(wd[k] & 0xffff0000u);
+            }
+        }
+#pragma unroll
+        for (int b = 0; b < 8; b++)
+            x[VK ? b * 8 + a : a * 8 + b] = e[b];
     }
 }
 
