@@ -742,7 +742,7 @@ __device__ __forceinline__ void sq_tload_at(float (&x)[64], const sq_io &io, int
  * dense; SINK: packed (quantized) or dense. With a packed source the block
  * has been staged into buf by the caller (sq_stage_block), and so has the
  * dense head of a pack (sq_stage_dense, sq_stage_dense_scalar).
- * One item per block: the block exits after it. V: SQ_V_* bits.
+ * Ends with a barrier: buf and sm are free when it returns. V: SQ_V_* bits.
  */
 template <int SRC, bool UPDATE, int SINK, int V = 0>
 __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
@@ -844,6 +844,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             if (SRC != SQ_SRC_DENSE)
                 sq_cp_async_wait_all(); /* nothing may land in a finished block */
             sq_input_failed(st, io, e, HV, hv, slot, t);
+            __syncthreads(); /* buf and sm are free when it returns */
             return;
         }
         if (t < SQ_D) {
@@ -1233,6 +1234,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 if (f & (1u << bit))
                     atomicAdd(io.counts + bit, 1ull);
     }
+    __syncthreads(); /* buf and sm are free when it returns */
 }
 
 template <int SRC, bool UPDATE, int SINK, int V = 0>
