@@ -899,7 +899,26 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         const int ub = hd->ubits; /* one width for every row: one dispatch per head */
         if (ub && !RTU) {
 #define SQ_DT(B) sq_dec_tile_e<B>(x, buf, R0, tx, sm.rowf, cc)
-            SQ_WIDTH_SWITCH(ub, SQ_DT, )
+            switch (ub) { /* 8 is the one width left */
+            case 2:
+                SQ_DT(2);
+                break;
+            case 3:
+                SQ_DT(3);
+                break;
+            case 4:
+                SQ_DT(4);
+                break;
+            case 5:
+                SQ_DT(5);
+                break;
+            case 6:
+                SQ_DT(6);
+                break;
+            default:
+                SQ_DT(8);
+                break;
+            }
 #undef SQ_DT
         } else
 #pragma unroll
@@ -1164,7 +1183,26 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         float qci[8]; /* RTU: qmax / c_j of a uniform-width head */
         if (ub && !clamp && !RTU) {
 #define SQ_QT(B) sq_quant_tile_e<B>(x, buf, R0, tx, ci, sm.aw, num, den)
-            SQ_WIDTH_SWITCH(ub, SQ_QT, )
+            switch (ub) { /* 8 is the one width left */
+            case 2:
+                SQ_QT(2);
+                break;
+            case 3:
+                SQ_QT(3);
+                break;
+            case 4:
+                SQ_QT(4);
+                break;
+            case 5:
+                SQ_QT(5);
+                break;
+            case 6:
+                SQ_QT(6);
+                break;
+            default:
+                SQ_QT(8);
+                break;
+            }
 #undef SQ_QT
         } else if (ub && !clamp) {
             const float qm = (float)((1 << (ub - 1)) - 1);
