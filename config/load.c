@@ -474,10 +474,9 @@ static int parse_model(struct ctx *c, const cJSON *obj, stepq_model_shape *s, in
         pop(c, old);
         return st;
     }
-    if ((st = parse_int_field(c, f[M_DK], "head_k_dim", 1, STEPQ__MAX_HEAD_DIM, &s->head_k_dim)) <
+    if ((st = parse_int_field(c, f[M_DK], "head_k_dim", 1, STEPQ_MAX_HEAD_DIM, &s->head_k_dim)) <
             0 ||
-        (st = parse_int_field(c, f[M_DV], "head_v_dim", 1, STEPQ__MAX_HEAD_DIM, &s->head_v_dim)) <
-            0)
+        (st = parse_int_field(c, f[M_DV], "head_v_dim", 1, STEPQ_MAX_HEAD_DIM, &s->head_v_dim)) < 0)
         return st;
 
     s->conv_rank = 0;
@@ -611,7 +610,7 @@ static int precheck_layers(struct ctx *c, const cJSON *layers)
 {
     const stepq_model_shape *s = c->shape;
     const bool kda = s->arch == STEPQ_ARCH_KDA;
-    const bool need_w = stepq__method_has_row_impact(c->method);
+    const bool need_w = stepq__method_uses_row_impact(c->method);
     const cJSON *first_stats = NULL;
     char first_path[64] = "";
     int n, st;
@@ -1137,6 +1136,22 @@ done:
     return STEPQ_OK;
 }
 
+/* The caller's load options (any version) as this library's; max_bytes 0 keeps the default. */
+static int import_load_config(const stepq_map_load_config *cfg, size_t *max_bytes)
+{
+    static const stepq_map_load_config defaults = STEPQ_MAP_LOAD_CONFIG_INITIALIZER;
+    static const size_t ends[] = { STEPQ__FIELD_END(stepq_map_load_config, max_bytes) };
+    stepq_map_load_config c;
+    int st = stepq__config_import(&c, &defaults, sizeof(c), cfg, ends,
+                                  STEPQ_MAP_LOAD_CONFIG_VERSION, "stepq_map_load_config");
+
+    if (st < 0)
+        return st;
+    if (c.max_bytes)
+        *max_bytes = c.max_bytes;
+    return STEPQ_OK;
+}
+
 int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_config *cfg,
                           stepq_map_t **out)
 {
@@ -1152,11 +1167,8 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
     if (!buf && len)
         return stepq__error(STEPQ_EINVAL, "stepq_map_load_buffer: buf is NULL");
     if (cfg) {
-        if ((st = stepq__check_config(cfg, sizeof(stepq_map_load_config),
-                                      STEPQ_MAP_LOAD_CONFIG_VERSION, "stepq_map_load_config")) < 0)
+        if ((st = import_load_config(cfg, &max_bytes)) < 0)
             return st;
-        if (cfg->max_bytes)
-            max_bytes = cfg->max_bytes;
     }
     if (len > max_bytes)
         return stepq__error(STEPQ_ERANGE, "input is %zu bytes, over the limit of %zu (max_bytes)",
@@ -1216,11 +1228,8 @@ int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, step
     if (!path)
         return stepq__error(STEPQ_EINVAL, "stepq_map_load_file: path is NULL");
     if (cfg) {
-        if ((st = stepq__check_config(cfg, sizeof(stepq_map_load_config),
-                                      STEPQ_MAP_LOAD_CONFIG_VERSION, "stepq_map_load_config")) < 0)
+        if ((st = import_load_config(cfg, &max_bytes)) < 0)
             return st;
-        if (cfg->max_bytes)
-            max_bytes = cfg->max_bytes;
     }
     fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "config/map_internal.h"
+#include "plugin/hash.h"
 
 const char *const stepq__prov_str_keys[STEPQ__PROV_STR_COUNT] = {
     "tool", "tool_version", "data", "notes", "method_detail",
@@ -17,113 +18,9 @@ const char *const stepq__prov_num_keys[STEPQ__PROV_NUM_COUNT] = {
     "tokens", "segments", "segment_length", "horizon", "pivot_fraction",
 };
 
-static const char *const method_names[STEPQ_METHOD_COUNT] = {
-    "fp32", "bf16", "fp16", "uniform", "dsq", "spatial", "temporal", "stepq",
-};
-static const char *const arch_names[] = { "gdn", "kda" };
-static const char *const dtype_names[] = { "fp32", "bf16", "fp16" };
-
-/* --- names and method properties --- */
-
-const char *stepq_method_name(stepq_method method)
-{
-    return (unsigned)method < STEPQ_METHOD_COUNT ? method_names[method] : "?";
-}
-
-const char *stepq_arch_name(stepq_arch arch)
-{
-    return (unsigned)arch < 2 ? arch_names[arch] : "?";
-}
-
-const char *stepq_dtype_name(stepq_dtype dtype)
-{
-    return (unsigned)dtype < 3 ? dtype_names[dtype] : "?";
-}
-
-int stepq_method_from_name(const char *name, stepq_method *out)
-{
-    if (!name || !out)
-        return stepq__error(STEPQ_EINVAL, "stepq_method_from_name: NULL argument");
-    for (int i = 0; i < STEPQ_METHOD_COUNT; i++) {
-        if (!strcmp(name, method_names[i])) {
-            *out = (stepq_method)i;
-            return STEPQ_OK;
-        }
-    }
-    return stepq__error(STEPQ_EINVAL,
-                        "unknown method \"%.64s\" (one of fp32, bf16, fp16, uniform, dsq, spatial, "
-                        "temporal, stepq)",
-                        name);
-}
-
-int stepq_arch_from_name(const char *name, stepq_arch *out)
-{
-    if (!name || !out)
-        return stepq__error(STEPQ_EINVAL, "stepq_arch_from_name: NULL argument");
-    for (int i = 0; i < 2; i++) {
-        if (!strcmp(name, arch_names[i])) {
-            *out = (stepq_arch)i;
-            return STEPQ_OK;
-        }
-    }
-    return stepq__error(STEPQ_EINVAL, "unknown arch \"%.64s\" (one of gdn, kda)", name);
-}
-
-int stepq_dtype_from_name(const char *name, stepq_dtype *out)
-{
-    if (!name || !out)
-        return stepq__error(STEPQ_EINVAL, "stepq_dtype_from_name: NULL argument");
-    for (int i = 0; i < 3; i++) {
-        if (!strcmp(name, dtype_names[i])) {
-            *out = (stepq_dtype)i;
-            return STEPQ_OK;
-        }
-    }
-    return stepq__error(STEPQ_EINVAL, "unknown dtype \"%.64s\" (one of fp32, bf16, fp16)", name);
-}
-
-size_t stepq_dtype_size(stepq_dtype dtype)
-{
-    switch (dtype) {
-    case STEPQ_DTYPE_FP32:
-        return 4;
-    case STEPQ_DTYPE_BF16:
-    case STEPQ_DTYPE_FP16:
-        return 2;
-    }
-    return 0;
-}
-
-int stepq_method_has_col_scales(stepq_method method)
-{
-    return method == STEPQ_METHOD_DSQ || method == STEPQ_METHOD_SPATIAL ||
-           method == STEPQ_METHOD_STEPQ;
-}
-
-int stepq_method_is_dense(stepq_method method)
-{
-    return method == STEPQ_METHOD_FP32 || method == STEPQ_METHOD_BF16 ||
-           method == STEPQ_METHOD_FP16;
-}
-
 bool stepq__bits_is_int(int b)
 {
     return (b >= 2 && b <= 6) || b == 8;
-}
-
-bool stepq__method_has_pivots(stepq_method m)
-{
-    return m == STEPQ_METHOD_TEMPORAL || m == STEPQ_METHOD_STEPQ;
-}
-
-bool stepq__method_has_row_impact(stepq_method m)
-{
-    return m == STEPQ_METHOD_SPATIAL || m == STEPQ_METHOD_STEPQ;
-}
-
-bool stepq__method_single_width(stepq_method m)
-{
-    return m == STEPQ_METHOD_UNIFORM || m == STEPQ_METHOD_DSQ || m == STEPQ_METHOD_SPATIAL;
 }
 
 /* JSON path of a unit's statistics object (per head; KDA rows index its arrays). */
@@ -190,12 +87,12 @@ int stepq__shape_check(const stepq_model_shape *s)
         return stepq__error(STEPQ_ESHAPE,
                             "model.num_v_heads: %d is not a multiple of num_k_heads %d",
                             s->num_v_heads, s->num_k_heads);
-    if (s->head_k_dim < 1 || s->head_k_dim > STEPQ__MAX_HEAD_DIM)
+    if (s->head_k_dim < 1 || s->head_k_dim > STEPQ_MAX_HEAD_DIM)
         return stepq__error(STEPQ_ERANGE, "model.head_k_dim: %d is out of range 1..%d",
-                            s->head_k_dim, STEPQ__MAX_HEAD_DIM);
-    if (s->head_v_dim < 1 || s->head_v_dim > STEPQ__MAX_HEAD_DIM)
+                            s->head_k_dim, STEPQ_MAX_HEAD_DIM);
+    if (s->head_v_dim < 1 || s->head_v_dim > STEPQ_MAX_HEAD_DIM)
         return stepq__error(STEPQ_ERANGE, "model.head_v_dim: %d is out of range 1..%d",
-                            s->head_v_dim, STEPQ__MAX_HEAD_DIM);
+                            s->head_v_dim, STEPQ_MAX_HEAD_DIM);
     if (s->conv_rank < 0 || s->conv_rank > STEPQ_CONV_MAX_RANK)
         return stepq__error(STEPQ_ESHAPE, "model.conv_state.shape: rank %d, must be 1..%d",
                             s->conv_rank, STEPQ_CONV_MAX_RANK);
@@ -228,7 +125,7 @@ int stepq__budget_check(stepq_method method, double budget)
         if (budget != want)
             return stepq__error(STEPQ_ERANGE,
                                 "budget_bits: %s does not match method %s (must be %g)",
-                                STEPQ__NUM(budget), method_names[method], want);
+                                STEPQ__NUM(budget), stepq_method_name(method), want);
     } else if (stepq__method_single_width(method)) {
         /* range first: converting a huge double to int is undefined */
         if (budget < 2.0 || budget > 8.0 || budget != floor(budget) ||
@@ -236,10 +133,10 @@ int stepq__budget_check(stepq_method method, double budget)
             return stepq__error(STEPQ_ERANGE,
                                 "budget_bits: %s is not one of 2,3,4,5,6,8 (method %s stores every "
                                 "unit at budget_bits)",
-                                STEPQ__NUM(budget), method_names[method]);
+                                STEPQ__NUM(budget), stepq_method_name(method));
     } else if (budget < 2.0 || budget > 8.0) {
         return stepq__error(STEPQ_ERANGE, "budget_bits: %s is out of range [2, 8] for method %s",
-                            STEPQ__NUM(budget), method_names[method]);
+                            STEPQ__NUM(budget), stepq_method_name(method));
     }
     return STEPQ_OK;
 }
@@ -296,7 +193,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
         if (!m->bits)
             goto fail_nomem;
         memset(m->bits, initial_bits(budget), (size_t)n_units);
-        if (stepq__method_has_row_impact(method)) {
+        if (stepq__method_uses_row_impact(method)) {
             size_t n = (size_t)shape->n_layers * (size_t)shape->num_v_heads * (size_t)dk;
             m->row_impact = malloc(sizeof(float) * n);
             if (!m->row_impact)
@@ -371,7 +268,7 @@ int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits)
     if (stepq_method_is_dense(map->method))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_unit_bits: method %s has no per-unit widths",
-                                method_names[map->method]);
+                                stepq_method_name(map->method));
     if ((st = check_unit_ids(map, "stepq_map_set_unit_bits", layer, unit)) < 0)
         return st;
     if (bits == STEPQ_BITS_PIVOT) {
@@ -379,7 +276,7 @@ int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits)
             return stepq__error_obj(map->err, STEPQ_EINVAL,
                                     "stepq_map_set_unit_bits: method %s has no pivots (only "
                                     "temporal and stepq do)",
-                                    method_names[map->method]);
+                                    stepq_method_name(map->method));
     } else if (!stepq__bits_is_int(bits)) {
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_unit_bits: %d is not one of 2,3,4,5,6,8 (or %d for "
@@ -389,7 +286,7 @@ int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits)
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_unit_bits: %d differs from budget_bits %s (method "
                                 "%s stores every unit at one width)",
-                                bits, STEPQ__NUM(map->budget_bits), method_names[map->method]);
+                                bits, STEPQ__NUM(map->budget_bits), stepq_method_name(map->method));
     }
     map->bits[stepq__unit_index(map, layer, unit)] = (uint8_t)bits;
     return STEPQ_OK;
@@ -427,7 +324,7 @@ int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, const float 
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_row_impact: method %s has no row-impact factors "
                                 "(only spatial and stepq do)",
-                                method_names[map->method]);
+                                stepq_method_name(map->method));
     if (layer < 0 || layer >= map->shape.n_layers)
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_row_impact: layer %d is out of range 0..%d", layer,
@@ -493,7 +390,7 @@ int stepq_map_set_unit_stats(stepq_map_t *map, int layer, int unit, const stepq_
     if (stepq_method_is_dense(map->method))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_unit_stats: method %s has no units",
-                                method_names[map->method]);
+                                stepq_method_name(map->method));
     if ((st = check_unit_ids(map, "stepq_map_set_unit_stats", layer, unit)) < 0)
         return st;
     if (!stats)
@@ -777,7 +674,7 @@ int stepq__map_check(const stepq_map_t *m)
                     return stepq__error(STEPQ_ERANGE,
                                         "%s: 16 (fp16 pivot) is not allowed for method %s (only "
                                         "temporal and stepq have pivots)",
-                                        path, method_names[m->method]);
+                                        path, stepq_method_name(m->method));
                 }
                 piv_values += vpu;
                 continue;
@@ -791,13 +688,14 @@ int stepq__map_check(const stepq_map_t *m)
                 return stepq__error(STEPQ_ERANGE,
                                     "%s: %d differs from budget_bits %s (method %s stores every "
                                     "unit at one width)",
-                                    path, b, STEPQ__NUM(m->budget_bits), method_names[m->method]);
+                                    path, b, STEPQ__NUM(m->budget_bits),
+                                    stepq_method_name(m->method));
             }
             code_bits += vpu * (uint64_t)b;
         }
     }
     if (stepq__method_has_pivots(m->method)) {
-        /* Pivots count as replacing 8-bit units (DESIGN.md section 3). */
+        /* Pivots count as replacing 8-bit units (the budget rule of tools/CALIBRATION.md). */
         double limit = m->budget_bits * (double)n_values - 8.0 * (double)piv_values;
         if ((double)code_bits > limit)
             return stepq__error(STEPQ_ERANGE,
@@ -943,7 +841,7 @@ const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer)
         return NULL;
     if (!map->bits) {
         stepq__error(STEPQ_EINVAL, "stepq_map_layer_bits: method %s has no per-unit widths",
-                     method_names[map->method]);
+                     stepq_method_name(map->method));
         return NULL;
     }
     return map->bits + stepq__unit_index(map, layer, 0);
@@ -1067,26 +965,13 @@ int stepq_map_memory_info(const stepq_map_t *map, stepq_map_memory *out)
 
 /* --- fingerprint and equality --- */
 
-#define FNV_OFFSET 0xcbf29ce484222325ull
-#define FNV_PRIME  0x100000001b3ull
-
-static uint64_t fnv_bytes(uint64_t h, const void *p, size_t n)
-{
-    const unsigned char *b = p;
-    for (size_t i = 0; i < n; i++) {
-        h ^= b[i];
-        h *= FNV_PRIME;
-    }
-    return h;
-}
-
 /* Little-endian encoding, so the value does not depend on the host. */
 static uint64_t fnv_u64(uint64_t h, uint64_t v)
 {
     unsigned char b[8];
     for (int i = 0; i < 8; i++)
         b[i] = (unsigned char)(v >> (8 * i));
-    return fnv_bytes(h, b, 8);
+    return stepq__fnv1a(h, b, 8);
 }
 
 static uint64_t fnv_double(uint64_t h, double d)
@@ -1099,12 +984,12 @@ static uint64_t fnv_double(uint64_t h, double d)
 int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out)
 {
     static const char tag[] = "stepq-map-fingerprint-v1";
-    uint64_t h = FNV_OFFSET;
+    uint64_t h = STEPQ__FNV_OFFSET;
 
     if (!map || !out)
         return stepq__error(STEPQ_EINVAL, "stepq_map_fingerprint: NULL argument");
     const stepq_model_shape *s = &map->shape;
-    h = fnv_bytes(h, tag, sizeof(tag) - 1);
+    h = stepq__fnv1a(h, tag, sizeof(tag) - 1);
     h = fnv_u64(h, (uint64_t)s->arch);
     h = fnv_u64(h, (uint64_t)s->n_layers);
     for (int i = 0; i < s->n_layers; i++)
@@ -1120,7 +1005,7 @@ int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out)
     h = fnv_u64(h, (uint64_t)map->method);
     h = fnv_double(h, map->budget_bits);
     if (map->bits)
-        h = fnv_bytes(h, map->bits, (size_t)map->n_units);
+        h = stepq__fnv1a(h, map->bits, (size_t)map->n_units);
     if (map->row_impact) {
         size_t n = (size_t)s->n_layers * s->num_v_heads * s->head_k_dim;
         for (size_t i = 0; i < n; i++) {

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "plugin/err.h"
+#include "plugin/vocab.h"
 #include "stepq/map.h"
 
 /* Format name and the one schema version this library reads and writes. */
@@ -25,7 +26,6 @@
 #define STEPQ__MAX_LAYERS    4096
 #define STEPQ__MAX_LAYER_ID  1000000
 #define STEPQ__MAX_HEADS     4096
-#define STEPQ__MAX_HEAD_DIM  4096
 #define STEPQ__MAX_CONV_DIM  INT32_MAX
 #define STEPQ__MAX_CONV_ELEM (INT64_C(1) << 40) /* per layer */
 /* Per-unit arrays of a quantized map are bounded so a map never needs GiBs. */
@@ -91,13 +91,6 @@ struct stepq_map {
 
 /** Whether b is an integer unit width (2,3,4,5,6,8). */
 bool stepq__bits_is_int(int b);
-
-/** Whether a method has fp16 pivot units (temporal, stepq). */
-bool stepq__method_has_pivots(stepq_method m);
-/** Whether a method uses per-head row-impact factors (spatial, stepq). */
-bool stepq__method_has_row_impact(stepq_method m);
-/** Whether every unit of a method has the same width (uniform, dsq, spatial). */
-bool stepq__method_single_width(stepq_method m);
 
 /**
  * Checks a model shape against the schema rules. Messages name the JSON

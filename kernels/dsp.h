@@ -15,9 +15,20 @@
  *          g = -exp(A_log[hv]) * softplus(a + dt_bias), dt_bias GDN [HV],
  *          KDA [HV][d_k]
  *   beta   [batch][HV]; with beta_sigmoid it holds raw b, beta = sigmoid(b)
- * All tensors are contiguous fp32 in those shapes. For the C entries they
- * are host pointers; for CUDA entries device pointers, and `stream` is the
- * cudaStream_t the work is queued on (ignored by the C entries).
+ * Element types: q, k, v, g, beta and o are of `dtype`, A_log and dt_bias
+ * of `param_dtype`, each fp32 (the default, 0) or bf16 (STEPQ_ENOTSUP for
+ * any other). Inputs are widened to fp32 and the recurrence is computed in
+ * fp32 whatever the dtype; a bf16 o is the fp32 readout rounded to nearest
+ * even.
+ * Strides: a server's activations are often views split out of a fused
+ * projection, so consecutive requests (the leading [batch] index) of q, k,
+ * v, g, beta and o are *_stride ELEMENTS apart; 0 means packed (H*d_k for
+ * q and k, HV*d_v for v and o, HV or HV*d_k for g, HV for beta), and a
+ * nonzero stride below that is STEPQ_EINVAL (rows would overlap). Within a
+ * request the heads are contiguous in the shapes above; A_log and dt_bias
+ * are always contiguous. For the C entries the tensors are host pointers;
+ * for CUDA entries device pointers, and `stream` is the cudaStream_t the
+ * work is queued on (ignored by the C entries).
  *
  * Per (request, value head), in this order (DESIGN.md section 1, the order
  * of flash-linear-attention and transformers):
@@ -57,13 +68,17 @@ struct stepq__step_opts {
 struct stepq__step_args {
     stepq_arch arch;
     int batch, H, HV, d_k, d_v;
-    int n_slots;          /**< dense step: slot ids must be < n_slots (or -1); the
-                               packed step checks against the layer's n_slots */
-    const int32_t *slots; /**< [batch] */
-    const float *q, *k, *v, *g, *beta;
-    const float *A_log, *dt_bias; /**< only with gate_in_kernel */
+    int n_slots;                      /**< dense step: slot ids must be < n_slots (or -1); the
+                                           packed step checks against the layer's n_slots */
+    const int32_t *slots;             /**< [batch] */
+    const void *q, *k, *v, *g, *beta; /**< of dtype, rows *_stride elements apart */
+    const void *A_log, *dt_bias;      /**< of param_dtype; only with gate_in_kernel */
+    stepq_dtype dtype;                /**< q, k, v, g, beta, o: STEPQ_DTYPE_FP32 (0) or BF16 */
+    stepq_dtype param_dtype;          /**< A_log, dt_bias: STEPQ_DTYPE_FP32 (0) or BF16 */
+    /** Elements between consecutive requests (tokens of a prefill); 0 = packed. */
+    size_t q_stride, k_stride, v_stride, g_stride, beta_stride, o_stride;
     struct stepq__step_opts opt;
-    float *o;         /**< [batch][HV][d_v] */
+    void *o;          /**< [batch][HV][d_v] of dtype, rows o_stride elements apart */
     uint32_t *health; /**< [n_slots] or NULL */
     uint64_t *counts; /**< [STEPQ__HEALTH_NCOUNTS] or NULL */
     void *stream;     /**< cudaStream_t for CUDA entries */
@@ -137,9 +152,10 @@ int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t
  * equal to T decode steps up to rounding.
  *
  * Tensors as in a decode step with `batch` replaced by T (token t in place of
- * request b); slots/n_slots/health are unused. state: HV heads of d_k*d_v
- * fp32 in `layout`, read as the initial state (NULL-equivalent: pass zeros)
- * and overwritten with the final state. o: [T][HV][d_v].
+ * request b; dtypes as there, and *_stride is the distance between tokens);
+ * slots/n_slots/health are unused. state: HV heads of d_k*d_v fp32 in
+ * `layout`, read as the initial state (NULL-equivalent: pass zeros) and
+ * overwritten with the final state. o: [T][HV][d_v].
  * Non-finite inputs are rejected with STEPQ_ENONFINITE before anything is
  * written (a prefill has no per-token fallback).
  */
@@ -148,6 +164,18 @@ int stepq__ref_prefill_chunked(const struct stepq__step_args *a, int chunk, floa
 
 /* Helpers shared by the reference files. */
 int stepq__check_step_args(const struct stepq__step_args *a, const char *who);
+
+/** The per-request strides of a step's tensors in elements, the packed defaults filled in. */
+struct stepq__step_strides {
+    size_t q, k, v, g, beta, o;
+};
+/** The strides of a (shape-checked) step: *_stride, or the packed default where it is 0. */
+struct stepq__step_strides stepq__step_strides_of(const struct stepq__step_args *a);
+/**
+ * Writes the d_v outputs of (request b, value head hv) into a->o, converted
+ * to a->dtype (bf16: round to nearest even); o == NULL writes zeros.
+ */
+void stepq__store_out(const struct stepq__step_args *a, int b, int hv, const float *o);
 /**
  * Prepares the inputs of (request b, value head hv): normalised and scaled q,
  * k (d_k), v (d_v), the log-space gate g (1 value for GDN, d_k for KDA) and

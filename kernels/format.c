@@ -7,6 +7,15 @@
 
 #include "kernels/format.h"
 #include "plugin/err.h"
+#include "plugin/vocab.h"
+
+/* The element type of a dense method's block. */
+static stepq_dtype dense_dtype(stepq_method m)
+{
+    return m == STEPQ_METHOD_FP32   ? STEPQ_DTYPE_FP32
+           : m == STEPQ_METHOD_BF16 ? STEPQ_DTYPE_BF16
+                                    : STEPQ_DTYPE_FP16;
+}
 
 static int method_is_dense(stepq_method m)
 {
@@ -16,24 +25,6 @@ static int method_is_dense(stepq_method m)
 static int method_has_col(stepq_method m)
 {
     return m == STEPQ_METHOD_DSQ || m == STEPQ_METHOD_SPATIAL || m == STEPQ_METHOD_STEPQ;
-}
-
-/* Methods with per-unit bits and pivots. */
-static int method_is_mixed(stepq_method m)
-{
-    return m == STEPQ_METHOD_TEMPORAL || m == STEPQ_METHOD_STEPQ;
-}
-
-static const char *method_name(stepq_method m)
-{
-    static const char *const names[STEPQ_METHOD_COUNT] = { "fp32", "bf16",    "fp16",     "uniform",
-                                                           "dsq",  "spatial", "temporal", "stepq" };
-    return (int)m >= 0 && m < STEPQ_METHOD_COUNT ? names[m] : "?";
-}
-
-static size_t dense_elem_size(stepq_method m)
-{
-    return m == STEPQ_METHOD_FP32 ? 4 : 2;
 }
 
 static size_t align_up(size_t x, size_t a)
@@ -69,18 +60,18 @@ int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, s
     if (!dense) {
         if (!row_bits)
             return stepq__error(STEPQ_EINVAL, "head layout: %s needs row_bits",
-                                method_name(method));
+                                stepq_method_name(method));
         for (int i = 0; i < d_k; i++) {
             int b = row_bits[i];
             if (!stepq__format_int_bits(b) && b != STEPQ_BITS_PIVOT)
                 return stepq__error(STEPQ_EINVAL,
                                     "head layout: row_bits[%d]: %d is not one of 2,3,4,5,6,8,16", i,
                                     b);
-            if (b == STEPQ_BITS_PIVOT && !method_is_mixed(method))
+            if (b == STEPQ_BITS_PIVOT && !stepq__method_has_pivots(method))
                 return stepq__error(STEPQ_EINVAL,
                                     "head layout: row_bits[%d]: method %s has no pivots", i,
-                                    method_name(method));
-            if (b != row_bits[0] && (arch == STEPQ_ARCH_GDN || !method_is_mixed(method)))
+                                    stepq_method_name(method));
+            if (b != row_bits[0] && (arch == STEPQ_ARCH_GDN || !stepq__method_has_pivots(method)))
                 return stepq__error(STEPQ_EINVAL,
                                     "head layout: row_bits[%d]=%d differs from row_bits[0]=%d, but "
                                     "%s",
@@ -106,7 +97,7 @@ int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, s
     hl->has_col = method_has_col(method);
 
     if (dense) {
-        size_t es = dense_elem_size(method);
+        size_t es = stepq_dtype_size(dense_dtype(method));
         memset(hl->row_bits, 0, (size_t)d_k);
         for (int i = 0; i <= d_k; i++)
             hl->row_bitoff[i] = (uint64_t)i * (uint64_t)d_v * es * 8;

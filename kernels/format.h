@@ -67,8 +67,8 @@
 /** Default alignment of the sub-blocks of a head block (bytes). */
 #define STEPQ__ALIGN_DEFAULT 16
 
-/** Largest head dimension the kernels accept (bounds scratch sizes). */
-#define STEPQ__MAX_HEAD_DIM 1024
+/** Largest head dimension (bounds the kernels' scratch sizes): the public limit. */
+#define STEPQ__MAX_HEAD_DIM STEPQ_MAX_HEAD_DIM
 
 /** Smallest and largest stored scale (fp16 normal range). */
 #define STEPQ__SCALE_MIN 6.103515625e-05f /* 2^-14 */

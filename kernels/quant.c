@@ -11,17 +11,6 @@
 #include "kernels/quant.h"
 #include "plugin/err.h"
 
-int stepq__method_uses_row_impact(stepq_method method)
-{
-    return method == STEPQ_METHOD_SPATIAL || method == STEPQ_METHOD_STEPQ;
-}
-
-static int method_is_dual(stepq_method method)
-{
-    return method == STEPQ_METHOD_DSQ || method == STEPQ_METHOD_SPATIAL ||
-           method == STEPQ_METHOD_STEPQ;
-}
-
 /* Blocks may sit at any byte offset in a page: go through memcpy. */
 static uint16_t rd16(const uint8_t *p)
 {
@@ -333,7 +322,7 @@ int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, con
     memset(blk, 0, hl->block_bytes);
     if (!hl->quantized)
         store_dense(hl, x, blk, flags);
-    else if (method_is_dual(hl->method))
+    else if (stepq_method_has_col_scales(hl->method))
         fit_dual(hl, x, use_w ? w : NULL, blk, flags);
     else
         fit_rowmax(hl, x, blk, flags);

@@ -1,7 +1,7 @@
 /*
  * Quantization of one head: fit scales, compute codes, pack them into the
  * block of kernels/format.h, and the reverse. These are the C reference of
- * every storage method of DESIGN.md section 2; the CUDA kernels must produce
+ * every storage method (kernels/format.h gives the formats); the CUDA kernels must produce
  * the same codes from the same fp32 tile.
  *
  * The arithmetic, spelled out so that other implementations can match it
@@ -34,9 +34,7 @@
 #include <stdint.h>
 
 #include "kernels/format.h"
-
-/** Whether a method uses row-impact factors w (spatial, stepq). */
-int stepq__method_uses_row_impact(stepq_method method);
+#include "plugin/vocab.h" /* stepq__method_uses_row_impact */
 
 /**
  * Fits and packs one head.

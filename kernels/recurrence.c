@@ -28,6 +28,87 @@ void stepq__health_note(uint32_t *health, uint64_t *counts, int32_t slot, uint32
                 counts[bit]++;
 }
 
+/*
+ * Element i of a step tensor of type dt as fp32 (bf16 widens exactly), and
+ * its store (bf16: round to nearest even): the one place where the
+ * reference meets the server's element types, so that the fp32 path reads
+ * and writes exactly the floats it did when the tensors were float *.
+ */
+static inline float load_elem(const void *p, stepq_dtype dt, size_t i)
+{
+    if (dt == STEPQ_DTYPE_BF16)
+        return stepq__bf16_to_float(((const uint16_t *)p)[i]);
+    return ((const float *)p)[i];
+}
+
+static inline void store_elem(void *p, stepq_dtype dt, size_t i, float x)
+{
+    if (dt == STEPQ_DTYPE_BF16)
+        ((uint16_t *)p)[i] = stepq__bf16_from_float(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+struct stepq__step_strides stepq__step_strides_of(const struct stepq__step_args *a)
+{
+    size_t qk = (size_t)a->H * (size_t)a->d_k, vo = (size_t)a->HV * (size_t)a->d_v;
+    size_t g = (size_t)a->HV * (size_t)(a->arch == STEPQ_ARCH_KDA ? a->d_k : 1);
+    struct stepq__step_strides s = {
+        .q = a->q_stride ? a->q_stride : qk,
+        .k = a->k_stride ? a->k_stride : qk,
+        .v = a->v_stride ? a->v_stride : vo,
+        .g = a->g_stride ? a->g_stride : g,
+        .beta = a->beta_stride ? a->beta_stride : (size_t)a->HV,
+        .o = a->o_stride ? a->o_stride : vo,
+    };
+    return s;
+}
+
+void stepq__store_out(const struct stepq__step_args *a, int b, int hv, const float *o)
+{
+    size_t off = (size_t)b * stepq__step_strides_of(a).o + (size_t)hv * (size_t)a->d_v;
+    for (int j = 0; j < a->d_v; j++)
+        store_elem(a->o, a->dtype, off + (size_t)j, o ? o[j] : 0.0f);
+}
+
+/* fp32 and bf16 are implemented; fp16 (a valid stepq_dtype) and anything else are not. */
+static int check_dtype(stepq_dtype dt, const char *field, const char *who)
+{
+    if (dt == STEPQ_DTYPE_FP32 || dt == STEPQ_DTYPE_BF16)
+        return STEPQ_OK;
+    if (dt == STEPQ_DTYPE_FP16)
+        return stepq__error(STEPQ_ENOTSUP, "%s: %s fp16 is not supported (fp32, bf16)", who, field);
+    return stepq__error(STEPQ_ENOTSUP, "%s: %s %d is not supported (fp32, bf16)", who, field,
+                        (int)dt);
+}
+
+/*
+ * A nonzero stride below the packed row length would make consecutive
+ * requests overlap: a caller bug, never a view a server can hand.
+ */
+static int check_strides(const struct stepq__step_args *a, const char *who)
+{
+    size_t qk = (size_t)a->H * (size_t)a->d_k, vo = (size_t)a->HV * (size_t)a->d_v;
+    int kda = a->arch == STEPQ_ARCH_KDA;
+    const struct {
+        size_t given, packed;
+        const char *name, *row;
+    } f[6] = {
+        { a->q_stride, qk, "q_stride", "H*d_k" },
+        { a->k_stride, qk, "k_stride", "H*d_k" },
+        { a->v_stride, vo, "v_stride", "HV*d_v" },
+        { a->g_stride, (size_t)a->HV * (size_t)(kda ? a->d_k : 1), "g_stride",
+          kda ? "HV*d_k" : "HV" },
+        { a->beta_stride, (size_t)a->HV, "beta_stride", "HV" },
+        { a->o_stride, vo, "o_stride", "HV*d_v" },
+    };
+    for (int n = 0; n < 6; n++)
+        if (f[n].given && f[n].given < f[n].packed)
+            return stepq__error(STEPQ_EINVAL, "%s: %s %zu < %s = %zu (rows would overlap)", who,
+                                f[n].name, f[n].given, f[n].row, f[n].packed);
+    return STEPQ_OK;
+}
+
 int stepq__check_step_args(const struct stepq__step_args *a, const char *who)
 {
     if (!a)
@@ -41,6 +122,11 @@ int stepq__check_step_args(const struct stepq__step_args *a, const char *who)
     if (a->d_k < 1 || a->d_k > STEPQ__MAX_HEAD_DIM || a->d_v < 1 || a->d_v > STEPQ__MAX_HEAD_DIM)
         return stepq__error(STEPQ_EINVAL, "%s: d_k=%d, d_v=%d outside 1..%d", who, a->d_k, a->d_v,
                             STEPQ__MAX_HEAD_DIM);
+    int rc;
+    if ((rc = check_dtype(a->dtype, "dtype", who)) < 0 ||
+        (rc = check_dtype(a->param_dtype, "param_dtype", who)) < 0 ||
+        (rc = check_strides(a, who)) < 0)
+        return rc;
     if (a->batch == 0)
         return STEPQ_OK;
     if (!a->q || !a->k || !a->v || !a->g || !a->beta || !a->o)
@@ -81,28 +167,33 @@ int stepq__prep_head(const struct stepq__step_args *a, int b, int hv, float *q, 
 {
     int d_k = a->d_k, d_v = a->d_v;
     int hq = hv / (a->HV / a->H);
-    size_t qk_off = ((size_t)b * a->H + hq) * d_k;
-    size_t bh = (size_t)b * a->HV + hv;
+    int n_g = a->arch == STEPQ_ARCH_KDA ? d_k : 1;
+    struct stepq__step_strides s = stepq__step_strides_of(a);
+    stepq_dtype dt = a->dtype, pt = a->param_dtype;
+    size_t q_off = (size_t)b * s.q + (size_t)hq * d_k, k_off = (size_t)b * s.k + (size_t)hq * d_k;
+    size_t v_off = (size_t)b * s.v + (size_t)hv * d_v, g_off = (size_t)b * s.g + (size_t)hv * n_g;
 
-    memcpy(q, a->q + qk_off, sizeof(float) * d_k);
-    memcpy(k, a->k + qk_off, sizeof(float) * d_k);
-    memcpy(v, a->v + bh * d_v, sizeof(float) * d_v);
+    for (int i = 0; i < d_k; i++) {
+        q[i] = load_elem(a->q, dt, q_off + i);
+        k[i] = load_elem(a->k, dt, k_off + i);
+    }
+    for (int j = 0; j < d_v; j++)
+        v[j] = load_elem(a->v, dt, v_off + j);
     if (!all_finite(q, d_k) || !all_finite(k, d_k) || !all_finite(v, d_v))
         return 1;
 
-    int n_g = a->arch == STEPQ_ARCH_KDA ? d_k : 1;
-    const float *graw = a->g + bh * n_g;
     for (int i = 0; i < n_g; i++) {
+        float graw = load_elem(a->g, dt, g_off + i);
         if (a->opt.gate_in_kernel) {
-            float bias = a->dt_bias[(size_t)hv * n_g + i];
-            g[i] = -expf(a->A_log[hv]) * softplus(graw[i] + bias);
+            float bias = load_elem(a->dt_bias, pt, (size_t)hv * n_g + i);
+            g[i] = -expf(load_elem(a->A_log, pt, (size_t)hv)) * softplus(graw + bias);
         } else {
-            g[i] = graw[i];
+            g[i] = graw;
         }
     }
     if (!all_finite(g, n_g))
         return 1;
-    float bt = a->beta[bh];
+    float bt = load_elem(a->beta, dt, (size_t)b * s.beta + hv);
     if (a->opt.beta_sigmoid)
         bt = 1.0f / (1.0f + expf(-bt));
     if (!isfinite(bt))
@@ -124,7 +215,7 @@ int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32
 {
     if (!stepq__prep_head(a, b, hv, q, k, v, g, beta))
         return 0;
-    memset(a->o + ((size_t)b * a->HV + hv) * a->d_v, 0, sizeof(float) * a->d_v);
+    stepq__store_out(a, b, hv, NULL);
     stepq__health_note(a->health, a->counts, slot, STEPQ__HEALTH_INPUT);
     return 1;
 }
@@ -293,7 +384,7 @@ int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__
     size_t rs = st->layout == STEPQ__LAYOUT_KV ? (size_t)a->d_v : 1;
     size_t cs = st->layout == STEPQ__LAYOUT_KV ? 1 : (size_t)a->d_k;
     float q[STEPQ__MAX_HEAD_DIM], k[STEPQ__MAX_HEAD_DIM], v[STEPQ__MAX_HEAD_DIM];
-    float g[STEPQ__MAX_HEAD_DIM], beta;
+    float g[STEPQ__MAX_HEAD_DIM], beta, o[STEPQ__MAX_HEAD_DIM];
 
     for (int b = 0; b < a->batch; b++) {
         int32_t s = a->slots[b];
@@ -302,10 +393,10 @@ int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__
         for (int hv = 0; hv < a->HV; hv++) {
             if (stepq__prep_step_head(a, b, hv, s, q, k, v, g, &beta))
                 continue;
-            float *o = a->o + ((size_t)b * a->HV + hv) * a->d_v;
             float *S = st->base + (size_t)s * st->slot_stride + (size_t)hv * head;
             uint32_t fl = stepq__head_update(S, rs, cs, a->arch == STEPQ_ARCH_KDA, a->d_k, a->d_v,
                                              q, k, v, g, beta, o);
+            stepq__store_out(a, b, hv, o);
             stepq__health_note(a->health, a->counts, s, fl);
         }
     }
@@ -389,7 +480,7 @@ int stepq__ref_prefill_chunked(const struct stepq__step_args *a, int chunk, floa
                 const float *qt = Q + (size_t)t * d_k, *kt = K + (size_t)t * d_k;
                 const double *et = E + (size_t)t * d_k;
                 double *ut = U + (size_t)t * d_v;
-                float *ot = a->o + ((size_t)(t0 + t) * a->HV + hv) * d_v;
+                float ot[STEPQ__MAX_HEAD_DIM];
 
                 /* rhs_t = beta_t (v_t - S0^T (e^{G_t} k_t)); inter-chunk readout S0^T (e^{G_t} q_t)
                  */
@@ -443,6 +534,7 @@ int stepq__ref_prefill_chunked(const struct stepq__step_args *a, int chunk, floa
                 }
                 for (int j = 0; j < d_v; j++)
                     ot[j] = (float)acc[j];
+                stepq__store_out(a, t0 + t, hv, ot);
             }
             /* S <- e^{G_last} S0 + sum_s e^{G_last - G_s} k_s u_s^T */
             for (int i = 0; i < d_k; i++) {

@@ -109,7 +109,7 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
         return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
 
     float q[STEPQ__MAX_HEAD_DIM], k[STEPQ__MAX_HEAD_DIM], v[STEPQ__MAX_HEAD_DIM];
-    float g[STEPQ__MAX_HEAD_DIM], beta;
+    float g[STEPQ__MAX_HEAD_DIM], beta, o[STEPQ__MAX_HEAD_DIM];
     for (int b = 0; b < a->batch; b++) {
         int32_t s = a->slots[b];
         if (s < 0)
@@ -118,7 +118,6 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
             /* On a non-finite input the page keeps its previous, valid content. */
             if (stepq__prep_step_head(a, b, h, s, q, k, v, g, &beta))
                 continue;
-            float *o = a->o + ((size_t)b * a->HV + h) * a->d_v;
             const struct stepq_head_layout *hl = &pl->heads[h];
             uint8_t *blk = head_block(pl, s, h);
             stepq__dequantize_head(hl, blk, tile);
@@ -126,6 +125,7 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
                                              a->d_k, a->d_v, q, k, v, g, beta, o);
             /* Cannot fail: layout and w were validated above, the tile is finite. */
             stepq__quantize_head(hl, tile, head_w(pl, h, a->d_k), blk, &fl);
+            stepq__store_out(a, b, h, o);
             stepq__health_note(a->health, a->counts, s, fl);
         }
     }

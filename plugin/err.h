@@ -34,4 +34,19 @@ int stepq__verror_obj(char *obj_buf, int status, const char *fmt, va_list ap);
 /** Checks a versioned config struct header; returns STEPQ_EVERSION with a message if wrong. */
 int stepq__check_config(const void *cfg, size_t min_size, unsigned max_version, const char *what);
 
+/**
+ * Checks a versioned struct and copies it into dst, a struct of the current
+ * cur_size bytes first filled from defaults (the INITIALIZER), so an older
+ * caller's missing fields take their defaults. field_ends[v - 1] is where
+ * the last field of version v ends (STEPQ__FIELD_END), for v = 1 ..
+ * cur_version; those entries never change once a version is released. A
+ * version above cur_version, or a struct larger than cur_size, is
+ * STEPQ_EVERSION (a caller built against a newer stepq).
+ */
+int stepq__config_import(void *dst, const void *defaults, size_t cur_size, const void *src,
+                         const size_t *field_ends, unsigned cur_version, const char *what);
+
+/** Where a field of a struct ends: the size of the version that ends with it. */
+#define STEPQ__FIELD_END(type, field) (offsetof(type, field) + sizeof(((type *)0)->field))
+
 #endif /* STEPQ_PLUGIN_ERR_H */

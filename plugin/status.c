@@ -107,7 +107,40 @@ int stepq__check_config(const void *cfg, size_t min_size, unsigned max_version, 
                             "%s: version %u is not supported (this library knows 1..%u)", what,
                             h->version, max_version);
     if (h->size < min_size)
-        return stepq__error(STEPQ_EVERSION, "%s: size %zu is smaller than version %u needs (%zu)",
-                            what, h->size, h->version, min_size);
+        return stepq__error(STEPQ_EVERSION,
+                            "%s: size %zu is smaller than its first version (%zu B)", what, h->size,
+                            min_size);
+    return STEPQ_OK;
+}
+
+/*
+ * NCCL's rule for versioned structs: the caller's struct may be older than
+ * ours, never newer. The fields its version knows (up to field_ends[its
+ * version - 1]; never its trailing padding, which a later version may have
+ * filled with a field) are copied over our defaults, so the fields it does
+ * not know keep their INITIALIZER values, and the result is a struct of the
+ * current layout that the library reads without further checks.
+ */
+int stepq__config_import(void *dst, const void *defaults, size_t cur_size, const void *src,
+                         const size_t *field_ends, unsigned cur_version, const char *what)
+{
+    const struct config_header *h = src;
+    struct config_header *d = dst;
+    int ret = stepq__check_config(src, field_ends[0], cur_version, what);
+
+    if (ret < 0)
+        return ret;
+    if (h->size < field_ends[h->version - 1])
+        return stepq__error(STEPQ_EVERSION, "%s: size %zu is smaller than its version %u (%zu B)",
+                            what, h->size, h->version, field_ends[h->version - 1]);
+    if (h->size > cur_size)
+        return stepq__error(STEPQ_EVERSION,
+                            "%s: size %zu is larger than this library's %zu B (built against a "
+                            "newer stepq)",
+                            what, h->size, cur_size);
+    memcpy(dst, defaults, cur_size);
+    memcpy(dst, src, field_ends[h->version - 1]);
+    d->size = cur_size;
+    d->version = cur_version;
     return STEPQ_OK;
 }

@@ -7,6 +7,7 @@
  * as it was.
  */
 #include <inttypes.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -18,19 +19,27 @@
 
 #include <cuda_runtime_api.h>
 
+#include "kernels/cuda/cuda.h"
+#include "plugin/cuda_err.h"
 #include "pool/cuda.h"
 
 struct cuda_data {
     void *tables; /* device copies of the layout tables */
+    /*
+     * One prepared device descriptor per recurrent layer, built at open so a
+     * step uploads nothing. NULL where the kernels cannot run the layer
+     * (e.g. heads other than 128x128): `unsupported` then says why, the pool
+     * still opens (its slots and copies work) and steps return STEPQ_ENOTSUP.
+     */
+    stepq__cuda_layer **layers;
+    int n_layers;
+    int unsupported_status;
+    char unsupported[STEPQ__ERRLEN];
 };
 
 static int cuda_fail(stepq_pool_t *pool, cudaError_t e, const char *what)
 {
-    /* Clears the last (non-sticky) error; a sticky one stays, and the
-     * message says so through the runtime's own text. */
-    (void)cudaGetLastError();
-    return stepq__error_obj(pool->err, e == cudaErrorNoDevice ? STEPQ_ENODEV : STEPQ_ECUDA,
-                            "%s: %s (%s)", what, cudaGetErrorString(e), cudaGetErrorName(e));
+    return stepq__cuda_error(pool->err, (int)e, what);
 }
 
 #define CUDA_TRY(call, what)                 \
@@ -63,6 +72,46 @@ static void device_leave(stepq_pool_t *pool, int prev)
 static cudaStream_t stream_of(stepq_pool_t *pool)
 {
     return (cudaStream_t)pool->stream;
+}
+
+static void release_layers(struct cuda_data *cd)
+{
+    for (int i = 0; cd->layers && i < cd->n_layers; i++)
+        stepq__cuda_layer_release(cd->layers[i]);
+    free(cd->layers);
+    cd->layers = NULL;
+    cd->n_layers = 0;
+}
+
+/* Prepares every layer's device descriptors (maps only; a synthetic layout has no heads). */
+static int prepare_layers(stepq_pool_t *pool, struct cuda_data *cd)
+{
+    const int n = pool->layout.pub.n_layers;
+
+    if (!pool->layout.heads)
+        return STEPQ_OK;
+    cd->layers = calloc((size_t)n, sizeof(*cd->layers));
+    if (!cd->layers)
+        return stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (layer descriptors)");
+    cd->n_layers = n;
+    for (int i = 0; i < n; i++) {
+        struct stepq__packed_layer pl;
+        int ret;
+
+        stepq__pool_packed_layer(pool, i, &pl);
+        ret = stepq__cuda_layer_prepare(&pl, &cd->layers[i]);
+        if (ret == STEPQ_ENOTSUP) {
+            if (!cd->unsupported_status) {
+                cd->unsupported_status = ret;
+                snprintf(cd->unsupported, sizeof(cd->unsupported), "cuda backend, layer %d: %s", i,
+                         stepq_last_error());
+            }
+            continue;
+        }
+        if (ret < 0)
+            return stepq__error_obj(pool->err, ret, "layer %d: %s", i, stepq_last_error());
+    }
+    return STEPQ_OK;
 }
 
 static int cuda_init(stepq_pool_t *pool)
@@ -117,8 +166,10 @@ static int cuda_init(stepq_pool_t *pool)
     CUDA_TRY(cudaMemsetAsync(pool->health, 0, n * sizeof(uint32_t), stream_of(pool)),
              "cudaMemsetAsync(health)");
     CUDA_TRY(cudaStreamSynchronize(stream_of(pool)), "cudaStreamSynchronize");
+    ret = prepare_layers(pool, cd);
 out:
     if (ret < 0) {
+        release_layers(cd);
         cudaFree(pool->pages);
         cudaFree(pool->health);
         cudaFree(cd->tables);
@@ -141,6 +192,7 @@ static void cuda_fini(stepq_pool_t *pool)
         return;
     if (device_enter(pool, &prev) >= 0) {
         (void)cudaStreamSynchronize(stream_of(pool));
+        release_layers(cd);
         cudaFree(pool->pages);
         cudaFree(pool->health);
         cudaFree(cd->tables);
@@ -263,6 +315,95 @@ out:
     return ret;
 }
 
+/* --- the data path: the CUDA kernels on the prepared layers ----------------- */
+
+/* A kernel entry's failure (thread-local text) as the pool's. */
+static int kernel_fail(stepq_pool_t *pool, int ret)
+{
+    return stepq__error_obj(pool->err, ret, "cuda backend: %s", stepq_last_error());
+}
+
+/*
+ * A stream of another device would run the kernels on memory they cannot
+ * address. cudaStreamGetDevice is a host-side query, allowed while the
+ * stream is capturing.
+ */
+static int check_stream(stepq_pool_t *pool, void *stream)
+{
+    int dev = pool->device;
+    cudaError_t e;
+
+    if (!stream)
+        return STEPQ_OK; /* the legacy default stream of the current (the pool's) device */
+    e = cudaStreamGetDevice((cudaStream_t)stream, &dev);
+    if (e != cudaSuccess) {
+        (void)cudaGetLastError();
+        return stepq__error_obj(pool->err, STEPQ_EINVAL, "stream %p: %s", stream,
+                                cudaGetErrorString(e));
+    }
+    if (dev != pool->device)
+        return stepq__error_obj(pool->err, STEPQ_EINVAL,
+                                "stream %p belongs to device %d, the pool to device %d", stream,
+                                dev, pool->device);
+    return STEPQ_OK;
+}
+
+static int cuda_decode(stepq_pool_t *pool, int layer, const struct stepq__step_args *a)
+{
+    struct cuda_data *cd = pool->backend_data;
+    struct stepq__packed_layer pl;
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    if ((ret = check_stream(pool, a->stream)) >= 0) {
+        stepq__pool_packed_layer(pool, layer, &pl);
+        ret = stepq__cuda_step_packed_prepared(a, &pl, cd->layers[layer], STEPQ__CUDA_FUSED);
+        if (ret < 0)
+            ret = kernel_fail(pool, ret);
+    }
+    device_leave(pool, prev);
+    return ret;
+}
+
+static int cuda_transfer(stepq_pool_t *pool, int layer, int pack, const stepq_prefill_args *p,
+                         void *stream)
+{
+    struct cuda_data *cd = pool->backend_data;
+    const stepq_pool_layout *l = &pool->layout.pub;
+    const size_t stride =
+        p->state_stride ? (size_t)p->state_stride : (size_t)l->n_local_heads * l->d_k * l->d_v;
+    struct stepq__packed_layer pl;
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    if ((ret = check_stream(pool, stream)) >= 0) {
+        stepq__pool_packed_layer(pool, layer, &pl);
+        if (pack)
+            ret = stepq__cuda_pack_prepared(&pl, cd->layers[layer], p->n, p->slot_ids, p->states,
+                                            stride, (stepq__layout)p->layout, p->dtype,
+                                            pool->health, p->health_counts, stream);
+        else
+            ret = stepq__cuda_unpack_prepared(&pl, cd->layers[layer], p->n, p->slot_ids, p->states,
+                                              stride, (stepq__layout)p->layout, p->dtype, stream);
+        if (ret < 0)
+            ret = kernel_fail(pool, ret);
+    }
+    device_leave(pool, prev);
+    return ret;
+}
+
+static int cuda_supports(stepq_pool_t *pool, stepq_op op, int layer, const void *args)
+{
+    struct cuda_data *cd = pool->backend_data;
+
+    for (int i = layer < 0 ? 0 : layer; i < (layer < 0 ? cd->n_layers : layer + 1); i++)
+        if (!cd->layers[i])
+            return stepq__error_obj(pool->err, cd->unsupported_status, "%s", cd->unsupported);
+    return STEPQ_OK;
+}
+
 const struct stepq__pool_ops stepq__pool_cuda_ops = {
     .name = "cuda",
     .init = cuda_init,
@@ -273,6 +414,9 @@ const struct stepq__pool_ops stepq__pool_cuda_ops = {
     .from_host = cuda_from_host,
     .read_health = cuda_read_health,
     .sync = cuda_sync,
+    .decode = cuda_decode,
+    .transfer = cuda_transfer,
+    .supports = cuda_supports,
 };
 
 #else /* !STEPQ_HAVE_CUDA */

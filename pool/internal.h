@@ -8,8 +8,10 @@
 #include <pthread.h>
 #include <stdint.h>
 
+#include "kernels/dsp.h"
 #include "plugin/err.h"
 #include "stepq/pool.h"
+#include "stepq/step.h"
 
 /** Default alignment of a page stride: 256 B, cudaMalloc's own alignment. */
 #define STEPQ__POOL_PAGE_ALIGN 256u
@@ -28,6 +30,21 @@ struct stepq__pool_layout {
     uint32_t *block_compact;
     uint8_t *unit_bits;
     uint64_t *conv_offset;
+
+    /*
+     * What the kernels need, kept from the build (maps only; a synthetic
+     * layout has none and runs no step): the head layout of every block,
+     * block_offset as size_t (the kernels' head_offset of one layer is
+     * head_off + layer * n_local_heads), and the row impact of every block
+     * ([n_blocks][d_k]; NULL when the method does not use it).
+     */
+    struct stepq_head_layout *heads; /* [n_blocks] */
+    size_t *head_off;                /* [n_blocks] */
+    float *row_impact;               /* [n_blocks * d_k] or NULL */
+    int n_k_heads;                   /* q/k heads on this rank */
+    int conv_rank;
+    int64_t conv_shape[STEPQ_CONV_MAX_RANK]; /* this rank's: dim 0 / tp */
+    stepq_dtype conv_dtype;
 };
 
 /**
@@ -88,6 +105,23 @@ struct stepq__pool_ops {
     int (*read_health)(struct stepq_pool *pool, uint32_t *out);
     /** Waits for outstanding work. */
     int (*sync)(struct stepq_pool *pool);
+
+    /*
+     * The data path (pool/step.c validated the call; slot lists on the host
+     * backend are checked, on CUDA they are device memory). Every tensor is
+     * in the backend's memory. Each returns STEPQ_OK or a status with the
+     * message in pool->err.
+     */
+    /** One decode step of layer `layer`; a->slots, a->health are filled in. */
+    int (*decode)(struct stepq_pool *pool, int layer, const struct stepq__step_args *a);
+    /** Packs (pack = 1) or unpacks (0) the dense states of `p` for layer `layer`. */
+    int (*transfer)(struct stepq_pool *pool, int layer, int pack, const stepq_prefill_args *p,
+                    void *stream);
+    /**
+     * Whether the backend runs this step / transfer (after the generic
+     * checks): STEPQ_OK or STEPQ_ENOTSUP with the reason in pool->err.
+     */
+    int (*supports)(struct stepq_pool *pool, stepq_op op, int layer, const void *args);
 };
 
 extern const struct stepq__pool_ops stepq__pool_host_ops;
@@ -139,12 +173,27 @@ struct stepq_pool {
 #define STEPQ__POOL_MAGIC 0x504f4f4cu /* "POOL" */
 
 /**
+ * Layer `layer` as the kernels see it: the pool's pages and the head layouts,
+ * offsets and row impact of that layer's blocks.
+ */
+void stepq__pool_packed_layer(const struct stepq_pool *pool, int layer,
+                              struct stepq__packed_layer *out);
+
+/**
  * Opens a pool on an explicit layout (ownership of the layout's tables moves
  * to the pool, also on failure). cfg supplies backend, sizing, policy and
  * flags; its map is not used.
  */
 int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_layout *layout,
                             stepq_pool_t **out);
+
+/**
+ * Looks a pool up in the table of open pools and takes its mutex:
+ * STEPQ_EBADF (message names fn) when the handle is not open. Every public
+ * entry that takes a pool starts with it and ends with stepq__pool_leave().
+ */
+int stepq__pool_enter(stepq_pool_t *pool, const char *fn);
+void stepq__pool_leave(stepq_pool_t *pool);
 
 /**
  * Internal consistency check of the allocator (ring, states, counters):

@@ -22,6 +22,8 @@
 #include <string.h>
 
 #include "kernels/format.h"
+#include "kernels/quant.h"
+#include "plugin/hash.h"
 #include "pool/internal.h"
 
 static uint64_t round_up(uint64_t x, uint64_t align)
@@ -43,23 +45,18 @@ void stepq__pool_layout_free(struct stepq__pool_layout *layout)
     free(layout->block_compact);
     free(layout->unit_bits);
     free(layout->conv_offset);
+    if (layout->heads)
+        for (int b = 0; b < layout->pub.n_blocks; b++)
+            stepq__head_layout_free(&layout->heads[b]);
+    free(layout->heads);
+    free(layout->head_off);
+    free(layout->row_impact);
     memset(layout, 0, sizeof(*layout));
-}
-
-static uint64_t fnv1a(uint64_t h, const void *data, size_t len)
-{
-    const uint8_t *p = data;
-
-    for (size_t i = 0; i < len; i++) {
-        h ^= p[i];
-        h *= 0x100000001b3ull;
-    }
-    return h;
 }
 
 uint64_t stepq__pool_layout_fingerprint(const stepq_pool_layout *l)
 {
-    uint64_t h = 0xcbf29ce484222325ull;
+    uint64_t h = STEPQ__FNV_OFFSET;
     int64_t head[] = { l->arch,
                        l->method,
                        l->n_layers,
@@ -71,11 +68,11 @@ uint64_t stepq__pool_layout_fingerprint(const stepq_pool_layout *l)
                        (int64_t)l->page_bytes,
                        (int64_t)l->conv_bytes_per_layer };
 
-    h = fnv1a(h, head, sizeof(head));
-    h = fnv1a(h, l->block_offset, (size_t)l->n_blocks * sizeof(*l->block_offset));
-    h = fnv1a(h, l->block_bytes, (size_t)l->n_blocks * sizeof(*l->block_bytes));
-    h = fnv1a(h, l->unit_bits, (size_t)l->n_blocks * (size_t)l->units_per_head);
-    h = fnv1a(h, l->conv_offset, (size_t)l->n_layers * sizeof(*l->conv_offset));
+    h = stepq__fnv1a(h, head, sizeof(head));
+    h = stepq__fnv1a(h, l->block_offset, (size_t)l->n_blocks * sizeof(*l->block_offset));
+    h = stepq__fnv1a(h, l->block_bytes, (size_t)l->n_blocks * sizeof(*l->block_bytes));
+    h = stepq__fnv1a(h, l->unit_bits, (size_t)l->n_blocks * (size_t)l->units_per_head);
+    h = stepq__fnv1a(h, l->conv_offset, (size_t)l->n_layers * sizeof(*l->conv_offset));
     return h;
 }
 
@@ -212,6 +209,12 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
                                 "the conv state (%" PRIu64 " B per layer) does not split over "
                                 "tp_size %d",
                                 conv_layer_bytes, tp);
+    /* Value heads hv of q/k group hv / (HV / H): a rank's contiguous block of
+     * HV / tp value heads reads H / tp whole q/k heads only when tp divides H. */
+    if (shape.num_k_heads % tp)
+        return stepq__error_obj(err, STEPQ_ESHAPE,
+                                "the map's %d q/k heads do not split over tp_size %d",
+                                shape.num_k_heads, tp);
     n_local = shape.num_v_heads / tp;
     first = cfg->tp_rank * n_local;
     upu = shape.arch == STEPQ_ARCH_KDA ? shape.head_k_dim : 1;
@@ -219,6 +222,25 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
     ret = alloc_tables(out, shape.n_layers, n_local, upu, err);
     if (ret < 0)
         return ret;
+    out->n_k_heads = shape.num_k_heads / tp;
+    out->conv_rank = shape.conv_rank;
+    out->conv_dtype = shape.conv_dtype;
+    for (int i = 0; i < shape.conv_rank; i++)
+        out->conv_shape[i] = shape.conv_shape[i];
+    if (shape.conv_rank > 0 && shape.conv_shape[0] % tp == 0)
+        out->conv_shape[0] = shape.conv_shape[0] / tp;
+    {
+        size_t nb = (size_t)out->pub.n_blocks ? (size_t)out->pub.n_blocks : 1;
+        out->heads = calloc(nb, sizeof(*out->heads));
+        out->head_off = calloc(nb, sizeof(*out->head_off));
+        if (stepq__method_uses_row_impact(method))
+            out->row_impact = malloc(nb * (size_t)shape.head_k_dim * sizeof(float));
+        if (!out->heads || !out->head_off ||
+            (stepq__method_uses_row_impact(method) && !out->row_impact)) {
+            ret = stepq__error_obj(err, STEPQ_ENOMEM, "out of memory (head layouts)");
+            goto fail;
+        }
+    }
     out->pub.arch = shape.arch;
     out->pub.method = method;
     out->pub.first_head = first;
@@ -232,7 +254,7 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
     for (int layer = 0; layer < shape.n_layers; layer++) {
         for (int h = 0; h < n_local; h++) {
             int b = layer * n_local + h, head = first + h;
-            struct stepq_head_layout hl;
+            struct stepq_head_layout *hlp = &out->heads[b], hl;
 
             for (int u = 0; u < upu; u++) {
                 int bits = stepq_map_unit_bits(map, layer, head * upu + u);
@@ -261,10 +283,17 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
                 goto fail;
             }
             out->block_offset[b] = off;
+            out->head_off[b] = (size_t)off;
             out->block_bytes[b] = (uint32_t)hl.block_bytes;
             out->block_compact[b] = (uint32_t)hl.compact_bytes;
             off += hl.block_bytes;
-            stepq__head_layout_free(&hl);
+            *hlp = hl; /* kept: the pool's steps use it */
+            if (out->row_impact) {
+                const float *w = stepq_map_row_impact(map, layer, head);
+                float *dst = out->row_impact + (size_t)b * (size_t)shape.head_k_dim;
+                for (int i = 0; i < shape.head_k_dim; i++)
+                    dst[i] = w ? w[i] : 1.0f;
+            }
         }
     }
     free(row_bits);
@@ -279,49 +308,4 @@ fail:
     free(row_bits);
     stepq__pool_layout_free(out);
     return ret;
-}
-
-int stepq__pool_sizing(const stepq_pool_config *cfg, uint64_t page_bytes, int32_t *slots, char *err)
-{
-    int set =
-        (cfg->num_slots != 0) + (cfg->max_running_requests != 0) + (cfg->memory_budget_bytes != 0);
-    const int32_t max_slots = INT32_MAX - 1;
-    int per;
-
-    if (set != 1)
-        return stepq__error_obj(err, STEPQ_EINVAL,
-                                "stepq_pool_config: set exactly one of num_slots, "
-                                "max_running_requests, memory_budget_bytes (%d are set)",
-                                set);
-    per = stepq_pool_policy_slots(cfg->policy);
-    if (per < 0)
-        return stepq__error_obj(err, STEPQ_EINVAL, "stepq_pool_config.policy: %d is unknown",
-                                (int)cfg->policy);
-    if (cfg->num_slots < 0 || cfg->max_running_requests < 0)
-        return stepq__error_obj(err, STEPQ_EINVAL,
-                                "stepq_pool_config: num_slots %" PRId32
-                                " / max_running_requests %" PRId32 " is negative",
-                                cfg->num_slots, cfg->max_running_requests);
-    if (cfg->num_slots) {
-        if (cfg->num_slots > max_slots)
-            return stepq__error_obj(err, STEPQ_ERANGE, "num_slots %" PRId32 " is too large",
-                                    cfg->num_slots);
-        *slots = cfg->num_slots;
-    } else if (cfg->max_running_requests) {
-        if (cfg->max_running_requests > max_slots / per)
-            return stepq__error_obj(err, STEPQ_ERANGE,
-                                    "max_running_requests %" PRId32 " x %d slots is too large",
-                                    cfg->max_running_requests, per);
-        *slots = cfg->max_running_requests * per;
-    } else {
-        uint64_t pages = cfg->memory_budget_bytes / page_bytes;
-        if (pages < 2)
-            return stepq__error_obj(err, STEPQ_ENOSPC,
-                                    "memory budget %" PRIu64 " B holds %" PRIu64
-                                    " pages of %" PRIu64
-                                    " B; a pool needs 2 (the sentinel and one slot)",
-                                    cfg->memory_budget_bytes, pages, page_bytes);
-        *slots = pages - 1 > (uint64_t)max_slots ? max_slots : (int32_t)(pages - 1);
-    }
-    return STEPQ_OK;
 }

@@ -49,6 +49,56 @@ int stepq_pool_policy_from_name(const char *name, stepq_pool_policy *out)
                         "policy '%s' is not one of no_cache, no_buffer, lazy, extra_buffer", name);
 }
 
+/*
+ * The slot count of a configuration for pages of page_bytes: exactly one of
+ * the sizing fields decides it, the policy's slots per request scaling
+ * max_running_requests.
+ */
+int stepq__pool_sizing(const stepq_pool_config *cfg, uint64_t page_bytes, int32_t *slots, char *err)
+{
+    int set =
+        (cfg->num_slots != 0) + (cfg->max_running_requests != 0) + (cfg->memory_budget_bytes != 0);
+    const int32_t max_slots = INT32_MAX - 1;
+    int per;
+
+    if (set != 1)
+        return stepq__error_obj(err, STEPQ_EINVAL,
+                                "stepq_pool_config: set exactly one of num_slots, "
+                                "max_running_requests, memory_budget_bytes (%d are set)",
+                                set);
+    per = stepq_pool_policy_slots(cfg->policy);
+    if (per < 0)
+        return stepq__error_obj(err, STEPQ_EINVAL, "stepq_pool_config.policy: %d is unknown",
+                                (int)cfg->policy);
+    if (cfg->num_slots < 0 || cfg->max_running_requests < 0)
+        return stepq__error_obj(err, STEPQ_EINVAL,
+                                "stepq_pool_config: num_slots %" PRId32
+                                " / max_running_requests %" PRId32 " is negative",
+                                cfg->num_slots, cfg->max_running_requests);
+    if (cfg->num_slots) {
+        if (cfg->num_slots > max_slots)
+            return stepq__error_obj(err, STEPQ_ERANGE, "num_slots %" PRId32 " is too large",
+                                    cfg->num_slots);
+        *slots = cfg->num_slots;
+    } else if (cfg->max_running_requests) {
+        if (cfg->max_running_requests > max_slots / per)
+            return stepq__error_obj(err, STEPQ_ERANGE,
+                                    "max_running_requests %" PRId32 " x %d slots is too large",
+                                    cfg->max_running_requests, per);
+        *slots = cfg->max_running_requests * per;
+    } else {
+        uint64_t pages = cfg->memory_budget_bytes / page_bytes;
+        if (pages < 2)
+            return stepq__error_obj(err, STEPQ_ENOSPC,
+                                    "memory budget %" PRIu64 " B holds %" PRIu64
+                                    " pages of %" PRIu64
+                                    " B; a pool needs 2 (the sentinel and one slot)",
+                                    cfg->memory_budget_bytes, pages, page_bytes);
+        *slots = pages - 1 > (uint64_t)max_slots ? max_slots : (int32_t)(pages - 1);
+    }
+    return STEPQ_OK;
+}
+
 /* --- the table of open pools ------------------------------------------- */
 
 /*
@@ -93,7 +143,7 @@ out:
 }
 
 /* Looks the pool up and locks it; STEPQ_EBADF when it is not open. */
-static int pool_enter(stepq_pool_t *pool, const char *fn)
+int stepq__pool_enter(stepq_pool_t *pool, const char *fn)
 {
     if (!pool)
         return stepq__error(STEPQ_EINVAL, "%s: pool is NULL", fn);
@@ -107,7 +157,7 @@ static int pool_enter(stepq_pool_t *pool, const char *fn)
     return STEPQ_OK;
 }
 
-static void pool_leave(stepq_pool_t *pool)
+void stepq__pool_leave(stepq_pool_t *pool)
 {
     pthread_mutex_unlock(&pool->mu);
 }
@@ -127,16 +177,24 @@ const char *stepq_pool_last_error(const stepq_pool_t *pool)
 
 /* --- open / close --------------------------------------------------------- */
 
-static int check_open_args(const stepq_pool_config *cfg, void *out, const char *fn)
+/*
+ * Checks the arguments of open / plan and imports the caller's config (of
+ * any version since the first) into *cfg, this library's struct, so older
+ * callers' missing fields take the INITIALIZER's values.
+ */
+static int check_open_args(const stepq_pool_config *user, stepq_pool_config *cfg, void *out,
+                           const char *fn)
 {
+    static const stepq_pool_config defaults = STEPQ_POOL_CONFIG_INITIALIZER;
+    static const size_t ends[] = { STEPQ__FIELD_END(stepq_pool_config, flags) };
     int ret;
 
     if (!out)
         return stepq__error(STEPQ_EINVAL, "%s: out is NULL", fn);
-    if (!cfg)
+    if (!user)
         return stepq__error(STEPQ_EINVAL, "%s: cfg is NULL", fn);
-    ret = stepq__check_config(cfg, sizeof(stepq_pool_config), STEPQ_POOL_CONFIG_VERSION,
-                              "stepq_pool_config");
+    ret = stepq__config_import(cfg, &defaults, sizeof(*cfg), user, ends, STEPQ_POOL_CONFIG_VERSION,
+                               "stepq_pool_config");
     if (ret < 0)
         return ret;
     if (!cfg->map)
@@ -153,20 +211,21 @@ static uint64_t meta_bytes_of(const struct stepq__pool_layout *l, int32_t slots)
            (uint64_t)p->n_blocks * (uint64_t)p->units_per_head + (uint64_t)p->n_layers * 8;
 }
 
-int stepq_pool_plan(const stepq_pool_config *cfg, stepq_pool_plan_info *out)
+int stepq_pool_plan(const stepq_pool_config *user, stepq_pool_plan_info *out)
 {
     struct stepq__pool_layout layout;
     const stepq_pool_layout *l = &layout.pub;
+    stepq_pool_config cfg;
     int32_t slots;
     int ret;
 
-    ret = check_open_args(cfg, out, "stepq_pool_plan");
+    ret = check_open_args(user, &cfg, out, "stepq_pool_plan");
     if (ret < 0)
         return ret;
-    ret = stepq__pool_layout_build(cfg, &layout, NULL);
+    ret = stepq__pool_layout_build(&cfg, &layout, NULL);
     if (ret < 0)
         return ret;
-    ret = stepq__pool_sizing(cfg, l->page_bytes, &slots, NULL);
+    ret = stepq__pool_sizing(&cfg, l->page_bytes, &slots, NULL);
     if (ret < 0)
         goto out;
     memset(out, 0, sizeof(*out));
@@ -184,20 +243,21 @@ out:
     return ret;
 }
 
-int stepq_pool_open(const stepq_pool_config *cfg, stepq_pool_t **out)
+int stepq_pool_open(const stepq_pool_config *user, stepq_pool_t **out)
 {
     struct stepq__pool_layout layout;
+    stepq_pool_config cfg;
     int ret;
 
     if (out)
         *out = NULL;
-    ret = check_open_args(cfg, out, "stepq_pool_open");
+    ret = check_open_args(user, &cfg, out, "stepq_pool_open");
     if (ret < 0)
         return ret;
-    ret = stepq__pool_layout_build(cfg, &layout, NULL);
+    ret = stepq__pool_layout_build(&cfg, &layout, NULL);
     if (ret < 0)
         return ret;
-    return stepq__pool_open_layout(cfg, &layout, out);
+    return stepq__pool_open_layout(&cfg, &layout, out);
 }
 
 int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_layout *layout,
@@ -418,7 +478,7 @@ static int validate_list(stepq_pool_t *pool, const char *what, const int32_t *id
 
 int stepq_pool_alloc(stepq_pool_t *pool, int32_t n, int32_t *ids)
 {
-    int ret = pool_enter(pool, "stepq_pool_alloc");
+    int ret = stepq__pool_enter(pool, "stepq_pool_alloc");
 
     if (ret < 0)
         return ret;
@@ -457,14 +517,14 @@ int stepq_pool_alloc(stepq_pool_t *pool, int32_t n, int32_t *ids)
     if (pool->in_use > pool->high_water)
         pool->high_water = pool->in_use;
 out:
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_free(stepq_pool_t *pool, const int32_t *ids, int32_t n)
 {
     int32_t m;
-    int ret = pool_enter(pool, "stepq_pool_free");
+    int ret = stepq__pool_enter(pool, "stepq_pool_free");
 
     if (ret < 0)
         return ret;
@@ -483,14 +543,14 @@ int stepq_pool_free(stepq_pool_t *pool, const int32_t *ids, int32_t n)
     pool->in_use -= m;
     pool->n_free += (uint64_t)m;
 out:
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n)
 {
     int32_t m;
-    int ret = pool_enter(pool, "stepq_pool_clear");
+    int ret = stepq__pool_enter(pool, "stepq_pool_clear");
 
     if (ret < 0)
         return ret;
@@ -499,14 +559,14 @@ int stepq_pool_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n)
         ret = pool->ops->clear(pool, pool->scratch, m, 1);
     if (ret < 0)
         stepq__error(ret, "stepq_pool_clear: %s", pool->err);
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst, int32_t n)
 {
     int32_t *s, *d, m = 0;
-    int ret = pool_enter(pool, "stepq_pool_copy");
+    int ret = stepq__pool_enter(pool, "stepq_pool_copy");
 
     if (ret < 0)
         return ret;
@@ -570,7 +630,7 @@ int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst, 
 out:
     if (ret < 0)
         stepq__error(ret, "stepq_pool_copy: %s", pool->err);
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
@@ -621,7 +681,7 @@ int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, v
                             size_t host_bytes)
 {
     int32_t m, *pos;
-    int ret = pool_enter(pool, "stepq_pool_copy_to_host");
+    int ret = stepq__pool_enter(pool, "stepq_pool_copy_to_host");
 
     if (ret < 0)
         return ret;
@@ -632,7 +692,7 @@ int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, v
         ret = pool->ops->to_host(pool, pool->scratch, pos, m, host);
     if (ret < 0)
         stepq__error(ret, "stepq_pool_copy_to_host: %s", pool->err);
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
@@ -640,7 +700,7 @@ int stepq_pool_copy_from_host(stepq_pool_t *pool, const int32_t *ids, int32_t n,
                               size_t host_bytes)
 {
     int32_t m, *pos;
-    int ret = pool_enter(pool, "stepq_pool_copy_from_host");
+    int ret = stepq__pool_enter(pool, "stepq_pool_copy_from_host");
 
     if (ret < 0)
         return ret;
@@ -649,20 +709,20 @@ int stepq_pool_copy_from_host(stepq_pool_t *pool, const int32_t *ids, int32_t n,
         ret = pool->ops->from_host(pool, pool->scratch, pos, m, host);
     if (ret < 0)
         stepq__error(ret, "stepq_pool_copy_from_host: %s", pool->err);
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_sync(stepq_pool_t *pool)
 {
-    int ret = pool_enter(pool, "stepq_pool_sync");
+    int ret = stepq__pool_enter(pool, "stepq_pool_sync");
 
     if (ret < 0)
         return ret;
     ret = pool->ops->sync(pool);
     if (ret < 0)
         stepq__error(ret, "stepq_pool_sync: %s", pool->err);
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
@@ -670,7 +730,7 @@ int stepq_pool_sync(stepq_pool_t *pool)
 
 int stepq_pool_buffer_infos(stepq_pool_t *pool, stepq_pool_buffer_info *out, int cap, int *count)
 {
-    int ret = pool_enter(pool, "stepq_pool_buffer_infos");
+    int ret = stepq__pool_enter(pool, "stepq_pool_buffer_infos");
 
     if (ret < 0)
         return ret;
@@ -693,13 +753,13 @@ int stepq_pool_buffer_infos(stepq_pool_t *pool, stepq_pool_buffer_info *out, int
     out[1].item_bytes = sizeof(uint32_t);
     out[1].name = "health";
 out:
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_health_words(stepq_pool_t *pool, uint32_t **words)
 {
-    int ret = pool_enter(pool, "stepq_pool_health_words");
+    int ret = stepq__pool_enter(pool, "stepq_pool_health_words");
 
     if (ret < 0)
         return ret;
@@ -707,7 +767,7 @@ int stepq_pool_health_words(stepq_pool_t *pool, uint32_t **words)
         ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "stepq_pool_health_words: words is NULL");
     else
         *words = pool->health;
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
@@ -731,7 +791,7 @@ int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, ui
 {
     uint32_t *words = NULL;
     int32_t m;
-    int ret = pool_enter(pool, "stepq_pool_health_read");
+    int ret = stepq__pool_enter(pool, "stepq_pool_health_read");
 
     if (ret < 0)
         return ret;
@@ -748,7 +808,7 @@ int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, ui
     free(words);
     if (ret < 0)
         stepq__error(ret, "stepq_pool_health_read: %s", pool->err);
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
@@ -757,7 +817,7 @@ int stepq_pool_get_stats(stepq_pool_t *pool, stepq_pool_stats *out, size_t stats
     stepq_pool_stats s;
     const stepq_pool_layout *l;
     uint32_t *words = NULL;
-    int ret = pool_enter(pool, "stepq_pool_get_stats");
+    int ret = stepq__pool_enter(pool, "stepq_pool_get_stats");
 
     if (ret < 0)
         return ret;
@@ -798,13 +858,13 @@ int stepq_pool_get_stats(stepq_pool_t *pool, stepq_pool_stats *out, size_t stats
     free(words);
     memcpy(out, &s, stats_size);
 out:
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_get_layout(stepq_pool_t *pool, const stepq_pool_layout **out)
 {
-    int ret = pool_enter(pool, "stepq_pool_get_layout");
+    int ret = stepq__pool_enter(pool, "stepq_pool_get_layout");
 
     if (ret < 0)
         return ret;
@@ -812,13 +872,13 @@ int stepq_pool_get_layout(stepq_pool_t *pool, const stepq_pool_layout **out)
         ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "stepq_pool_get_layout: out is NULL");
     else
         *out = &pool->layout.pub;
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_page(stepq_pool_t *pool, int32_t slot, void **ptr)
 {
-    int ret = pool_enter(pool, "stepq_pool_page");
+    int ret = stepq__pool_enter(pool, "stepq_pool_page");
 
     if (ret < 0)
         return ret;
@@ -830,13 +890,13 @@ int stepq_pool_page(stepq_pool_t *pool, int32_t slot, void **ptr)
                                pool->slots);
     else
         *ptr = pool->pages + (size_t)slot * pool->page_bytes;
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq_pool_is_allocated(stepq_pool_t *pool, int32_t slot)
 {
-    int ret = pool_enter(pool, "stepq_pool_is_allocated");
+    int ret = stepq__pool_enter(pool, "stepq_pool_is_allocated");
 
     if (ret < 0)
         return ret;
@@ -846,14 +906,14 @@ int stepq_pool_is_allocated(stepq_pool_t *pool, int32_t slot)
                                slot, pool->slots);
     else
         ret = pool->state[slot] == STEPQ__SLOT_USED;
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }
 
 int stepq__pool_check(stepq_pool_t *pool)
 {
     int32_t used = 0;
-    int ret = pool_enter(pool, "stepq__pool_check");
+    int ret = stepq__pool_enter(pool, "stepq__pool_check");
 
     if (ret < 0)
         return ret;
@@ -897,6 +957,6 @@ out:
         if (id >= 1 && id <= pool->slots)
             pool->mark[id] = 0;
     }
-    pool_leave(pool);
+    stepq__pool_leave(pool);
     return ret;
 }

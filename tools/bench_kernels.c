@@ -157,32 +157,32 @@ static int launch(struct ctx *c)
     switch (c->kind) {
     case K_DENSE_F32:
         return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
-                                         STEPQ__DTYPE_F32);
+                                         STEPQ_DTYPE_FP32);
     case K_DENSE_BF16:
         return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
-                                         STEPQ__DTYPE_BF16);
+                                         STEPQ_DTYPE_BF16);
     case K_PACKED:
         return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_FUSED);
     case K_PACKED_2S:
         return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_TWO_STAGE);
     case K_PACK:
         return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32, NULL, NULL, c->s);
+                                         STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, NULL, NULL, c->s);
     case K_PACK_BF16:
         return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16, NULL, NULL, c->s);
+                                         STEPQ__LAYOUT_KV, STEPQ_DTYPE_BF16, NULL, NULL, c->s);
     case K_PACK_VK:
         return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                         STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32, NULL, NULL, c->s);
+                                         STEPQ__LAYOUT_VK, STEPQ_DTYPE_FP32, NULL, NULL, c->s);
     case K_UNPACK:
         return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                           STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32, c->s);
+                                           STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, c->s);
     case K_UNPACK_BF16:
         return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                           STEPQ__LAYOUT_KV, STEPQ__DTYPE_BF16, c->s);
+                                           STEPQ__LAYOUT_KV, STEPQ_DTYPE_BF16, c->s);
     case K_UNPACK_VK:
         return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                           STEPQ__LAYOUT_VK, STEPQ__DTYPE_F32, c->s);
+                                           STEPQ__LAYOUT_VK, STEPQ_DTYPE_FP32, c->s);
     }
     return STEPQ_EINVAL;
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Times flash-linear-attention's fp32-state decode kernels as the peer column of
-`stepq bench kernels` (issue 5), on the same shapes and with the same timing rules:
+`stepq bench kernels`, on the same shapes and with the same timing rules:
 one layer, one token per request (T = 1), CUDA events, 3 warm-ups, median of 20.
 
   python3 tools/bench_peer_fla.py --fla peers/fla [--json FILE] [--batch B ...]

@@ -106,10 +106,6 @@ static int run_quant(void *p)
     return stepq__quantize_head(c->hl, c->tile, c->w, c->block, NULL);
 }
 
-static const char *const method_names[STEPQ_METHOD_COUNT] = { "fp32",     "bf16", "fp16",
-                                                              "uniform",  "dsq",  "spatial",
-                                                              "temporal", "stepq" };
-
 static int parse_int(const char *s, int lo, int hi, int *out)
 {
     char *end;
@@ -326,7 +322,9 @@ int stepq_tool_bench_reference(int argc, char **argv)
             double tp = time_median(run_quant, &c, o.min_s / 2);
             if (ts < 0 || tu < 0 || tp < 0)
                 goto fail;
-            struct result r = { method_names[m], bits, hls[0].block_bytes, ts / (B * HV), tu, tp };
+            struct result r = {
+                stepq_method_name((stepq_method)m), bits, hls[0].block_bytes, ts / (B * HV), tu, tp
+            };
             print_result(&o, &r, &first);
             for (int h = 0; h < HV; h++)
                 stepq__head_layout_free(&hls[h]);

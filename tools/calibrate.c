@@ -1,7 +1,6 @@
 /*
- * stepq calibrate: precision maps from recurrent-kernel traces (DESIGN.md
- * section 3; the choices and the evidence behind the defaults are in
- * tools/CALIBRATION.md).
+ * stepq calibrate: precision maps from recurrent-kernel traces (the choices
+ * and the evidence behind the defaults are in tools/CALIBRATION.md).
  *
  * Per head (one job; jobs run on --threads threads, each job reads its
  * streams in order and writes only its own results, so the output does not

@@ -229,7 +229,7 @@ def dedup_qk(x, H, HV):
 
 
 def replay_check(q, k, v, g, beta, o, l2norm, kda):
-    """fp32 token-by-token recurrence (DESIGN.md section 1) on one stream; returns rel. error vs o."""
+    """fp32 token-by-token recurrence (as kernels/dsp.h writes it) on one stream; returns rel. error vs o."""
     import torch
     q, k, v, g, beta = (t.float() for t in (q, k, v, g, beta))  # [T,Hq,K] ... [T,HV]
     T, HV, V = v.shape

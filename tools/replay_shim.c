@@ -268,10 +268,10 @@ int stepq_shim_cuda_roundtrip(void *h, int layer_index, float *dev_states, int n
     struct cuda_layer_state *c = &s->cu[layer_index];
     size_t stride = (size_t)s->sh.num_v_heads * s->sh.head_k_dim * s->sh.head_v_dim;
     int rc = stepq__cuda_pack_prepared(&c->pl, c->cl, n, s->dslots, dev_states, stride,
-                                       STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32, NULL, NULL, stream);
+                                       STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, NULL, NULL, stream);
     if (rc >= 0)
         rc = stepq__cuda_unpack_prepared(&c->pl, c->cl, n, s->dslots, dev_states, stride,
-                                         STEPQ__LAYOUT_KV, STEPQ__DTYPE_F32, stream);
+                                         STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, stream);
     return rc;
 #else
     (void)s;

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The tiny-gdn calibration study of issue 6, end to end on the GPU host:
+# The tiny-gdn calibration study, end to end on the GPU host:
 # capture WikiText-2 traces, calibrate every method on VALID, evaluate on TEST
 # (trace replay with `stepq eval`, and excess NLL with the model in the loop).
 # Big traces stay in a scratch folder; only small results go to $OUT.

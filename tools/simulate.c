@@ -1,5 +1,5 @@
 /*
- * stepq simulate [MAP]: the pool's lifecycle simulation (pool/sim.h) as a
+ * stepq simulate [MAP]: the pool's lifecycle simulation (tests/harness/lifecycle_sim.h) as a
  * tool. Without a map the pool has small synthetic pages (the allocator and
  * the lifecycle are what is exercised); with one, the pages are the map's
  * real layout in host memory, (policy slots x B + 1) of them.
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "pool/internal.h"
-#include "pool/sim.h"
+#include "tests/harness/lifecycle_sim.h"
 #include "stepq/map.h"
 #include "stepq/pool.h"
 #include "tools/commands.h"

@@ -6,6 +6,9 @@
  * Memory contract of the CUDA entries: every tensor (q, k, v, g, beta,
  * A_log, dt_bias, o, slots, health, counts, dense states, page bases) is
  * DEVICE memory; `stream` is a cudaStream_t (NULL = legacy default stream).
+ * The step inputs and output are read as kernels/dsp.h describes them:
+ * fp32 or bf16 (a->dtype, a->param_dtype), requests a->*_stride elements
+ * apart, independently of the dtype of the states.
  * The layer description in struct stepq__packed_layer (heads[], head_offset,
  * row_impact) is HOST memory: it is mirrored once to a device descriptor
  * table (stepq__cuda_layer_prepare) so that a step in steady state performs
@@ -40,12 +43,6 @@ extern "C" {
 
 /** A layer's device-side descriptor table (opaque). */
 typedef struct stepq__cuda_layer stepq__cuda_layer;
-
-/** Dense state element types for the _ex entries. */
-typedef enum stepq__dtype {
-    STEPQ__DTYPE_F32 = 0,
-    STEPQ__DTYPE_BF16 = 1,
-} stepq__dtype;
 
 /** Decode variants of the packed step. */
 typedef enum stepq__cuda_variant {
@@ -91,24 +88,25 @@ int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a,
                                      const struct stepq__packed_layer *pl, stepq__cuda_layer *L,
                                      stepq__cuda_variant variant);
 
-/** Pack (prefill hook) with a source dtype (the dsp entry is fp32). */
+/** Pack (prefill hook) with a source dtype: STEPQ_DTYPE_FP32 or BF16 (the dsp entry is fp32). */
 int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L, int n,
                               const int32_t *slots, const void *src, size_t src_stride,
-                              stepq__layout layout, stepq__dtype dtype, uint32_t *health,
+                              stepq__layout layout, stepq_dtype dtype, uint32_t *health,
                               uint64_t *counts, void *stream);
 
-/** Unpack with a destination dtype (bf16 rounds to nearest even). */
+/** Unpack with a destination dtype, fp32 or bf16 (bf16 rounds to nearest even). */
 int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L, int n,
                                 const int32_t *slots, void *dst, size_t dst_stride,
-                                stepq__layout layout, stepq__dtype dtype, void *stream);
+                                stepq__layout layout, stepq_dtype dtype, void *stream);
 
 /**
  * Dense decode step on fp32 or bf16 states (base is float* or bf16 bits;
- * slot_stride in elements). bf16 states are updated in fp32 and stored
- * rounded to nearest even, saturating to the largest finite bf16.
+ * slot_stride in elements; `dtype` is the states', a->dtype the inputs').
+ * bf16 states are updated in fp32 and stored rounded to nearest even,
+ * saturating to the largest finite bf16.
  */
 int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size_t slot_stride,
-                              stepq__layout layout, stepq__dtype dtype);
+                              stepq__layout layout, stepq_dtype dtype);
 
 /**
  * Selects the thread-per-column kernels (head_kernel.cuh) for every entry

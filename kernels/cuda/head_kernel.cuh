@@ -47,12 +47,19 @@ struct sq_head_desc {
     float w[SQ_D];           /* row impact used by the fit (1 when unused) */
 };
 
-/* The recurrence inputs (device pointers). */
+/*
+ * The recurrence inputs (device pointers). q, k, v, g, beta and o are fp32
+ * or bf16 (in_bf16), A_log and dt_bias likewise (par_bf16); the strides are
+ * the elements between consecutive requests, already defaulted by the host
+ * (layer.cu, make_step), so they are never 0 here.
+ */
 struct sq_step {
     int H, HV, kda, l2norm, gate, beta_sig;
+    int in_bf16, par_bf16;
     float scale;
-    const float *q, *k, *v, *g, *beta, *A_log, *dt_bias;
-    float *o;
+    const void *q, *k, *v, *g, *beta, *A_log, *dt_bias;
+    void *o;
+    size_t q_stride, k_stride, v_stride, g_stride, beta_stride, o_stride;
 };
 
 /* Where the work items go. */
@@ -126,6 +133,36 @@ __device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
 __device__ __forceinline__ float sq_bf2f(uint16_t h)
 {
     return __uint_as_float((uint32_t)h << 16);
+}
+
+/*
+ * The bits of element i of a recurrence input (fp32, or bf16 when `bf16`)
+ * and their value (bf16 widens exactly), and the output store (bf16 rounded
+ * to nearest even, as stepq__bf16_from_float). The flag is uniform over the
+ * grid; only the input phase and the output store go through these. The
+ * load and the widening are separate so that no thread waits on an input
+ * where its load is issued: a widening in the arm of the dtype branch that
+ * holds the load makes each load wait in turn, before the next input's and
+ * the state's loads go out.
+ */
+__device__ __forceinline__ uint32_t sq_ld_bits(const void *p, size_t i, int bf16)
+{
+    /* one byte address for either load (bf16 is 0 or 1): half the address arithmetic */
+    const uint8_t *a = (const uint8_t *)p + (i << (2 - bf16));
+    return bf16 ? (uint32_t)(*(const uint16_t *)a) : *(const uint32_t *)a;
+}
+
+__device__ __forceinline__ float sq_bits_f(uint32_t b, int bf16)
+{
+    return __uint_as_float(bf16 ? b << 16 : b);
+}
+
+__device__ __forceinline__ void sq_st_out(void *p, size_t i, float x, int bf16)
+{
+    if (bf16)
+        ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(x);
+    else
+        ((float *)p)[i] = x;
 }
 
 /* Block copy global <-> shared, 16-byte vectors when aligned. */
@@ -207,19 +244,28 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
 
 /*
- * The decay exp(g) of head hv, key channel j (0: GDN's one gate per head);
- * with st.gate, g is the raw gate and g = -exp(A_log) softplus(g + dt_bias)
- * is formed here (torch's softplus: in double as the reference when DBL,
- * else in fp32). bad notes a non-finite gate.
+ * The decay exp(g) of head hv, key channel j (0: GDN's one gate per head)
+ * from the bits of g (sq_ld_bits); with st.gate, g is the raw gate and
+ * g = -exp(A_log) softplus(g + dt_bias) is formed here (torch's softplus:
+ * in double as the reference when DBL, else in fp32). g is widened after
+ * the loads of dt_bias and A_log are issued, so that they need not wait for
+ * it. bad notes a non-finite gate.
  */
 template <bool DBL>
-__device__ __forceinline__ float sq_decay(const sq_step &st, int hv, int j, float g, bool &bad)
+__device__ __forceinline__ float sq_decay(const sq_step &st, int hv, int j, uint32_t gbits,
+                                          bool &bad)
 {
+    float g;
     if (st.gate) {
         const int ng = st.kda ? SQ_D : 1;
-        const float ga = g + st.dt_bias[(size_t)hv * ng + j];
+        const int pb = st.par_bf16;
+        const uint32_t bias = sq_ld_bits(st.dt_bias, (size_t)hv * ng + j, pb);
+        const uint32_t alog = sq_ld_bits(st.A_log, (size_t)hv, pb);
+        const float ga = sq_bits_f(gbits, st.in_bf16) + sq_bits_f(bias, pb);
         const float sp = ga > 20.0f ? ga : DBL ? (float)log1p(exp((double)ga)) : log1pf(expf(ga));
-        g = -expf(st.A_log[hv]) * sp;
+        g = -expf(sq_bits_f(alog, pb)) * sp;
+    } else {
+        g = sq_bits_f(gbits, st.in_bf16);
     }
     bad |= !isfinite(g);
     return expf(g);
@@ -243,7 +289,7 @@ __device__ __forceinline__ void sq_input_failed(const sq_step &st, const sq_io &
                                                 int hv, int32_t slot, int t)
 {
     if (t < SQ_D)
-        st.o[((size_t)e * HV + hv) * SQ_D + t] = 0.0f;
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, 0.0f, st.in_bf16);
     if (t == 0) {
         if (io.skip)
             io.skip[(size_t)e * HV + hv] = 1;
@@ -436,11 +482,15 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
 
     /* ---- inputs of the recurrence ---- */
     if (UPDATE) {
-        int hq = hv / (HV / st.H);
-        size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
+        const int hq = hv / (HV / st.H), bf = st.in_bf16;
+        const size_t qh = (size_t)hq * SQ_D;
         bool bad = false;
         if (t < SQ_D) {
-            float qv = st.q[qk + t], kv = st.k[qk + t], vv = st.v[bh * SQ_D + t];
+            const uint32_t qb = sq_ld_bits(st.q, (size_t)e * st.q_stride + qh + t, bf);
+            const uint32_t kb = sq_ld_bits(st.k, (size_t)e * st.k_stride + qh + t, bf);
+            const uint32_t vb =
+                sq_ld_bits(st.v, (size_t)e * st.v_stride + (size_t)hv * SQ_D + t, bf);
+            float qv = sq_bits_f(qb, bf), kv = sq_bits_f(kb, bf), vv = sq_bits_f(vb, bf);
             bad = !isfinite(qv) || !isfinite(kv) || !isfinite(vv);
             if (st.l2norm) {
                 double sq2 = sq_warp_sum((double)qv * qv), sk2 = sq_warp_sum((double)kv * kv);
@@ -454,14 +504,17 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             sm.v[t] = vv;
             if (st.kda || t == 0) {
                 const int gi = st.kda ? t : 0;
-                float d = sq_decay<true>(st, hv, gi, st.g[bh * (st.kda ? SQ_D : 1) + gi], bad);
+                const size_t go = (size_t)e * st.g_stride + (size_t)hv * (st.kda ? SQ_D : 1) + gi;
+                float d = sq_decay<true>(st, hv, gi, sq_ld_bits(st.g, go, bf), bad);
                 if (st.kda)
                     sm.dec[t] = d;
                 else
                     sm.dec0 = d;
             }
             if (t == 0)
-                sm.beta = sq_beta(st, st.beta[bh], bad);
+                sm.beta = sq_beta(
+                    st, sq_bits_f(sq_ld_bits(st.beta, (size_t)e * st.beta_stride + hv, bf), bf),
+                    bad);
         }
         if (__syncthreads_or(bad)) {
             /* The state keeps its previous content; the output row is 0. */
@@ -540,12 +593,29 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
 
     /* ---- update: decay, delta correction, rank-1 update, readout ---- */
     if (UPDATE) {
+        /*
+         * Unswitched by hand on the arch: from one loop with st.kda ? sm.dec[i]
+         * : sm.dec0, nvcc 13 once unswitched itself (GDN multiplying by a
+         * register) and, after the dtype-aware input phase was added, selected
+         * an address per element instead (64 SEL, VIADD and scalar LDS more on
+         * GDN: the dense fp32 step 3-4% slower at B = 512 on the H200).
+         */
         float acc = 0.0f;
+        if (st.kda) {
 #pragma unroll
-        for (int r = 0; r < SQ_NR; r++) {
-            int i = half * SQ_NR + r;
-            x[r] *= st.kda ? sm.dec[i] : sm.dec0;
-            acc = fmaf(x[r], sm.k[i], acc);
+            for (int r = 0; r < SQ_NR; r++) {
+                int i = half * SQ_NR + r;
+                x[r] *= sm.dec[i];
+                acc = fmaf(x[r], sm.k[i], acc);
+            }
+        } else {
+            const float d = sm.dec0;
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++) {
+                int i = half * SQ_NR + r;
+                x[r] *= d;
+                acc = fmaf(x[r], sm.k[i], acc);
+            }
         }
         sm.red[0][half][j] = acc;
         __syncthreads();
@@ -573,7 +643,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 o = 0.0f;
                 fl |= STEPQ__HEALTH_OUTPUT;
             }
-            st.o[((size_t)e * HV + hv) * SQ_D + j] = o;
+            sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + j, o, st.in_bf16);
         }
     }
 

@@ -368,6 +368,8 @@ static sq_step make_step(const struct stepq__step_args *a)
     st.gate = a->opt.gate_in_kernel;
     st.beta_sig = a->opt.beta_sigmoid;
     st.scale = a->opt.scale;
+    st.in_bf16 = a->dtype == STEPQ_DTYPE_BF16;
+    st.par_bf16 = a->param_dtype == STEPQ_DTYPE_BF16;
     st.q = a->q;
     st.k = a->k;
     st.v = a->v;
@@ -376,6 +378,14 @@ static sq_step make_step(const struct stepq__step_args *a)
     st.A_log = a->A_log;
     st.dt_bias = a->dt_bias;
     st.o = a->o;
+    /* the packed defaults are resolved here, so the kernels never see a 0 stride */
+    const struct stepq__step_strides sd = stepq__step_strides_of(a);
+    st.q_stride = sd.q;
+    st.k_stride = sd.k;
+    st.v_stride = sd.v;
+    st.g_stride = sd.g;
+    st.beta_stride = sd.beta;
+    st.o_stride = sd.o;
     return st;
 }
 
@@ -496,14 +506,14 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
 }
 
 /* Whether [V,K] tiles may move as 16-byte (fp32) / 8-byte (bf16) vectors. */
-static int dense_vec_ok(const void *p, size_t stride, stepq__dtype dtype)
+static int dense_vec_ok(const void *p, size_t stride, stepq_dtype dtype)
 {
-    size_t es = dtype == STEPQ__DTYPE_BF16 ? 2 : 4;
+    size_t es = dtype == STEPQ_DTYPE_BF16 ? 2 : 4;
     return (uintptr_t)p % 16 == 0 && (stride * es) % 16 == 0;
 }
 
 static int check_dense_io(int n, const int32_t *slots, const void *buf, size_t stride, int HV,
-                          stepq__layout layout, stepq__dtype dtype, const char *who)
+                          stepq__layout layout, stepq_dtype dtype, const char *who)
 {
     if (n < 0 || n > 65535)
         return stepq__error(STEPQ_EINVAL, "%s: n = %d outside 0..65535", who, n);
@@ -514,15 +524,19 @@ static int check_dense_io(int n, const int32_t *slots, const void *buf, size_t s
                             (size_t)HV * SQ_D * SQ_D);
     if (layout != STEPQ__LAYOUT_KV && layout != STEPQ__LAYOUT_VK)
         return stepq__error(STEPQ_EINVAL, "%s: unknown layout %d", who, (int)layout);
-    if (dtype != STEPQ__DTYPE_F32 && dtype != STEPQ__DTYPE_BF16)
-        return stepq__error(STEPQ_EINVAL, "%s: unknown dtype %d", who, (int)dtype);
+    /* as stepq__check_step_args: fp16 is a stepq_dtype, but no kernel reads or writes it */
+    if (dtype == STEPQ_DTYPE_FP16)
+        return stepq__error(STEPQ_ENOTSUP, "%s: dtype fp16 is not supported (fp32, bf16)", who);
+    if (dtype != STEPQ_DTYPE_FP32 && dtype != STEPQ_DTYPE_BF16)
+        return stepq__error(STEPQ_ENOTSUP, "%s: dtype %d is not supported (fp32, bf16)", who,
+                            (int)dtype);
     return STEPQ_OK;
 }
 
 /* The work description of a pack / unpack: the layer's pages and one dense tensor per entry. */
 static sq_io transfer_io(const struct stepq__packed_layer *pl, const stepq__cuda_layer *L,
                          const int32_t *slots, void *dense, size_t stride, stepq__layout layout,
-                         stepq__dtype dtype)
+                         stepq_dtype dtype)
 {
     sq_io io = make_io(pl, L);
     io.slots = slots;
@@ -530,15 +544,14 @@ static sq_io transfer_io(const struct stepq__packed_layer *pl, const stepq__cuda
     io.dense_stride = stride;
     io.dense_vec = dense_vec_ok(dense, stride, dtype);
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
-    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    io.bf16 = dtype == STEPQ_DTYPE_BF16;
     return io;
 }
 
 extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L,
                                          int n, const int32_t *slots, const void *src,
-                                         size_t src_stride, stepq__layout layout,
-                                         stepq__dtype dtype, uint32_t *health, uint64_t *counts,
-                                         void *stream)
+                                         size_t src_stride, stepq__layout layout, stepq_dtype dtype,
+                                         uint32_t *health, uint64_t *counts, void *stream)
 {
     static const char who[] = "cuda pack";
     int rc = check_pages(pl, L, who);
@@ -565,7 +578,7 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
 extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
                                            stepq__cuda_layer *L, int n, const int32_t *slots,
                                            void *dst, size_t dst_stride, stepq__layout layout,
-                                           stepq__dtype dtype, void *stream)
+                                           stepq_dtype dtype, void *stream)
 {
     static const char who[] = "cuda unpack";
     int rc = check_pages(pl, L, who);
@@ -595,7 +608,7 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
 
 extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base,
                                          size_t slot_stride, stepq__layout layout,
-                                         stepq__dtype dtype)
+                                         stepq_dtype dtype)
 {
     static const char who[] = "cuda step (dense)";
     int rc = check_args(a, who);
@@ -615,7 +628,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
     io.dense_vec = dense_vec_ok(base, slot_stride, dtype);
     io.dense_by_slot = 1;
     io.layout_vk = layout == STEPQ__LAYOUT_VK;
-    io.bf16 = dtype == STEPQ__DTYPE_BF16;
+    io.bf16 = dtype == STEPQ_DTYPE_BF16;
     io.health = a->health;
     io.counts = (unsigned long long *)a->counts;
     dim3 grid((unsigned)a->HV, (unsigned)a->batch);
@@ -624,7 +637,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
      * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
      * 2.4x faster than the tile's 32-byte-per-thread rows.
      */
-    if (use_tile(NULL) && dtype == STEPQ__DTYPE_BF16)
+    if (use_tile(NULL) && dtype == STEPQ_DTYPE_BF16)
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
                                                               io, 0, who);
     return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st, io, who);
@@ -689,7 +702,7 @@ extern "C" int stepq__cuda_pack(const struct stepq__packed_layer *pl, int n, con
     int rc = cached_layer(pl, &L, "cuda pack");
     if (rc < 0)
         return rc;
-    return stepq__cuda_pack_prepared(pl, L, n, slots, src, src_stride, layout, STEPQ__DTYPE_F32,
+    return stepq__cuda_pack_prepared(pl, L, n, slots, src, src_stride, layout, STEPQ_DTYPE_FP32,
                                      health, counts, stream);
 }
 
@@ -700,7 +713,7 @@ extern "C" int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n, c
     int rc = cached_layer(pl, &L, "cuda unpack");
     if (rc < 0)
         return rc;
-    return stepq__cuda_unpack_prepared(pl, L, n, slots, dst, dst_stride, layout, STEPQ__DTYPE_F32,
+    return stepq__cuda_unpack_prepared(pl, L, n, slots, dst, dst_stride, layout, STEPQ_DTYPE_FP32,
                                        stream);
 }
 
@@ -709,7 +722,7 @@ extern "C" int stepq__cuda_step_dense(const struct stepq__step_args *a,
 {
     if (!st)
         return stepq__error(STEPQ_EINVAL, "cuda step (dense): NULL states");
-    return stepq__cuda_step_dense_ex(a, st->base, st->slot_stride, st->layout, STEPQ__DTYPE_F32);
+    return stepq__cuda_step_dense_ex(a, st->base, st->slot_stride, st->layout, STEPQ_DTYPE_FP32);
 }
 
 extern "C" int stepq__dsp_init_cuda(struct stepq__dsp *dsp)

@@ -581,9 +581,13 @@ struct __align__(16) sq_tsmem
     unsigned fl, sat;
 };
 
-/* Raw recurrence inputs of one (request, head), loaded ahead (threads < 128). */
+/*
+ * Raw recurrence inputs of one (request, head), loaded ahead: their bits
+ * (sq_ld_bits), widened where they are used (sq_bits_f), so that the state
+ * tile's loads go out without waiting for these.
+ */
 struct sq_in {
-    float q, k, v, g, b;
+    uint32_t q, k, v, g, b;
 };
 
 /*
@@ -597,19 +601,19 @@ __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv,
 {
     if (!UPDATE)
         return;
-    const int hq = hv / (HV / st.H);
-    const size_t qk = ((size_t)e * st.H + hq) * SQ_D, bh = (size_t)e * HV + hv;
+    const int hq = hv / (HV / st.H), bf = st.in_bf16;
     if (t < SQ_D) {
-        in.q = st.q[qk + t];
-        in.k = st.k[qk + t];
+        const size_t qh = (size_t)hq * SQ_D + t;
+        in.q = sq_ld_bits(st.q, (size_t)e * st.q_stride + qh, bf);
+        in.k = sq_ld_bits(st.k, (size_t)e * st.k_stride + qh, bf);
         return;
     }
     const int j = t - SQ_D;
-    in.v = st.v[bh * SQ_D + j];
+    in.v = sq_ld_bits(st.v, (size_t)e * st.v_stride + (size_t)hv * SQ_D + j, bf);
     if (st.kda || j == 0)
-        in.g = st.g[bh * (st.kda ? SQ_D : 1) + (st.kda ? j : 0)];
+        in.g = sq_ld_bits(st.g, (size_t)e * st.g_stride + (size_t)hv * (st.kda ? SQ_D : 1) + j, bf);
     if (j == 0)
-        in.b = st.beta[bh];
+        in.b = sq_ld_bits(st.beta, (size_t)e * st.beta_stride + hv, bf);
 }
 
 /*
@@ -808,7 +812,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
-            const float qv = in.q, kv = in.k;
+            const float qv = sq_bits_f(in.q, st.in_bf16), kv = sq_bits_f(in.k, st.in_bf16);
             bad = !isfinite(qv) || !isfinite(kv);
             if (st.l2norm) {
                 /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
@@ -827,7 +831,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             sm.k[t] = kv;
         } else {
             const int j = t - SQ_D;
-            const float vv = in.v;
+            const float vv = sq_bits_f(in.v, st.in_bf16);
             bad = !isfinite(vv);
             sm.v[j] = vv;
             if (st.kda || j == 0) {
@@ -838,7 +842,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     sm.dec0 = d;
             }
             if (j == 0)
-                sm.beta = sq_beta(st, in.b, bad);
+                sm.beta = sq_beta(st, sq_bits_f(in.b, st.in_bf16), bad);
         }
         if (__syncthreads_or(bad)) {
             if (SRC != SQ_SRC_DENSE)
@@ -1051,7 +1055,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             o = 0.0f;
             fl |= STEPQ__HEALTH_OUTPUT;
         }
-        st.o[((size_t)e * HV + hv) * SQ_D + t] = o;
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, st.in_bf16);
     }
 
     if (SINK == SQ_SINK_DENSE) {

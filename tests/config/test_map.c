@@ -1,5 +1,5 @@
 /*
- * Precision maps: exact memory accounting (the numbers of issue 2 and the
+ * Precision maps: exact memory accounting (the paper's Qwen3.8-27B / Kimi-Linear numbers and the
  * paper), the builder API (misuse leaves the map unchanged), readers,
  * fingerprints, and write/load round trips.
  */

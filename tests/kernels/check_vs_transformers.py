@@ -17,7 +17,7 @@ d_k^-1/2 and return the state as [B, H, K, V].
 With a CUDA device (stepq_ref_shim_has_cuda()), the CUDA dense fp32 decode
 step (stepq__cuda_step_dense, state on the device for all steps) is checked
 the same way at the shape it supports, d_k = d_v = 128, over 1024 steps with
-grouped value heads (issue 5: <= 1e-5 relative to transformers); its distance
+grouped value heads (target: <= 1e-5 relative to transformers); its distance
 to the C reference is printed as information. Without a device that part
 prints "skipped: no CUDA device" and the CPU checks still decide the result.
 
@@ -164,7 +164,7 @@ def main(argv):
             o, s = run_c(arch, q, k, v, g, beta, state0, chunk)
             report(f"{name} chunked prefill (chunk {chunk})", o, s, o_ref, s_ref)
 
-    # The CUDA fp32 decode step (issue 5): d_k = d_v = 128, the only shape it
+    # The CUDA fp32 decode step: d_k = d_v = 128, the only shape it
     # implements, 1024 steps, 2 value heads per q/k head.
     def check_cuda():
         nonlocal failures

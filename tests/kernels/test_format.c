@@ -63,7 +63,7 @@ static void pivot_head_reserves_both_scale_slots_but_compact_omits_them(void **s
 }
 
 /*
- * DESIGN.md section 8: Qwen3.8-27B (48 layers x 48 heads of 128x128) at
+ * The paper's serving layout: Qwen3.8-27B (48 layers x 48 heads of 128x128) at
  * stepq@6 with 32 pivot heads. The budget 6*N - 8*N_piv leaves 13568 bits
  * per value-position across the 2272 integer heads: 2240 heads at 6 bits and
  * 32 at 4. Compact: 29,999,104 B; the analytical layout (scale slots for

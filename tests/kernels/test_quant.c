@@ -1,5 +1,5 @@
 /*
- * Quantization methods of DESIGN.md section 2 on one head: hand-computed
+ * Quantization methods (kernels/format.h, kernels/quant.h) on one head: hand-computed
  * golden values for tiny heads, then the properties every method must keep.
  */
 #include <setjmp.h>

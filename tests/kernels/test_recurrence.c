@@ -505,6 +505,195 @@ static void prefill_refuses_non_finite_input_and_keeps_state(void **state)
     problem_free(&p);
 }
 
+/*
+ * Raw gate inputs for gate_in_kernel + beta_sigmoid: g holds a, beta holds
+ * b, and A_log [HV], dt_bias [HV][n_g] are filled (values as a server's).
+ */
+static void use_in_kernel_gate(struct problem *p, float *A_log, float *dt_bias, uint64_t seed)
+{
+    int HV = p->a.HV, n = p->a.batch, n_g = p->a.arch == STEPQ_ARCH_KDA ? p->a.d_k : 1;
+    uint64_t rng = seed;
+    for (int h = 0; h < HV; h++)
+        A_log[h] = rng_sym(&rng);
+    for (int e = 0; e < HV * n_g; e++)
+        dt_bias[e] = rng_sym(&rng);
+    for (size_t e = 0; e < (size_t)n * HV * n_g; e++)
+        p->g[e] = 4.0f * rng_sym(&rng);
+    for (size_t e = 0; e < (size_t)n * HV; e++)
+        p->beta[e] = 3.0f * rng_sym(&rng);
+    p->a.A_log = A_log;
+    p->a.dt_bias = dt_bias;
+    p->a.opt.gate_in_kernel = 1;
+    p->a.opt.beta_sigmoid = 1;
+}
+
+/*
+ * The step inputs as a server hands them: bf16 (A_log, dt_bias too), q|k|v
+ * views into one fused projection row, padded g, beta and o rows, NaN in
+ * every input gap. The dense step then gives exactly the states of the fp32
+ * contiguous step fed the same bf16-rounded values, and its o rounded to
+ * bf16, with o's gaps and the padding entry's row untouched; GDN and KDA,
+ * with and without the in-kernel gate, both layouts. fp32 views give the
+ * contiguous results bit for bit.
+ */
+static void dense_step_bf16_strided_views_equal_fp32_contiguous_on_rounded_inputs(void **state)
+{
+    (void)state;
+    static const stepq_dtype dts[2] = { STEPQ_DTYPE_BF16, STEPQ_DTYPE_FP32 };
+    for (int arch = 0; arch < 2; arch++)
+        for (int gate = 0; gate < 2; gate++)
+            for (int d = 0; d < 2; d++) {
+                enum { B = 4, H = 2, HV = 4, DK = 8, DV = 6 };
+                struct problem p;
+                problem_init(&p, (stepq_arch)arch, B, H, HV, DK, DV, 300 + 4 * arch + 2 * gate + d);
+                p.slots[2] = -1;
+                float A_log[HV], dt_bias[HV * DK];
+                if (gate)
+                    use_in_kernel_gate(&p, A_log, dt_bias, 90 + arch);
+                struct server_view w;
+                struct stepq__step_args a = server_view_init(
+                    &w, &p, dts[d], dts[d], gate ? A_log : NULL, gate ? dt_bias : NULL);
+                stepq__layout lay = gate ? STEPQ__LAYOUT_VK : STEPQ__LAYOUT_KV;
+                size_t slot = (size_t)HV * DK * DV, ns = (size_t)(B + 1) * slot;
+                float *s1 = states_new(B + 1, HV, DK, DV, 6),
+                      *s2 = states_new(B + 1, HV, DK, DV, 6);
+                uint32_t h1[B + 1] = { 0 }, h2[B + 1] = { 0 };
+                struct stepq__dense_states st1 = { s1, slot, lay }, st2 = { s2, slot, lay };
+                p.a.health = h1;
+                a.health = h2;
+                assert_int_equal(stepq__ref_step_dense(&p.a, &st1), STEPQ_OK);
+                assert_int_equal(stepq__ref_step_dense(&a, &st2), STEPQ_OK);
+                assert_memory_equal(s1, s2, sizeof(float) * ns);
+                assert_memory_equal(h1, h2, sizeof(h1));
+                for (int b = 0; b < B + 1; b++)
+                    assert_int_equal(h2[b], 0); /* no NaN of a gap was read */
+                assert_true(server_view_o_matches(&w, p.o, p.slots, B, HV, DV));
+                server_view_free(&w);
+                free(s1);
+                free(s2);
+                problem_free(&p);
+            }
+}
+
+/*
+ * The chunked prefill reads its T tokens through the same views (strides
+ * between tokens): final state and o as the fp32 contiguous prefill on the
+ * rounded values, exactly.
+ */
+static void
+chunked_prefill_bf16_strided_tokens_equal_fp32_contiguous_on_rounded_inputs(void **state)
+{
+    (void)state;
+    for (int arch = 0; arch < 2; arch++)
+        for (int gate = 0; gate < 2; gate++) {
+            enum { T = 50, H = 1, HV = 2, DK = 8, DV = 8 };
+            struct problem p;
+            problem_init(&p, (stepq_arch)arch, T, H, HV, DK, DV, 500 + 2 * arch + gate);
+            float A_log[HV], dt_bias[HV * DK];
+            if (gate)
+                use_in_kernel_gate(&p, A_log, dt_bias, 70 + arch);
+            struct server_view w;
+            struct stepq__step_args a =
+                server_view_init(&w, &p, STEPQ_DTYPE_BF16, STEPQ_DTYPE_BF16, gate ? A_log : NULL,
+                                 gate ? dt_bias : NULL);
+            size_t ns = (size_t)HV * DK * DV;
+            float *s1 = states_new(1, HV, DK, DV, 2), *s2 = states_new(1, HV, DK, DV, 2);
+            assert_int_equal(stepq__ref_prefill_chunked(&p.a, 16, s1, STEPQ__LAYOUT_KV), STEPQ_OK);
+            assert_int_equal(stepq__ref_prefill_chunked(&a, 16, s2, STEPQ__LAYOUT_KV), STEPQ_OK);
+            assert_memory_equal(s1, s2, sizeof(float) * ns);
+            assert_true(server_view_o_matches(&w, p.o, NULL, T, HV, DV));
+            server_view_free(&w);
+            free(s1);
+            free(s2);
+            problem_free(&p);
+        }
+}
+
+/* The stride fields of struct stepq__step_args and their names. */
+static const struct {
+    size_t off;
+    const char *name;
+} stride_fields[6] = {
+    { offsetof(struct stepq__step_args, q_stride), "q_stride" },
+    { offsetof(struct stepq__step_args, k_stride), "k_stride" },
+    { offsetof(struct stepq__step_args, v_stride), "v_stride" },
+    { offsetof(struct stepq__step_args, g_stride), "g_stride" },
+    { offsetof(struct stepq__step_args, beta_stride), "beta_stride" },
+    { offsetof(struct stepq__step_args, o_stride), "o_stride" },
+};
+
+static size_t *stride_field(struct stepq__step_args *a, int n)
+{
+    return (size_t *)((char *)a + stride_fields[n].off);
+}
+
+/*
+ * A nonzero stride one element short of the packed row (rows would overlap)
+ * is STEPQ_EINVAL naming the field; dtype or param_dtype fp16 (or an unknown
+ * value) is STEPQ_ENOTSUP naming the field; the packed length itself is
+ * accepted. Nothing is written: states, o and health stay as they were, for
+ * the dense step and the chunked prefill.
+ */
+static void short_strides_and_fp16_are_rejected_without_writing(void **state)
+{
+    (void)state;
+    for (int arch = 0; arch < 2; arch++) {
+        enum { B = 2, H = 1, HV = 2, DK = 4, DV = 4 };
+        const size_t packed[6] = { H * DK, H * DK, HV * DV, arch ? HV * DK : HV, HV, HV * DV };
+        struct problem p;
+        problem_init(&p, (stepq_arch)arch, B, H, HV, DK, DV, 7);
+        size_t n = (size_t)(B + 1) * HV * DK * DV;
+        float *s = states_new(B + 1, HV, DK, DV, 5), *ref = states_new(B + 1, HV, DK, DV, 5);
+        uint32_t health[B + 1] = { 0 };
+        struct stepq__dense_states st = { s, (size_t)HV * DK * DV, STEPQ__LAYOUT_KV };
+        struct stepq__step_args a;
+        p.a.health = health;
+        memset(p.o, 0xA5, sizeof(float) * B * HV * DV);
+
+        for (int f = 0; f < 6; f++) {
+            a = p.a;
+            *stride_field(&a, f) = packed[f] - 1;
+            assert_int_equal(stepq__ref_step_dense(&a, &st), STEPQ_EINVAL);
+            assert_non_null(strstr(stepq_last_error(), stride_fields[f].name));
+            assert_int_equal(stepq__ref_prefill_chunked(&a, 4, s, STEPQ__LAYOUT_KV), STEPQ_EINVAL);
+            assert_non_null(strstr(stepq_last_error(), stride_fields[f].name));
+        }
+        a = p.a;
+        a.dtype = STEPQ_DTYPE_FP16;
+        assert_int_equal(stepq__ref_step_dense(&a, &st), STEPQ_ENOTSUP);
+        assert_non_null(strstr(stepq_last_error(), "dtype fp16 is not supported (fp32, bf16)"));
+        assert_int_equal(stepq__ref_prefill_chunked(&a, 4, s, STEPQ__LAYOUT_KV), STEPQ_ENOTSUP);
+        a.dtype = (stepq_dtype)7;
+        assert_int_equal(stepq__ref_step_dense(&a, &st), STEPQ_ENOTSUP);
+        assert_non_null(strstr(stepq_last_error(), "dtype 7"));
+        a = p.a;
+        a.param_dtype = STEPQ_DTYPE_FP16;
+        assert_int_equal(stepq__ref_step_dense(&a, &st), STEPQ_ENOTSUP);
+        assert_non_null(strstr(stepq_last_error(), "param_dtype fp16 is not supported"));
+        assert_memory_equal(s, ref, sizeof(float) * n);
+        for (size_t e = 0; e < sizeof(float) * B * HV * DV; e++)
+            assert_int_equal(((const uint8_t *)p.o)[e], 0xA5);
+        for (int b = 0; b < B + 1; b++)
+            assert_int_equal(health[b], 0);
+
+        /* exactly the packed lengths: the packed default */
+        float *s2 = states_new(B + 1, HV, DK, DV, 5), o2[B * HV * DV];
+        struct stepq__dense_states st2 = { s2, (size_t)HV * DK * DV, STEPQ__LAYOUT_KV };
+        a = p.a;
+        for (int f = 0; f < 6; f++)
+            *stride_field(&a, f) = packed[f];
+        a.o = o2;
+        assert_int_equal(stepq__ref_step_dense(&p.a, &st), STEPQ_OK);
+        assert_int_equal(stepq__ref_step_dense(&a, &st2), STEPQ_OK);
+        assert_memory_equal(s, s2, sizeof(float) * n);
+        assert_memory_equal(p.o, o2, sizeof(o2));
+        free(s2);
+        free(s);
+        free(ref);
+        problem_free(&p);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -523,6 +712,10 @@ int main(void)
         cmocka_unit_test(non_finite_state_is_zeroed_and_flagged),
         cmocka_unit_test(overflowing_readout_is_written_as_zero_and_flagged),
         cmocka_unit_test(prefill_refuses_non_finite_input_and_keeps_state),
+        cmocka_unit_test(dense_step_bf16_strided_views_equal_fp32_contiguous_on_rounded_inputs),
+        cmocka_unit_test(
+            chunked_prefill_bf16_strided_tokens_equal_fp32_contiguous_on_rounded_inputs),
+        cmocka_unit_test(short_strides_and_fp16_are_rejected_without_writing),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

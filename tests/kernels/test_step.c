@@ -426,6 +426,113 @@ static void quantized_decode_tracks_fp32_and_improves_with_bits(void **state)
     problem_free(&pr);
 }
 
+/*
+ * The packed step on the inputs as a server hands them (bf16, q|k|v views
+ * into one fused projection row, padded g, beta and o rows, NaN in every
+ * input gap; with the in-kernel gate A_log and dt_bias bf16 too): pages byte
+ * for byte and health as the fp32 contiguous step on the same bf16-rounded
+ * values, o its fp32 o rounded to bf16, o's gaps and the padding entry's row
+ * untouched. GDN and KDA, with and without the gate, quantized and dense
+ * pages.
+ */
+static void packed_step_bf16_strided_views_equal_fp32_contiguous_on_rounded_inputs(void **state)
+{
+    (void)state;
+    static const stepq_method methods[] = { STEPQ_METHOD_STEPQ, STEPQ_METHOD_BF16 };
+    for (int arch = 0; arch < 2; arch++)
+        for (int gate = 0; gate < 2; gate++)
+            for (size_t m = 0; m < 2; m++) {
+                enum { B = 4, H = 2, HV = 4, DK = 8, DV = 8, NS = 6 };
+                struct pages p1, p2;
+                struct problem pr;
+                packed_problem_init(&p1, &pr, methods[m], (stepq_arch)arch, B, H, HV, DK, DV, NS, 5,
+                                    40 + m, 50 + 2 * arch + gate);
+                pages_init(&p2, methods[m], (stepq_arch)arch, NS, HV, DK, DV, 5);
+                memcpy(p2.mem, p1.mem, pages_bytes(&p1));
+                pr.a.n_slots = NS;
+                pr.slots[1] = -1;
+                float A_log[HV], dt_bias[HV * DK];
+                if (gate) {
+                    int n_g = arch ? DK : 1;
+                    uint64_t rng = 11;
+                    for (int h = 0; h < HV; h++)
+                        A_log[h] = rng_sym(&rng);
+                    for (int e = 0; e < HV * n_g; e++)
+                        dt_bias[e] = rng_sym(&rng);
+                    for (int e = 0; e < B * HV * n_g; e++)
+                        pr.g[e] = 4.0f * rng_sym(&rng);
+                    for (int e = 0; e < B * HV; e++)
+                        pr.beta[e] = 3.0f * rng_sym(&rng);
+                    pr.a.A_log = A_log;
+                    pr.a.dt_bias = dt_bias;
+                    pr.a.opt.gate_in_kernel = 1;
+                    pr.a.opt.beta_sigmoid = 1;
+                }
+                struct server_view w;
+                struct stepq__step_args a =
+                    server_view_init(&w, &pr, STEPQ_DTYPE_BF16, STEPQ_DTYPE_BF16,
+                                     gate ? A_log : NULL, gate ? dt_bias : NULL);
+                uint32_t h1[NS] = { 0 }, h2[NS] = { 0 };
+                pr.a.health = h1;
+                a.health = h2;
+                assert_int_equal(stepq__ref_step_packed(&pr.a, &p1.pl), STEPQ_OK);
+                assert_int_equal(stepq__ref_step_packed(&a, &p2.pl), STEPQ_OK);
+                assert_memory_equal(p1.mem, p2.mem, pages_bytes(&p1));
+                assert_memory_equal(h1, h2, sizeof(h1));
+                for (int s = 0; s < NS; s++)
+                    assert_false(h2[s] & STEPQ__HEALTH_INPUT); /* no NaN of a gap was read */
+                assert_true(server_view_o_matches(&w, pr.o, pr.slots, B, HV, DV));
+                server_view_free(&w);
+                pages_free(&p2);
+                packed_problem_free(&p1, &pr);
+            }
+}
+
+/*
+ * The packed step refuses what stepq__check_step_args refuses before any
+ * page is touched: a stride one short of the packed row (STEPQ_EINVAL,
+ * naming the field) and dtype / param_dtype fp16 (STEPQ_ENOTSUP). Pages
+ * and o stay as they were.
+ */
+static void packed_step_rejects_short_strides_and_fp16_without_writing(void **state)
+{
+    (void)state;
+    enum { B = 2, H = 1, HV = 2, DK = 4, DV = 4, NS = 3 };
+    struct pages p;
+    struct problem pr;
+    packed_problem_init(&p, &pr, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, B, H, HV, DK, DV, NS, 4, 1, 2);
+    pr.a.n_slots = NS;
+    memset(pr.o, 0xA5, sizeof(float) * B * HV * DV);
+    uint8_t *before = pages_snapshot(&p);
+    struct stepq__step_args a;
+
+    a = pr.a;
+    a.q_stride = H * DK - 1;
+    assert_int_equal(stepq__ref_step_packed(&a, &p.pl), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "q_stride"));
+    a = pr.a;
+    a.g_stride = HV * DK - 1; /* KDA: one gate per key channel */
+    assert_int_equal(stepq__ref_step_packed(&a, &p.pl), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "g_stride"));
+    a = pr.a;
+    a.o_stride = HV * DV - 1;
+    assert_int_equal(stepq__ref_step_packed(&a, &p.pl), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "o_stride"));
+    a = pr.a;
+    a.dtype = STEPQ_DTYPE_FP16;
+    assert_int_equal(stepq__ref_step_packed(&a, &p.pl), STEPQ_ENOTSUP);
+    assert_non_null(strstr(stepq_last_error(), "dtype fp16 is not supported (fp32, bf16)"));
+    a = pr.a;
+    a.param_dtype = STEPQ_DTYPE_FP16;
+    assert_int_equal(stepq__ref_step_packed(&a, &p.pl), STEPQ_ENOTSUP);
+    assert_non_null(strstr(stepq_last_error(), "param_dtype fp16"));
+    assert_memory_equal(p.mem, before, pages_bytes(&p));
+    for (size_t e = 0; e < sizeof(float) * B * HV * DV; e++)
+        assert_int_equal(((const uint8_t *)pr.o)[e], 0xA5);
+    free(before);
+    packed_problem_free(&p, &pr);
+}
+
 static void dsp_init_c_fills_every_entry_with_the_reference(void **state)
 {
     (void)state;
@@ -449,6 +556,8 @@ int main(void)
         cmocka_unit_test(non_finite_input_keeps_the_packed_page),
         cmocka_unit_test(corrupted_page_is_stored_finite_and_flagged),
         cmocka_unit_test(quantized_decode_tracks_fp32_and_improves_with_bits),
+        cmocka_unit_test(packed_step_bf16_strided_views_equal_fp32_contiguous_on_rounded_inputs),
+        cmocka_unit_test(packed_step_rejects_short_strides_and_fp16_without_writing),
         cmocka_unit_test(dsp_init_c_fills_every_entry_with_the_reference),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

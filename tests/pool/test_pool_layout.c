@@ -1,7 +1,7 @@
 /*
  * Page layouts built from precision maps: head-block placement, conv state,
  * padding, exact byte accounting, tensor-parallel splits, and the paper's
- * numbers for the Qwen3.8-27B shape (DESIGN.md section 8).
+ * numbers for the Qwen3.8-27B shape (the paper's).
  */
 #include <inttypes.h>
 #include <setjmp.h>

@@ -1,5 +1,5 @@
 /*
- * The lifecycle simulation (pool/sim.c) as a test: a radix-caching server's
+ * The lifecycle simulation (tests/harness/lifecycle_sim.c) as a test: a radix-caching server's
  * request lifecycle under every reservation policy, checked against a
  * shadow model at every tick. Seeds are fixed, plus one drawn per run and
  * printed (STEPQ_SIM_SEED=N reproduces a run).
@@ -16,7 +16,7 @@
 #include <cmocka.h>
 
 #include "pool/internal.h"
-#include "pool/sim.h"
+#include "tests/harness/lifecycle_sim.h"
 
 static uint64_t random_seed;
 

@@ -12,7 +12,8 @@ if [ -n "$bad" ]; then
     echo "FAIL: non-public symbols exported:"; printf '%s\n' $bad
     exit 1
 fi
-for s in stepq_strerror stepq_map_load_file stepq_pool_open; do
+for s in stepq_strerror stepq_map_load_file stepq_pool_open stepq_pool_decode_step \
+    stepq_pool_prefill_pack stepq_pool_prefill_unpack stepq_pool_supports stepq_pool_conv_state; do
     printf '%s\n' "$syms" | grep -qx "$s" || { echo "FAIL: $s is not exported"; exit 1; }
 done
 echo "ok: $n public symbols exported, all stepq_*"

@@ -11,7 +11,7 @@ import tempfile
 stepq, root = sys.argv[1], sys.argv[2]
 ex = os.path.join(root, "config", "examples")
 
-# (map file, key, expected) -- the checks issue 2 lists, plus the paper's analytical slot.
+# (map file, key, expected) -- the paper's memory numbers, plus its analytical slot.
 expect = [
     ("qwen3.8-27b.fp32.json", "state_bytes_fp32", 150994944),
     ("qwen3.8-27b.fp32.json", "conv_bytes", 2949120),

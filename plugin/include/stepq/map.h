@@ -29,31 +29,68 @@ extern "C" {
 /** Opaque precision map. */
 typedef struct stepq_map stepq_map_t;
 
-/** Linear-attention family of the recurrent layers. */
+/*
+ * The vocabulary, one list each (libuv's X-macro habit): the enums below, the
+ * name functions (stepq_method_name(), ...) and the method properties
+ * (stepq_method_is_dense(), ...) are all generated from these lists, so they
+ * cannot disagree.
+ *
+ * Architectures: XX(NAME, value, "name", description)
+ */
+#define STEPQ_ARCH_MAP(XX)                                                 \
+    XX(GDN, 0, "gdn", "Gated DeltaNet: scalar gate per head; unit = head") \
+    XX(KDA, 1, "kda", "Kimi Delta Attention: gate per key channel; unit = key row")
+
+/*
+ * Storage methods (the block formats are in the kernels' format.h):
+ * XX(NAME, value, "name", dense, column scales, row impact, per-unit bits
+ *    and pivots, description)
+ */
+#define STEPQ_METHOD_MAP(XX)                                                                   \
+    XX(FP32, 0, "fp32", 1, 0, 0, 0, "unquantized fp32 state")                                  \
+    XX(BF16, 1, "bf16", 1, 0, 0, 0, "unquantized bf16 state")                                  \
+    XX(FP16, 2, "fp16", 1, 0, 0, 0, "unquantized fp16 state")                                  \
+    XX(UNIFORM, 3, "uniform", 0, 0, 0, 0, "row absmax scales, one bit width (paper baseline)") \
+    XX(DSQ, 4, "dsq", 0, 1, 0, 0, "row + column scales, no row impact, one bit width")         \
+    XX(SPATIAL, 5, "spatial", 0, 1, 1, 0, "key-row-aware dual-axis fit, one bit width")        \
+    XX(TEMPORAL, 6, "temporal", 0, 0, 0, 1, "per-unit bits + fp16 pivots, row absmax scales")  \
+    XX(STEPQ, 7, "stepq", 0, 1, 1, 1, "per-unit bits + pivots + key-row-aware dual-axis fit")
+
+/* Element types of dense tensors: XX(NAME, value, "name", bytes) */
+#define STEPQ_DTYPE_MAP(XX) \
+    XX(FP32, 0, "fp32", 4)  \
+    XX(BF16, 1, "bf16", 2)  \
+    XX(FP16, 2, "fp16", 2)
+
+/** Linear-attention family of the recurrent layers (STEPQ_ARCH_MAP). */
 typedef enum stepq_arch {
-    STEPQ_ARCH_GDN = 0, /**< Gated DeltaNet: scalar gate per head; unit = head. */
-    STEPQ_ARCH_KDA = 1, /**< Kimi Delta Attention: gate per key channel; unit = key row. */
+#define STEPQ__XX(name, value, text, desc) STEPQ_ARCH_##name = (value),
+    STEPQ_ARCH_MAP(STEPQ__XX)
+#undef STEPQ__XX
 } stepq_arch;
 
-/** Storage method of a map (DESIGN.md section 2). */
+/** Storage method of a map (STEPQ_METHOD_MAP). */
 typedef enum stepq_method {
-    STEPQ_METHOD_FP32 = 0,     /**< unquantized fp32 state */
-    STEPQ_METHOD_BF16 = 1,     /**< unquantized bf16 state */
-    STEPQ_METHOD_FP16 = 2,     /**< unquantized fp16 state */
-    STEPQ_METHOD_UNIFORM = 3,  /**< row absmax scales, one bit width (paper baseline) */
-    STEPQ_METHOD_DSQ = 4,      /**< row + column scales, no row impact, one bit width */
-    STEPQ_METHOD_SPATIAL = 5,  /**< key-row-aware dual-axis fit, one bit width */
-    STEPQ_METHOD_TEMPORAL = 6, /**< per-unit bits + fp16 pivots, row absmax scales */
-    STEPQ_METHOD_STEPQ = 7,    /**< per-unit bits + pivots + key-row-aware dual-axis fit */
-    STEPQ_METHOD_COUNT
+#define STEPQ__XX(name, value, text, dense, col, w, mixed, desc) STEPQ_METHOD_##name = (value),
+    STEPQ_METHOD_MAP(STEPQ__XX)
+#undef STEPQ__XX
+        STEPQ_METHOD_COUNT
 } stepq_method;
 
-/** Element type of a dense tensor (conv state, unquantized states, server tensors). */
+/** Element type of a dense tensor: conv state, unquantized states, server tensors
+ * (STEPQ_DTYPE_MAP). */
 typedef enum stepq_dtype {
-    STEPQ_DTYPE_FP32 = 0,
-    STEPQ_DTYPE_BF16 = 1,
-    STEPQ_DTYPE_FP16 = 2,
+#define STEPQ__XX(name, value, text, bytes) STEPQ_DTYPE_##name = (value),
+    STEPQ_DTYPE_MAP(STEPQ__XX)
+#undef STEPQ__XX
 } stepq_dtype;
+
+/**
+ * Largest head dimension (head_k_dim, head_v_dim) of a map: the limit the
+ * map loader, the pool and the kernels share, so a map that validates also
+ * opens. Shipping models use 128.
+ */
+#define STEPQ_MAX_HEAD_DIM 1024
 
 /** Unit bit widths: integer formats 2..8, STEPQ_BITS_PIVOT for an fp16 pivot unit. */
 #define STEPQ_BITS_PIVOT 16
@@ -86,10 +123,16 @@ typedef struct stepq_map_load_config {
 } stepq_map_load_config;
 
 #define STEPQ_MAP_LOAD_CONFIG_VERSION 1
-#define STEPQ_MAP_LOAD_CONFIG_INITIALIZER                                                   \
-    {                                                                                       \
-        sizeof(stepq_map_load_config), STEPQ_CONFIG_MAGIC, STEPQ_MAP_LOAD_CONFIG_VERSION, 0 \
+/* One field per line, by name (kept out of clang-format). */
+/* clang-format off */
+#define STEPQ_MAP_LOAD_CONFIG_INITIALIZER         \
+    {                                             \
+        .size = sizeof(stepq_map_load_config),    \
+        .magic = STEPQ_CONFIG_MAGIC,              \
+        .version = STEPQ_MAP_LOAD_CONFIG_VERSION, \
+        .max_bytes = 0,                           \
     }
+/* clang-format on */
 
 /**
  * Loads and validates a map from a file. On success *out owns a new map
@@ -153,7 +196,7 @@ STEPQ_API int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int
  */
 STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, const float *w);
 
-/** Per-unit calibration statistics (DESIGN.md section 3). */
+/** Per-unit calibration statistics (what the calibrator measured for a unit). */
 typedef struct stepq_unit_stats {
     double log_retention; /**< l_u = E[log retention] (<= 0) */
     double lambda;        /**< lifetime weight */
@@ -165,13 +208,15 @@ typedef struct stepq_unit_stats {
  * unit widths and must stay negative; set the entries of the widths you
  * measured (2,3,4,5,6,8).
  */
-#define STEPQ_UNIT_STATS_INITIALIZER                             \
-    {                                                            \
-        0.0, 0.0,                                                \
-        {                                                        \
-            -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0 \
-        }                                                        \
+/* One field per line, by name (kept out of clang-format). */
+/* clang-format off */
+#define STEPQ_UNIT_STATS_INITIALIZER                                            \
+    {                                                                           \
+        .log_retention = 0.0,                                                   \
+        .lambda = 0.0,                                                          \
+        .distortion = { -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0, -1.0 }, \
     }
+/* clang-format on */
 
 /**
  * Sets calibration statistics of one unit (copied). log_retention must be

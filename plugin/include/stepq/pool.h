@@ -1,6 +1,6 @@
 /*
  * The recurrent-state pool: slot lifecycle, packed pages and memory
- * accounting (DESIGN.md section 5).
+ * accounting.
  *
  * A pool is one allocation of `slots + 1` pages. A page holds everything one
  * request keeps between steps on this tensor-parallel rank: for every
@@ -107,12 +107,29 @@ typedef struct stepq_pool_config {
 } stepq_pool_config;
 
 #define STEPQ_POOL_CONFIG_VERSION 1
-#define STEPQ_POOL_CONFIG_INITIALIZER                                                              \
-    {                                                                                              \
-        sizeof(stepq_pool_config), STEPQ_CONFIG_MAGIC, STEPQ_POOL_CONFIG_VERSION, NULL,            \
-            STEPQ_POOL_BACKEND_HOST, 0, NULL, 0, 1, 0, 0, 0, STEPQ_POOL_POLICY_EXTRA_BUFFER, 0, 0, \
-            0, 0                                                                                   \
+/* One field per line, by name (kept out of clang-format). */
+/* clang-format off */
+#define STEPQ_POOL_CONFIG_INITIALIZER             \
+    {                                             \
+        .size = sizeof(stepq_pool_config),        \
+        .magic = STEPQ_CONFIG_MAGIC,              \
+        .version = STEPQ_POOL_CONFIG_VERSION,     \
+        .map = NULL,                              \
+        .backend = STEPQ_POOL_BACKEND_HOST,       \
+        .device = 0,                              \
+        .stream = NULL,                           \
+        .tp_rank = 0,                             \
+        .tp_size = 1,                             \
+        .min_page_bytes = 0,                      \
+        .page_align = 0,                          \
+        .block_align = 0,                         \
+        .policy = STEPQ_POOL_POLICY_EXTRA_BUFFER, \
+        .num_slots = 0,                           \
+        .max_running_requests = 0,                \
+        .memory_budget_bytes = 0,                 \
+        .flags = 0,                               \
     }
+/* clang-format on */
 
 /**
  * What a configuration would allocate, computed without allocating

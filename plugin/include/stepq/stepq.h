@@ -8,6 +8,7 @@
 #include "stepq/common.h"
 #include "stepq/map.h"
 #include "stepq/pool.h"
+#include "stepq/step.h"
 #include "stepq/version.h"
 
 #endif /* STEPQ_STEPQ_H */

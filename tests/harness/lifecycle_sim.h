@@ -30,8 +30,8 @@
  * inject_every ticks it makes invalid calls (double free, slot 0, overlapping
  * copy, over-allocation) and checks they fail and change nothing.
  */
-#ifndef STEPQ_POOL_SIM_H
-#define STEPQ_POOL_SIM_H
+#ifndef STEPQ_TESTS_LIFECYCLE_SIM_H
+#define STEPQ_TESTS_LIFECYCLE_SIM_H
 
 #include <stddef.h>
 #include <stdint.h>
@@ -84,4 +84,4 @@ struct stepq__sim_stats {
 int stepq__sim_run(stepq_pool_t *pool, const struct stepq__sim_config *cfg,
                    struct stepq__sim_stats *stats, char *err, size_t errlen);
 
-#endif /* STEPQ_POOL_SIM_H */
+#endif /* STEPQ_TESTS_LIFECYCLE_SIM_H */

@@ -1,5 +1,5 @@
 /*
- * Lifecycle simulation of a radix-caching server on a pool (see sim.h).
+ * Lifecycle simulation of a radix-caching server on a pool (see lifecycle_sim.h).
  *
  * Every pool call goes through a wrapper that updates the shadow model and
  * compares the pool's counters with it; every tick ends with a full
@@ -19,7 +19,7 @@
 #include <uv.h>
 
 #include "pool/internal.h"
-#include "pool/sim.h"
+#include "tests/harness/lifecycle_sim.h"
 
 enum { RQ_FREE, RQ_WAITING, RQ_PREFILL, RQ_DECODE, RQ_DONE };
 enum { OWN_FREE = 0, OWN_WORK, OWN_TRACK, OWN_NODE };

@@ -1,0 +1,674 @@
+/*
+ * The pool's public data path on the host backend (stepq/step.h): decode
+ * steps, prefill pack/unpack, the capability query and the conv-state view,
+ * through the API a server calls, against the C reference kernels called
+ * directly on the same pages; and every bad argument returning its status
+ * with a message naming it and no page byte changed.
+ */
+#include <math.h>
+#include <setjmp.h>
+#include <stdarg.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <cmocka.h>
+
+#include "kernels/dsp.h"
+#include "kernels/format.h"
+#include "plugin/err.h"
+#include "pool/internal.h"
+#include "stepq/stepq.h"
+#include "tests/config/fixtures.h"
+
+#define SLOTS 6
+#define BATCH 4
+
+/* A pool on a small map (H 2, HV 4, 8x4 heads, 3 layers) of one method. */
+struct fixture {
+    stepq_map_t *map;
+    stepq_pool_t *pool;
+    stepq_arch arch;
+    int H, HV, K, V, L;
+    int32_t ids[BATCH];
+    /* host tensors of one batch */
+    float *q, *k, *v, *g, *beta, *o, *A_log, *dt_bias;
+    float *dense; /* [BATCH][HV][K][V] */
+};
+
+static stepq_map_t *make_map(stepq_arch arch, stepq_method m)
+{
+    stepq_model_shape sh = fx_shape_small(arch);
+    stepq_map_t *map = NULL;
+    double budget = m == STEPQ_METHOD_FP32 ? 32 : 6;
+
+    assert_int_equal(stepq_map_create(&sh, m, budget, &map), STEPQ_OK);
+    if (m == STEPQ_METHOD_STEPQ)
+        assert_int_equal(fx_layout_exact(map, 6, 1), STEPQ_OK);
+    if (m == STEPQ_METHOD_STEPQ) {
+        /* Row impact that is not all 1, so the fit's weights matter. */
+        float w[8];
+        for (int l = 0; l < sh.n_layers; l++)
+            for (int h = 0; h < sh.num_v_heads; h++) {
+                double p = 0;
+                for (int i = 0; i < 8; i++) {
+                    w[i] = (float)(0.5 + (i * 7 + h + l) % 5 * 0.3);
+                    p += log(w[i]);
+                }
+                for (int i = 0; i < 8; i++) /* geometric mean 1 */
+                    w[i] = (float)(w[i] / exp(p / 8));
+                assert_int_equal(stepq_map_set_row_impact(map, l, h, w), STEPQ_OK);
+            }
+    }
+    return map;
+}
+
+static float *falloc(size_t n)
+{
+    float *p = calloc(n ? n : 1, sizeof(float));
+    assert_non_null(p);
+    return p;
+}
+
+static void fill_inputs(struct fixture *f, unsigned long long seed)
+{
+    unsigned long long s = seed;
+    const int gk = f->arch == STEPQ_ARCH_KDA ? f->K : 1;
+
+    for (int i = 0; i < BATCH * f->H * f->K; i++) {
+        f->q[i] = (float)(fx_rand(&s) * 2 - 1);
+        f->k[i] = (float)(fx_rand(&s) * 2 - 1);
+    }
+    for (int i = 0; i < BATCH * f->HV * f->V; i++)
+        f->v[i] = (float)(fx_rand(&s) * 2 - 1);
+    for (int i = 0; i < BATCH * f->HV * gk; i++)
+        f->g[i] = (float)(-0.05 - 0.5 * fx_rand(&s));
+    for (int i = 0; i < BATCH * f->HV; i++)
+        f->beta[i] = (float)(0.2 + 0.6 * fx_rand(&s));
+    for (int i = 0; i < f->HV; i++)
+        f->A_log[i] = (float)(fx_rand(&s) - 0.5);
+    for (int i = 0; i < f->HV * gk; i++)
+        f->dt_bias[i] = (float)(fx_rand(&s) - 0.5);
+    for (size_t i = 0; i < (size_t)BATCH * f->HV * f->K * f->V; i++)
+        f->dense[i] = (float)(fx_rand(&s) * 2 - 1);
+}
+
+static void fixture_open(struct fixture *f, stepq_arch arch, stepq_method m)
+{
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_model_shape sh;
+
+    memset(f, 0, sizeof(*f));
+    f->arch = arch;
+    f->map = make_map(arch, m);
+    assert_int_equal(stepq_map_shape(f->map, &sh), STEPQ_OK);
+    f->H = sh.num_k_heads;
+    f->HV = sh.num_v_heads;
+    f->K = sh.head_k_dim;
+    f->V = sh.head_v_dim;
+    f->L = sh.n_layers;
+    cfg.map = f->map;
+    cfg.num_slots = SLOTS;
+    assert_int_equal(stepq_pool_open(&cfg, &f->pool), STEPQ_OK);
+    /* Shuffled, non-consecutive slots. */
+    int32_t all[SLOTS];
+    assert_int_equal(stepq_pool_alloc(f->pool, SLOTS, all), STEPQ_OK);
+    f->ids[0] = all[4];
+    f->ids[1] = all[1];
+    f->ids[2] = all[5];
+    f->ids[3] = all[2];
+    int32_t rest[2] = { all[0], all[3] };
+    assert_int_equal(stepq_pool_free(f->pool, rest, 2), STEPQ_OK);
+    const int gk = arch == STEPQ_ARCH_KDA ? f->K : 1;
+    f->q = falloc((size_t)BATCH * f->H * f->K);
+    f->k = falloc((size_t)BATCH * f->H * f->K);
+    f->v = falloc((size_t)BATCH * f->HV * f->V);
+    f->g = falloc((size_t)BATCH * f->HV * gk);
+    f->beta = falloc((size_t)BATCH * f->HV);
+    f->o = falloc((size_t)BATCH * f->HV * f->V);
+    f->A_log = falloc((size_t)f->HV);
+    f->dt_bias = falloc((size_t)f->HV * gk);
+    f->dense = falloc((size_t)BATCH * f->HV * f->K * f->V);
+    fill_inputs(f, 7);
+}
+
+static void fixture_close(struct fixture *f)
+{
+    assert_int_equal(stepq_pool_close(f->pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+    stepq_map_close(f->map);
+    free(f->q), free(f->k), free(f->v), free(f->g), free(f->beta), free(f->o);
+    free(f->A_log), free(f->dt_bias), free(f->dense);
+}
+
+static stepq_step_args step_args(struct fixture *f, const int32_t *ids, int32_t n)
+{
+    stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+    a.batch = n;
+    a.slot_ids = ids;
+    a.q = f->q, a.k = f->k, a.v = f->v, a.g = f->g, a.beta = f->beta, a.o = f->o;
+    a.A_log = f->A_log, a.dt_bias = f->dt_bias;
+    a.flags = STEPQ_STEP_L2NORM;
+    return a;
+}
+
+static stepq_prefill_args prefill_args(struct fixture *f, const int32_t *ids, int32_t n,
+                                       void *states)
+{
+    stepq_prefill_args p = STEPQ_PREFILL_ARGS_INITIALIZER;
+    p.n = n;
+    p.slot_ids = ids;
+    p.states = states;
+    return p;
+}
+
+/* Every page byte of the pool (sentinel included), for "nothing changed". */
+static uint8_t *snapshot(struct fixture *f)
+{
+    const stepq_pool_layout *l;
+    void *base;
+
+    assert_int_equal(stepq_pool_get_layout(f->pool, &l), STEPQ_OK);
+    assert_int_equal(stepq_pool_page(f->pool, 0, &base), STEPQ_OK);
+    size_t n = (size_t)(SLOTS + 1) * l->page_bytes;
+    uint8_t *s = malloc(n);
+    assert_non_null(s);
+    memcpy(s, base, n);
+    return s;
+}
+
+static void assert_unchanged(struct fixture *f, const uint8_t *before)
+{
+    const stepq_pool_layout *l;
+    void *base;
+
+    assert_int_equal(stepq_pool_get_layout(f->pool, &l), STEPQ_OK);
+    assert_int_equal(stepq_pool_page(f->pool, 0, &base), STEPQ_OK);
+    assert_memory_equal(base, before, (size_t)(SLOTS + 1) * l->page_bytes);
+}
+
+/* The reference kernels on the pool's own layer description. */
+static void ref_step(struct fixture *f, int layer, const stepq_step_args *p)
+{
+    struct stepq__packed_layer pl;
+    struct stepq__step_args a;
+
+    memset(&a, 0, sizeof(a));
+    a.arch = f->arch;
+    a.batch = p->batch;
+    a.H = f->H, a.HV = f->HV, a.d_k = f->K, a.d_v = f->V;
+    a.slots = p->slot_ids;
+    a.q = p->q, a.k = p->k, a.v = p->v, a.g = p->g, a.beta = p->beta, a.o = p->o;
+    a.A_log = p->A_log, a.dt_bias = p->dt_bias;
+    a.opt.l2norm = !!(p->flags & STEPQ_STEP_L2NORM);
+    a.opt.gate_in_kernel = !!(p->flags & STEPQ_STEP_GATE_IN_KERNEL);
+    a.opt.beta_sigmoid = !!(p->flags & STEPQ_STEP_BETA_SIGMOID);
+    a.opt.scale = p->scale;
+    stepq__pool_packed_layer(f->pool, layer, &pl);
+    assert_int_equal(stepq__ref_step_packed(&a, &pl), STEPQ_OK);
+}
+
+/* --- behaviour ------------------------------------------------------------ */
+
+/*
+ * A decode step through the API is the reference kernel on the same pages:
+ * run both from one packed start on two copies of the pool and compare
+ * pages and outputs bytewise, for GDN and KDA, stepq (mixed bits + pivots +
+ * row impact) and fp32, with and without in-kernel gating.
+ */
+static void step_matches_reference(stepq_arch arch, stepq_method m, unsigned flags)
+{
+    struct fixture f;
+    fixture_open(&f, arch, m);
+    const stepq_pool_layout *l;
+    assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
+    stepq_prefill_args p = prefill_args(&f, f.ids, BATCH, f.dense);
+    for (int layer = 0; layer < f.L; layer++)
+        assert_int_equal(stepq_pool_prefill_pack(f.pool, layer, &p, NULL), STEPQ_OK);
+    uint8_t *start = snapshot(&f);
+    const size_t obytes = sizeof(float) * BATCH * f.HV * f.V;
+    float *o_api = malloc(obytes);
+    assert_non_null(o_api);
+
+    for (int layer = 0; layer < f.L; layer++) {
+        stepq_step_args a = step_args(&f, f.ids, BATCH);
+        a.flags |= flags;
+        fill_inputs(&f, 100 + layer);
+        assert_int_equal(stepq_pool_decode_step(f.pool, layer, &a, NULL), STEPQ_OK);
+        memcpy(o_api, f.o, obytes);
+        uint8_t *after_api = snapshot(&f);
+        /* Back to the start, then the reference by hand. */
+        void *base;
+        assert_int_equal(stepq_pool_page(f.pool, 0, &base), STEPQ_OK);
+        memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+        memset(f.o, 0, obytes);
+        ref_step(&f, layer, &a);
+        assert_memory_equal(f.o, o_api, obytes);
+        assert_unchanged(&f, after_api);
+        free(start);
+        start = after_api;
+    }
+    free(start);
+    free(o_api);
+    fixture_close(&f);
+}
+
+static void test_step_gdn_stepq(void **state)
+{
+    step_matches_reference(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 0);
+}
+static void test_step_kda_stepq_in_kernel_gate(void **state)
+{
+    step_matches_reference(STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ,
+                           STEPQ_STEP_GATE_IN_KERNEL | STEPQ_STEP_BETA_SIGMOID);
+}
+static void test_step_gdn_fp32_in_kernel_gate(void **state)
+{
+    step_matches_reference(STEPQ_ARCH_GDN, STEPQ_METHOD_FP32,
+                           STEPQ_STEP_GATE_IN_KERNEL | STEPQ_STEP_BETA_SIGMOID);
+}
+
+/*
+ * fp32 maps store states exactly: pack then unpack gives back every bit, in
+ * both layouts; bf16 tensors come back as packed (exact bf16 values).
+ */
+static void test_prefill_roundtrip_fp32_layouts_dtypes(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_GDN, STEPQ_METHOD_FP32);
+    const size_t per = (size_t)f.HV * f.K * f.V, n = BATCH * per;
+    float *back = falloc(n + 8);
+    uint16_t *b16 = malloc(sizeof(uint16_t) * n), *b16_back = malloc(sizeof(uint16_t) * n);
+    assert_non_null(b16);
+    assert_non_null(b16_back);
+
+    for (int lay = 0; lay < 2; lay++) {
+        stepq_prefill_args p = prefill_args(&f, f.ids, BATCH, f.dense);
+        p.layout = (stepq_state_layout)lay;
+        assert_int_equal(stepq_pool_prefill_pack(f.pool, 1, &p, NULL), STEPQ_OK);
+        p.states = back;
+        assert_int_equal(stepq_pool_prefill_unpack(f.pool, 1, &p, NULL), STEPQ_OK);
+        assert_memory_equal(back, f.dense, n * sizeof(float));
+
+        for (size_t i = 0; i < n; i++)
+            b16[i] = stepq__bf16_from_float(f.dense[i]);
+        p.dtype = STEPQ_DTYPE_BF16;
+        p.states = b16;
+        assert_int_equal(stepq_pool_prefill_pack(f.pool, 1, &p, NULL), STEPQ_OK);
+        p.states = b16_back;
+        assert_int_equal(stepq_pool_prefill_unpack(f.pool, 1, &p, NULL), STEPQ_OK);
+        assert_memory_equal(b16_back, b16, n * sizeof(uint16_t));
+    }
+    free(back), free(b16), free(b16_back);
+    fixture_close(&f);
+}
+
+/*
+ * A strided unpack writes its entries and leaves the gaps between them;
+ * a -1 entry is skipped (its place keeps its bytes).
+ */
+static void test_prefill_unpack_strided_skips_padding(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ);
+    const size_t per = (size_t)f.HV * f.K * f.V, stride = per + 5;
+    float *dst = falloc(BATCH * stride), *ref = falloc(BATCH * per);
+    stepq_prefill_args p = prefill_args(&f, f.ids, BATCH, f.dense);
+    assert_int_equal(stepq_pool_prefill_pack(f.pool, 0, &p, NULL), STEPQ_OK);
+    p.states = ref;
+    assert_int_equal(stepq_pool_prefill_unpack(f.pool, 0, &p, NULL), STEPQ_OK);
+
+    int32_t ids[BATCH] = { f.ids[0], -1, f.ids[2], f.ids[0] }; /* repeats are fine: read only */
+    for (size_t i = 0; i < BATCH * stride; i++)
+        dst[i] = -7.0f;
+    p = prefill_args(&f, ids, BATCH, dst);
+    p.state_stride = (int64_t)stride;
+    assert_int_equal(stepq_pool_prefill_unpack(f.pool, 0, &p, NULL), STEPQ_OK);
+    assert_memory_equal(dst, ref, per * sizeof(float));
+    for (size_t i = per; i < stride; i++) /* the gap after entry 0 */
+        assert_true(dst[i] == -7.0f);
+    for (size_t i = 0; i < stride; i++)
+        assert_true(dst[stride + i] == -7.0f); /* the -1 entry */
+    assert_memory_equal(dst + 2 * stride, ref + 2 * per, per * sizeof(float));
+    assert_memory_equal(dst + 3 * stride, ref, per * sizeof(float));
+    free(dst), free(ref);
+    fixture_close(&f);
+}
+
+/*
+ * Padding as a CUDA-graph batch has it: -1 entries and several sentinel
+ * entries. The real entries come out exactly as in the unpadded batch,
+ * -1 output rows are not written, and no other slot's page changes.
+ */
+static void test_step_padding_pad_and_repeated_sentinel(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ);
+    stepq_prefill_args p = prefill_args(&f, f.ids, BATCH, f.dense);
+    assert_int_equal(stepq_pool_prefill_pack(f.pool, 2, &p, NULL), STEPQ_OK);
+    uint8_t *start = snapshot(&f);
+    const size_t orow = (size_t)f.HV * f.V;
+
+    /* Unpadded: entries 0 and 2. */
+    int32_t two[2] = { f.ids[0], f.ids[2] };
+    float *q2 = falloc(2 * f.H * f.K), *k2 = falloc(2 * f.H * f.K), *v2 = falloc(2 * orow);
+    float *g2 = falloc(2 * f.HV), *b2 = falloc(2 * f.HV), *o2 = falloc(2 * orow);
+    for (int e = 0; e < 2; e++) {
+        int src = e * 2;
+        memcpy(q2 + e * f.H * f.K, f.q + src * f.H * f.K, sizeof(float) * f.H * f.K);
+        memcpy(k2 + e * f.H * f.K, f.k + src * f.H * f.K, sizeof(float) * f.H * f.K);
+        memcpy(v2 + e * orow, f.v + src * orow, sizeof(float) * orow);
+        memcpy(g2 + e * f.HV, f.g + src * f.HV, sizeof(float) * f.HV);
+        memcpy(b2 + e * f.HV, f.beta + src * f.HV, sizeof(float) * f.HV);
+    }
+    stepq_step_args a = step_args(&f, two, 2);
+    a.q = q2, a.k = k2, a.v = v2, a.g = g2, a.beta = b2, a.o = o2;
+    assert_int_equal(stepq_pool_decode_step(f.pool, 2, &a, NULL), STEPQ_OK);
+    uint8_t *want = snapshot(&f);
+
+    void *base;
+    const stepq_pool_layout *l;
+    assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
+    assert_int_equal(stepq_pool_page(f.pool, 0, &base), STEPQ_OK);
+    memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+    int32_t padded[BATCH] = { f.ids[0], 0, f.ids[2], -1 };
+    int32_t padded2[BATCH] = { f.ids[0], 0, f.ids[2], 0 };
+    for (int variant = 0; variant < 2; variant++) {
+        memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+        for (size_t i = 0; i < BATCH * orow; i++)
+            f.o[i] = 42.0f;
+        a = step_args(&f, variant ? padded2 : padded, BATCH);
+        assert_int_equal(stepq_pool_decode_step(f.pool, 2, &a, NULL), STEPQ_OK);
+        assert_memory_equal(f.o, o2, orow * sizeof(float));
+        assert_memory_equal(f.o + 2 * orow, o2 + orow, orow * sizeof(float));
+        if (!variant)
+            for (size_t i = 0; i < orow; i++)
+                assert_true(f.o[3 * orow + i] == 42.0f);
+        /* Every page but the sentinel's equals the unpadded run. */
+        uint8_t *got = snapshot(&f);
+        assert_memory_equal(got + l->page_bytes, want + l->page_bytes,
+                            (size_t)SLOTS * l->page_bytes);
+        free(got);
+    }
+    free(start), free(want);
+    free(q2), free(k2), free(v2), free(g2), free(b2), free(o2);
+    fixture_close(&f);
+}
+
+/*
+ * bf16 inputs in strided views (the server's split projections): the same
+ * pages and outputs as fp32 contiguous inputs holding the same bf16 values,
+ * the output rounded to bf16.
+ */
+static void test_step_bf16_strided_equals_fp32(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ);
+    const int qk = f.H * f.K, vv = f.HV * f.V, gg = f.HV * f.K, S = 3; /* gap */
+    stepq_prefill_args p = prefill_args(&f, f.ids, BATCH, f.dense);
+    assert_int_equal(stepq_pool_prefill_pack(f.pool, 0, &p, NULL), STEPQ_OK);
+    uint8_t *start = snapshot(&f);
+    uint16_t *q = calloc((size_t)BATCH * (qk + S), 2), *k = calloc((size_t)BATCH * (qk + S), 2);
+    uint16_t *v = calloc((size_t)BATCH * (vv + S), 2), *g = calloc((size_t)BATCH * (gg + S), 2);
+    uint16_t *b = calloc((size_t)BATCH * (f.HV + S), 2), *o = calloc((size_t)BATCH * (vv + S), 2);
+    assert_true(q && k && v && g && b && o);
+#define ROUND(src, dst, n, stride)                                                    \
+    for (int e = 0; e < BATCH; e++)                                                   \
+        for (int i = 0; i < (n); i++) {                                               \
+            dst[(size_t)e * (stride) + i] = stepq__bf16_from_float(src[e * (n) + i]); \
+            src[e * (n) + i] = stepq__bf16_to_float(dst[(size_t)e * (stride) + i]);   \
+        }
+    ROUND(f.q, q, qk, qk + S)
+    ROUND(f.k, k, qk, qk + S)
+    ROUND(f.v, v, vv, vv + S)
+    ROUND(f.g, g, gg, gg + S)
+    ROUND(f.beta, b, f.HV, f.HV + S)
+#undef ROUND
+    stepq_step_args a = step_args(&f, f.ids, BATCH);
+    assert_int_equal(stepq_pool_decode_step(f.pool, 0, &a, NULL), STEPQ_OK);
+    uint8_t *want = snapshot(&f);
+
+    void *base;
+    const stepq_pool_layout *l;
+    assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
+    assert_int_equal(stepq_pool_page(f.pool, 0, &base), STEPQ_OK);
+    memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+    stepq_step_args c = step_args(&f, f.ids, BATCH);
+    c.dtype = STEPQ_DTYPE_BF16;
+    c.q = q, c.k = k, c.v = v, c.g = g, c.beta = b, c.o = o;
+    c.q_stride = c.k_stride = qk + S;
+    c.v_stride = c.o_stride = vv + S;
+    c.g_stride = gg + S;
+    c.beta_stride = f.HV + S;
+    assert_int_equal(stepq_pool_decode_step(f.pool, 0, &c, NULL), STEPQ_OK);
+    assert_unchanged(&f, want);
+    for (int e = 0; e < BATCH; e++)
+        for (int i = 0; i < vv; i++)
+            assert_int_equal(o[(size_t)e * (vv + S) + i], stepq__bf16_from_float(f.o[e * vv + i]));
+    free(start), free(want);
+    free(q), free(k), free(v), free(g), free(b), free(o);
+    fixture_close(&f);
+}
+
+static void test_supports_host_and_conv_view(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ);
+    stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+    stepq_prefill_args p = STEPQ_PREFILL_ARGS_INITIALIZER;
+
+    assert_int_equal(stepq_pool_supports(f.pool, STEPQ_OP_DECODE_STEP, -1, &a), STEPQ_OK);
+    a.dtype = STEPQ_DTYPE_BF16;
+    a.flags = STEPQ_STEP_GATE_IN_KERNEL;
+    a.param_dtype = STEPQ_DTYPE_BF16;
+    assert_int_equal(stepq_pool_supports(f.pool, STEPQ_OP_DECODE_STEP, 2, &a), STEPQ_OK);
+    a.dtype = STEPQ_DTYPE_FP16;
+    assert_int_equal(stepq_pool_supports(f.pool, STEPQ_OP_DECODE_STEP, 2, &a), STEPQ_ENOTSUP);
+    assert_non_null(strstr(stepq_pool_last_error(f.pool), "dtype fp16"));
+    a.dtype = STEPQ_DTYPE_FP32;
+    a.head_k_dim = 128;
+    assert_int_equal(stepq_pool_supports(f.pool, STEPQ_OP_DECODE_STEP, 0, &a), STEPQ_ESHAPE);
+    assert_non_null(strstr(stepq_pool_last_error(f.pool), "head_k_dim = 128"));
+    p.layout = STEPQ_STATE_LAYOUT_VK;
+    assert_int_equal(stepq_pool_supports(f.pool, STEPQ_OP_PREFILL_PACK, 0, &p), STEPQ_OK);
+    assert_int_equal(stepq_pool_supports(f.pool, STEPQ_OP_PREFILL_UNPACK, 3, &p), STEPQ_ERANGE);
+    assert_int_equal(stepq_pool_supports(f.pool, (stepq_op)9, 0, &p), STEPQ_EINVAL);
+
+    /* The conv view addresses the page's conv bytes: 64 channels x 3 per layer. */
+    stepq_conv_view cv;
+    const stepq_pool_layout *l;
+    assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
+    assert_int_equal(stepq_pool_conv_state(f.pool, 1, &cv, sizeof(cv)), STEPQ_OK);
+    assert_int_equal(cv.rank, 2);
+    assert_int_equal(cv.shape[0], 64);
+    assert_int_equal(cv.shape[1], 3);
+    stepq_model_shape sh;
+    assert_int_equal(stepq_map_shape(f.map, &sh), STEPQ_OK);
+    assert_int_equal(cv.dtype, sh.conv_dtype);
+    assert_int_equal(cv.bytes, 64 * 3 * stepq_dtype_size(sh.conv_dtype));
+    assert_int_equal(cv.slot_stride, l->page_bytes);
+    void *page;
+    assert_int_equal(stepq_pool_page(f.pool, f.ids[1], &page), STEPQ_OK);
+    assert_ptr_equal((uint8_t *)cv.base + (size_t)f.ids[1] * cv.slot_stride,
+                     (uint8_t *)page + l->conv_offset[1]);
+    assert_int_equal(stepq_pool_conv_state(f.pool, 3, &cv, sizeof(cv)), STEPQ_ERANGE);
+    assert_int_equal(stepq_pool_conv_state(f.pool, 0, &cv, sizeof(cv) + 1), STEPQ_EINVAL);
+    fixture_close(&f);
+}
+
+/* --- bad input: status, a message naming the argument, nothing changed ------ */
+
+struct bad_case {
+    const char *name;
+    int status;
+    const char *needle;
+};
+
+static void expect(struct fixture *f, const uint8_t *before, int got, int status,
+                   const char *needle, const char *what)
+{
+    if (got != status || !strstr(stepq_pool_last_error(f->pool), needle)) {
+        print_error("%s: got %s '%s', want %s naming '%s'\n", what, stepq_status_name(got),
+                    stepq_pool_last_error(f->pool), stepq_status_name(status), needle);
+        fail();
+    }
+    assert_string_equal(stepq_last_error(), stepq_pool_last_error(f->pool));
+    assert_unchanged(f, before);
+}
+
+static void test_step_bad_arguments_change_nothing(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ);
+    stepq_prefill_args pp = prefill_args(&f, f.ids, BATCH, f.dense);
+    for (int layer = 0; layer < f.L; layer++)
+        assert_int_equal(stepq_pool_prefill_pack(f.pool, layer, &pp, NULL), STEPQ_OK);
+    uint8_t *before = snapshot(&f);
+    stepq_step_args a;
+    int32_t ids[BATCH];
+    memcpy(ids, f.ids, sizeof(ids));
+
+#define CASE(setup, layer, status, needle)                                                  \
+    do {                                                                                    \
+        a = step_args(&f, ids, BATCH);                                                      \
+        setup;                                                                              \
+        expect(&f, before, stepq_pool_decode_step(f.pool, layer, &a, NULL), status, needle, \
+               #setup);                                                                     \
+        memcpy(ids, f.ids, sizeof(ids));                                                    \
+    } while (0)
+    CASE((void)0, -1, STEPQ_ERANGE, "layer -1");
+    CASE((void)0, 3, STEPQ_ERANGE, "layer 3");
+    CASE(a.q = NULL, 0, STEPQ_EINVAL, "q is NULL");
+    CASE(a.o = NULL, 0, STEPQ_EINVAL, "o is NULL");
+    CASE(a.slot_ids = NULL, 0, STEPQ_EINVAL, "slot_ids is NULL");
+    CASE(a.v = (const char *)f.v + 2, 0, STEPQ_EINVAL, "v = ");
+    CASE(a.k_stride = f.H * f.K - 1, 0, STEPQ_EINVAL, "k_stride");
+    CASE(a.o_stride = -4, 0, STEPQ_EINVAL, "o_stride");
+    CASE(a.flags = 1u << 7, 0, STEPQ_EINVAL, "flags");
+    CASE(a.scale = -1.0f, 0, STEPQ_EINVAL, "scale");
+    CASE(a.scale = NAN, 0, STEPQ_EINVAL, "scale");
+    CASE(a.dtype = STEPQ_DTYPE_FP16, 0, STEPQ_ENOTSUP, "dtype fp16");
+    CASE(a.dtype = (stepq_dtype)7, 0, STEPQ_EINVAL, "dtype 7");
+    CASE((a.flags |= STEPQ_STEP_GATE_IN_KERNEL, a.A_log = NULL), 0, STEPQ_EINVAL, "A_log");
+    CASE((a.flags |= STEPQ_STEP_GATE_IN_KERNEL, a.param_dtype = STEPQ_DTYPE_FP16), 0, STEPQ_ENOTSUP,
+         "param_dtype");
+    CASE(a.num_v_heads = 8, 0, STEPQ_ESHAPE, "num_v_heads = 8");
+    CASE(a.num_k_heads = 4, 0, STEPQ_ESHAPE, "num_k_heads = 4");
+    CASE(a.head_v_dim = 128, 0, STEPQ_ESHAPE, "head_v_dim");
+    CASE(a.batch = 65536, 0, STEPQ_EINVAL, "batch = 65536");
+    CASE(a.batch = -1, 0, STEPQ_EINVAL, "batch = -1");
+    CASE(ids[2] = ids[0], 0, STEPQ_EINVAL, "listed more than once");
+    CASE(ids[3] = SLOTS + 1, 0, STEPQ_ERANGE, "slot_ids[3] = 7");
+    CASE(ids[1] = -2, 0, STEPQ_ERANGE, "slot_ids[1] = -2");
+    /* Slots freed by the fixture are not allocated. */
+    {
+        int32_t probe;
+        for (probe = 1; probe <= SLOTS; probe++)
+            if (stepq_pool_is_allocated(f.pool, probe) == 0)
+                break;
+        CASE(ids[0] = probe, 0, STEPQ_EINVAL, "is not allocated");
+    }
+    CASE(a.size = 8, 0, STEPQ_EVERSION, "stepq_step_args");
+    CASE(a.size = sizeof(a) + 8, 0, STEPQ_EVERSION, "newer");
+    CASE(a.magic = 0, 0, STEPQ_EVERSION, "magic");
+    CASE(a.version = 2, 0, STEPQ_EVERSION, "version 2");
+    expect(&f, before, stepq_pool_decode_step(f.pool, 0, NULL, NULL), STEPQ_EINVAL, "args",
+           "NULL args");
+#undef CASE
+
+    /* Prefill entries. */
+    stepq_prefill_args p;
+#define PCASE(setup, pack, status, needle)                              \
+    do {                                                                \
+        p = prefill_args(&f, ids, BATCH, f.dense);                      \
+        setup;                                                          \
+        expect(&f, before,                                              \
+               (pack) ? stepq_pool_prefill_pack(f.pool, 0, &p, NULL)    \
+                      : stepq_pool_prefill_unpack(f.pool, 0, &p, NULL), \
+               status, needle, #setup);                                 \
+        memcpy(ids, f.ids, sizeof(ids));                                \
+    } while (0)
+    PCASE(p.states = NULL, 1, STEPQ_EINVAL, "states is NULL");
+    PCASE(p.states = (char *)f.dense + 1, 0, STEPQ_EINVAL, "states = ");
+    PCASE(p.state_stride = 10, 1, STEPQ_EINVAL, "state_stride");
+    PCASE(p.layout = (stepq_state_layout)2, 1, STEPQ_EINVAL, "layout 2");
+    PCASE(p.dtype = STEPQ_DTYPE_FP16, 0, STEPQ_ENOTSUP, "dtype fp16");
+    PCASE(p.head_k_dim = 16, 1, STEPQ_ESHAPE, "head_k_dim = 16");
+    PCASE(ids[1] = ids[0], 1, STEPQ_EINVAL, "listed more than once");
+    PCASE(ids[1] = 99, 0, STEPQ_ERANGE, "slot_ids[1] = 99");
+    PCASE(p.n = 70000, 1, STEPQ_EINVAL, "n = 70000");
+#undef PCASE
+
+    /* A closed pool: EBADF, as for every pool call. */
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_pool_t *other;
+    cfg.map = f.map;
+    cfg.num_slots = 2;
+    assert_int_equal(stepq_pool_open(&cfg, &other), STEPQ_OK);
+    assert_int_equal(stepq_pool_close(other, 0), STEPQ_OK);
+    a = step_args(&f, ids, BATCH);
+    if (other != f.pool) /* the address may be reused: ABA is the hardening issue's */
+        assert_int_equal(stepq_pool_decode_step(other, 0, &a, NULL), STEPQ_EBADF);
+    free(before);
+    fixture_close(&f);
+}
+
+/*
+ * The versioned-struct rule: an older caller's smaller struct is accepted and
+ * its missing fields take the defaults; a newer (larger) one is refused.
+ */
+struct cfg_v2 {
+    size_t size;
+    unsigned magic, version;
+    int a;
+    int b; /* appended in "version 2" */
+};
+
+static void test_config_import_older_caller_gets_defaults(void **state)
+{
+    const struct cfg_v2 defaults = { sizeof(struct cfg_v2), STEPQ_CONFIG_MAGIC, 2, 1, 77 };
+    struct {
+        size_t size;
+        unsigned magic, version;
+        int a;
+    } old = { sizeof(old), STEPQ_CONFIG_MAGIC, 1, 5 };
+    struct cfg_v2 got, newer = defaults;
+    const size_t ends[2] = { STEPQ__FIELD_END(struct cfg_v2, a),
+                             STEPQ__FIELD_END(struct cfg_v2, b) };
+
+    assert_int_equal(stepq__config_import(&got, &defaults, sizeof(got), &old, ends, 2, "cfg"),
+                     STEPQ_OK);
+    assert_int_equal(got.a, 5);
+    assert_int_equal(got.b, 77);
+    assert_int_equal(got.size, sizeof(got));
+    /* The old struct's trailing padding (where b now lives) is not copied. */
+    memset(&old, 0xee, sizeof(old));
+    old.size = sizeof(old), old.magic = STEPQ_CONFIG_MAGIC, old.version = 1, old.a = 6;
+    assert_int_equal(stepq__config_import(&got, &defaults, sizeof(got), &old, ends, 2, "cfg"),
+                     STEPQ_OK);
+    assert_int_equal(got.a, 6);
+    assert_int_equal(got.b, 77);
+    newer.size = sizeof(newer) + 8;
+    assert_int_equal(stepq__config_import(&got, &defaults, sizeof(got), &newer, ends, 2, "cfg"),
+                     STEPQ_EVERSION);
+    old.size = offsetof(struct cfg_v2, a);
+    assert_int_equal(stepq__config_import(&got, &defaults, sizeof(got), &old, ends, 2, "cfg"),
+                     STEPQ_EVERSION);
+}
+
+int main(void)
+{
+    const struct CMUnitTest tests[] = {
+        cmocka_unit_test(test_step_gdn_stepq),
+        cmocka_unit_test(test_step_kda_stepq_in_kernel_gate),
+        cmocka_unit_test(test_step_gdn_fp32_in_kernel_gate),
+        cmocka_unit_test(test_prefill_roundtrip_fp32_layouts_dtypes),
+        cmocka_unit_test(test_prefill_unpack_strided_skips_padding),
+        cmocka_unit_test(test_step_padding_pad_and_repeated_sentinel),
+        cmocka_unit_test(test_step_bf16_strided_equals_fp32),
+        cmocka_unit_test(test_supports_host_and_conv_view),
+        cmocka_unit_test(test_step_bad_arguments_change_nothing),
+        cmocka_unit_test(test_config_import_older_caller_gets_defaults),
+    };
+    return cmocka_run_group_tests(tests, NULL, NULL);
+}
