@@ -1,18 +1,19 @@
 /*
  * A small shared library (not installed, not API) that lets tools/nll_eval.py
- * store a model's recurrent states through a precision map: quantize +
- * reconstruct every head of a batch of dense fp32 states [n][HV][d_k][d_v] in
- * place, either with the C reference quantizers on all CPU cores (host
- * memory), or, in CUDA builds, with the library's CUDA pack / unpack kernels
- * on device memory (pages of slots 1..n of a private pool per layer). The
- * Python side checks the CUDA path against the CPU one before trusting it.
+ * store a model's recurrent states through a precision map: every head of a
+ * batch of dense fp32 states [n][HV][d_k][d_v] is packed into a pool's pages
+ * and reconstructed in place, through the public step API as a server does
+ * (stepq_pool_prefill_pack, then stepq_pool_prefill_unpack):
+ *   - host memory: one host-backend pool per worker thread, each packing and
+ *     unpacking its share of the batch (the reference kernels, all cores);
+ *   - device memory (CUDA builds): one CUDA-backend pool whose slots 1..n hold
+ *     the batch.
+ * The Python side checks the CUDA path against the CPU one before trusting it.
  */
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
-#include "kernels/dsp.h"
-#include "kernels/quant.h"
 #include "plugin/err.h"
 #include "stepq/stepq.h"
 #include "tools/calib.h"
@@ -20,30 +21,102 @@
 #include "stepq_config.h"
 #if STEPQ_HAVE_CUDA
 #include <cuda_runtime_api.h>
-
-#include "kernels/cuda/cuda.h"
 #endif
 
 #define SHIM_API __attribute__((visibility("default")))
 
-struct cuda_layer_state {
-    struct stepq_head_layout *hl;
-    size_t *off;
-    float *w;
-    struct stepq__packed_layer pl;
-    void *cl; /* stepq__cuda_layer */
+/* One pool and the ids of its slots 1..n (device memory for the CUDA pool). */
+struct shim_pool {
+    stepq_pool_t *pool;
+    int n;
+    int32_t *ids;
 };
 
 struct shim {
     stepq_map_t *map;
     stepq_model_shape sh;
     int threads;
-    int cuda_n; /* slots available to the CUDA path (0: not opened) */
-    struct cuda_layer_state *cu;
-    int32_t *dslots; /* device: 1..cuda_n */
+    struct shim_pool *host; /* [threads], opened at the first CPU roundtrip, grown on demand */
+    struct shim_pool cuda;  /* the CUDA path (n = 0: not opened) */
 };
 
 SHIM_API int stepq_shim_open(const char *map_path, int threads, void **out);
+SHIM_API int stepq_shim_layer_index(void *h, int model_layer);
+SHIM_API int stepq_shim_shape(void *h, int out[5]);
+SHIM_API int stepq_shim_bits_per_value(void *h, double *out);
+SHIM_API int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n);
+SHIM_API void stepq_shim_close(void *h);
+SHIM_API const char *stepq_shim_last_error(void);
+SHIM_API int stepq_shim_cuda_open(void *h, int max_n);
+SHIM_API int stepq_shim_cuda_roundtrip(void *h, int layer_index, float *dev_states, int n,
+                                       void *stream);
+
+static void pool_close(struct shim_pool *p, int device)
+{
+    if (p->pool)
+        stepq_pool_close(p->pool, STEPQ_POOL_CLOSE_FORCE);
+#if STEPQ_HAVE_CUDA
+    if (device && p->ids)
+        cudaFree(p->ids);
+#endif
+    if (!device)
+        free(p->ids);
+    memset(p, 0, sizeof(*p));
+}
+
+/* A pool of n slots on backend be, all allocated (a fresh pool hands out 1..n). */
+static int pool_open(struct shim *s, struct shim_pool *p, int n, stepq_pool_backend be)
+{
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
+    int rc;
+
+    memset(p, 0, sizeof(*p));
+    if (!ids)
+        return stepq__error(STEPQ_ENOMEM, "shim: out of memory");
+    cfg.map = s->map;
+    cfg.backend = be;
+    cfg.num_slots = n;
+    cfg.policy = STEPQ_POOL_POLICY_NO_CACHE;
+    rc = stepq_pool_open(&cfg, &p->pool);
+    if (rc >= 0)
+        rc = stepq_pool_alloc(p->pool, n, ids);
+    p->n = n;
+    if (rc >= 0 && be == STEPQ_POOL_BACKEND_HOST) {
+        p->ids = ids;
+        return STEPQ_OK;
+    }
+#if STEPQ_HAVE_CUDA
+    if (rc >= 0 && (cudaMalloc((void **)&p->ids, sizeof(int32_t) * (size_t)n) != cudaSuccess ||
+                    cudaMemcpy(p->ids, ids, sizeof(int32_t) * (size_t)n, cudaMemcpyHostToDevice) !=
+                        cudaSuccess)) {
+        cudaGetLastError();
+        rc = stepq__error(STEPQ_ECUDA, "shim: slot list upload failed");
+    }
+#endif
+    free(ids);
+    if (rc < 0)
+        pool_close(p, be == STEPQ_POOL_BACKEND_CUDA);
+    return rc;
+}
+
+/* Packs n entries of states into slots 1..n of p's layer, then reconstructs them in place. */
+static int pool_roundtrip(struct shim_pool *p, int layer, float *states, int n, void *stream)
+{
+    stepq_prefill_args a = STEPQ_PREFILL_ARGS_INITIALIZER;
+    int rc;
+
+    a.n = n;
+    a.slot_ids = p->ids;
+    a.states = states;
+    a.layout = STEPQ_STATE_LAYOUT_KV;
+    rc = stepq_pool_prefill_pack(p->pool, layer, &a, stream);
+    if (rc >= 0)
+        rc = stepq_pool_prefill_unpack(p->pool, layer, &a, stream);
+    return rc;
+}
+
+int stepq_shim_open(const char *map_path, int threads, void **out);
 SHIM_API int stepq_shim_layer_index(void *h, int model_layer);
 SHIM_API int stepq_shim_shape(void *h, int out[5]);
 SHIM_API int stepq_shim_bits_per_value(void *h, double *out);
@@ -107,7 +180,7 @@ int stepq_shim_bits_per_value(void *h, double *out)
 
 struct rt {
     struct shim *s;
-    int li;
+    int li, n, per_worker;
     float *x;
     atomic_int rc; /* a failure of any worker (the last one stored), else 0 */
 };
@@ -116,24 +189,14 @@ static void rt_job(void *vctx, int job, int worker)
 {
     (void)worker;
     struct rt *r = vctx;
-    const stepq_model_shape *sh = &r->s->sh;
-    int HV = sh->num_v_heads, K = sh->head_k_dim, V = sh->head_v_dim, hv = job % HV;
-    int kda = sh->arch == STEPQ_ARCH_KDA;
-    stepq_method meth = stepq_map_method(r->s->map);
-    uint8_t rb[STEPQ__MAX_HEAD_DIM];
-    const float *w = NULL;
-    if (!stepq_method_is_dense(meth)) {
-        sq_map_row_bits(r->s->map, r->li, hv, K, kda, rb);
-        w = stepq_map_row_impact(r->s->map, r->li, hv);
-    }
-    struct sq_quant qz;
-    int rc = sq_quant_init(&qz, meth, sh->arch, K, V, stepq_method_is_dense(meth) ? NULL : rb, w);
-    if (rc < 0) {
-        atomic_store(&r->rc, rc);
+    const size_t per = (size_t)r->s->sh.num_v_heads * r->s->sh.head_k_dim * r->s->sh.head_v_dim;
+    const int first = job * r->per_worker;
+    const int n = r->n - first < r->per_worker ? r->n - first : r->per_worker;
+    if (n <= 0)
         return;
-    }
-    sq_quant_apply(&qz, r->x + (size_t)job * K * V);
-    sq_quant_free(&qz);
+    int rc = pool_roundtrip(&r->s->host[job], r->li, r->x + (size_t)first * per, n, NULL);
+    if (rc < 0)
+        atomic_store(&r->rc, rc);
 }
 
 int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n)
@@ -141,115 +204,37 @@ int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n)
     struct shim *s = h;
     if (!s || layer_index < 0 || layer_index >= s->sh.n_layers || n < 0 || !states)
         return stepq__error(STEPQ_EINVAL, "shim: bad layer index %d or n %d", layer_index, n);
-    struct rt r = { s, layer_index, states, 0 };
-    sq_parallel(n * s->sh.num_v_heads, s->threads, rt_job, &r, NULL);
+    if (n == 0)
+        return STEPQ_OK;
+    const int workers = n < s->threads ? n : s->threads;
+    const int per_worker = (n + workers - 1) / workers;
+    if (!s->host) {
+        s->host = calloc((size_t)s->threads, sizeof(*s->host));
+        if (!s->host)
+            return stepq__error(STEPQ_ENOMEM, "shim: out of memory");
+    }
+    /* Worker w packs entries [w * per_worker, ...) through its own pool. */
+    for (int w = 0; w < workers; w++) {
+        if (s->host[w].n >= per_worker)
+            continue;
+        pool_close(&s->host[w], 0);
+        int rc = pool_open(s, &s->host[w], per_worker, STEPQ_POOL_BACKEND_HOST);
+        if (rc < 0)
+            return rc;
+    }
+    struct rt r = { s, layer_index, n, per_worker, states, 0 };
+    sq_parallel(workers, workers, rt_job, &r, NULL);
     return atomic_load(&r.rc);
 }
-
-#if STEPQ_HAVE_CUDA
-static void cuda_free_all(struct shim *s)
-{
-    if (!s->cu)
-        return;
-    for (int l = 0; l < s->sh.n_layers; l++) {
-        struct cuda_layer_state *c = &s->cu[l];
-        if (c->cl)
-            stepq__cuda_layer_release(c->cl);
-        if (c->pl.base)
-            cudaFree(c->pl.base);
-        if (c->hl)
-            for (int h = 0; h < s->sh.num_v_heads; h++)
-                stepq__head_layout_free(&c->hl[h]);
-        free(c->hl);
-        free(c->off);
-        free(c->w);
-    }
-    free(s->cu);
-    s->cu = NULL;
-    if (s->dslots)
-        cudaFree(s->dslots);
-    s->dslots = NULL;
-    s->cuda_n = 0;
-}
-#endif
 
 int stepq_shim_cuda_open(void *h, int max_n)
 {
     struct shim *s = h;
 #if STEPQ_HAVE_CUDA
-    const stepq_model_shape *sh = &s->sh;
-    int HV = sh->num_v_heads, K = sh->head_k_dim, V = sh->head_v_dim;
-    int kda = sh->arch == STEPQ_ARCH_KDA;
-    stepq_method meth = stepq_map_method(s->map);
-    if (max_n < 1 || stepq_method_is_dense(meth))
-        return stepq__error(STEPQ_EINVAL, "shim: CUDA path needs a quantized map and n >= 1");
-    if (stepq__cuda_device_count() < 1)
-        return stepq__error(STEPQ_ENODEV, "shim: no CUDA device");
-    cuda_free_all(s);
-    s->cu = calloc((size_t)sh->n_layers, sizeof(*s->cu));
-    if (!s->cu)
-        return stepq__error(STEPQ_ENOMEM, "shim: out of memory");
-    int rc = STEPQ_OK;
-    for (int l = 0; l < sh->n_layers && rc >= 0; l++) {
-        struct cuda_layer_state *c = &s->cu[l];
-        c->hl = calloc((size_t)HV, sizeof(*c->hl));
-        c->off = calloc((size_t)HV, sizeof(size_t));
-        c->w = malloc(sizeof(float) * (size_t)HV * K);
-        if (!c->hl || !c->off || !c->w) {
-            rc = stepq__error(STEPQ_ENOMEM, "shim: out of memory");
-            break;
-        }
-        size_t pos = 0;
-        for (int hv = 0; hv < HV && rc >= 0; hv++) {
-            uint8_t rb[STEPQ__MAX_HEAD_DIM];
-            sq_map_row_bits(s->map, l, hv, K, kda, rb);
-            rc = stepq__head_layout_init(&c->hl[hv], meth, sh->arch, K, V, rb, 16);
-            c->off[hv] = pos;
-            pos += c->hl[hv].block_bytes;
-            const float *w = stepq_map_row_impact(s->map, l, hv);
-            for (int i = 0; i < K; i++)
-                c->w[(size_t)hv * K + i] = w ? w[i] : 1.0f;
-        }
-        if (rc < 0)
-            break;
-        c->pl.page_stride = (pos + 15) & ~(size_t)15;
-        c->pl.n_slots = max_n + 1;
-        c->pl.n_heads = HV;
-        c->pl.heads = c->hl;
-        c->pl.head_offset = c->off;
-        c->pl.row_impact = stepq__method_uses_row_impact(meth) ? c->w : NULL;
-        void *base = NULL;
-        if (cudaMalloc(&base, c->pl.page_stride * (size_t)(max_n + 1)) != cudaSuccess) {
-            cudaGetLastError();
-            rc = stepq__error(STEPQ_ECUDA, "shim: cudaMalloc of the pages failed");
-            break;
-        }
-        c->pl.base = base;
-        stepq__cuda_layer *cl = NULL;
-        rc = stepq__cuda_layer_prepare(&c->pl, &cl);
-        c->cl = cl;
-    }
-    if (rc >= 0) {
-        int32_t *slots = malloc(sizeof(int32_t) * (size_t)max_n);
-        if (!slots)
-            rc = stepq__error(STEPQ_ENOMEM, "shim: out of memory");
-        for (int i = 0; slots && i < max_n; i++)
-            slots[i] = i + 1;
-        if (rc >= 0 &&
-            (cudaMalloc((void **)&s->dslots, sizeof(int32_t) * (size_t)max_n) != cudaSuccess ||
-             cudaMemcpy(s->dslots, slots, sizeof(int32_t) * (size_t)max_n,
-                        cudaMemcpyHostToDevice) != cudaSuccess)) {
-            cudaGetLastError();
-            rc = stepq__error(STEPQ_ECUDA, "shim: slot list upload failed");
-        }
-        free(slots);
-    }
-    if (rc < 0) {
-        cuda_free_all(s);
-        return rc;
-    }
-    s->cuda_n = max_n;
-    return STEPQ_OK;
+    if (!s || max_n < 1)
+        return stepq__error(STEPQ_EINVAL, "shim: CUDA path needs n >= 1");
+    pool_close(&s->cuda, 1);
+    return pool_open(s, &s->cuda, max_n, STEPQ_POOL_BACKEND_CUDA);
 #else
     (void)s;
     (void)max_n;
@@ -260,27 +245,10 @@ int stepq_shim_cuda_open(void *h, int max_n)
 int stepq_shim_cuda_roundtrip(void *h, int layer_index, float *dev_states, int n, void *stream)
 {
     struct shim *s = h;
-#if STEPQ_HAVE_CUDA
-    if (!s->cuda_n || layer_index < 0 || layer_index >= s->sh.n_layers || n < 0 || n > s->cuda_n ||
-        !dev_states)
-        return stepq__error(STEPQ_EINVAL, "shim: CUDA roundtrip: bad layer %d or n %d (max %d)",
-                            layer_index, n, s->cuda_n);
-    struct cuda_layer_state *c = &s->cu[layer_index];
-    size_t stride = (size_t)s->sh.num_v_heads * s->sh.head_k_dim * s->sh.head_v_dim;
-    int rc = stepq__cuda_pack_prepared(&c->pl, c->cl, n, s->dslots, dev_states, stride,
-                                       STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, NULL, NULL, stream);
-    if (rc >= 0)
-        rc = stepq__cuda_unpack_prepared(&c->pl, c->cl, n, s->dslots, dev_states, stride,
-                                         STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, stream);
-    return rc;
-#else
-    (void)s;
-    (void)layer_index;
-    (void)dev_states;
-    (void)n;
-    (void)stream;
-    return stepq__error(STEPQ_ENOTSUP, "shim: built without CUDA");
-#endif
+    if (!s || !s->cuda.n || n < 0 || n > s->cuda.n)
+        return stepq__error(STEPQ_EINVAL, "shim: CUDA roundtrip: n %d (opened for %d)", n,
+                            s ? s->cuda.n : 0);
+    return pool_roundtrip(&s->cuda, layer_index, dev_states, n, stream);
 }
 
 void stepq_shim_close(void *h)
@@ -288,9 +256,10 @@ void stepq_shim_close(void *h)
     struct shim *s = h;
     if (!s)
         return;
-#if STEPQ_HAVE_CUDA
-    cuda_free_all(s);
-#endif
+    for (int w = 0; s->host && w < s->threads; w++)
+        pool_close(&s->host[w], 0);
+    free(s->host);
+    pool_close(&s->cuda, 1);
     stepq_map_close(s->map);
     free(s);
 }
