@@ -147,9 +147,7 @@ __device__ __forceinline__ float sq_bf2f(uint16_t h)
  */
 __device__ __forceinline__ uint32_t sq_ld_bits(const void *p, size_t i, int bf16)
 {
-    /* one byte address for either load (bf16 is 0 or 1): half the address arithmetic */
-    const uint8_t *a = (const uint8_t *)p + (i << (2 - bf16));
-    return bf16 ? (uint32_t)(*(const uint16_t *)a) : *(const uint32_t *)a;
+    return bf16 ? (uint32_t)((const uint16_t *)p)[i] : ((const uint32_t *)p)[i];
 }
 
 __device__ __forceinline__ float sq_bits_f(uint32_t b, int bf16)
@@ -244,28 +242,36 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
 enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
 
 /*
- * The decay exp(g) of head hv, key channel j (0: GDN's one gate per head)
- * from the bits of g (sq_ld_bits); with st.gate, g is the raw gate and
- * g = -exp(A_log) softplus(g + dt_bias) is formed here (torch's softplus:
- * in double as the reference when DBL, else in fp32). g is widened after
- * the loads of dt_bias and A_log are issued, so that they need not wait for
- * it. bad notes a non-finite gate.
+ * The bits of dt_bias[hv][j] (GDN: [hv]) and A_log[hv] that sq_decay needs
+ * with st.gate (0 without), loaded apart from it so that a kernel can issue
+ * them with its other inputs.
  */
-template <bool DBL>
-__device__ __forceinline__ float sq_decay(const sq_step &st, int hv, int j, uint32_t gbits,
-                                          bool &bad)
+__device__ __forceinline__ void sq_ld_gate(const sq_step &st, int hv, int j, uint32_t &bias,
+                                           uint32_t &alog)
 {
-    float g;
+    bias = alog = 0;
     if (st.gate) {
         const int ng = st.kda ? SQ_D : 1;
+        bias = sq_ld_bits(st.dt_bias, (size_t)hv * ng + j, st.par_bf16);
+        alog = sq_ld_bits(st.A_log, (size_t)hv, st.par_bf16);
+    }
+}
+
+/*
+ * The decay exp(g) of a head's key channel (GDN: of the head); with st.gate,
+ * g is the raw gate and g = -exp(A_log) softplus(g + dt_bias) is formed
+ * here from the bits of sq_ld_gate (torch's softplus: in double as the
+ * reference when DBL, else in fp32). bad notes a non-finite gate.
+ */
+template <bool DBL>
+__device__ __forceinline__ float sq_decay(const sq_step &st, float g, uint32_t bias, uint32_t alog,
+                                          bool &bad)
+{
+    if (st.gate) {
         const int pb = st.par_bf16;
-        const uint32_t bias = sq_ld_bits(st.dt_bias, (size_t)hv * ng + j, pb);
-        const uint32_t alog = sq_ld_bits(st.A_log, (size_t)hv, pb);
-        const float ga = sq_bits_f(gbits, st.in_bf16) + sq_bits_f(bias, pb);
+        const float ga = g + sq_bits_f(bias, pb);
         const float sp = ga > 20.0f ? ga : DBL ? (float)log1p(exp((double)ga)) : log1pf(expf(ga));
         g = -expf(sq_bits_f(alog, pb)) * sp;
-    } else {
-        g = sq_bits_f(gbits, st.in_bf16);
     }
     bad |= !isfinite(g);
     return expf(g);
@@ -282,14 +288,15 @@ __device__ __forceinline__ float sq_beta(const sq_step &st, float b, bool &bad)
 
 /*
  * Non-finite recurrence inputs of (entry e, head hv): the state keeps its
- * content (the caller writes nothing back), the output row is 0, stage 2 of
- * the two-stage step skips the head, and the slot's health notes INPUT.
+ * content (the caller writes nothing back), the output row is 0 (o is bf16
+ * when bf16), stage 2 of the two-stage step skips the head, and the slot's
+ * health notes INPUT.
  */
 __device__ __forceinline__ void sq_input_failed(const sq_step &st, const sq_io &io, int e, int HV,
-                                                int hv, int32_t slot, int t)
+                                                int hv, int32_t slot, int t, int bf16)
 {
     if (t < SQ_D)
-        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, 0.0f, st.in_bf16);
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, 0.0f, bf16);
     if (t == 0) {
         if (io.skip)
             io.skip[(size_t)e * HV + hv] = 1;
@@ -505,7 +512,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             if (st.kda || t == 0) {
                 const int gi = st.kda ? t : 0;
                 const size_t go = (size_t)e * st.g_stride + (size_t)hv * (st.kda ? SQ_D : 1) + gi;
-                float d = sq_decay<true>(st, hv, gi, sq_ld_bits(st.g, go, bf), bad);
+                uint32_t bias, alog;
+                sq_ld_gate(st, hv, gi, bias, alog);
+                float d =
+                    sq_decay<true>(st, sq_bits_f(sq_ld_bits(st.g, go, bf), bf), bias, alog, bad);
                 if (st.kda)
                     sm.dec[t] = d;
                 else
@@ -520,7 +530,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             /* The state keeps its previous content; the output row is 0. */
             if (SRC == SQ_SRC_PACKED)
                 sq_cp_async_wait_all(); /* nothing may land in a finished block */
-            sq_input_failed(st, io, e, HV, hv, slot, t);
+            sq_input_failed(st, io, e, HV, hv, slot, t, st.in_bf16);
             return;
         }
         if (t < SQ_D) {

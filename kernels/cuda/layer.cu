@@ -276,19 +276,25 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
- * packed step ORDER and ORDER|RTU, pack 0, RTU, STAGE and RTU|STAGE, dense
- * bf16 step 0; ORDER launches the grid as (batch, heads).
+ * packed step ORDER and ORDER|RTU, each with IN32 or IN16 after st.in_bf16,
+ * pack 0, RTU, STAGE and RTU|STAGE, dense bf16 step 0; ORDER launches the
+ * grid as (batch, heads).
  */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                        int v, const char *who)
 {
     if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
+        /* one instantiation per input dtype (SQ_V_IN32 / SQ_V_IN16) */
         const dim3 g2(grid.y, grid.x);
+        constexpr int O = SQ_V_ORDER, R = SQ_V_ORDER | SQ_V_RTU;
+        if ((v & SQ_V_RTU) && st.in_bf16)
+            return launch_tile_v<SRC, UPDATE, SINK, R | SQ_V_IN16>(g2, smem, s, st, io, who);
         if (v & SQ_V_RTU)
-            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER | SQ_V_RTU>(g2, smem, s, st, io,
-                                                                           who);
-        return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ORDER>(g2, smem, s, st, io, who);
+            return launch_tile_v<SRC, UPDATE, SINK, R | SQ_V_IN32>(g2, smem, s, st, io, who);
+        if (st.in_bf16)
+            return launch_tile_v<SRC, UPDATE, SINK, O | SQ_V_IN16>(g2, smem, s, st, io, who);
+        return launch_tile_v<SRC, UPDATE, SINK, O | SQ_V_IN32>(g2, smem, s, st, io, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
         if ((v & SQ_V_RTU) && (v & SQ_V_STAGE))
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_STAGE>(grid, smem, s, st, io,

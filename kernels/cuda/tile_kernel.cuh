@@ -146,6 +146,23 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
 #define SQ_V_RTU 4
 /* the pack stages its dense head in shared memory (sq_stage_dense): [V,K] sources only */
 #define SQ_V_STAGE 8
+/*
+ * the step's inputs and o are fp32 (IN32) / bf16 (IN16) in this instantiation;
+ * neither: st.in_bf16 at run time. The packed step is instantiated per input
+ * dtype: with the run-time flag at every input load (predicated 16- and
+ * 32-bit load pairs) it measured 1.5-2% slower at B = 512 on the H200. The
+ * dense bf16-state step keeps the flag: at the 128-register limit its timing
+ * moves with any change of its code, and a build with fp32-only loads there
+ * measured 5-7% slower than with the flag (within 1% of before).
+ */
+#define SQ_V_IN32 16
+#define SQ_V_IN16 32
+
+/* Whether the step's inputs are bf16: fixed by the variant bits V, else st.in_bf16. */
+template <int V> __device__ __forceinline__ int sq_in_bf16(const sq_step &st)
+{
+    return (V & SQ_V_IN16) ? 1 : (V & SQ_V_IN32) ? 0 : st.in_bf16;
+}
 
 /* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
 __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
@@ -582,38 +599,43 @@ struct __align__(16) sq_tsmem
 };
 
 /*
- * Raw recurrence inputs of one (request, head), loaded ahead: their bits
- * (sq_ld_bits), widened where they are used (sq_bits_f), so that the state
- * tile's loads go out without waiting for these.
+ * Raw recurrence inputs of one (request, head) as bits (sq_ld_bits), loaded
+ * ahead and widened where they are used (sq_bits_f), so that the state
+ * tile's loads go out without waiting for them:
+ *   threads 0..127 (channel t):         w[0] q, w[1] k
+ *   threads 128..255 (channel t - 128): w[0] v, w[1] g, w[2] beta, w[3]
+ *       dt_bias, w[4] A_log (the gate's only where the thread has a gate)
+ * One array for both halves, so that they share registers. dt_bias and
+ * A_log come with the rest instead of in sq_decay, after g: one memory
+ * latency fewer before the input check.
  */
 struct sq_in {
-    uint32_t q, k, v, g, b;
+    uint32_t w[5];
 };
 
-/*
- * Threads 0..127 load q and k (channel t), threads 128..255 v (channel
- * t - 128), the gate (KDA: channel t - 128; GDN: thread 128) and beta
- * (thread 128): the input phase runs on all eight warps.
- */
-template <bool UPDATE>
+/* The input phase runs on all eight warps (sq_in for who loads what). */
+template <bool UPDATE, int V>
 __device__ __forceinline__ void sq_load_in(sq_in &in, const sq_step &st, int hv, int e, int HV,
                                            int t)
 {
     if (!UPDATE)
         return;
-    const int hq = hv / (HV / st.H), bf = st.in_bf16;
+    const int hq = hv / (HV / st.H), bf = sq_in_bf16<V>(st);
     if (t < SQ_D) {
         const size_t qh = (size_t)hq * SQ_D + t;
-        in.q = sq_ld_bits(st.q, (size_t)e * st.q_stride + qh, bf);
-        in.k = sq_ld_bits(st.k, (size_t)e * st.k_stride + qh, bf);
+        in.w[0] = sq_ld_bits(st.q, (size_t)e * st.q_stride + qh, bf);
+        in.w[1] = sq_ld_bits(st.k, (size_t)e * st.k_stride + qh, bf);
         return;
     }
     const int j = t - SQ_D;
-    in.v = sq_ld_bits(st.v, (size_t)e * st.v_stride + (size_t)hv * SQ_D + j, bf);
-    if (st.kda || j == 0)
-        in.g = sq_ld_bits(st.g, (size_t)e * st.g_stride + (size_t)hv * (st.kda ? SQ_D : 1) + j, bf);
+    in.w[0] = sq_ld_bits(st.v, (size_t)e * st.v_stride + (size_t)hv * SQ_D + j, bf);
+    if (st.kda || j == 0) {
+        in.w[1] =
+            sq_ld_bits(st.g, (size_t)e * st.g_stride + (size_t)hv * (st.kda ? SQ_D : 1) + j, bf);
+        sq_ld_gate(st, hv, j, in.w[3], in.w[4]);
+    }
     if (j == 0)
-        in.b = sq_ld_bits(st.beta, (size_t)e * st.beta_stride + hv, bf);
+        in.w[2] = sq_ld_bits(st.beta, (size_t)e * st.beta_stride + hv, bf);
 }
 
 /*
@@ -753,7 +775,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                                              int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
                                              const sq_in &in)
 {
-    const int t = threadIdx.x;
+    const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
@@ -812,7 +834,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     if (UPDATE) {
         bool bad = false;
         if (t < SQ_D) {
-            const float qv = sq_bits_f(in.q, st.in_bf16), kv = sq_bits_f(in.k, st.in_bf16);
+            const float qv = sq_bits_f(in.w[0], bfi), kv = sq_bits_f(in.w[1], bfi);
             bad = !isfinite(qv) || !isfinite(kv);
             if (st.l2norm) {
                 /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
@@ -831,23 +853,23 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             sm.k[t] = kv;
         } else {
             const int j = t - SQ_D;
-            const float vv = sq_bits_f(in.v, st.in_bf16);
+            const float vv = sq_bits_f(in.w[0], bfi);
             bad = !isfinite(vv);
             sm.v[j] = vv;
             if (st.kda || j == 0) {
-                float d = sq_decay<false>(st, hv, st.kda ? j : 0, in.g, bad);
+                float d = sq_decay<false>(st, sq_bits_f(in.w[1], bfi), in.w[3], in.w[4], bad);
                 if (st.kda)
                     sm.dec[j] = d;
                 else
                     sm.dec0 = d;
             }
             if (j == 0)
-                sm.beta = sq_beta(st, sq_bits_f(in.b, st.in_bf16), bad);
+                sm.beta = sq_beta(st, sq_bits_f(in.w[2], bfi), bad);
         }
         if (__syncthreads_or(bad)) {
             if (SRC != SQ_SRC_DENSE)
                 sq_cp_async_wait_all(); /* nothing may land in a finished block */
-            sq_input_failed(st, io, e, HV, hv, slot, t);
+            sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
             __syncthreads(); /* buf and sm are free when it returns */
             return;
         }
@@ -1055,7 +1077,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             o = 0.0f;
             fl |= STEPQ__HEALTH_OUTPUT;
         }
-        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, st.in_bf16);
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
     }
 
     if (SINK == SQ_SINK_DENSE) {
@@ -1323,7 +1345,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
                        hd->block_bytes);
     }
     sq_in in;
-    sq_load_in<UPDATE>(in, st, hv, e, HV, threadIdx.x);
+    sq_load_in<UPDATE, V>(in, st, hv, e, HV, threadIdx.x);
     sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in);
 }
 
