@@ -37,16 +37,17 @@
 #define REPLAYS 100
 
 /*
- * CUDA vs reference. The kernels compute the fit in fp32 in another order
- * than the C reference; where a value falls on a rounding tie of a code or
- * an fp16 scale, the two round differently (tests/kernels_cuda proves every
- * differing code is such a tie). One tie moves that element by one step of
- * its width, so the NMSE of whole states and readouts stays far below a
- * 6-bit code's own error (~1e-3); 1e-5 leaves room for ties compounding over
- * TOKENS steps while a wrong head, layout or gate would give ~1.
+ * CUDA vs reference, one step from the same pages. The readout comes from
+ * the same decoded state through fp32 arithmetic in another order: rounding
+ * only. The new state is fitted and rounded to codes and fp16 scales; where
+ * a value falls on a rounding tie the two round differently
+ * (tests/kernels_cuda proves every differing code is such a tie), which
+ * moves that element, or a row of it for a scale, by one step of its width:
+ * far below a 6-bit code's own error (~1e-3), while a wrong head, layout or
+ * gate would give ~1.
  */
 #define TOL_STATE_NMSE 1e-5
-#define TOL_OUT_NMSE   1e-5
+#define TOL_OUT_NMSE   1e-9
 
 struct batch {
     int H, HV, K, V, L, kda;
@@ -224,6 +225,9 @@ static void pack_both(struct batch *b, stepq_pool_t *host, stepq_pool_t *dev)
         p.slot_ids = dreal;
         p.states = ddense;
         assert_int_equal(stepq_pool_prefill_pack(dev, l, &p, NULL), STEPQ_OK);
+        /* The pool's stream may be a non-blocking one, unordered with the
+         * next layer's synchronous upload into the same buffer. */
+        assert_int_equal(stepq_pool_sync(dev), STEPQ_OK);
     }
     assert_int_equal(stepq_pool_sync(dev), STEPQ_OK);
     free(dense);
@@ -258,6 +262,29 @@ static double state_nmse(struct batch *b, stepq_pool_t *host, stepq_pool_t *dev,
     return e;
 }
 
+/* The host pool's pages and health words, copied over the CUDA pool's (same layout). */
+static void sync_pages(stepq_pool_t *host, stepq_pool_t *dev)
+{
+    stepq_pool_buffer_info h[2], d[2];
+    int count = 0;
+    assert_int_equal(stepq_pool_buffer_infos(host, h, 2, &count), STEPQ_OK);
+    assert_int_equal(stepq_pool_buffer_infos(dev, d, 2, &count), STEPQ_OK);
+    for (int i = 0; i < 2; i++) {
+        assert_int_equal(h[i].bytes, d[i].bytes);
+        cu(cudaMemcpy(d[i].ptr, h[i].ptr, h[i].bytes, cudaMemcpyHostToDevice), "pages");
+    }
+}
+
+/*
+ * checkasm's rule for a stateful kernel: the same input state and the same
+ * inputs to both, one step, compare. Before every token the CUDA pool gets
+ * the host pool's pages, so each comparison is of one step; the trajectories
+ * are not compared over many steps, because re-quantizing after every token
+ * amplifies a single rounding tie (a code or an fp16 scale rounded the other
+ * way) into two different, equally valid quantized trajectories that drift
+ * apart to the level of the format's own error (measured: readout NMSE
+ * 1.6e-3 after 16 tokens, the 6-bit noise level).
+ */
 static void cuda_matches_host(stepq_map_t *map, const char *name)
 {
     struct batch b;
@@ -268,13 +295,13 @@ static void cuda_matches_host(stepq_map_t *map, const char *name)
     void *d_o = dalloc(4 * b.nv);
     assert_true(o_h && o_d);
     pack_both(&b, host, dev);
+    double worst_pack = 0, worst_o = 0, worst_s = 0;
     for (int l = 0; l < b.L; l++) {
         double e = state_nmse(&b, host, dev, l);
-        printf("%s: layer %d packed state NMSE %.3g\n", name, l, e);
-        assert_true(e <= TOL_STATE_NMSE);
+        worst_pack = e > worst_pack ? e : worst_pack;
     }
-    double worst_o = 0;
     for (int t = 0; t < TOKENS; t++) {
+        sync_pages(host, dev);
         for (int l = 0; l < b.L; l++) {
             batch_fill(&b, 1000 * t + l, NULL);
             cu(cudaDeviceSynchronize(), "inputs");
@@ -284,20 +311,21 @@ static void cuda_matches_host(stepq_map_t *map, const char *name)
             cu(cudaMemcpy(o_d, d_o, 4 * b.nv, cudaMemcpyDeviceToHost), "o");
             for (int e = 0; e < BATCH; e++) {
                 if (b.ids[e] <= 0)
-                    continue; /* padding rows are unwritten; sentinel rows are garbage */
+                    continue; /* padding rows are unwritten; sentinel rows are undefined */
                 size_t row = (size_t)b.HV * b.V;
                 double err = nmse(o_d + e * row, o_h + e * row, row);
                 worst_o = err > worst_o ? err : worst_o;
             }
+            double e = state_nmse(&b, host, dev, l);
+            worst_s = e > worst_s ? e : worst_s;
         }
     }
-    printf("%s: worst readout NMSE over %d tokens x %d layers: %.3g\n", name, TOKENS, b.L, worst_o);
+    printf("%s: worst NMSE, CUDA vs reference: pack %.3g; over %d tokens x %d layers, one step "
+           "each: readout %.3g, state %.3g\n",
+           name, worst_pack, TOKENS, b.L, worst_o, worst_s);
+    assert_true(worst_pack <= TOL_STATE_NMSE);
     assert_true(worst_o <= TOL_OUT_NMSE);
-    for (int l = 0; l < b.L; l++) {
-        double e = state_nmse(&b, host, dev, l);
-        printf("%s: layer %d state NMSE after %d tokens %.3g\n", name, l, TOKENS, e);
-        assert_true(e <= TOL_STATE_NMSE);
-    }
+    assert_true(worst_s <= TOL_STATE_NMSE);
     free(o_h), free(o_d);
     cudaFree(d_o);
     assert_int_equal(stepq_pool_close(host, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
