@@ -37,7 +37,7 @@
  *   S <- exp(g) S        (GDN: scalar; KDA: row i scaled by exp(g_i))
  *   u <- beta * (v - S^T k)                           (decayed state)
  *   S <- S + k u^T
- *   non-finite elements of S -> 0, flag STEPQ__HEALTH_STATE
+ *   non-finite elements of S -> 0, flag STEPQ_HEALTH_STATE
  *   o <- S^T q                                        (updated state)
  *
  * Health (kernels/README.md): `health` is indexed by slot id and OR-ed with
@@ -186,7 +186,7 @@ int stepq__prep_head(const struct stepq__step_args *a, int b, int hv, float *q, 
 /**
  * stepq__prep_head for a decode step into `slot`, with the one policy every
  * step follows on a non-finite input: the head's output row o[b][hv] reads 0,
- * the slot is flagged STEPQ__HEALTH_INPUT and 1 is returned (the caller then
+ * the slot is flagged STEPQ_HEALTH_INPUT and 1 is returned (the caller then
  * leaves the state as it was). Returns 0 when the inputs are ready.
  */
 int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32_t slot, float *q,
@@ -195,7 +195,7 @@ int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32
  * The update of one head on an fp32 tile S (element (i, j) at S[i*rs + j*cs]):
  * decay, delta correction, update, sanitise (non-finite -> 0), readout into
  * o[d_v] (a non-finite readout element is written as 0). Returns the health
- * bits raised: STEPQ__HEALTH_STATE and/or STEPQ__HEALTH_OUTPUT, or 0.
+ * bits raised: STEPQ_HEALTH_STATE and/or STEPQ_HEALTH_OUTPUT, or 0.
  */
 uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_k, int d_v,
                             const float *q, const float *k, const float *v, const float *g,

@@ -21,7 +21,7 @@
  *   A pivot unit (bits == STEPQ_BITS_PIVOT) stores IEEE fp16 values instead
  *   of codes, in the same place: a GDN pivot head is 2*d_k*d_v bytes, a KDA
  *   pivot row 2*d_v bytes. Pivots use no scales. Values beyond the fp16 range
- *   saturate to +-65504 (flagged STEPQ__HEALTH_SATURATED), never to Inf.
+ *   saturate to +-65504 (flagged STEPQ_HEALTH_SATURATED), never to Inf.
  *
  * Block order
  *   [codes / pivots] [row scales: d_k fp16] [column scales: d_v fp16]
@@ -51,9 +51,9 @@
  *
  * Non-finite values (kernels/README.md gives the reasoning)
  *   Packing never stores NaN or Inf: non-finite elements of a state are
- *   replaced by 0 before fitting and STEPQ__HEALTH_STATE is raised; a decode
+ *   replaced by 0 before fitting and STEPQ_HEALTH_STATE is raised; a decode
  *   step whose inputs for a (request, head) are non-finite leaves that head's
- *   state untouched, writes 0 to its output and raises STEPQ__HEALTH_INPUT.
+ *   state untouched, writes 0 to its output and raises STEPQ_HEALTH_INPUT.
  */
 #ifndef STEPQ_KERNELS_FORMAT_H
 #define STEPQ_KERNELS_FORMAT_H
@@ -63,6 +63,7 @@
 
 #include "stepq/common.h"
 #include "stepq/map.h"
+#include "stepq/pool.h" /* STEPQ_HEALTH_* */
 
 /** Default alignment of the sub-blocks of a head block (bytes). */
 #define STEPQ__ALIGN_DEFAULT 16
@@ -75,14 +76,10 @@
 #define STEPQ__SCALE_MAX 65504.0f
 
 /*
- * Health flags, OR-ed per slot into a uint32_t word the pool exposes to the
- * server. A flag never clears itself; the owner of the word resets it.
+ * Health flags: the public STEPQ_HEALTH_* bits of stepq/pool.h, OR-ed per
+ * slot into a uint32_t word the pool exposes to the server. A flag never
+ * clears itself; the owner of the word resets it.
  */
-#define STEPQ__HEALTH_INPUT 0x1u /**< non-finite q/k/v/gate/beta: head left unchanged, output 0 */
-#define STEPQ__HEALTH_STATE 0x2u /**< non-finite state elements were replaced by 0 */
-#define STEPQ__HEALTH_SATURATED \
-    0x4u                          /**< a value or scale exceeded the fp16 range and was clamped */
-#define STEPQ__HEALTH_OUTPUT 0x8u /**< a readout overflowed to non-finite and was written as 0 */
 
 /** Layout of a dense fp32 state head as a server hands it over. */
 typedef enum stepq__layout {

@@ -35,7 +35,7 @@ static int check_layout(const struct stepq_head_layout *hl)
 static float scale_value(float s, uint16_t *h, uint32_t *flags)
 {
     if (s > STEPQ__SCALE_MAX)
-        *flags |= STEPQ__HEALTH_SATURATED;
+        *flags |= STEPQ_HEALTH_SATURATED;
     *h = stepq__scale_to_fp16(s);
     return stepq__fp16_to_float(*h);
 }
@@ -88,7 +88,7 @@ static void store_dense(const struct stepq_head_layout *hl, const float *x, uint
         break;
     }
     if (sat)
-        *flags |= STEPQ__HEALTH_SATURATED;
+        *flags |= STEPQ_HEALTH_SATURATED;
 }
 
 static void store_pivot_row(const float *xr, int d_v, uint8_t *dst, uint32_t *flags)
@@ -98,7 +98,7 @@ static void store_pivot_row(const float *xr, int d_v, uint8_t *dst, uint32_t *fl
     for (int j = 0; j < d_v; j++)
         wr16(dst + 2 * (size_t)j, stepq__fp16_from_float_sat(xr[j], &sat));
     if (sat)
-        *flags |= STEPQ__HEALTH_SATURATED;
+        *flags |= STEPQ_HEALTH_SATURATED;
 }
 
 /*
@@ -314,7 +314,7 @@ int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, con
             return stepq__error(STEPQ_ENOMEM, "quantize head: out of memory");
         for (size_t f = 0; f < n; f++)
             clean[f] = isfinite(x[f]) ? x[f] : 0.0f;
-        *flags |= STEPQ__HEALTH_STATE;
+        *flags |= STEPQ_HEALTH_STATE;
         x = clean;
     }
 

@@ -41,12 +41,12 @@
  *
  * @param hl    the head's layout (stepq__head_layout_init).
  * @param x     the state, fp32 [d_k][d_v] row-major; not modified.
- *              Non-finite elements are treated as 0 (flag STEPQ__HEALTH_STATE).
+ *              Non-finite elements are treated as 0 (flag STEPQ_HEALTH_STATE).
  * @param w     d_k row-impact factors (finite, > 0) for spatial/stepq, or
  *              NULL for all 1; ignored by the other methods.
  * @param block hl->block_bytes bytes, fully overwritten (padding and unused
  *              scale slots are written as 0, so equal inputs give equal bytes).
- * @param flags OR-ed with STEPQ__HEALTH_STATE / STEPQ__HEALTH_SATURATED; may be NULL.
+ * @param flags OR-ed with STEPQ_HEALTH_STATE / STEPQ_HEALTH_SATURATED; may be NULL.
  * @return STEPQ_OK; STEPQ_EINVAL for a bad layout or w (block untouched);
  *         STEPQ_ENOMEM (block untouched).
  * Thread-safety: reentrant.

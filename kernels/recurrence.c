@@ -216,7 +216,7 @@ int stepq__prep_step_head(const struct stepq__step_args *a, int b, int hv, int32
     if (!stepq__prep_head(a, b, hv, q, k, v, g, beta))
         return 0;
     stepq__store_out(a, b, hv, NULL);
-    stepq__health_note(a->health, a->counts, slot, STEPQ__HEALTH_INPUT);
+    stepq__health_note(a->health, a->counts, slot, STEPQ_HEALTH_INPUT);
     return 1;
 }
 
@@ -304,7 +304,7 @@ static uint32_t head_update_unit(float *S, size_t rs, int arch_kda, int d_k, int
     }
     for (int j = 0; j < d_v; j++)
         o[j] = finite_or_zero((float)acc[j], &bad_out);
-    return (bad ? STEPQ__HEALTH_STATE : 0) | (bad_out ? STEPQ__HEALTH_OUTPUT : 0);
+    return (bad ? STEPQ_HEALTH_STATE : 0) | (bad_out ? STEPQ_HEALTH_OUTPUT : 0);
 }
 
 uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_k, int d_v,
@@ -346,7 +346,7 @@ uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_
             float s = row[(size_t)j * cs] + ki * u[j];
             if (!isfinite(s)) {
                 s = 0.0f;
-                flags |= STEPQ__HEALTH_STATE;
+                flags |= STEPQ_HEALTH_STATE;
             }
             row[(size_t)j * cs] = s;
             acc[j] += (double)s * qi;
@@ -356,7 +356,7 @@ uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_
         float r = (float)acc[j];
         if (!isfinite(r)) {
             r = 0.0f;
-            flags |= STEPQ__HEALTH_OUTPUT;
+            flags |= STEPQ_HEALTH_OUTPUT;
         }
         o[j] = r;
     }

@@ -99,17 +99,17 @@ __device__ __forceinline__ uint16_t sq_scale_h(float s)
 __device__ __forceinline__ uint16_t sq_f16_sat(float f, unsigned *fl)
 {
     if (f != f) {
-        *fl |= STEPQ__HEALTH_SATURATED;
+        *fl |= STEPQ_HEALTH_SATURATED;
         return 0;
     }
     if (f >= 65504.0f) {
         if (f > 65504.0f)
-            *fl |= STEPQ__HEALTH_SATURATED;
+            *fl |= STEPQ_HEALTH_SATURATED;
         return 0x7bffu;
     }
     if (f <= -65504.0f) {
         if (f < -65504.0f)
-            *fl |= STEPQ__HEALTH_SATURATED;
+            *fl |= STEPQ_HEALTH_SATURATED;
         return 0xfbffu;
     }
     return __half_as_ushort(__float2half_rn(f));
@@ -125,7 +125,7 @@ __device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
     uint16_t h = (uint16_t)(x >> 16);
     if ((h & 0x7f80u) == 0x7f80u) {
         h = (uint16_t)((h & 0x8000u) | 0x7f7fu);
-        *fl |= STEPQ__HEALTH_SATURATED;
+        *fl |= STEPQ_HEALTH_SATURATED;
     }
     return h;
 }
@@ -301,7 +301,7 @@ __device__ __forceinline__ void sq_input_failed(const sq_step &st, const sq_io &
         if (io.skip)
             io.skip[(size_t)e * HV + hv] = 1;
         if (io.health)
-            atomicOr(io.health + slot, STEPQ__HEALTH_INPUT);
+            atomicOr(io.health + slot, STEPQ_HEALTH_INPUT);
         if (io.counts)
             atomicAdd(io.counts + 0, 1ull);
     }
@@ -477,7 +477,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                     nf = true;
                 }
             if (nf)
-                fl |= STEPQ__HEALTH_STATE;
+                fl |= STEPQ_HEALTH_STATE;
         }
     }
     if (quant) {
@@ -644,14 +644,14 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             acc = fmaf(s, sm.q[i], acc);
         }
         if (nf)
-            fl |= STEPQ__HEALTH_STATE;
+            fl |= STEPQ_HEALTH_STATE;
         sm.red[1][half][j] = acc;
         __syncthreads();
         if (half == 0) {
             float o = sm.red[1][0][j] + sm.red[1][1][j];
             if (!isfinite(o)) {
                 o = 0.0f;
-                fl |= STEPQ__HEALTH_OUTPUT;
+                fl |= STEPQ_HEALTH_OUTPUT;
             }
             sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + j, o, st.in_bf16);
         }
@@ -697,7 +697,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                                 fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
                 float s = dual ? sqrtf(m / hd->w[t]) : m;
                 if (s > STEPQ__SCALE_MAX)
-                    fl |= STEPQ__HEALTH_SATURATED;
+                    fl |= STEPQ_HEALTH_SATURATED;
                 h = sq_scale_h(s);
                 r = sq_h2f(h);
                 float w = hd->w[t];
@@ -738,7 +738,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             __syncthreads();
             float c = fmaxf(sm.red[0][0][j], sm.red[0][1][j]);
             if (c > STEPQ__SCALE_MAX && half == 0)
-                fl |= STEPQ__HEALTH_SATURATED;
+                fl |= STEPQ_HEALTH_SATURATED;
             cj = sq_h2f(sq_scale_h(c));
             cinv = __frcp_rn(cj);
         }
@@ -806,7 +806,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 if (dn > 0.0f) {
                     float c = nm / dn;
                     if (c > STEPQ__SCALE_MAX)
-                        fl |= STEPQ__HEALTH_SATURATED;
+                        fl |= STEPQ_HEALTH_SATURATED;
                     h = sq_scale_h(c);
                 } else {
                     h = sq_scale_h(cj);

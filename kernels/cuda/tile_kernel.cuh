@@ -1043,7 +1043,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     if (slow) {
         /* rare: non-finite elements become 0; the readout is recomputed */
         if (nf)
-            fl |= STEPQ__HEALTH_STATE;
+            fl |= STEPQ_HEALTH_STATE;
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             float mm = 0.0f;
@@ -1075,7 +1075,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         float o = slow ? sm.colb[t] : fmaf(sm.cola[t], kq, sm.colb[t]);
         if (!isfinite(o)) {
             o = 0.0f;
-            fl |= STEPQ__HEALTH_OUTPUT;
+            fl |= STEPQ_HEALTH_OUTPUT;
         }
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
     }
@@ -1112,7 +1112,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                     const float wi = hd->w[i];
                     float s = dual ? sqrtf(mr / wi) : mr;
                     if (s > STEPQ__SCALE_MAX) {
-                        fl |= STEPQ__HEALTH_SATURATED;
+                        fl |= STEPQ_HEALTH_SATURATED;
                         sm.sat = 1;
                     }
                     h = sq_scale_h(s);
@@ -1173,7 +1173,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                 const int j = t;
                 const float cm = sq_col_total<true>(sm.part[0], t);
                 if (cm > STEPQ__SCALE_MAX) {
-                    fl |= STEPQ__HEALTH_SATURATED;
+                    fl |= STEPQ_HEALTH_SATURATED;
                     sm.sat = 1;
                 }
                 float c = sq_h2f(sq_scale_h(cm));
@@ -1266,7 +1266,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                         /* sq_quant_row_e left qmax out of the sums */
                         float c = ub && !clamp ? (nm * (float)((1 << (ub - 1)) - 1)) / dn : nm / dn;
                         if (c > STEPQ__SCALE_MAX)
-                            fl |= STEPQ__HEALTH_SATURATED;
+                            fl |= STEPQ_HEALTH_SATURATED;
                         h = sq_scale_h(c);
                     } else {
                         h = sq_scale_h(sm.cola[j]);

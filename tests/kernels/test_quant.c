@@ -346,7 +346,7 @@ static void dense_fp16_bf16_fp32_blocks(void **state)
     uint32_t flags = 0;
     head_init(&h, STEPQ_METHOD_FP16, STEPQ_ARCH_GDN, 2, 2, NULL);
     assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
-    assert_int_equal(flags, STEPQ__HEALTH_SATURATED);
+    assert_int_equal(flags, STEPQ_HEALTH_SATURATED);
     assert_int_equal(rd16(h.blk), 0x3555);
     assert_int_equal(rd16(h.blk + 2), 0x7BFF);
     assert_int_equal(rd16(h.blk + 4), 0xC100);
@@ -612,7 +612,7 @@ static void non_finite_elements_are_packed_as_zero(void **state)
         assert_int_equal(stepq__quantize_head(&h.hl, clean, NULL, ref, &flags), STEPQ_OK);
         assert_int_equal(flags, 0);
         assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
-        assert_int_equal(flags, STEPQ__HEALTH_STATE);
+        assert_int_equal(flags, STEPQ_HEALTH_STATE);
         assert_memory_equal(ref, h.blk, h.hl.block_bytes);
         assert_int_equal(stepq__dequantize_head(&h.hl, h.blk, h.xh), STEPQ_OK);
         for (int e = 0; e < DK * DV; e++)
@@ -631,7 +631,7 @@ static void huge_values_saturate_scales_and_are_flagged(void **state)
     uint32_t flags = 0;
     head_init(&h, STEPQ_METHOD_UNIFORM, STEPQ_ARCH_GDN, 2, 2, bits);
     assert_int_equal(stepq__quantize_head(&h.hl, x, NULL, h.blk, &flags), STEPQ_OK);
-    assert_int_equal(flags, STEPQ__HEALTH_SATURATED);
+    assert_int_equal(flags, STEPQ_HEALTH_SATURATED);
     assert_int_equal(rd16(h.blk + h.hl.row_scale_offset), 0x7BFF);
     assert_int_equal(stepq__dequantize_head(&h.hl, h.blk, h.xh), STEPQ_OK);
     assert_true(h.xh[0] == 65504.0f);

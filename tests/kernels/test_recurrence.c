@@ -424,7 +424,7 @@ static void non_finite_input_leaves_that_head_unchanged(void **state)
         for (int j = 0; j < DV; j++)
             assert_true(p.o[(1 * HV + 0) * DV + j] == 0.0f);
         assert_memory_equal(p.o, o2, sizeof(float) * HV * DV);
-        assert_int_equal(health[2], STEPQ__HEALTH_INPUT);
+        assert_int_equal(health[2], STEPQ_HEALTH_INPUT);
         assert_int_equal(health[1], 0);
         assert_int_equal(counts[0], 1);
         assert_int_equal(counts[1], 0);
@@ -438,7 +438,7 @@ static void non_finite_input_leaves_that_head_unchanged(void **state)
         assert_memory_equal(s + slot, before + slot, sizeof(float) * DK * DV);
         assert_memory_equal(s + 2 * slot + DK * DV, before + 2 * slot + DK * DV,
                             sizeof(float) * DK * DV);
-        assert_int_equal(health[1], STEPQ__HEALTH_INPUT);
+        assert_int_equal(health[1], STEPQ_HEALTH_INPUT);
         assert_int_equal(counts[0], 3);
         free(s);
         free(ref);
@@ -466,7 +466,7 @@ static void non_finite_state_is_zeroed_and_flagged(void **state)
         assert_true(isfinite(s[DK * DV + e]));
     for (int j = 0; j < DV; j++)
         assert_true(isfinite(p.o[j]));
-    assert_int_equal(health[1], STEPQ__HEALTH_STATE);
+    assert_int_equal(health[1], STEPQ_HEALTH_STATE);
     assert_int_equal(counts[1], 1);
     free(s);
     problem_free(&p);
@@ -485,7 +485,7 @@ static void overflowing_readout_is_written_as_zero_and_flagged(void **state)
     a.health = &health;
     assert_int_equal(stepq__ref_step_dense(&a, &st), STEPQ_OK);
     assert_true(o[0] == 0.0f && o[1] == 0.0f);
-    assert_int_equal(health, STEPQ__HEALTH_OUTPUT);
+    assert_int_equal(health, STEPQ_HEALTH_OUTPUT);
 }
 
 static void prefill_refuses_non_finite_input_and_keeps_state(void **state)

@@ -342,7 +342,7 @@ static void non_finite_input_keeps_the_packed_page(void **state)
     assert_memory_equal(p.mem, before, pages_bytes(&p));
     for (int e = 0; e < HV * DV; e++)
         assert_true(pr.o[e] == 0.0f);
-    assert_int_equal(health[1], STEPQ__HEALTH_INPUT);
+    assert_int_equal(health[1], STEPQ_HEALTH_INPUT);
     assert_int_equal(counts[0], 2);
     free(before);
     packed_problem_free(&p, &pr);
@@ -366,7 +366,7 @@ static void corrupted_page_is_stored_finite_and_flagged(void **state)
     memcpy(blk, &inf, 2);
     memcpy(blk + 2, &nan, 2);
     assert_int_equal(stepq__ref_step_packed(&pr.a, &p.pl), STEPQ_OK);
-    assert_int_equal(health[1], STEPQ__HEALTH_STATE);
+    assert_int_equal(health[1], STEPQ_HEALTH_STATE);
     float x[HV * DK * DV];
     const int32_t one = 1;
     assert_int_equal(stepq__ref_unpack(&p.pl, 1, &one, x, HV * DK * DV, STEPQ__LAYOUT_KV, NULL),
@@ -480,7 +480,7 @@ static void packed_step_bf16_strided_views_equal_fp32_contiguous_on_rounded_inpu
                 assert_memory_equal(p1.mem, p2.mem, pages_bytes(&p1));
                 assert_memory_equal(h1, h2, sizeof(h1));
                 for (int s = 0; s < NS; s++)
-                    assert_false(h2[s] & STEPQ__HEALTH_INPUT); /* no NaN of a gap was read */
+                    assert_false(h2[s] & STEPQ_HEALTH_INPUT); /* no NaN of a gap was read */
                 assert_true(server_view_o_matches(&w, pr.o, pr.slots, B, HV, DV));
                 server_view_free(&w);
                 pages_free(&p2);
