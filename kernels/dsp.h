@@ -41,7 +41,7 @@
  *   o <- S^T q                                        (updated state)
  *
  * Health (kernels/README.md): `health` is indexed by slot id and OR-ed with
- * STEPQ__HEALTH_* bits; `counts` (4 entries, indexed by flag bit position:
+ * STEPQ_HEALTH_* bits; `counts` (4 entries, indexed by flag bit position:
  * input, state, saturated, output) is incremented once per (request, head)
  * event. Either may be NULL.
  */
