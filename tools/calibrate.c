@@ -38,9 +38,9 @@
 #include "kernels/quant.h"
 #include "plugin/err.h"
 #include "stepq/stepq.h"
-#include "tools/calib.h"
+#include "tools/calib/calib.h"
 #include "tools/commands.h"
-#include "tools/trace.h"
+#include "tools/calib/trace.h"
 
 enum { DIST_MSE, DIST_READOUT, DIST_PROP };
 #define TAIL_FIT 16 /* reads averaged for the gate-only tail of --distortion propagated */
@@ -72,8 +72,8 @@ struct head_res {
 };
 
 struct cctx {
-    const struct stepq_trace_set *ts;
-    const struct stepq_trace_info *I;
+    const struct stepq__trace_set *ts;
+    const struct stepq__trace_info *I;
     const struct copts *o;
     struct head_res *res; /* [n_layers * HV] */
 };
@@ -82,7 +82,7 @@ static void head_job(void *vctx, int job, int worker)
 {
     (void)worker;
     struct cctx *c = vctx;
-    const struct stepq_trace_info *I = c->I;
+    const struct stepq__trace_info *I = c->I;
     const struct copts *o = c->o;
     int li = job / I->HV, hv = job % I->HV;
     int K = I->K, V = I->V, T = I->T, S = I->n_streams, kda = I->arch == STEPQ_ARCH_KDA;
@@ -105,7 +105,7 @@ static void head_job(void *vctx, int job, int worker)
     float *snap = malloc(sizeof(float) * KV * (size_t)ns * (size_t)S);
     float *St = calloc(KV, sizeof(float)), *X = malloc(sizeof(float) * KV);
     float *E = malloc(sizeof(float) * KV), *ob = malloc(sizeof(float) * (size_t)V);
-    struct sq_head *hd = calloc((size_t)S, sizeof(*hd));
+    struct stepq__calib_head *hd = calloc((size_t)S, sizeof(*hd));
     r->lret = calloc((size_t)rows, sizeof(double));
     r->omega = calloc((size_t)K, sizeof(double));
     r->w = malloc(sizeof(float) * (size_t)K);
@@ -120,9 +120,9 @@ static void head_job(void *vctx, int job, int worker)
 
     double out2 = 0.0;
     for (int s = 0; s < S; s++) {
-        if ((r->rc = sq_head_load(c->ts, s, li, hv, &hd[s])) < 0)
+        if ((r->rc = stepq__calib_head_load(c->ts, s, li, hv, &hd[s])) < 0)
             goto out;
-        struct sq_head *h = &hd[s];
+        struct stepq__calib_head *h = &hd[s];
         memset(St, 0, sizeof(float) * KV);
         int si = 0;
         for (int t = 0; t < T; t++) {
@@ -138,7 +138,7 @@ static void head_job(void *vctx, int job, int worker)
             }
             for (int i = 0; i < rows; i++)
                 r->lret[i] += g[i];
-            sq_step(St, h, t, ob);
+            stepq__calib_step(St, h, t, ob);
             for (int j = 0; j < V; j++)
                 out2 += (double)ob[j] * ob[j];
             if (si < ns && t == tsamp[si]) {
@@ -147,7 +147,7 @@ static void head_job(void *vctx, int job, int worker)
             }
         }
         if (o->dist != DIST_PROP)
-            sq_head_free(h);
+            stepq__calib_head_free(h);
     }
     double ntok = (double)S * T;
     for (int i = 0; i < rows; i++)
@@ -189,15 +189,15 @@ static void head_job(void *vctx, int job, int worker)
     for (int ci = 0; ci < o->n_cand; ci++) {
         uint8_t rb[STEPQ__MAX_HEAD_DIM];
         memset(rb, o->cand[ci], sizeof(rb));
-        struct sq_quant qz;
-        if ((r->rc = sq_quant_init(&qz, o->method, I->arch, K, V, rb, r->w)) < 0)
+        struct stepq__calib_quant qz;
+        if ((r->rc = stepq__calib_quant_init(&qz, o->method, I->arch, K, V, rb, r->w)) < 0)
             goto out;
         double *d = r->dist + (size_t)ci * rows;
         for (int s = 0; s < S; s++) {
             for (int si = 0; si < ns; si++) {
                 const float *x0 = snap + ((size_t)s * ns + si) * KV;
                 memcpy(X, x0, sizeof(float) * KV);
-                sq_quant_apply(&qz, X);
+                stepq__calib_quant_apply(&qz, X);
                 for (size_t e = 0; e < KV; e++)
                     E[e] = X[e] - x0[e];
                 if (o->dist == DIST_PROP) {
@@ -205,7 +205,7 @@ static void head_job(void *vctx, int job, int worker)
                     int np = 0, nt = 0;
                     for (int p = 1; p <= P && tsamp[si] + p < T; p++) {
                         int tt = tsamp[si] + p;
-                        double re = sq_err_step_read(E, &hd[s], tt, 1);
+                        double re = stepq__calib_err_step_read(E, &hd[s], tt, 1);
                         acc += re;
                         np = p;
                         if (p > P - TAIL_FIT) {
@@ -235,12 +235,12 @@ static void head_job(void *vctx, int job, int worker)
         }
         for (int i = 0; i < rows; i++)
             d[i] /= (double)S * ns;
-        sq_quant_free(&qz);
+        stepq__calib_quant_free(&qz);
     }
 out:
     if (hd)
         for (int s = 0; s < S; s++)
-            sq_head_free(&hd[s]);
+            stepq__calib_head_free(&hd[s]);
     free(hd);
     free(tsamp);
     free(snap);
@@ -311,7 +311,7 @@ int stepq_tool_calibrate(int argc, char **argv)
     const char *out = NULL, *model_name = NULL;
     const char *traces[4096];
     int n_traces = 0, conv_kernel = 4, have_method = 0, lifetime_set = 0;
-    o.threads = sq_default_threads();
+    o.threads = stepq__calib_default_threads();
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -438,18 +438,18 @@ int stepq_tool_calibrate(int argc, char **argv)
         return 2;
     }
 
-    struct stepq_trace_set *ts;
-    if (stepq_trace_set_open(traces, n_traces, &ts) < 0) {
+    struct stepq__trace_set *ts;
+    if (stepq__trace_set_open(traces, n_traces, &ts) < 0) {
         fprintf(stderr, "stepq calibrate: %s\n", stepq_last_error());
         return 1;
     }
-    const struct stepq_trace_info *I = stepq_trace_set_info(ts);
+    const struct stepq__trace_info *I = stepq__trace_set_info(ts);
     int kda = I->arch == STEPQ_ARCH_KDA;
     if (o.dist < 0)
         o.dist = kda ? DIST_READOUT : DIST_PROP;
     if (kda && o.dist == DIST_PROP) {
         fprintf(stderr, "stepq calibrate: --distortion propagated is implemented for GDN only\n");
-        stepq_trace_set_close(ts);
+        stepq__trace_set_close(ts);
         return 2;
     }
     if (!lifetime_set)
@@ -472,13 +472,13 @@ int stepq_tool_calibrate(int argc, char **argv)
     struct head_res *res = calloc((size_t)n_heads, sizeof(*res));
     if (!res) {
         fprintf(stderr, "stepq calibrate: out of memory\n");
-        stepq_trace_set_close(ts);
+        stepq__trace_set_close(ts);
         return 1;
     }
     struct cctx ctx = { ts, I, &o, res };
     struct timespec t0, t1;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    sq_parallel(n_heads, o.threads, head_job, &ctx, "calibrate");
+    stepq__calib_parallel(n_heads, o.threads, head_job, &ctx, "calibrate");
     clock_gettime(CLOCK_MONOTONIC, &t1);
     int rc = 0;
     for (int h = 0; h < n_heads && !rc; h++)
@@ -543,7 +543,7 @@ int stepq_tool_calibrate(int argc, char **argv)
             }
             double capd = o.budget * (double)U - 8.0 * n_piv;
             long long cap = (long long)floor(capd + 1e-9);
-            solver = sq_allocate((int)nn, m, cost, size, cap, 400000000LL, choice);
+            solver = stepq__calib_allocate((int)nn, m, cost, size, cap, 400000000LL, choice);
             if (solver < 0) {
                 fprintf(stderr, "stepq calibrate: %s\n", stepq_last_error());
                 rc = 1;
@@ -575,7 +575,7 @@ int stepq_tool_calibrate(int argc, char **argv)
         if (conv_kernel == 1)
             sh.conv_rank = 0;
         int st = stepq_map_create(&sh, o.method, o.budget, &map);
-        const char *nm = model_name ? model_name : stepq_trace_set_meta(ts, "model");
+        const char *nm = model_name ? model_name : stepq__trace_set_meta(ts, "model");
         if (st >= 0 && nm)
             st = stepq_map_set_model_name(map, nm);
         for (long long u = 0; st >= 0 && !stepq_method_is_dense(o.method) && u < U; u++)
@@ -595,8 +595,8 @@ int stepq_tool_calibrate(int argc, char **argv)
             }
         }
         char data[1024], detail[512];
-        const char *src = stepq_trace_set_meta(ts, "source"),
-                   *split = stepq_trace_set_meta(ts, "split");
+        const char *src = stepq__trace_set_meta(ts, "source"),
+                   *split = stepq__trace_set_meta(ts, "split");
         snprintf(data, sizeof(data), "%s (%s), %d streams x %d tokens", src ? src : "?",
                  split ? split : "?", I->n_streams, I->T);
         snprintf(detail, sizeof(detail),
@@ -702,6 +702,6 @@ int stepq_tool_calibrate(int argc, char **argv)
     free(bits);
     free(lam);
     free(rk);
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
     return rc;
 }

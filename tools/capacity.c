@@ -120,7 +120,7 @@ static const char *plot_script(char *buf, size_t len)
 
     if (env && *env)
         return env;
-    snprintf(buf, len, "%s/tools/plot.py", STEPQ_SOURCE_ROOT);
+    snprintf(buf, len, "%s/tools/scripts/plot.py", STEPQ_SOURCE_ROOT);
     if (access(buf, R_OK) == 0)
         return buf;
     snprintf(buf, len, "%s/plot.py", STEPQ_DATADIR);

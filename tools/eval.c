@@ -32,9 +32,9 @@
 #include "plugin/err.h"
 #include "stepq/stepq.h"
 #include "stepq_config.h"
-#include "tools/calib.h"
+#include "tools/calib/calib.h"
 #include "tools/commands.h"
-#include "tools/trace.h"
+#include "tools/calib/trace.h"
 
 #define MAX_MAPS 64
 #define EDGE     256 /* first / last steps reported separately */
@@ -46,8 +46,8 @@ struct acc {                           /* per (method, head, stream) */
 };
 
 struct ectx {
-    const struct stepq_trace_set *ts;
-    const struct stepq_trace_info *I;
+    const struct stepq__trace_set *ts;
+    const struct stepq__trace_info *I;
     int n_maps; /* user maps; method n_maps is the internal uniform@6 */
     stepq_map_t **maps;
     int nb, bucket; /* time buckets */
@@ -116,11 +116,11 @@ static void head_job(void *vctx, int job, int worker)
 {
     (void)worker;
     struct ectx *c = vctx;
-    const struct stepq_trace_info *I = c->I;
+    const struct stepq__trace_info *I = c->I;
     int li = job / I->HV, hv = job % I->HV, K = I->K, V = I->V, T = I->T, S = I->n_streams;
     int M = c->n_maps + 1, H = I->n_layers * I->HV, kda = I->arch == STEPQ_ARCH_KDA;
     size_t KV = (size_t)K * V;
-    struct sq_quant qz[MAX_MAPS + 1], qi[2];
+    struct stepq__calib_quant qz[MAX_MAPS + 1], qi[2];
     double e2[MAX_MAPS + 1], se[MAX_MAPS + 1];
     float *Sr = malloc(sizeof(float) * KV), *Sq = malloc(sizeof(float) * KV * (size_t)M);
     float *E = malloc(sizeof(float) * KV * 4), *orf = malloc(sizeof(float) * (size_t)V);
@@ -140,27 +140,28 @@ static void head_job(void *vctx, int job, int worker)
             stepq_map_t *mp = c->maps[m];
             meth = stepq_map_method(mp);
             if (!stepq_method_is_dense(meth)) {
-                sq_map_row_bits(mp, li, hv, K, kda, rb);
+                stepq__calib_map_row_bits(mp, li, hv, K, kda, rb);
                 w = stepq_map_row_impact(mp, li, hv);
             }
         } else {
             memset(rb, 6, sizeof(rb));
         }
-        if ((c->rc[job] = sq_quant_init(&qz[m], meth, I->arch, K, V,
-                                        stepq_method_is_dense(meth) ? NULL : rb, w)) < 0)
+        if ((c->rc[job] = stepq__calib_quant_init(&qz[m], meth, I->arch, K, V,
+                                                  stepq_method_is_dense(meth) ? NULL : rb, w)) < 0)
             goto out;
     }
     for (int b = 0; b < 2; b++, ni++) {
         uint8_t rb[STEPQ__MAX_HEAD_DIM];
         memset(rb, b ? 8 : 6, sizeof(rb));
-        if ((c->rc[job] = sq_quant_init(&qi[b], STEPQ_METHOD_UNIFORM, I->arch, K, V, rb, NULL)) < 0)
+        if ((c->rc[job] = stepq__calib_quant_init(&qi[b], STEPQ_METHOD_UNIFORM, I->arch, K, V, rb,
+                                                  NULL)) < 0)
             goto out;
     }
 
     double lsum = 0.0;
     for (int s = 0; s < S; s++) {
-        struct sq_head h;
-        if ((c->rc[job] = sq_head_load(c->ts, s, li, hv, &h)) < 0)
+        struct stepq__calib_head h;
+        if ((c->rc[job] = stepq__calib_head_load(c->ts, s, li, hv, &h)) < 0)
             goto out;
         memset(Sr, 0, sizeof(float) * KV);
         memset(Sq, 0, sizeof(float) * KV * (size_t)M);
@@ -169,19 +170,19 @@ static void head_job(void *vctx, int job, int worker)
             const float *g = h.g + (size_t)t * (kda ? K : 1);
             for (int i = 0; i < (kda ? K : 1); i++)
                 lsum += g[i] / (kda ? K : 1);
-            sq_step(Sr, &h, t, orf);
+            stepq__calib_step(Sr, &h, t, orf);
             double r2 = 0.0, s2;
             for (int j = 0; j < V; j++)
                 r2 += (double)orf[j] * orf[j];
             int bk = t / c->bucket;
             for (int m = 0; m < M; m++) {
                 float *X = Sq + KV * m;
-                sq_step(X, &h, t, oq);
+                stepq__calib_step(X, &h, t, oq);
                 double e2m = 0.0;
                 for (int j = 0; j < V; j++)
                     e2m += ((double)oq[j] - orf[j]) * ((double)oq[j] - orf[j]);
                 e2[m] = e2m;
-                sq_quant_apply(&qz[m], X);
+                stepq__calib_quant_apply(&qz[m], X);
             }
             state_sums(Sr, Sq, M, KV, &s2, se);
             for (int m = 0; m < M; m++) {
@@ -206,7 +207,7 @@ static void head_job(void *vctx, int job, int worker)
                 for (int b = 0; b < 2; b++) {
                     float *En = E + KV * (2 * b), *Eo = E + KV * (2 * b + 1);
                     memcpy(En, Sr, sizeof(float) * KV);
-                    sq_quant_apply(&qi[b], En);
+                    stepq__calib_quant_apply(&qi[b], En);
                     for (size_t e = 0; e < KV; e++)
                         En[e] -= Sr[e];
                     memcpy(Eo, En, sizeof(float) * KV);
@@ -214,19 +215,19 @@ static void head_job(void *vctx, int job, int worker)
             } else if (t > c->t_inj) {
                 for (int b = 0; b < 2; b++) {
                     float *En = E + KV * (2 * b), *Eo = E + KV * (2 * b + 1);
-                    inj[2 * b] += sq_err_step_read(En, &h, t, 1);
-                    inj[2 * b + 1] += sq_err_step_read(Eo, &h, t, 0);
+                    inj[2 * b] += stepq__calib_err_step_read(En, &h, t, 1);
+                    inj[2 * b + 1] += stepq__calib_err_step_read(Eo, &h, t, 0);
                 }
             }
         }
-        sq_head_free(&h);
+        stepq__calib_head_free(&h);
     }
     c->lret[job] = lsum / ((double)S * T);
 out:
     for (int m = 0; m < nq; m++)
-        sq_quant_free(&qz[m]);
+        stepq__calib_quant_free(&qz[m]);
     for (int b = 0; b < ni; b++)
-        sq_quant_free(&qi[b]);
+        stepq__calib_quant_free(&qi[b]);
     free(Sr);
     free(Sq);
     free(E);
@@ -305,7 +306,7 @@ static int run_plot(const char *spec_path)
     if (!py || !*py)
         py = STEPQ_PYTHON;
     if (!script || !*script) {
-        snprintf(sb, sizeof(sb), "%s/tools/plot.py", STEPQ_SOURCE_ROOT);
+        snprintf(sb, sizeof(sb), "%s/tools/scripts/plot.py", STEPQ_SOURCE_ROOT);
         if (access(sb, R_OK) != 0)
             snprintf(sb, sizeof(sb), "%s/plot.py", STEPQ_DATADIR);
         script = sb;
@@ -319,7 +320,7 @@ static int run_plot(const char *spec_path)
 int stepq_tool_eval(int argc, char **argv)
 {
     const char *maps_p[MAX_MAPS], *traces[4096], *json = NULL, *plot = NULL;
-    int n_maps = 0, n_traces = 0, threads = sq_default_threads(), t_inj = -1, bucket = 64;
+    int n_maps = 0, n_traces = 0, threads = stepq__calib_default_threads(), t_inj = -1, bucket = 64;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -374,12 +375,12 @@ int stepq_tool_eval(int argc, char **argv)
         usage(stderr);
         return 2;
     }
-    struct stepq_trace_set *ts;
-    if (stepq_trace_set_open(traces, n_traces, &ts) < 0) {
+    struct stepq__trace_set *ts;
+    if (stepq__trace_set_open(traces, n_traces, &ts) < 0) {
         fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
         return 1;
     }
-    const struct stepq_trace_info *I = stepq_trace_set_info(ts);
+    const struct stepq__trace_info *I = stepq__trace_set_info(ts);
     stepq_map_t *maps[MAX_MAPS];
     int rc = 0, nm = 0;
     for (; nm < n_maps; nm++) {
@@ -422,7 +423,7 @@ int stepq_tool_eval(int argc, char **argv)
         }
     }
     if (!rc) {
-        sq_parallel(H, threads, head_job, &c, "eval");
+        stepq__calib_parallel(H, threads, head_job, &c, "eval");
         for (int h = 0; h < H && !rc; h++)
             if (c.rc[h] < 0) {
                 fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
@@ -566,11 +567,11 @@ int stepq_tool_eval(int argc, char **argv)
         for (int s = 0; s < S; s++)
             du[h] += c.acc[((size_t)n_maps * H + h) * S + s].serr;
     }
-    double rho = sq_spearman(du, hl, H);
+    double rho = stepq__calib_spearman(du, hl, H);
     for (int s = 0; s < S; s++) {
         for (int h = 0; h < H; h++)
             du[h] = c.acc[((size_t)n_maps * H + h) * S + s].serr;
-        rho_s[s] = sq_spearman(du, hl, H);
+        rho_s[s] = stepq__calib_spearman(du, hl, H);
     }
     struct ms rs = mean_se(rho_s, S);
     /* Injection ratios per stream (summed over heads) and pooled. */
@@ -612,8 +613,8 @@ int stepq_tool_eval(int argc, char **argv)
         }
     }
     if (plot && !rc) {
-        /* Two charts via tools/plot.py: per-head relative readout error vs half-life, and the
-         * relative readout error over time. */
+        /* Two charts via tools/scripts/plot.py: per-head relative readout error vs half-life, and
+         * the relative readout error over time. */
         char path[4096];
         /* Like --json's file, the plot folder is created when missing (one level). */
         if (mkdir(plot, 0777) != 0 && errno != EEXIST) {
@@ -714,6 +715,6 @@ done:
     free(c.lret);
     free(c.inj);
     free(c.rc);
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
     return rc;
 }

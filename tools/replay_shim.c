@@ -1,5 +1,5 @@
 /*
- * A small shared library (not installed, not API) that lets tools/nll_eval.py
+ * A small shared library (not installed, not API) that lets tools/scripts/nll_eval.py
  * store a model's recurrent states through a precision map: every head of a
  * batch of dense fp32 states [n][HV][d_k][d_v] is packed into a pool's pages
  * and reconstructed in place, through the public step API as a server does
@@ -16,7 +16,7 @@
 
 #include "plugin/err.h"
 #include "stepq/stepq.h"
-#include "tools/calib.h"
+#include "tools/calib/calib.h"
 
 #include "stepq_config.h"
 #if STEPQ_HAVE_CUDA
@@ -139,7 +139,7 @@ int stepq_shim_open(const char *map_path, int threads, void **out)
         return rc;
     }
     stepq_map_shape(s->map, &s->sh);
-    s->threads = threads > 0 ? threads : sq_default_threads();
+    s->threads = threads > 0 ? threads : stepq__calib_default_threads();
     *out = s;
     return STEPQ_OK;
 }
@@ -223,7 +223,7 @@ int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n)
             return rc;
     }
     struct rt r = { s, layer_index, n, per_worker, states, 0 };
-    sq_parallel(workers, workers, rt_job, &r, NULL);
+    stepq__calib_parallel(workers, workers, rt_job, &r, NULL);
     return atomic_load(&r.rc);
 }
 

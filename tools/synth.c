@@ -1,5 +1,5 @@
 /*
- * stepq synth: synthetic GDN / KDA traces (tools/trace.h format) with
+ * stepq synth: synthetic GDN / KDA traces (tools/calib/trace.h format) with
  * controlled gate half-lives and key-row / value-column outliers, for tests
  * and for timing the calibrator at real model shapes. Deterministic: the
  * same arguments give byte-identical files.
@@ -21,7 +21,7 @@
 
 #include "stepq/stepq.h"
 #include "tools/commands.h"
-#include "tools/trace.h"
+#include "tools/calib/trace.h"
 
 struct rng {
     uint64_t s;
@@ -108,7 +108,7 @@ int stepq_tool_synth(int argc, char **argv)
             else
                 hl_max = d;
         } else if (!strcmp(a, "--layers"))
-            ip = &layers, hi = STEPQ_TRACE_MAX_LAYERS;
+            ip = &layers, hi = STEPQ__TRACE_MAX_LAYERS;
         else if (!strcmp(a, "--H"))
             ip = &H, hi = 1024;
         else if (!strcmp(a, "--HV"))
@@ -147,11 +147,11 @@ int stepq_tool_synth(int argc, char **argv)
         fprintf(stderr, "stepq synth: --arch %s: expected gdn or kda\n", arch_s);
         return 2;
     }
-    stepq_trace_dtype dt;
+    stepq__trace_dtype dt;
     if (!strcmp(dtype_s, "bf16"))
-        dt = STEPQ_TRACE_BF16;
+        dt = STEPQ__TRACE_BF16;
     else if (!strcmp(dtype_s, "fp32"))
-        dt = STEPQ_TRACE_F32;
+        dt = STEPQ__TRACE_F32;
     else {
         fprintf(stderr, "stepq synth: --dtype %s: expected bf16 or fp32\n", dtype_s);
         return 2;
@@ -199,7 +199,7 @@ int stepq_tool_synth(int argc, char **argv)
             vscale[h * V + (long)(rng_next(&r) % (uint64_t)V)] = 8.0f;
     }
 
-    char all_layers[STEPQ_TRACE_MAX_LAYERS * 8] = "";
+    char all_layers[STEPQ__TRACE_MAX_LAYERS * 8] = "";
     size_t pos = 0;
     for (long l = 0; l < layers; l++)
         pos +=
@@ -208,7 +208,7 @@ int stepq_tool_synth(int argc, char **argv)
     for (long s0 = 0; s0 < S && !rc; s0 += spf, nfile++) {
         long ns = s0 + spf <= S ? spf : S - s0;
         int nt = (int)layers * 5;
-        struct stepq_trace_wtensor *wt = calloc((size_t)nt, sizeof(*wt));
+        struct stepq__trace_wtensor *wt = calloc((size_t)nt, sizeof(*wt));
         char(*names)[32] = calloc((size_t)nt, 32);
         if (!wt || !names) {
             fprintf(stderr, "stepq synth: out of memory\n");
@@ -217,10 +217,10 @@ int stepq_tool_synth(int argc, char **argv)
         static const char *const tn[5] = { "q", "k", "v", "g", "beta" };
         for (long l = 0; l < layers; l++)
             for (int k = 0; k < 5; k++) {
-                struct stepq_trace_wtensor *t = &wt[l * 5 + k];
+                struct stepq__trace_wtensor *t = &wt[l * 5 + k];
                 snprintf(names[l * 5 + k], 32, "layer%ld.%s", l, tn[k]);
                 t->name = names[l * 5 + k];
-                t->dtype = k == 3 ? STEPQ_TRACE_F32 : dt;
+                t->dtype = k == 3 ? STEPQ__TRACE_F32 : dt;
                 t->shape[0] = ns;
                 t->shape[1] = T;
                 if (k <= 1) {
@@ -297,9 +297,9 @@ int stepq_tool_synth(int argc, char **argv)
                                shl };
         char path[4096];
         snprintf(path, sizeof(path), "%s-%03d.safetensors", out, nfile);
-        struct stepq_trace_writer *w;
-        if (stepq_trace_writer_open(path, wt, nt, meta, (int)(sizeof(meta) / sizeof(meta[0]) / 2),
-                                    &w) < 0) {
+        struct stepq__trace_writer *w;
+        if (stepq__trace_writer_open(path, wt, nt, meta, (int)(sizeof(meta) / sizeof(meta[0]) / 2),
+                                     &w) < 0) {
             fprintf(stderr, "stepq synth: %s\n", stepq_last_error());
             free(wt);
             free(names);
@@ -339,7 +339,7 @@ int stepq_tool_synth(int argc, char **argv)
                             for (long h = 0; h < HV; h++)
                                 buf[n++] = (float)(1.0 / (1.0 + exp(-rng_gauss(&tr))));
                         }
-                        if (stepq_trace_writer_put(w, buf, n) < 0) {
+                        if (stepq__trace_writer_put(w, buf, n) < 0) {
                             fprintf(stderr, "stepq synth: %s\n", stepq_last_error());
                             rc = 1;
                         }
@@ -347,7 +347,7 @@ int stepq_tool_synth(int argc, char **argv)
                 }
             }
         }
-        if (stepq_trace_writer_close(w) < 0 && !rc) {
+        if (stepq__trace_writer_close(w) < 0 && !rc) {
             fprintf(stderr, "stepq synth: %s\n", stepq_last_error());
             rc = 1;
         }

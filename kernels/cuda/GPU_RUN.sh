@@ -20,11 +20,11 @@ echo "check_cuda rc=$?" >> "$OUT/check.txt"
   echo "racecheck rc=$?"; } > "$OUT/sanitize.txt" 2>&1
 
 # The peer (flash-linear-attention's fp32 kernels) when a snapshot of its `fla` package
-# was carried in the ignored peers/fla folder (see tools/bench_peer_fla.py). It runs
+# was carried in the ignored peers/fla folder (see tools/scripts/bench_peer_fla.py). It runs
 # first, in its own process, so the bench can print it next to its rows (--peer).
 PEER=
 if [ -d peers/fla/fla ]; then
-    python3 tools/bench_peer_fla.py --fla peers/fla --json "$OUT/peer.json" > "$OUT/peer.txt" 2>&1
+    python3 tools/scripts/bench_peer_fla.py --fla peers/fla --json "$OUT/peer.json" > "$OUT/peer.txt" 2>&1
     prc=$?
     echo "peer rc=$prc" >> "$OUT/peer.txt"
     [ $prc -eq 0 ] && [ -s "$OUT/peer.json" ] && PEER=$OUT/peer.json

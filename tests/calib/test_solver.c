@@ -13,7 +13,7 @@
 #include <cmocka.h>
 
 #include "stepq/stepq.h"
-#include "tools/calib.h"
+#include "tools/calib/calib.h"
 
 static uint64_t rs = 88172645463325252ull;
 static double urand(void)
@@ -69,7 +69,7 @@ static void dp_matches_brute_force(void **state)
         }
         long long cap = 2 * n + (long long)(urand() * (6 * n + 1));
         double opt = brute(n, m, c, s, cap, 0, 0);
-        int rc = sq_allocate(n, m, c, s, cap, 1LL << 30, ch);
+        int rc = stepq__calib_allocate(n, m, c, s, cap, 1LL << 30, ch);
         assert_int_equal(rc, 0);
         double cost;
         long long size;
@@ -77,7 +77,7 @@ static void dp_matches_brute_force(void **state)
         assert_true(size <= cap);
         assert_true(fabs(cost - opt) <= 1e-12 * fabs(opt) + 1e-300);
         /* Lagrangian path: feasible and never better than the optimum. */
-        rc = sq_allocate(n, m, c, s, cap, 0, ch);
+        rc = stepq__calib_allocate(n, m, c, s, cap, 0, ch);
         assert_int_equal(rc, 1);
         eval_choice(n, m, c, s, ch, &cost, &size);
         assert_true(size <= cap);
@@ -98,8 +98,8 @@ static void lagrangian_close_to_optimum_on_many_units(void **state)
             c[u * M + o] = exp(8 * urand()) * pow(4.0, -widths[o]);
         }
     long long cap = 4 * N;
-    assert_int_equal(sq_allocate(N, M, c, s, cap, 1LL << 30, ch1), 0);
-    assert_int_equal(sq_allocate(N, M, c, s, cap, 0, ch2), 1);
+    assert_int_equal(stepq__calib_allocate(N, M, c, s, cap, 1LL << 30, ch1), 0);
+    assert_int_equal(stepq__calib_allocate(N, M, c, s, cap, 0, ch2), 1);
     double c1, c2;
     long long s1, s2;
     eval_choice(N, M, c, s, ch1, &c1, &s1);
@@ -114,11 +114,11 @@ static void impossible_budget_is_erange(void **state)
     (void)state;
     double c[4] = { 1, 0.5, 1, 0.5 };
     int s[4] = { 3, 4, 3, 4 }, ch[2];
-    assert_int_equal(sq_allocate(2, 2, c, s, 5, 1LL << 30, ch), STEPQ_ERANGE);
-    assert_int_equal(sq_allocate(2, 2, c, s, 5, 0, ch), STEPQ_ERANGE);
-    assert_int_equal(sq_allocate(2, 2, c, s, 6, 1LL << 30, ch), 0);
+    assert_int_equal(stepq__calib_allocate(2, 2, c, s, 5, 1LL << 30, ch), STEPQ_ERANGE);
+    assert_int_equal(stepq__calib_allocate(2, 2, c, s, 5, 0, ch), STEPQ_ERANGE);
+    assert_int_equal(stepq__calib_allocate(2, 2, c, s, 6, 1LL << 30, ch), 0);
     assert_int_equal(ch[0] + ch[1], 0);
-    assert_int_equal(sq_allocate(2, 2, c, s, 7, 1LL << 30, ch), 0);
+    assert_int_equal(stepq__calib_allocate(2, 2, c, s, 7, 1LL << 30, ch), 0);
     assert_int_equal(ch[0] + ch[1], 1);
 }
 

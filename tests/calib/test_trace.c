@@ -15,7 +15,7 @@
 #include <cmocka.h>
 
 #include "stepq/stepq.h"
-#include "tools/trace.h"
+#include "tools/calib/trace.h"
 
 static char dir[] = "/tmp/stepq-test-trace-XXXXXX";
 
@@ -26,21 +26,21 @@ static float val(int s, int l, int t, int i)
     return (float)(s * 1000 + l * 100 + t * 10) + 0.125f * (float)(i % 8);
 }
 
-static void write_trace(const char *path, int s0, int ns, int total, stepq_trace_dtype dt,
+static void write_trace(const char *path, int s0, int ns, int total, stepq__trace_dtype dt,
                         const char *layers)
 {
     static const char *tn[5] = { "q", "k", "v", "g", "beta" };
-    struct stepq_trace_wtensor wt[10];
+    struct stepq__trace_wtensor wt[10];
     char names[10][32];
     int lids[2] = { 0, 2 }, nl = strcmp(layers, "0,2") ? 1 : 2;
     if (!strcmp(layers, "2"))
         lids[0] = 2;
     for (int l = 0; l < nl; l++)
         for (int k = 0; k < 5; k++) {
-            struct stepq_trace_wtensor *t = &wt[l * 5 + k];
+            struct stepq__trace_wtensor *t = &wt[l * 5 + k];
             snprintf(names[l * 5 + k], 32, "layer%d.%s", lids[l], tn[k]);
             t->name = names[l * 5 + k];
-            t->dtype = k == 3 ? STEPQ_TRACE_F32 : dt;
+            t->dtype = k == 3 ? STEPQ__TRACE_F32 : dt;
             int64_t sh[4] = { ns, 4, k < 2 ? 1 : 2, k < 2 ? 3 : 2 };
             t->ndim = k >= 3 ? 3 : 4;
             memcpy(t->shape, sh, sizeof(sh));
@@ -81,8 +81,8 @@ static void write_trace(const char *path, int s0, int ns, int total, stepq_trace
                            tot,
                            "seq_len",
                            "4" };
-    struct stepq_trace_writer *w;
-    assert_int_equal(stepq_trace_writer_open(path, wt, nl * 5, meta, 16, &w), 0);
+    struct stepq__trace_writer *w;
+    assert_int_equal(stepq__trace_writer_open(path, wt, nl * 5, meta, 16, &w), 0);
     for (int l = 0; l < nl; l++)
         for (int k = 0; k < 5; k++) {
             int64_t per =
@@ -90,17 +90,17 @@ static void write_trace(const char *path, int s0, int ns, int total, stepq_trace
             for (int s = s0; s < s0 + ns; s++)
                 for (int64_t i = 0; i < per; i++) {
                     float x = val(s, lids[l], k, (int)i);
-                    assert_int_equal(stepq_trace_writer_put(w, &x, 1), 0);
+                    assert_int_equal(stepq__trace_writer_put(w, &x, 1), 0);
                 }
         }
-    assert_int_equal(stepq_trace_writer_close(w), 0);
+    assert_int_equal(stepq__trace_writer_close(w), 0);
 }
 
-static void check_values_as(const struct stepq_trace_set *ts, int local, int s, int li, int lid,
+static void check_values_as(const struct stepq__trace_set *ts, int local, int s, int li, int lid,
                             int hv)
 {
     float q[12], k[12], v[8], g[4], b[4];
-    assert_int_equal(stepq_trace_head(ts, local, li, hv, 0, 4, q, k, v, g, b, NULL), 0);
+    assert_int_equal(stepq__trace_head(ts, local, li, hv, 0, 4, q, k, v, g, b, NULL), 0);
     for (int t = 0; t < 4; t++) {
         for (int i = 0; i < 3; i++) {
             assert_true(q[t * 3 + i] == val(s, lid, 0, t * 3 + i));
@@ -113,22 +113,22 @@ static void check_values_as(const struct stepq_trace_set *ts, int local, int s, 
     }
 }
 
-static void check_values(const struct stepq_trace_set *ts, int s, int li, int lid, int hv)
+static void check_values(const struct stepq__trace_set *ts, int s, int li, int lid, int hv)
 {
     check_values_as(ts, s, s, li, lid, hv);
 }
 
 /* Writes `name` under dir as the whole trace (layers 0,2, streams [0, ns) of `total`) and
  * opens it as a set of one file. */
-static struct stepq_trace_set *write_and_open_one(const char *name, int ns, int total,
-                                                  stepq_trace_dtype dt)
+static struct stepq__trace_set *write_and_open_one(const char *name, int ns, int total,
+                                                   stepq__trace_dtype dt)
 {
     char p[256];
     snprintf(p, sizeof(p), "%s/%s", dir, name);
     write_trace(p, 0, ns, total, dt, "0,2");
     const char *paths[1] = { p };
-    struct stepq_trace_set *ts;
-    assert_int_equal(stepq_trace_set_open(paths, 1, &ts), 0);
+    struct stepq__trace_set *ts;
+    assert_int_equal(stepq__trace_set_open(paths, 1, &ts), 0);
     return ts;
 }
 
@@ -136,8 +136,8 @@ static void round_trip_fp32_and_bf16_values_exact(void **state)
 {
     (void)state;
     /* Values are multiples of 1/8 below 2^8 * 8: exact in bf16 too when small; use fp32 here. */
-    struct stepq_trace_set *ts = write_and_open_one("a.safetensors", 2, 2, STEPQ_TRACE_F32);
-    const struct stepq_trace_info *I = stepq_trace_set_info(ts);
+    struct stepq__trace_set *ts = write_and_open_one("a.safetensors", 2, 2, STEPQ__TRACE_F32);
+    const struct stepq__trace_info *I = stepq__trace_set_info(ts);
     assert_int_equal(I->n_streams, 2);
     assert_int_equal(I->n_layers, 2);
     assert_int_equal(I->layer_ids[1], 2);
@@ -146,11 +146,11 @@ static void round_trip_fp32_and_bf16_values_exact(void **state)
     check_values(ts, 0, 0, 0, 0);
     /* Out-of-range requests are refused. */
     float x[64];
-    assert_int_equal(stepq_trace_head(ts, 2, 0, 0, 0, 1, x, NULL, NULL, NULL, NULL, NULL),
+    assert_int_equal(stepq__trace_head(ts, 2, 0, 0, 0, 1, x, NULL, NULL, NULL, NULL, NULL),
                      STEPQ_EINVAL);
-    assert_int_equal(stepq_trace_head(ts, 0, 0, 0, 2, 3, x, NULL, NULL, NULL, NULL, NULL),
+    assert_int_equal(stepq__trace_head(ts, 0, 0, 0, 2, 3, x, NULL, NULL, NULL, NULL, NULL),
                      STEPQ_EINVAL);
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
 }
 
 static void set_joins_files_split_by_streams_and_layers(void **state)
@@ -160,52 +160,52 @@ static void set_joins_files_split_by_streams_and_layers(void **state)
     snprintf(a, sizeof(a), "%s/s0.safetensors", dir);
     snprintf(b, sizeof(b), "%s/s1l0.safetensors", dir);
     snprintf(c, sizeof(c), "%s/s1l2.safetensors", dir);
-    write_trace(a, 0, 1, 2, STEPQ_TRACE_F32, "0,2");
-    write_trace(b, 1, 1, 2, STEPQ_TRACE_F32, "0");
-    write_trace(c, 1, 1, 2, STEPQ_TRACE_F32, "2");
+    write_trace(a, 0, 1, 2, STEPQ__TRACE_F32, "0,2");
+    write_trace(b, 1, 1, 2, STEPQ__TRACE_F32, "0");
+    write_trace(c, 1, 1, 2, STEPQ__TRACE_F32, "2");
     const char *paths[3] = { c, a, b };
-    struct stepq_trace_set *ts;
-    assert_int_equal(stepq_trace_set_open(paths, 3, &ts), 0);
+    struct stepq__trace_set *ts;
+    assert_int_equal(stepq__trace_set_open(paths, 3, &ts), 0);
     check_values(ts, 1, 1, 2, 0);
     check_values(ts, 1, 0, 0, 1);
     check_values(ts, 0, 1, 2, 1);
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
     /* A stream given twice, or missing, is an error naming it. */
     const char *dup[3] = { a, a, b };
-    assert_int_equal(stepq_trace_set_open(dup, 3, &ts), STEPQ_ESCHEMA);
+    assert_int_equal(stepq__trace_set_open(dup, 3, &ts), STEPQ_ESCHEMA);
     assert_non_null(strstr(stepq_last_error(), "appears twice"));
     const char *miss[2] = { a, b };
-    assert_int_equal(stepq_trace_set_open(miss, 2, &ts), STEPQ_ESCHEMA);
+    assert_int_equal(stepq__trace_set_open(miss, 2, &ts), STEPQ_ESCHEMA);
     assert_non_null(strstr(stepq_last_error(), "stream 1 of layer 2"));
     /* A subset of the streams is a set of its own, renumbered from 0. */
     const char *sub[2] = { c, b };
-    assert_int_equal(stepq_trace_set_open(sub, 2, &ts), 0);
-    assert_int_equal(stepq_trace_set_info(ts)->n_streams, 1);
+    assert_int_equal(stepq__trace_set_open(sub, 2, &ts), 0);
+    assert_int_equal(stepq__trace_set_info(ts)->n_streams, 1);
     check_values_as(ts, 0, 1, 1, 2, 0);
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
 }
 
 static void bf16_storage_rounds_to_nearest(void **state)
 {
     (void)state;
-    struct stepq_trace_set *ts = write_and_open_one("b.safetensors", 1, 1, STEPQ_TRACE_BF16);
+    struct stepq__trace_set *ts = write_and_open_one("b.safetensors", 1, 1, STEPQ__TRACE_BF16);
     float q[12];
-    assert_int_equal(stepq_trace_head(ts, 0, 1, 0, 0, 4, q, NULL, NULL, NULL, NULL, NULL), 0);
+    assert_int_equal(stepq__trace_head(ts, 0, 1, 0, 0, 4, q, NULL, NULL, NULL, NULL, NULL), 0);
     /* 200.125 is not representable in bf16 (8 significant bits): 200.0 */
     assert_true(q[1] == 200.0f);
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
 }
 
 /* Parses an in-memory image and expects status + a message fragment. */
 static void expect_bad(const char *img, size_t len, int status, const char *frag)
 {
-    struct stepq_trace_file *f = NULL;
-    int rc = stepq_trace_file_parse((const uint8_t *)img, len, "mem", &f);
+    struct stepq__trace_file *f = NULL;
+    int rc = stepq__trace_file_parse((const uint8_t *)img, len, "mem", &f);
     if (rc >= 0) {
-        struct stepq_trace_set *ts;
-        rc = stepq_trace_set_from_files(&f, 1, &ts);
+        struct stepq__trace_set *ts;
+        rc = stepq__trace_set_from_files(&f, 1, &ts);
         if (rc >= 0)
-            stepq_trace_set_close(ts);
+            stepq__trace_set_close(ts);
     }
     if (rc != status || !strstr(stepq_last_error(), frag))
         fail_msg("expected %d '%s', got %d '%s'", status, frag, rc, stepq_last_error());
@@ -262,8 +262,8 @@ static void missing_file_is_enoent(void **state)
 {
     (void)state;
     const char *paths[1] = { "/nonexistent/x.safetensors" };
-    struct stepq_trace_set *ts;
-    assert_int_equal(stepq_trace_set_open(paths, 1, &ts), STEPQ_ENOENT);
+    struct stepq__trace_set *ts;
+    assert_int_equal(stepq__trace_set_open(paths, 1, &ts), STEPQ_ENOENT);
     assert_non_null(strstr(stepq_last_error(), "/nonexistent/x.safetensors"));
 }
 

@@ -1,14 +1,14 @@
 /*
  * Recurrent-kernel traces: safetensors files holding, per recurrent layer,
  * the inputs of the recurrent kernel (q, k, v, g, beta) for S streams of T
- * tokens, as written by tools/capture_traces.py and `stepq synth`.
+ * tokens, as written by tools/scripts/capture_traces.py and `stepq synth`.
  *
  * File: u64 little-endian header length N, N bytes of JSON (an object: tensor
  * name -> {"dtype", "shape", "data_offsets": [begin, end]} plus an optional
  * "__metadata__" object of strings), then the data (offsets relative to the
  * end of the header). The reader is strict: every dtype, shape and offset is
  * checked (overflow, out of range, overlap, gaps, misalignment, truncation),
- * the header must be valid UTF-8 JSON of at most STEPQ_TRACE_MAX_HEADER bytes;
+ * the header must be valid UTF-8 JSON of at most STEPQ__TRACE_MAX_HEADER bytes;
  * every failure is a negative status with a message naming the file and the
  * tensor or key (stepq_last_error()).
  *
@@ -27,19 +27,19 @@
 
 #include "stepq/map.h"
 
-#define STEPQ_TRACE_MAX_HEADER  (16u << 20) /* a header beyond 16 MiB is refused */
-#define STEPQ_TRACE_MAX_TENSORS 65536
-#define STEPQ_TRACE_MAX_LAYERS  256
+#define STEPQ__TRACE_MAX_HEADER  (16u << 20) /* a header beyond 16 MiB is refused */
+#define STEPQ__TRACE_MAX_TENSORS 65536
+#define STEPQ__TRACE_MAX_LAYERS  256
 
-typedef enum stepq_trace_dtype {
-    STEPQ_TRACE_F32 = 0,
-    STEPQ_TRACE_BF16 = 1,
-    STEPQ_TRACE_F16 = 2,
-} stepq_trace_dtype;
+typedef enum stepq__trace_dtype {
+    STEPQ__TRACE_F32 = 0,
+    STEPQ__TRACE_BF16 = 1,
+    STEPQ__TRACE_F16 = 2,
+} stepq__trace_dtype;
 
-struct stepq_trace_tensor {
+struct stepq__trace_tensor {
     char *name;
-    stepq_trace_dtype dtype;
+    stepq__trace_dtype dtype;
     int ndim;
     int64_t shape[8];
     uint64_t begin, end; /* relative to the data area */
@@ -47,14 +47,14 @@ struct stepq_trace_tensor {
 };
 
 /** One parsed safetensors file (header + data view). */
-struct stepq_trace_file {
+struct stepq__trace_file {
     char *path;
     const uint8_t *base; /* whole file */
     size_t size;
     int mapped; /* base came from mmap */
     int owns;   /* base is ours (mmap or malloc) */
     int n_tensors;
-    struct stepq_trace_tensor *tensors;
+    struct stepq__trace_tensor *tensors;
     int n_meta;
     char **meta_keys, **meta_vals;
 };
@@ -65,42 +65,42 @@ struct stepq_trace_file {
  * (syntax, UTF-8, truncation), STEPQ_ESCHEMA (types, unknown dtype, keys),
  * STEPQ_ERANGE (offsets, sizes), STEPQ_ENOMEM.
  */
-int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
-                           struct stepq_trace_file **out);
+int stepq__trace_file_parse(const uint8_t *buf, size_t len, const char *what,
+                            struct stepq__trace_file **out);
 /** Opens (mmap) and parses a file. Also STEPQ_ENOENT / STEPQ_EIO. */
-int stepq_trace_file_open(const char *path, struct stepq_trace_file **out);
-void stepq_trace_file_close(struct stepq_trace_file *f);
-const struct stepq_trace_tensor *stepq_trace_file_find(const struct stepq_trace_file *f,
-                                                       const char *name);
-const char *stepq_trace_file_meta(const struct stepq_trace_file *f, const char *key);
+int stepq__trace_file_open(const char *path, struct stepq__trace_file **out);
+void stepq__trace_file_close(struct stepq__trace_file *f);
+const struct stepq__trace_tensor *stepq__trace_file_find(const struct stepq__trace_file *f,
+                                                         const char *name);
+const char *stepq__trace_file_meta(const struct stepq__trace_file *f, const char *key);
 
 /** The model shape and stream layout common to every file of a trace set. */
-struct stepq_trace_info {
+struct stepq__trace_info {
     stepq_arch arch;
     int H, HV, K, V;
     int qk_repeated; /* q/k stored at HV heads (1) or H heads (0) */
     int qk_l2norm;   /* the replay applies the l2norm */
     float scale;     /* query scale after the l2norm */
     int n_layers;
-    int layer_ids[STEPQ_TRACE_MAX_LAYERS];
+    int layer_ids[STEPQ__TRACE_MAX_LAYERS];
     int n_streams, T;
     int has_output;
 };
 
-struct stepq_trace_set;
+struct stepq__trace_set;
 
 /**
  * Opens n files and checks that they form one trace: same shape metadata,
  * every (stream, layer) present exactly once, tensors of the right shapes.
  */
-int stepq_trace_set_open(const char *const *paths, int n, struct stepq_trace_set **out);
+int stepq__trace_set_open(const char *const *paths, int n, struct stepq__trace_set **out);
 /** Same over already parsed files (takes ownership of them, also on failure). */
-int stepq_trace_set_from_files(struct stepq_trace_file **files, int n,
-                               struct stepq_trace_set **out);
-void stepq_trace_set_close(struct stepq_trace_set *ts);
-const struct stepq_trace_info *stepq_trace_set_info(const struct stepq_trace_set *ts);
+int stepq__trace_set_from_files(struct stepq__trace_file **files, int n,
+                                struct stepq__trace_set **out);
+void stepq__trace_set_close(struct stepq__trace_set *ts);
+const struct stepq__trace_info *stepq__trace_set_info(const struct stepq__trace_set *ts);
 /** Metadata value of the first file (source, split, ...), or NULL. */
-const char *stepq_trace_set_meta(const struct stepq_trace_set *ts, const char *key);
+const char *stepq__trace_set_meta(const struct stepq__trace_set *ts, const char *key);
 
 /**
  * Converts the inputs of one (stream, layer index li, value head hv) to fp32
@@ -108,16 +108,16 @@ const char *stepq_trace_set_meta(const struct stepq_trace_set *ts, const char *k
  * g [n] (GDN) or [n][K] (KDA), beta [n]; o [n][V] only when the set has
  * outputs (else pass NULL). Any pointer may be NULL to skip. Thread-safe.
  */
-int stepq_trace_head(const struct stepq_trace_set *ts, int stream, int li, int hv, int t0, int n,
-                     float *q, float *k, float *v, float *g, float *beta, float *o);
+int stepq__trace_head(const struct stepq__trace_set *ts, int stream, int li, int hv, int t0, int n,
+                      float *q, float *k, float *v, float *g, float *beta, float *o);
 
 /* --- Writing (stepq synth; tests) --- */
 
-struct stepq_trace_writer;
+struct stepq__trace_writer;
 
-struct stepq_trace_wtensor {
+struct stepq__trace_wtensor {
     const char *name;
-    stepq_trace_dtype dtype;
+    stepq__trace_dtype dtype;
     int ndim;
     int64_t shape[8];
 };
@@ -125,16 +125,16 @@ struct stepq_trace_wtensor {
 /**
  * Writes the header of a file with these tensors (data in the given order,
  * contiguous) and metadata pairs; the data follows with
- * stepq_trace_writer_put in the same order, then stepq_trace_writer_close.
+ * stepq__trace_writer_put in the same order, then stepq__trace_writer_close.
  */
-int stepq_trace_writer_open(const char *path, const struct stepq_trace_wtensor *t, int n,
-                            const char *const *meta_kv, int n_meta,
-                            struct stepq_trace_writer **out);
+int stepq__trace_writer_open(const char *path, const struct stepq__trace_wtensor *t, int n,
+                             const char *const *meta_kv, int n_meta,
+                             struct stepq__trace_writer **out);
 /** Appends n fp32 values converted to the current tensor(s)' dtype. */
-int stepq_trace_writer_put(struct stepq_trace_writer *w, const float *x, size_t n);
+int stepq__trace_writer_put(struct stepq__trace_writer *w, const float *x, size_t n);
 /** Checks every byte was written and closes; frees w in any case. */
-int stepq_trace_writer_close(struct stepq_trace_writer *w);
+int stepq__trace_writer_close(struct stepq__trace_writer *w);
 
-size_t stepq_trace_dtype_size(stepq_trace_dtype dt);
+size_t stepq__trace_dtype_size(stepq__trace_dtype dt);
 
 #endif /* STEPQ_TOOLS_TRACE_H */

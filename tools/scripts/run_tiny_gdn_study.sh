@@ -4,7 +4,7 @@
 # (trace replay with `stepq eval`, and excess NLL with the model in the loop).
 # Big traces stay in a scratch folder; only small results go to $OUT.
 #
-#   tools/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll, all; eval4 / eval6 and
+#   tools/scripts/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll, all; eval4 / eval6 and
 #   nll4 / nll6 run the 4-bit and the 6/8-bit halves (to fit 10-minute device commands)
 # Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
 # tool's output folder: the results are packed there as study.tgz plus the
@@ -45,7 +45,7 @@ capture() { # split segments seg_len prefix
     [ "$split" = test ] && text=$TEST_TEXT
     if ! ls "$prefix"-000.safetensors >/dev/null 2>&1; then
         log "capture $split: $n x $len"
-        python3 tools/capture_traces.py --model "$MODEL" --text "$text" \
+        python3 tools/scripts/capture_traces.py --model "$MODEL" --text "$text" \
             --split "$split" --segments "$n" --seg-len "$len" --batch 8 --out "$prefix" --check \
             2>&1 | tee -a "$OUT/study.log"
     fi
@@ -131,7 +131,7 @@ nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
     done
     [ "$which" = 6 ] && nb=(--no-bf16)
     log "nll on test ($which)"
-    PYTHONUNBUFFERED=1 python3 tools/nll_eval.py --model "$MODEL" --text "$TEST_TEXT" \
+    PYTHONUNBUFFERED=1 python3 tools/scripts/nll_eval.py --model "$MODEL" --text "$TEST_TEXT" \
         --streams "$NLL_STREAMS" --prefill "$PREFILL" --decode "$DECODE" \
         --shim "$BUILD/tools/libstepq_replay_shim.so" --threads "$THREADS" "${A[@]}" "${nb[@]}" \
         --json "$OUT/nll-test-$which.json" --markdown "$OUT/nll-test-$which.md" ${NLL_ARGS:-} 2>&1 | tee -a "$OUT/study.log"

@@ -3,7 +3,7 @@
 `stepq bench kernels`, on the same shapes and with the same timing rules:
 one layer, one token per request (T = 1), CUDA events, 3 warm-ups, median of 20.
 
-  python3 tools/bench_peer_fla.py --fla peers/fla [--json FILE] [--batch B ...]
+  python3 tools/scripts/bench_peer_fla.py --fla peers/fla [--json FILE] [--batch B ...]
 
 --fla names a folder holding the `fla` package (a snapshot of
 github.com/fla-org/flash-linear-attention, kept in the ignored peers/ folder; it is

@@ -1,10 +1,10 @@
 /*
- * Safetensors trace reader and writer (tools/trace.h). The reader trusts
+ * Safetensors trace reader and writer (tools/calib/trace.h). The reader trusts
  * nothing in the file: sizes are checked before any multiplication can
  * overflow, and every tensor's bytes must lie inside the data area, be
  * aligned to its element size, and not overlap another tensor's.
  */
-#include "tools/trace.h"
+#include "tools/calib/trace.h"
 
 #include <cjson/cJSON.h>
 #include <errno.h>
@@ -21,27 +21,27 @@
 #include "kernels/format.h"
 #include "plugin/err.h"
 
-size_t stepq_trace_dtype_size(stepq_trace_dtype dt)
+size_t stepq__trace_dtype_size(stepq__trace_dtype dt)
 {
-    return dt == STEPQ_TRACE_F32 ? 4 : 2;
+    return dt == STEPQ__TRACE_F32 ? 4 : 2;
 }
 
-static int dtype_from_name(const char *s, stepq_trace_dtype *out)
+static int dtype_from_name(const char *s, stepq__trace_dtype *out)
 {
     if (!strcmp(s, "F32"))
-        *out = STEPQ_TRACE_F32;
+        *out = STEPQ__TRACE_F32;
     else if (!strcmp(s, "BF16"))
-        *out = STEPQ_TRACE_BF16;
+        *out = STEPQ__TRACE_BF16;
     else if (!strcmp(s, "F16"))
-        *out = STEPQ_TRACE_F16;
+        *out = STEPQ__TRACE_F16;
     else
         return -1;
     return 0;
 }
 
-static const char *dtype_name(stepq_trace_dtype dt)
+static const char *dtype_name(stepq__trace_dtype dt)
 {
-    return dt == STEPQ_TRACE_F32 ? "F32" : dt == STEPQ_TRACE_BF16 ? "BF16" : "F16";
+    return dt == STEPQ__TRACE_F32 ? "F32" : dt == STEPQ__TRACE_BF16 ? "BF16" : "F16";
 }
 
 /* Strict UTF-8 (no overlongs, no surrogates, <= U+10FFFF). Returns the offset of the
@@ -83,7 +83,7 @@ static size_t utf8_check(const uint8_t *s, size_t len)
     return len;
 }
 
-static void file_free(struct stepq_trace_file *f)
+static void file_free(struct stepq__trace_file *f)
 {
     if (!f)
         return;
@@ -106,15 +106,15 @@ static void file_free(struct stepq_trace_file *f)
     free(f);
 }
 
-void stepq_trace_file_close(struct stepq_trace_file *f)
+void stepq__trace_file_close(struct stepq__trace_file *f)
 {
     file_free(f);
 }
 
 static int cmp_begin(const void *a, const void *b)
 {
-    const struct stepq_trace_tensor *x = *(struct stepq_trace_tensor *const *)a;
-    const struct stepq_trace_tensor *y = *(struct stepq_trace_tensor *const *)b;
+    const struct stepq__trace_tensor *x = *(struct stepq__trace_tensor *const *)a;
+    const struct stepq__trace_tensor *y = *(struct stepq__trace_tensor *const *)b;
     if (x->begin != y->begin)
         return x->begin < y->begin ? -1 : 1;
     return x->end < y->end ? -1 : x->end > y->end;
@@ -137,7 +137,7 @@ static int json_u53(const cJSON *j, uint64_t *out)
     return 0;
 }
 
-static int parse_tensor(const cJSON *j, const char *what, struct stepq_trace_tensor *t,
+static int parse_tensor(const cJSON *j, const char *what, struct stepq__trace_tensor *t,
                         uint64_t data_len)
 {
     const char *nm = t->name;
@@ -188,7 +188,7 @@ static int parse_tensor(const cJSON *j, const char *what, struct stepq_trace_ten
         json_u53(cJSON_GetArrayItem(off, 1), &t->end) < 0)
         return stepq__error(
             STEPQ_ESCHEMA, "%s: tensor '%s': data_offsets must be [begin, end] integers", what, nm);
-    uint64_t bytes = numel * stepq_trace_dtype_size(t->dtype);
+    uint64_t bytes = numel * stepq__trace_dtype_size(t->dtype);
     if (t->end < t->begin)
         return stepq__error(STEPQ_ERANGE, "%s: tensor '%s': data_offsets end %llu < begin %llu",
                             what, nm, (unsigned long long)t->end, (unsigned long long)t->begin);
@@ -203,20 +203,20 @@ static int parse_tensor(const cJSON *j, const char *what, struct stepq_trace_ten
                             "(truncated file?)",
                             what, nm, (unsigned long long)t->begin, (unsigned long long)t->end,
                             (unsigned long long)data_len);
-    if (t->begin % stepq_trace_dtype_size(t->dtype))
+    if (t->begin % stepq__trace_dtype_size(t->dtype))
         return stepq__error(STEPQ_ERANGE, "%s: tensor '%s': offset %llu is not aligned to %zu",
                             what, nm, (unsigned long long)t->begin,
-                            stepq_trace_dtype_size(t->dtype));
+                            stepq__trace_dtype_size(t->dtype));
     return STEPQ_OK;
 }
 
-int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
-                           struct stepq_trace_file **out)
+int stepq__trace_file_parse(const uint8_t *buf, size_t len, const char *what,
+                            struct stepq__trace_file **out)
 {
     int rc = STEPQ_OK;
     cJSON *root = NULL;
-    struct stepq_trace_file *f = NULL;
-    struct stepq_trace_tensor **order = NULL;
+    struct stepq__trace_file *f = NULL;
+    struct stepq__trace_tensor **order = NULL;
     char **names = NULL;
 
     *out = NULL;
@@ -228,9 +228,9 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
     uint64_t hl = 0;
     for (int i = 7; i >= 0; i--)
         hl = (hl << 8) | buf[i];
-    if (hl > STEPQ_TRACE_MAX_HEADER)
+    if (hl > STEPQ__TRACE_MAX_HEADER)
         return stepq__error(STEPQ_ERANGE, "%s: header of %llu bytes (at most %u)", what,
-                            (unsigned long long)hl, STEPQ_TRACE_MAX_HEADER);
+                            (unsigned long long)hl, STEPQ__TRACE_MAX_HEADER);
     if (hl < 2 || hl > len - 8)
         return stepq__error(STEPQ_EPARSE,
                             "%s: header of %llu bytes, file has %zu after the length "
@@ -264,9 +264,9 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
     f->base = buf;
     f->size = len;
     int n = cJSON_GetArraySize(root);
-    if (n > STEPQ_TRACE_MAX_TENSORS + 1) {
+    if (n > STEPQ__TRACE_MAX_TENSORS + 1) {
         rc = stepq__error(STEPQ_ERANGE, "%s: %d header entries (at most %d)", what, n,
-                          STEPQ_TRACE_MAX_TENSORS);
+                          STEPQ__TRACE_MAX_TENSORS);
         goto done;
     }
     f->tensors = calloc((size_t)n + 1, sizeof(*f->tensors));
@@ -317,7 +317,7 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
             }
             continue;
         }
-        struct stepq_trace_tensor *t = &f->tensors[f->n_tensors];
+        struct stepq__trace_tensor *t = &f->tensors[f->n_tensors];
         t->name = strdup(c->string);
         if (!t->name) {
             rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", what);
@@ -344,7 +344,7 @@ int stepq_trace_file_parse(const uint8_t *buf, size_t len, const char *what,
     qsort(order, (size_t)f->n_tensors, sizeof(*order), cmp_begin);
     uint64_t pos = 0;
     for (int i = 0; i < f->n_tensors; i++) {
-        const struct stepq_trace_tensor *t = order[i];
+        const struct stepq__trace_tensor *t = order[i];
         if (t->begin < pos) {
             rc = stepq__error(STEPQ_ERANGE, "%s: tensor '%s' [%llu, %llu) overlaps tensor '%s'",
                               what, t->name, (unsigned long long)t->begin,
@@ -375,7 +375,7 @@ done:
     return STEPQ_OK;
 }
 
-int stepq_trace_file_open(const char *path, struct stepq_trace_file **out)
+int stepq__trace_file_open(const char *path, struct stepq__trace_file **out)
 {
     *out = NULL;
     int fd = open(path, O_RDONLY | O_CLOEXEC);
@@ -414,8 +414,8 @@ int stepq_trace_file_open(const char *path, struct stepq_trace_file **out)
         base = p;
     }
     close(fd);
-    struct stepq_trace_file *f;
-    int rc = stepq_trace_file_parse(base, len, path, &f);
+    struct stepq__trace_file *f;
+    int rc = stepq__trace_file_parse(base, len, path, &f);
     if (rc < 0) {
         if (mapped)
             munmap((void *)base, len);
@@ -430,8 +430,8 @@ int stepq_trace_file_open(const char *path, struct stepq_trace_file **out)
     return STEPQ_OK;
 }
 
-const struct stepq_trace_tensor *stepq_trace_file_find(const struct stepq_trace_file *f,
-                                                       const char *name)
+const struct stepq__trace_tensor *stepq__trace_file_find(const struct stepq__trace_file *f,
+                                                         const char *name)
 {
     for (int i = 0; i < f->n_tensors; i++)
         if (!strcmp(f->tensors[i].name, name))
@@ -439,7 +439,7 @@ const struct stepq_trace_tensor *stepq_trace_file_find(const struct stepq_trace_
     return NULL;
 }
 
-const char *stepq_trace_file_meta(const struct stepq_trace_file *f, const char *key)
+const char *stepq__trace_file_meta(const struct stepq__trace_file *f, const char *key)
 {
     for (int i = 0; i < f->n_meta; i++)
         if (!strcmp(f->meta_keys[i], key))
@@ -453,20 +453,20 @@ enum { T_Q, T_K, T_V, T_G, T_BETA, T_O, T_N };
 static const char *const tnames[T_N] = { "q", "k", "v", "g", "beta", "o" };
 
 struct slot {
-    const struct stepq_trace_tensor *t[T_N];
+    const struct stepq__trace_tensor *t[T_N];
     int s_in_file; /* stream index inside the tensors */
 };
 
-struct stepq_trace_set {
-    struct stepq_trace_info info;
+struct stepq__trace_set {
+    struct stepq__trace_info info;
     int n_files;
-    struct stepq_trace_file **files;
+    struct stepq__trace_file **files;
     struct slot *slots; /* [n_streams][n_layers] */
 };
 
-static int meta_int(const struct stepq_trace_file *f, const char *key, long lo, long hi, int *out)
+static int meta_int(const struct stepq__trace_file *f, const char *key, long lo, long hi, int *out)
 {
-    const char *s = stepq_trace_file_meta(f, key);
+    const char *s = stepq__trace_file_meta(f, key);
     const char *what = f->path ? f->path : "trace";
     if (!s)
         return stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.%s is missing", what, key);
@@ -509,18 +509,18 @@ static int parse_layers(const char *s, int *ids, int cap, const char *what, cons
     return n;
 }
 
-static int file_info(const struct stepq_trace_file *f, struct stepq_trace_info *in, int *s_off,
+static int file_info(const struct stepq__trace_file *f, struct stepq__trace_info *in, int *s_off,
                      int *n_str, int *lay, int *n_lay)
 {
     const char *what = f->path ? f->path : "trace";
     const char *s;
     int rc, ver;
     memset(in, 0, sizeof(*in));
-    if (!(s = stepq_trace_file_meta(f, "format")) || strcmp(s, "stepq-trace"))
+    if (!(s = stepq__trace_file_meta(f, "format")) || strcmp(s, "stepq-trace"))
         return stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.format is not 'stepq-trace'", what);
     if ((rc = meta_int(f, "version", 1, 1, &ver)) < 0)
         return rc;
-    if (!(s = stepq_trace_file_meta(f, "arch")) || (strcmp(s, "gdn") && strcmp(s, "kda")))
+    if (!(s = stepq__trace_file_meta(f, "arch")) || (strcmp(s, "gdn") && strcmp(s, "kda")))
         return stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.arch must be 'gdn' or 'kda'", what);
     in->arch = !strcmp(s, "kda") ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
     if ((rc = meta_int(f, "H", 1, 4096, &in->H)) < 0 ||
@@ -539,10 +539,10 @@ static int file_info(const struct stepq_trace_file *f, struct stepq_trace_info *
     if (*s_off + *n_str > in->n_streams)
         return stepq__error(STEPQ_ERANGE, "%s: streams %d..%d beyond streams_total %d", what,
                             *s_off, *s_off + *n_str - 1, in->n_streams);
-    if (!(s = stepq_trace_file_meta(f, "qk_heads")) || (strcmp(s, "H") && strcmp(s, "HV")))
+    if (!(s = stepq__trace_file_meta(f, "qk_heads")) || (strcmp(s, "H") && strcmp(s, "HV")))
         return stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.qk_heads must be 'H' or 'HV'", what);
     in->qk_repeated = !strcmp(s, "HV");
-    if (!(s = stepq_trace_file_meta(f, "scale")))
+    if (!(s = stepq__trace_file_meta(f, "scale")))
         return stepq__error(STEPQ_ESCHEMA, "%s: __metadata__.scale is missing", what);
     char *e;
     double sc = strtod(s, &e);
@@ -550,18 +550,18 @@ static int file_info(const struct stepq_trace_file *f, struct stepq_trace_info *
         return stepq__error(STEPQ_ERANGE, "%s: __metadata__.scale = '%s' is not a positive number",
                             what, s);
     in->scale = (float)sc;
-    if ((rc = parse_layers(stepq_trace_file_meta(f, "all_layers"), in->layer_ids,
-                           STEPQ_TRACE_MAX_LAYERS, what, "all_layers")) < 0)
+    if ((rc = parse_layers(stepq__trace_file_meta(f, "all_layers"), in->layer_ids,
+                           STEPQ__TRACE_MAX_LAYERS, what, "all_layers")) < 0)
         return rc;
     in->n_layers = rc;
-    if ((rc = parse_layers(stepq_trace_file_meta(f, "layers"), lay, STEPQ_TRACE_MAX_LAYERS, what,
+    if ((rc = parse_layers(stepq__trace_file_meta(f, "layers"), lay, STEPQ__TRACE_MAX_LAYERS, what,
                            "layers")) < 0)
         return rc;
     *n_lay = rc;
     return STEPQ_OK;
 }
 
-static int same_info(const struct stepq_trace_info *a, const struct stepq_trace_info *b)
+static int same_info(const struct stepq__trace_info *a, const struct stepq__trace_info *b)
 {
     return a->arch == b->arch && a->H == b->H && a->HV == b->HV && a->K == b->K && a->V == b->V &&
            a->qk_repeated == b->qk_repeated && a->qk_l2norm == b->qk_l2norm &&
@@ -569,7 +569,7 @@ static int same_info(const struct stepq_trace_info *a, const struct stepq_trace_
            a->T == b->T && !memcmp(a->layer_ids, b->layer_ids, sizeof(int) * (size_t)a->n_layers);
 }
 
-static int check_shape(const struct stepq_trace_tensor *t, const char *what, int nd,
+static int check_shape(const struct stepq__trace_tensor *t, const char *what, int nd,
                        const int64_t *want)
 {
     int ok = t->ndim == nd;
@@ -589,25 +589,26 @@ static int check_shape(const struct stepq_trace_tensor *t, const char *what, int
                         t->name, got, exp);
 }
 
-void stepq_trace_set_close(struct stepq_trace_set *ts)
+void stepq__trace_set_close(struct stepq__trace_set *ts)
 {
     if (!ts)
         return;
     for (int i = 0; i < ts->n_files; i++)
-        stepq_trace_file_close(ts->files[i]);
+        stepq__trace_file_close(ts->files[i]);
     free(ts->files);
     free(ts->slots);
     free(ts);
 }
 
-int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct stepq_trace_set **out)
+int stepq__trace_set_from_files(struct stepq__trace_file **files, int n,
+                                struct stepq__trace_set **out)
 {
     int rc = STEPQ_OK;
-    struct stepq_trace_set *ts = calloc(1, sizeof(*ts));
+    struct stepq__trace_set *ts = calloc(1, sizeof(*ts));
     *out = NULL;
     if (!ts || !(ts->files = calloc((size_t)(n > 0 ? n : 1), sizeof(*ts->files)))) {
         for (int i = 0; i < n; i++)
-            stepq_trace_file_close(files[i]);
+            stepq__trace_file_close(files[i]);
         free(ts);
         return stepq__error(STEPQ_ENOMEM, "trace set: out of memory");
     }
@@ -620,10 +621,10 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct st
     }
     int has_o = -1;
     for (int fi = 0; fi < n; fi++) {
-        const struct stepq_trace_file *f = files[fi];
+        const struct stepq__trace_file *f = files[fi];
         const char *what = f->path ? f->path : "trace";
-        struct stepq_trace_info in;
-        int s_off, n_str, lay[STEPQ_TRACE_MAX_LAYERS], n_lay;
+        struct stepq__trace_info in;
+        int s_off, n_str, lay[STEPQ__TRACE_MAX_LAYERS], n_lay;
         if ((rc = file_info(f, &in, &s_off, &n_str, lay, &n_lay)) < 0)
             goto fail;
         if (fi == 0) {
@@ -640,7 +641,7 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct st
                              what, files[0]->path ? files[0]->path : "the first file");
             goto fail;
         }
-        const struct stepq_trace_info *I = &ts->info;
+        const struct stepq__trace_info *I = &ts->info;
         int Hq = I->qk_repeated ? I->HV : I->H;
         int expected_tensors = 0;
         for (int l = 0; l < n_lay; l++) {
@@ -652,11 +653,11 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct st
                 rc = stepq__error(STEPQ_ESCHEMA, "%s: layer %d is not in all_layers", what, lay[l]);
                 goto fail;
             }
-            const struct stepq_trace_tensor *tt[T_N];
+            const struct stepq__trace_tensor *tt[T_N];
             for (int k = 0; k < T_N; k++) {
                 char nm[64];
                 snprintf(nm, sizeof(nm), "layer%d.%s", lay[l], tnames[k]);
-                tt[k] = stepq_trace_file_find(f, nm);
+                tt[k] = stepq__trace_file_find(f, nm);
                 if (!tt[k] && k != T_O) {
                     rc = stepq__error(STEPQ_ESCHEMA, "%s: tensor '%s' is missing", what, nm);
                     goto fail;
@@ -695,7 +696,7 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct st
         if (expected_tensors != f->n_tensors) {
             rc = stepq__error(STEPQ_ESCHEMA,
                               "%s: %d tensors in the file, %d expected for layers '%s'", what,
-                              f->n_tensors, expected_tensors, stepq_trace_file_meta(f, "layers"));
+                              f->n_tensors, expected_tensors, stepq__trace_file_meta(f, "layers"));
             goto fail;
         }
     }
@@ -724,43 +725,43 @@ int stepq_trace_set_from_files(struct stepq_trace_file **files, int n, struct st
     *out = ts;
     return STEPQ_OK;
 fail:
-    stepq_trace_set_close(ts);
+    stepq__trace_set_close(ts);
     return rc;
 }
 
-int stepq_trace_set_open(const char *const *paths, int n, struct stepq_trace_set **out)
+int stepq__trace_set_open(const char *const *paths, int n, struct stepq__trace_set **out)
 {
-    struct stepq_trace_file **files = calloc((size_t)(n > 0 ? n : 1), sizeof(*files));
+    struct stepq__trace_file **files = calloc((size_t)(n > 0 ? n : 1), sizeof(*files));
     int rc;
     *out = NULL;
     if (!files)
         return stepq__error(STEPQ_ENOMEM, "trace set: out of memory");
     for (int i = 0; i < n; i++) {
-        if ((rc = stepq_trace_file_open(paths[i], &files[i])) < 0) {
+        if ((rc = stepq__trace_file_open(paths[i], &files[i])) < 0) {
             for (int j = 0; j < i; j++)
-                stepq_trace_file_close(files[j]);
+                stepq__trace_file_close(files[j]);
             free(files);
             return rc;
         }
     }
-    rc = stepq_trace_set_from_files(files, n, out);
+    rc = stepq__trace_set_from_files(files, n, out);
     free(files);
     return rc;
 }
 
-const struct stepq_trace_info *stepq_trace_set_info(const struct stepq_trace_set *ts)
+const struct stepq__trace_info *stepq__trace_set_info(const struct stepq__trace_set *ts)
 {
     return &ts->info;
 }
 
-const char *stepq_trace_set_meta(const struct stepq_trace_set *ts, const char *key)
+const char *stepq__trace_set_meta(const struct stepq__trace_set *ts, const char *key)
 {
-    return ts->n_files ? stepq_trace_file_meta(ts->files[0], key) : NULL;
+    return ts->n_files ? stepq__trace_file_meta(ts->files[0], key) : NULL;
 }
 
-static float load_elem(const uint8_t *p, stepq_trace_dtype dt)
+static float load_elem(const uint8_t *p, stepq__trace_dtype dt)
 {
-    if (dt == STEPQ_TRACE_F32) {
+    if (dt == STEPQ__TRACE_F32) {
         uint32_t u =
             (uint32_t)p[0] | (uint32_t)p[1] << 8 | (uint32_t)p[2] << 16 | (uint32_t)p[3] << 24;
         float f;
@@ -768,14 +769,14 @@ static float load_elem(const uint8_t *p, stepq_trace_dtype dt)
         return f;
     }
     uint16_t h = (uint16_t)(p[0] | p[1] << 8);
-    return dt == STEPQ_TRACE_BF16 ? stepq__bf16_to_float(h) : stepq__fp16_to_float(h);
+    return dt == STEPQ__TRACE_BF16 ? stepq__bf16_to_float(h) : stepq__fp16_to_float(h);
 }
 
 /* Copies n rows of `w` elements at (s, t0 + r, head) of a [S][T][heads][w] tensor. */
-static void gather(const struct stepq_trace_tensor *t, int s, int T, int heads, int head, int w,
+static void gather(const struct stepq__trace_tensor *t, int s, int T, int heads, int head, int w,
                    int t0, int n, float *dst)
 {
-    size_t es = stepq_trace_dtype_size(t->dtype);
+    size_t es = stepq__trace_dtype_size(t->dtype);
     for (int r = 0; r < n; r++) {
         size_t idx = (((size_t)s * T + (size_t)(t0 + r)) * heads + head) * w;
         const uint8_t *p = t->data + idx * es;
@@ -784,10 +785,10 @@ static void gather(const struct stepq_trace_tensor *t, int s, int T, int heads, 
     }
 }
 
-int stepq_trace_head(const struct stepq_trace_set *ts, int stream, int li, int hv, int t0, int n,
-                     float *q, float *k, float *v, float *g, float *beta, float *o)
+int stepq__trace_head(const struct stepq__trace_set *ts, int stream, int li, int hv, int t0, int n,
+                      float *q, float *k, float *v, float *g, float *beta, float *o)
 {
-    const struct stepq_trace_info *I = &ts->info;
+    const struct stepq__trace_info *I = &ts->info;
     if (stream < 0 || stream >= I->n_streams || li < 0 || li >= I->n_layers || hv < 0 ||
         hv >= I->HV || t0 < 0 || n < 0 || t0 + n > I->T)
         return stepq__error(
@@ -816,16 +817,16 @@ int stepq_trace_head(const struct stepq_trace_set *ts, int stream, int li, int h
 
 /* ------------------------------------------------------------------ writer */
 
-struct stepq_trace_writer {
+struct stepq__trace_writer {
     FILE *fp;
     char *path;
     int n, cur;
-    struct stepq_trace_wtensor *t;
+    struct stepq__trace_wtensor *t;
     uint64_t left; /* elements left in tensor cur */
     int failed;
 };
 
-static uint64_t numel(const struct stepq_trace_wtensor *t)
+static uint64_t numel(const struct stepq__trace_wtensor *t)
 {
     uint64_t n = 1;
     for (int i = 0; i < t->ndim; i++)
@@ -833,8 +834,9 @@ static uint64_t numel(const struct stepq_trace_wtensor *t)
     return n;
 }
 
-int stepq_trace_writer_open(const char *path, const struct stepq_trace_wtensor *t, int n,
-                            const char *const *meta_kv, int n_meta, struct stepq_trace_writer **out)
+int stepq__trace_writer_open(const char *path, const struct stepq__trace_wtensor *t, int n,
+                             const char *const *meta_kv, int n_meta,
+                             struct stepq__trace_writer **out)
 {
     *out = NULL;
     cJSON *root = cJSON_CreateObject(), *meta = cJSON_CreateObject();
@@ -853,7 +855,7 @@ int stepq_trace_writer_open(const char *path, const struct stepq_trace_wtensor *
         for (int d = 0; d < t[i].ndim; d++)
             cJSON_AddItemToArray(sh, cJSON_CreateNumber((double)t[i].shape[d]));
         cJSON_AddItemToObject(o, "shape", sh);
-        uint64_t b = numel(&t[i]) * stepq_trace_dtype_size(t[i].dtype);
+        uint64_t b = numel(&t[i]) * stepq__trace_dtype_size(t[i].dtype);
         cJSON_AddItemToArray(of, cJSON_CreateNumber((double)off));
         cJSON_AddItemToArray(of, cJSON_CreateNumber((double)(off + b)));
         cJSON_AddItemToObject(o, "data_offsets", of);
@@ -865,7 +867,7 @@ int stepq_trace_writer_open(const char *path, const struct stepq_trace_wtensor *
     if (!js)
         return stepq__error(STEPQ_ENOMEM, "%s: out of memory", path);
     size_t hl = strlen(js), pad = (8 - hl % 8) % 8;
-    struct stepq_trace_writer *w = calloc(1, sizeof(*w));
+    struct stepq__trace_writer *w = calloc(1, sizeof(*w));
     if (!w || !(w->t = calloc((size_t)(n ? n : 1), sizeof(*w->t))) || !(w->path = strdup(path))) {
         free(js);
         if (w) {
@@ -901,7 +903,7 @@ int stepq_trace_writer_open(const char *path, const struct stepq_trace_wtensor *
     return STEPQ_OK;
 }
 
-int stepq_trace_writer_put(struct stepq_trace_writer *w, const float *x, size_t n)
+int stepq__trace_writer_put(struct stepq__trace_writer *w, const float *x, size_t n)
 {
     uint8_t buf[4096];
     while (n) {
@@ -909,20 +911,20 @@ int stepq_trace_writer_put(struct stepq_trace_writer *w, const float *x, size_t 
             w->failed = 1;
             return stepq__error(STEPQ_ERANGE, "%s: more data than the tensors hold", w->path);
         }
-        stepq_trace_dtype dt = w->t[w->cur].dtype;
-        size_t es = stepq_trace_dtype_size(dt);
+        stepq__trace_dtype dt = w->t[w->cur].dtype;
+        size_t es = stepq__trace_dtype_size(dt);
         size_t m = n < w->left ? n : (size_t)w->left;
         if (m > sizeof(buf) / es)
             m = sizeof(buf) / es;
         for (size_t i = 0; i < m; i++) {
-            if (dt == STEPQ_TRACE_F32) {
+            if (dt == STEPQ__TRACE_F32) {
                 uint32_t u;
                 memcpy(&u, &x[i], 4);
                 for (int b = 0; b < 4; b++)
                     buf[i * 4 + b] = (uint8_t)(u >> (8 * b));
             } else {
-                uint16_t h = dt == STEPQ_TRACE_BF16 ? stepq__bf16_from_float(x[i])
-                                                    : stepq__fp16_from_float(x[i]);
+                uint16_t h = dt == STEPQ__TRACE_BF16 ? stepq__bf16_from_float(x[i])
+                                                     : stepq__fp16_from_float(x[i]);
                 buf[i * 2] = (uint8_t)h;
                 buf[i * 2 + 1] = (uint8_t)(h >> 8);
             }
@@ -943,7 +945,7 @@ int stepq_trace_writer_put(struct stepq_trace_writer *w, const float *x, size_t 
     return STEPQ_OK;
 }
 
-int stepq_trace_writer_close(struct stepq_trace_writer *w)
+int stepq__trace_writer_close(struct stepq__trace_writer *w)
 {
     int rc = STEPQ_OK;
     if (!w)

@@ -10,7 +10,7 @@ come from the call of the module-level kernel function (or the layer's
 kernelised attribute), intercepted by a wrapper that records and then calls the
 original.
 
-Trace format (read by tools/trace.c; see tools/CALIBRATION.md):
+Trace format (read by tools/calib/trace.c; see tools/CALIBRATION.md):
   safetensors: u64 little-endian header length, JSON header, raw data.
   tensors, per recorded layer L (global layer index):
     layer{L}.q    [S, T, Hq, K]   Hq = q/k head count (H) when recoverable, else HV

@@ -2,7 +2,7 @@
  * Replay primitives, storage methods in the loop, a small thread pool and
  * rank statistics for `stepq calibrate` / `stepq eval` (tools/calib.h).
  */
-#include "tools/calib.h"
+#include "tools/calib/calib.h"
 
 #include <math.h>
 #include <pthread.h>
@@ -17,7 +17,7 @@
 #include "kernels/quant.h"
 #include "plugin/err.h"
 
-void sq_head_free(struct sq_head *h)
+void stepq__calib_head_free(struct stepq__calib_head *h)
 {
     free(h->q);
     free(h->k);
@@ -27,9 +27,10 @@ void sq_head_free(struct sq_head *h)
     memset(h, 0, sizeof(*h));
 }
 
-int sq_head_load(const struct stepq_trace_set *ts, int stream, int li, int hv, struct sq_head *h)
+int stepq__calib_head_load(const struct stepq__trace_set *ts, int stream, int li, int hv,
+                           struct stepq__calib_head *h)
 {
-    const struct stepq_trace_info *I = stepq_trace_set_info(ts);
+    const struct stepq__trace_info *I = stepq__trace_set_info(ts);
     int T = I->T, K = I->K, V = I->V, kda = I->arch == STEPQ_ARCH_KDA;
     memset(h, 0, sizeof(*h));
     h->T = T;
@@ -42,12 +43,12 @@ int sq_head_load(const struct stepq_trace_set *ts, int stream, int li, int hv, s
     h->g = malloc(sizeof(float) * (size_t)T * (kda ? K : 1));
     h->beta = malloc(sizeof(float) * (size_t)T);
     if (!h->q || !h->k || !h->v || !h->g || !h->beta) {
-        sq_head_free(h);
+        stepq__calib_head_free(h);
         return stepq__error(STEPQ_ENOMEM, "trace replay: out of memory");
     }
-    int rc = stepq_trace_head(ts, stream, li, hv, 0, T, h->q, h->k, h->v, h->g, h->beta, NULL);
+    int rc = stepq__trace_head(ts, stream, li, hv, 0, T, h->q, h->k, h->v, h->g, h->beta, NULL);
     if (rc < 0) {
-        sq_head_free(h);
+        stepq__calib_head_free(h);
         return rc;
     }
     /* Same normalisation as kernels/recurrence.c (double sum, eps 1e-6), then the scale. */
@@ -71,7 +72,7 @@ int sq_head_load(const struct stepq_trace_set *ts, int stream, int li, int hv, s
     return STEPQ_OK;
 }
 
-void sq_step(float *S, const struct sq_head *h, int t, float *o)
+void stepq__calib_step(float *S, const struct stepq__calib_head *h, int t, float *o)
 {
     const float *g = h->g + (size_t)t * (h->kda ? h->K : 1);
     stepq__head_update(S, (size_t)h->V, 1, h->kda, h->K, h->V, h->q + (size_t)t * h->K,
@@ -84,7 +85,7 @@ void sq_step(float *S, const struct sq_head *h, int t, float *o)
  * result when read is set. Unit-stride loops the compiler vectorises; each
  * acc[j] sums over rows in order (two rows per pass), as before.
  */
-static double err_step(float *E, const struct sq_head *h, int t, int native, int read)
+static double err_step(float *E, const struct stepq__calib_head *h, int t, int native, int read)
 {
     int K = h->K, V = h->V, i;
     const float *g = h->g + (size_t)t * (h->kda ? K : 1);
@@ -100,7 +101,7 @@ static double err_step(float *E, const struct sq_head *h, int t, int native, int
             for (int j = 0; j < V; j++)
                 row[j] *= d;
         }
-        return read ? sq_read_err(E, h, t) : 0.0;
+        return read ? stepq__calib_read_err(E, h, t) : 0.0;
     }
     for (int j = 0; j < V; j++)
         acc[j] = 0.0;
@@ -159,17 +160,17 @@ static double err_step(float *E, const struct sq_head *h, int t, int native, int
     return s;
 }
 
-void sq_err_step(float *E, const struct sq_head *h, int t, int native)
+void stepq__calib_err_step(float *E, const struct stepq__calib_head *h, int t, int native)
 {
     err_step(E, h, t, native, 0);
 }
 
-double sq_err_step_read(float *E, const struct sq_head *h, int t, int native)
+double stepq__calib_err_step_read(float *E, const struct stepq__calib_head *h, int t, int native)
 {
     return err_step(E, h, t, native, 1);
 }
 
-double sq_read_err(const float *E, const struct sq_head *h, int t)
+double stepq__calib_read_err(const float *E, const struct stepq__calib_head *h, int t)
 {
     int K = h->K, V = h->V, i;
     const float *q = h->q + (size_t)t * K;
@@ -193,15 +194,15 @@ double sq_read_err(const float *E, const struct sq_head *h, int t)
     return s;
 }
 
-void sq_map_row_bits(const stepq_map_t *map, int li, int hv, int K, int kda, uint8_t *rb)
+void stepq__calib_map_row_bits(const stepq_map_t *map, int li, int hv, int K, int kda, uint8_t *rb)
 {
     const uint8_t *lb = stepq_map_layer_bits(map, li);
     for (int i = 0; i < K; i++)
         rb[i] = kda ? lb[hv * K + i] : lb[hv];
 }
 
-int sq_quant_init(struct sq_quant *qz, stepq_method method, stepq_arch arch, int K, int V,
-                  const uint8_t *row_bits, const float *w)
+int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, stepq_arch arch,
+                            int K, int V, const uint8_t *row_bits, const float *w)
 {
     memset(qz, 0, sizeof(*qz));
     if (method == STEPQ_METHOD_FP32) {
@@ -220,7 +221,7 @@ int sq_quant_init(struct sq_quant *qz, stepq_method method, stepq_arch arch, int
     return STEPQ_OK;
 }
 
-void sq_quant_apply(struct sq_quant *qz, float *x)
+void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x)
 {
     if (qz->dense_fp32)
         return;
@@ -229,7 +230,7 @@ void sq_quant_apply(struct sq_quant *qz, float *x)
     stepq__dequantize_head(&qz->hl, qz->block, x);
 }
 
-void sq_quant_free(struct sq_quant *qz)
+void stepq__calib_quant_free(struct stepq__calib_quant *qz)
 {
     if (!qz->dense_fp32)
         stepq__head_layout_free(&qz->hl);
@@ -240,7 +241,7 @@ void sq_quant_free(struct sq_quant *qz)
 /* ---------------------------------------------------------------- threads */
 
 struct pool_ctx {
-    sq_job_fn fn;
+    stepq__calib_job_fn fn;
     void *ctx;
     int n;
     atomic_int next, done;
@@ -265,13 +266,13 @@ static void *worker_main(void *arg)
     return NULL;
 }
 
-int sq_default_threads(void)
+int stepq__calib_default_threads(void)
 {
     long n = sysconf(_SC_NPROCESSORS_ONLN);
     return n < 1 ? 1 : n > 256 ? 256 : (int)n;
 }
 
-int sq_parallel(int n, int threads, sq_job_fn fn, void *ctx, const char *label)
+int stepq__calib_parallel(int n, int threads, stepq__calib_job_fn fn, void *ctx, const char *label)
 {
     struct pool_ctx p = { fn, ctx, n, 0, 0 };
     if (threads < 1)
@@ -345,7 +346,7 @@ static void ranks(const double *x, int n, double *r, struct rank_item *tmp)
     }
 }
 
-double sq_spearman(const double *x, const double *y, int n)
+double stepq__calib_spearman(const double *x, const double *y, int n)
 {
     if (n < 2)
         return NAN;

@@ -181,7 +181,7 @@ def self_test(a):
     here = os.path.dirname(os.path.abspath(__file__))
     specs = [sp.partition("=")[::2] for sp in a.map] or [
         (os.path.basename(p)[:-5], p)
-        for p in sorted(glob.glob(os.path.join(here, "..", "config", "calibrated", "tiny-gdn", "*.json")))]
+        for p in sorted(glob.glob(os.path.join(here, "..", "..", "config", "calibrated", "tiny-gdn", "*.json")))]
     if not specs:
         raise SystemExit("nll_eval: self-test: no maps")
     assert ms([1.0, 2.0, 3.0]) == (2.0, math.sqrt(1.0 / 3.0)), ms([1.0, 2.0, 3.0])

@@ -11,30 +11,31 @@
 #include <stdint.h>
 
 #include "kernels/format.h"
-#include "tools/trace.h"
+#include "tools/calib/trace.h"
 
 /* ---------------------------------------------------------------- head data */
 
 /** One (stream, layer, value head) of a trace in fp32, q/k l2-normalised and q scaled. */
-struct sq_head {
+struct stepq__calib_head {
     int T, K, V, kda;
     float *q, *k, *v, *g, *beta; /* [T][K], [T][K], [T][V], [T] or [T][K], [T] */
 };
 
-int sq_head_load(const struct stepq_trace_set *ts, int stream, int li, int hv, struct sq_head *h);
-void sq_head_free(struct sq_head *h);
+int stepq__calib_head_load(const struct stepq__trace_set *ts, int stream, int li, int hv,
+                           struct stepq__calib_head *h);
+void stepq__calib_head_free(struct stepq__calib_head *h);
 
 /** One recurrent step on an fp32 tile [K][V] (decay, delta update, readout o[V]). */
-void sq_step(float *S, const struct sq_head *h, int t, float *o);
+void stepq__calib_step(float *S, const struct stepq__calib_head *h, int t, float *o);
 /** Propagates an error tile one step: native E <- (I - beta k k^T) D E; oracle E <- D E. */
-void sq_err_step(float *E, const struct sq_head *h, int t, int native);
+void stepq__calib_err_step(float *E, const struct stepq__calib_head *h, int t, int native);
 /** Squared readout error ||E^T q_t||^2. */
-double sq_read_err(const float *E, const struct sq_head *h, int t);
-/** sq_err_step then sq_read_err (the same bits), with one pass less over E. */
-double sq_err_step_read(float *E, const struct sq_head *h, int t, int native);
+double stepq__calib_read_err(const float *E, const struct stepq__calib_head *h, int t);
+/** stepq__calib_err_step then stepq__calib_read_err (the same bits), with one pass less over E. */
+double stepq__calib_err_step_read(float *E, const struct stepq__calib_head *h, int t, int native);
 
 /** A storage method for one head, applied in place (quantize + reconstruct). */
-struct sq_quant {
+struct stepq__calib_quant {
     struct stepq_head_layout hl;
     uint8_t *block;
     const float *w; /* row impact (spatial, stepq) or NULL */
@@ -43,21 +44,21 @@ struct sq_quant {
 
 /** rb[0..K) = the row widths of head hv of layer li of a quantized map (KDA: one unit per
  *  row; GDN: the head's one width on every row). */
-void sq_map_row_bits(const stepq_map_t *map, int li, int hv, int K, int kda, uint8_t *rb);
+void stepq__calib_map_row_bits(const stepq_map_t *map, int li, int hv, int K, int kda, uint8_t *rb);
 /** row_bits: K widths (NULL for dense methods). */
-int sq_quant_init(struct sq_quant *qz, stepq_method method, stepq_arch arch, int K, int V,
-                  const uint8_t *row_bits, const float *w);
-void sq_quant_apply(struct sq_quant *qz, float *x);
-void sq_quant_free(struct sq_quant *qz);
+int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, stepq_arch arch,
+                            int K, int V, const uint8_t *row_bits, const float *w);
+void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x);
+void stepq__calib_quant_free(struct stepq__calib_quant *qz);
 
 /* ---------------------------------------------------------------- threads */
 
-typedef void (*sq_job_fn)(void *ctx, int job, int worker);
+typedef void (*stepq__calib_job_fn)(void *ctx, int job, int worker);
 /** Runs fn(ctx, j, worker) for j in [0, n) on `threads` threads (job order is irrelevant to
  *  the results when each job writes only its own outputs). Shows a progress line on stderr
  *  when stderr is a terminal and `label` is non-NULL. */
-int sq_parallel(int n, int threads, sq_job_fn fn, void *ctx, const char *label);
-int sq_default_threads(void);
+int stepq__calib_parallel(int n, int threads, stepq__calib_job_fn fn, void *ctx, const char *label);
+int stepq__calib_default_threads(void);
 
 /* ---------------------------------------------------------------- allocation */
 
@@ -73,11 +74,11 @@ int sq_default_threads(void);
  * Returns 0 (exact), 1 (Lagrangian), or STEPQ_ERANGE when even the smallest
  * options do not fit, STEPQ_ENOMEM.
  */
-int sq_allocate(int n, int m, const double *cost, const int *size, long long cap,
-                long long dp_limit, int *choice);
+int stepq__calib_allocate(int n, int m, const double *cost, const int *size, long long cap,
+                          long long dp_limit, int *choice);
 
 /* ---------------------------------------------------------------- statistics */
 
-double sq_spearman(const double *x, const double *y, int n);
+double stepq__calib_spearman(const double *x, const double *y, int n);
 
 #endif /* STEPQ_TOOLS_CALIB_H */

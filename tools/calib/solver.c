@@ -1,5 +1,5 @@
 /*
- * The bit-allocation solver (tools/calib.h sq_allocate): a multiple-choice
+ * The bit-allocation solver (tools/calib.h stepq__calib_allocate): a multiple-choice
  * knapsack. When all units hold the same number of values (every GDN head,
  * every KDA key row), sizes are the bit widths and the capacity is
  * floor(budget * U - 8 * pivots), small enough for an exact dynamic
@@ -11,7 +11,7 @@
 #include <string.h>
 
 #include "plugin/err.h"
-#include "tools/calib.h"
+#include "tools/calib/calib.h"
 
 static int dp_solve(int n, int m, const double *cost, const int *size, long long cap, int *choice)
 {
@@ -180,8 +180,8 @@ static int lagrangian(int n, int m, const double *cost, const int *size, long lo
     return 1;
 }
 
-int sq_allocate(int n, int m, const double *cost, const int *size, long long cap,
-                long long dp_limit, int *choice)
+int stepq__calib_allocate(int n, int m, const double *cost, const int *size, long long cap,
+                          long long dp_limit, int *choice)
 {
     if (n < 0 || m < 1 || m > 254 || cap < 0)
         return stepq__error(STEPQ_EINVAL, "allocation: bad problem (n %d, m %d, cap %lld)", n, m,
