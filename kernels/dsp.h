@@ -1,8 +1,15 @@
 /*
- * The kernel dispatch table (dav1d's pattern): one signature per kernel
- * family and a struct of function pointers, filled with the C reference by
- * stepq__dsp_init_c(). Faster versions (the CUDA kernels) override entries
- * after it; every override is tested against the C entry on the same inputs.
+ * The kernel entries' common contract: argument structs, shapes, element
+ * types and health reporting of a decode step, a pack and an unpack, and the
+ * C reference entries that implement it (kernels/recurrence.c,
+ * kernels/step.c).
+ *
+ * The pool's backends call these entries directly, one per operation: the
+ * host backend the C reference below, the CUDA backend the CUDA entries of
+ * kernels/cuda/cuda.h (which take the same structs). The tests compare the
+ * two on the same inputs, kernel by kernel (tests/kernels_cuda/check_cuda.c)
+ * and through the pool (tests/pool/test_step_cuda.c): the reference is the
+ * specification the CUDA kernels are held to.
  *
  * Shapes, for one recurrent layer and one decode token per request:
  *   batch  requests, slots[b] their slot ids (-1 = padding: skipped, its
@@ -106,43 +113,24 @@ struct stepq__packed_layer {
     const float *row_impact;               /**< [n_heads][d_k] or NULL (all 1) */
 };
 
+/* --- The C reference entries (kernels/recurrence.c, kernels/step.c) --- */
+
 /** Decode step on dense fp32 states in place. */
-typedef int (*stepq__step_dense_fn)(const struct stepq__step_args *a,
-                                    const struct stepq__dense_states *st);
+int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 
 /** Decode step on packed pages: quantize(update(dequantize(page))) (paper Eq. 4). */
-typedef int (*stepq__step_packed_fn)(const struct stepq__step_args *a,
-                                     const struct stepq__packed_layer *pl);
+int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);
 
 /**
  * Packs n dense states into pages: entry e (src + e*src_stride elements,
- * [HV] heads in `layout`) goes to slot slots[e] (-1 skipped).
+ * [HV] heads in `layout`) goes to slot slots[e] (-1 skipped). `stream` is
+ * ignored (the CUDA entries' argument).
  */
-typedef int (*stepq__pack_fn)(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
-                              const float *src, size_t src_stride, stepq__layout layout,
-                              uint32_t *health, uint64_t *counts, void *stream);
-
-/** Reconstructs n pages into dense states (the reverse of stepq__pack_fn). */
-typedef int (*stepq__unpack_fn)(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
-                                float *dst, size_t dst_stride, stepq__layout layout, void *stream);
-
-struct stepq__dsp {
-    stepq__step_dense_fn step_dense;
-    stepq__step_packed_fn step_packed;
-    stepq__pack_fn pack;
-    stepq__unpack_fn unpack;
-};
-
-/** Fills every entry with the C reference. */
-void stepq__dsp_init_c(struct stepq__dsp *dsp);
-
-/* --- The C reference entries (kernels/recurrence.c, kernels/step.c) --- */
-
-int stepq__ref_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
-int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);
 int stepq__ref_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
                     const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
                     uint64_t *counts, void *stream);
+
+/** Reconstructs n pages into dense states (the reverse of stepq__ref_pack). */
 int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots, float *dst,
                       size_t dst_stride, stepq__layout layout, void *stream);
 

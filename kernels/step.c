@@ -1,7 +1,7 @@
 /*
  * The C reference of the kernels that work on packed pages: the decode step
  * quantize(update(dequantize(page))) (paper Eq. 4), pack and unpack over a
- * list of slots, and the dispatch-table initialiser.
+ * list of slots.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -10,14 +10,6 @@
 #include "kernels/dsp.h"
 #include "kernels/quant.h"
 #include "plugin/err.h"
-
-void stepq__dsp_init_c(struct stepq__dsp *dsp)
-{
-    dsp->step_dense = stepq__ref_step_dense;
-    dsp->step_packed = stepq__ref_step_packed;
-    dsp->pack = stepq__ref_pack;
-    dsp->unpack = stepq__ref_unpack;
-}
 
 /* Everything about the pages is checked before the first byte is written. */
 static int check_layer(const struct stepq__packed_layer *pl, int d_k, int d_v, const char *who)

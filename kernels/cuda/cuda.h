@@ -58,12 +58,6 @@ typedef enum stepq__cuda_variant {
 int stepq__cuda_device_count(void);
 
 /**
- * Overrides the entries of `dsp` with the CUDA kernels.
- * @return STEPQ_OK, or STEPQ_ENODEV (dsp untouched) when no device is present.
- */
-int stepq__dsp_init_cuda(struct stepq__dsp *dsp);
-
-/**
  * Mirrors a packed layer's description (pl->heads, head_offset, row_impact:
  * host memory) into a device descriptor table. pl->base, n_slots and
  * page_stride are NOT captured: they are passed again at each call.

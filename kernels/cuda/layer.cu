@@ -1,7 +1,7 @@
 /*
  * Host side of the CUDA kernels: device descriptor tables of packed layers,
- * argument checks, launches, the two-stage variant and the dispatch-table
- * hook. Every CUDA error becomes STEPQ_ECUDA (never an abort).
+ * argument checks, launches and the two-stage variant. Every CUDA error
+ * becomes STEPQ_ECUDA (never an abort).
  */
 #include <cuda_runtime.h>
 #include <math.h>
@@ -729,17 +729,4 @@ extern "C" int stepq__cuda_step_dense(const struct stepq__step_args *a,
     if (!st)
         return stepq__error(STEPQ_EINVAL, "cuda step (dense): NULL states");
     return stepq__cuda_step_dense_ex(a, st->base, st->slot_stride, st->layout, STEPQ_DTYPE_FP32);
-}
-
-extern "C" int stepq__dsp_init_cuda(struct stepq__dsp *dsp)
-{
-    if (!dsp)
-        return stepq__error(STEPQ_EINVAL, "dsp init (cuda): NULL table");
-    if (stepq__cuda_device_count() < 1)
-        return stepq__error(STEPQ_ENODEV, "dsp init (cuda): no CUDA device");
-    dsp->step_dense = stepq__cuda_step_dense;
-    dsp->step_packed = stepq__cuda_step_packed;
-    dsp->pack = stepq__cuda_pack;
-    dsp->unpack = stepq__cuda_unpack;
-    return STEPQ_OK;
 }
