@@ -12,8 +12,8 @@
  * The layer description in struct stepq__packed_layer (heads[], head_offset,
  * row_impact) is HOST memory: it is mirrored once to a device descriptor
  * table (stepq__cuda_layer_prepare) so that a step in steady state performs
- * no host-to-device copy. The dispatch-table entries keep a small cache of
- * prepared layers keyed by those host pointers plus a hash of their content.
+ * no host-to-device copy. The caller (the pool's CUDA backend) prepares
+ * each layer once and keeps the handle for the layer's lifetime.
  *
  * Slot ids live on the device, so the CUDA entries do not check them on the
  * host (that would need a synchronising copy and break CUDA-graph capture):
@@ -82,7 +82,7 @@ int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a,
                                      const struct stepq__packed_layer *pl, stepq__cuda_layer *L,
                                      stepq__cuda_variant variant);
 
-/** Pack (prefill hook) with a source dtype: STEPQ_DTYPE_FP32 or BF16 (the dsp entry is fp32). */
+/** Pack (prefill hook) from a source of dtype STEPQ_DTYPE_FP32 or BF16. */
 int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, stepq__cuda_layer *L, int n,
                               const int32_t *slots, const void *src, size_t src_stride,
                               stepq__layout layout, stepq_dtype dtype, uint32_t *health,
@@ -110,14 +110,8 @@ int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size
  */
 void stepq__cuda_set_legacy(int on);
 
-/* The dispatch-table entries (signatures of kernels/dsp.h). */
+/** stepq__cuda_step_dense_ex on fp32 states, described as for stepq__ref_step_dense. */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
-int stepq__cuda_step_packed(const struct stepq__step_args *a, const struct stepq__packed_layer *pl);
-int stepq__cuda_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
-                     const float *src, size_t src_stride, stepq__layout layout, uint32_t *health,
-                     uint64_t *counts, void *stream);
-int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
-                       float *dst, size_t dst_stride, stepq__layout layout, void *stream);
 
 #ifdef __cplusplus
 }

@@ -5,7 +5,6 @@
  */
 #include <cuda_runtime.h>
 #include <math.h>
-#include <pthread.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -21,9 +20,6 @@ extern "C" {
 /* Dynamic shared memory ceiling set on every kernel instance (a GDN pivot
  * head needs 32.5 KiB of block plus 16 KiB of byte codes). */
 #define SQ_DYN_SMEM_MAX (96 * 1024)
-/* Prepared layers the dispatch-table entries remember (one per layer a
- * process steps; a model has at most a few dozen recurrent layers). */
-#define SQ_CACHE_SIZE 64
 
 struct stepq__cuda_layer {
     sq_head_desc *d_heads;
@@ -32,9 +28,6 @@ struct stepq__cuda_layer {
     int offsets16;    /* all head offsets multiples of 16 */
     int all_quant;    /* every head quantized: the tile kernel handles the layer */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
-    /* cache key */
-    const void *key_heads, *key_off, *key_w;
-    uint64_t hash;
     /* two-stage variant */
     float *scratch;
     int *skip;
@@ -69,31 +62,6 @@ extern "C" int stepq__cuda_device_count(void)
 static int method_is_dual(int m)
 {
     return m == STEPQ_METHOD_DSQ || m == STEPQ_METHOD_SPATIAL || m == STEPQ_METHOD_STEPQ;
-}
-
-static uint64_t fnv(uint64_t h, const void *p, size_t n)
-{
-    const uint8_t *b = (const uint8_t *)p;
-    for (size_t i = 0; i < n; i++)
-        h = (h ^ b[i]) * 0x100000001b3ull;
-    return h;
-}
-
-static uint64_t layer_hash(const struct stepq__packed_layer *pl)
-{
-    uint64_t h = 0xcbf29ce484222325ull;
-    h = fnv(h, &pl->n_heads, sizeof(pl->n_heads));
-    for (int hv = 0; hv < pl->n_heads; hv++) {
-        const struct stepq_head_layout *hl = &pl->heads[hv];
-        h = fnv(h, &hl->method, sizeof(hl->method));
-        h = fnv(h, &hl->block_bytes, sizeof(hl->block_bytes));
-        h = fnv(h, &pl->head_offset[hv], sizeof(size_t));
-        if (hl->row_bits)
-            h = fnv(h, hl->row_bits, (size_t)hl->d_k);
-    }
-    if (pl->row_impact)
-        h = fnv(h, pl->row_impact, sizeof(float) * (size_t)pl->n_heads * SQ_D);
-    return h;
 }
 
 /* Checks the host description; fills the descriptors (host copy). */
@@ -206,10 +174,6 @@ extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
         L->all_quant &= pl->heads[hv].quantized;
         L->any_uniform |= h[hv].ubits != 0;
     }
-    L->key_heads = pl->heads;
-    L->key_off = pl->head_offset;
-    L->key_w = pl->row_impact;
-    L->hash = layer_hash(pl);
     free(h);
     *out = L;
     return STEPQ_OK;
@@ -647,80 +611,6 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
                                                               io, 0, who);
     return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st, io, who);
-}
-
-/* --- dispatch-table entries: prepared layers cached by description --- */
-
-static pthread_mutex_t cache_lock = PTHREAD_MUTEX_INITIALIZER;
-static stepq__cuda_layer *cache[SQ_CACHE_SIZE];
-static unsigned cache_next;
-
-static int cached_layer(const struct stepq__packed_layer *pl, stepq__cuda_layer **out,
-                        const char *who)
-{
-    if (!pl || !pl->heads || !pl->head_offset || pl->n_heads < 1)
-        return stepq__error(STEPQ_EINVAL, "%s: NULL packed layer, layouts or offsets", who);
-    uint64_t h = layer_hash(pl);
-    pthread_mutex_lock(&cache_lock);
-    for (int c = 0; c < SQ_CACHE_SIZE; c++) {
-        stepq__cuda_layer *L = cache[c];
-        if (L && L->key_heads == pl->heads && L->key_off == pl->head_offset &&
-            L->key_w == pl->row_impact && L->hash == h && L->n_heads == pl->n_heads) {
-            *out = L;
-            pthread_mutex_unlock(&cache_lock);
-            return STEPQ_OK;
-        }
-    }
-    stepq__cuda_layer *L = NULL;
-    int rc = stepq__cuda_layer_prepare(pl, &L);
-    if (rc == STEPQ_OK) {
-        /* Round-robin eviction; an evicted handle may still be in use by
-         * queued work, so it is released only after a device sync. */
-        unsigned c = cache_next++ % SQ_CACHE_SIZE;
-        if (cache[c]) {
-            cudaDeviceSynchronize();
-            stepq__cuda_layer_release(cache[c]);
-        }
-        cache[c] = L;
-        *out = L;
-    }
-    pthread_mutex_unlock(&cache_lock);
-    return rc;
-}
-
-extern "C" int stepq__cuda_step_packed(const struct stepq__step_args *a,
-                                       const struct stepq__packed_layer *pl)
-{
-    stepq__cuda_layer *L;
-    int rc = check_args(a, "cuda step (packed)");
-    if (rc < 0 || a->batch == 0)
-        return rc;
-    if ((rc = cached_layer(pl, &L, "cuda step (packed)")) < 0)
-        return rc;
-    return stepq__cuda_step_packed_prepared(a, pl, L, STEPQ__CUDA_FUSED);
-}
-
-extern "C" int stepq__cuda_pack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
-                                const float *src, size_t src_stride, stepq__layout layout,
-                                uint32_t *health, uint64_t *counts, void *stream)
-{
-    stepq__cuda_layer *L;
-    int rc = cached_layer(pl, &L, "cuda pack");
-    if (rc < 0)
-        return rc;
-    return stepq__cuda_pack_prepared(pl, L, n, slots, src, src_stride, layout, STEPQ_DTYPE_FP32,
-                                     health, counts, stream);
-}
-
-extern "C" int stepq__cuda_unpack(const struct stepq__packed_layer *pl, int n, const int32_t *slots,
-                                  float *dst, size_t dst_stride, stepq__layout layout, void *stream)
-{
-    stepq__cuda_layer *L;
-    int rc = cached_layer(pl, &L, "cuda unpack");
-    if (rc < 0)
-        return rc;
-    return stepq__cuda_unpack_prepared(pl, L, n, slots, dst, dst_stride, layout, STEPQ_DTYPE_FP32,
-                                       stream);
 }
 
 extern "C" int stepq__cuda_step_dense(const struct stepq__step_args *a,
