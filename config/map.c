@@ -847,6 +847,26 @@ const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer)
     return map->bits + stepq__unit_index(map, layer, 0);
 }
 
+int stepq_map_head_row_bits(const stepq_map_t *map, int layer, int head, uint8_t *row_bits, int n)
+{
+    int st =
+        reader_ids(map, "stepq_map_head_row_bits", layer, head, map ? map->shape.num_v_heads : 0);
+    if (st < 0)
+        return st;
+    if (!row_bits || n != map->shape.head_k_dim)
+        return stepq__error(STEPQ_EINVAL,
+                            "stepq_map_head_row_bits: row_bits %s, n = %d (head_k_dim is %d)",
+                            row_bits ? "set" : "NULL", n, map->shape.head_k_dim);
+    for (int i = 0; i < n; i++) {
+        if (!map->bits)
+            row_bits[i] = STEPQ_BITS_DENSE;
+        else
+            row_bits[i] = map->bits[stepq__unit_index(
+                map, layer, map->shape.arch == STEPQ_ARCH_KDA ? head * n + i : head)];
+    }
+    return STEPQ_OK;
+}
+
 const float *stepq_map_row_impact(const stepq_map_t *map, int layer, int head)
 {
     if (reader_ids(map, "stepq_map_row_impact", layer, head, map ? map->shape.num_v_heads : 0) < 0)

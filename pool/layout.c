@@ -256,18 +256,11 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
             int b = layer * n_local + h, head = first + h;
             struct stepq_head_layout *hlp = &out->heads[b], hl;
 
-            for (int u = 0; u < upu; u++) {
-                int bits = stepq_map_unit_bits(map, layer, head * upu + u);
-                if (bits < 0) {
-                    ret = bits;
-                    goto fail;
-                }
-                out->unit_bits[(size_t)b * upu + u] = (uint8_t)bits;
-            }
-            if (upu == 1)
-                memset(row_bits, out->unit_bits[b], (size_t)shape.head_k_dim);
-            else
-                memcpy(row_bits, out->unit_bits + (size_t)b * upu, (size_t)upu);
+            ret = stepq_map_head_row_bits(map, layer, head, row_bits, shape.head_k_dim);
+            if (ret < 0)
+                goto fail;
+            /* A unit is the head (GDN: its rows share one width) or a row (KDA). */
+            memcpy(out->unit_bits + (size_t)b * upu, row_bits, (size_t)upu);
             ret = stepq__head_layout_init(&hl, method, shape.arch, shape.head_k_dim,
                                           shape.head_v_dim, row_bits, block_align);
             if (ret < 0) {

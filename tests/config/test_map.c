@@ -147,7 +147,7 @@ static void qwen27_stepq6_with_32_pivots_is_the_paper_layout(void **state)
     stepq_map_close(map);
 }
 
-static void kimi_fp32_and_dsq4_match_the_issue(void **state)
+static void kimi_fp32_and_dsq4_match_the_paper(void **state)
 {
     stepq_model_shape s = fx_shape_kimi();
     stepq_map_t *map = create_ok(&s, STEPQ_METHOD_FP32, 32);
@@ -700,6 +700,35 @@ static void write_file_is_atomic_and_loadable(void **state)
     stepq_map_close(m);
 }
 
+/* A head's row widths: GDN repeats the head's width, KDA reads each row's unit, dense maps 0. */
+static void head_row_bits_follow_the_units(void **state)
+{
+    uint8_t rb[8];
+    for (int arch = 0; arch < 2; arch++) {
+        stepq_model_shape sh = fx_shape_small((stepq_arch)arch); /* d_k 8, HV 4 */
+        stepq_map_t *m = NULL;
+        assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_STEPQ, 6, &m), STEPQ_OK);
+        int upl = stepq_map_units_per_layer(m);
+        for (int u = 0; u < upl; u++)
+            assert_int_equal(stepq_map_set_unit_bits(m, 1, u, u % 2 ? 4 : 8), STEPQ_OK);
+        assert_int_equal(stepq_map_head_row_bits(m, 1, 2, rb, 8), STEPQ_OK);
+        for (int i = 0; i < 8; i++)
+            assert_int_equal(rb[i], arch == STEPQ_ARCH_KDA ? ((2 * 8 + i) % 2 ? 4 : 8) : 8);
+        assert_int_equal(stepq_map_head_row_bits(m, 1, 3, rb, 8), STEPQ_OK);
+        if (arch == STEPQ_ARCH_GDN)
+            assert_int_equal(rb[5], 4);
+        assert_int_equal(stepq_map_head_row_bits(m, 1, 2, rb, 7), STEPQ_EINVAL);
+        assert_int_equal(stepq_map_head_row_bits(m, 1, 4, rb, 8), STEPQ_EINVAL);
+        assert_int_equal(stepq_map_head_row_bits(m, 3, 0, rb, 8), STEPQ_EINVAL);
+        stepq_map_close(m);
+        assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_BF16, 16, &m), STEPQ_OK);
+        assert_int_equal(stepq_map_head_row_bits(m, 0, 0, rb, 8), STEPQ_OK);
+        for (int i = 0; i < 8; i++)
+            assert_int_equal(rb[i], STEPQ_BITS_DENSE);
+        stepq_map_close(m);
+    }
+}
+
 /* Writes full-featured maps as fuzz seeds (tests/fuzz/corpus/ok-full-*.json). */
 static int write_corpus(const char *dir)
 {
@@ -734,7 +763,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(qwen27_dsq6_counts_codes_row_and_column_scales),
         cmocka_unit_test(qwen27_uniform6_has_row_scales_only),
         cmocka_unit_test(qwen27_stepq6_with_32_pivots_is_the_paper_layout),
-        cmocka_unit_test(kimi_fp32_and_dsq4_match_the_issue),
+        cmocka_unit_test(kimi_fp32_and_dsq4_match_the_paper),
+        cmocka_unit_test(head_row_bits_follow_the_units),
         cmocka_unit_test(kda_pivot_rows_drop_their_row_scale_and_full_pivot_heads_their_columns),
         cmocka_unit_test(odd_widths_round_code_bytes_up_per_unit),
         cmocka_unit_test(qwen_next_uniform_numbers),

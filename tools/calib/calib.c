@@ -194,13 +194,6 @@ double stepq__calib_read_err(const float *E, const struct stepq__calib_head *h, 
     return s;
 }
 
-void stepq__calib_map_row_bits(const stepq_map_t *map, int li, int hv, int K, int kda, uint8_t *rb)
-{
-    const uint8_t *lb = stepq_map_layer_bits(map, li);
-    for (int i = 0; i < K; i++)
-        rb[i] = kda ? lb[hv * K + i] : lb[hv];
-}
-
 int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, stepq_arch arch,
                             int K, int V, const uint8_t *row_bits, const float *w)
 {

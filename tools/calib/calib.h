@@ -42,9 +42,6 @@ struct stepq__calib_quant {
     int dense_fp32; /* nothing to do */
 };
 
-/** rb[0..K) = the row widths of head hv of layer li of a quantized map (KDA: one unit per
- *  row; GDN: the head's one width on every row). */
-void stepq__calib_map_row_bits(const stepq_map_t *map, int li, int hv, int K, int kda, uint8_t *rb);
 /** row_bits: K widths (NULL for dense methods). */
 int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, stepq_arch arch,
                             int K, int V, const uint8_t *row_bits, const float *w);

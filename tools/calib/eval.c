@@ -89,7 +89,7 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
             stepq_map_t *mp = c->maps[m];
             meth = stepq_map_method(mp);
             if (!stepq_method_is_dense(meth)) {
-                stepq__calib_map_row_bits(mp, li, hv, K, kda, rb);
+                stepq_map_head_row_bits(mp, li, hv, rb, K);
                 w = stepq_map_row_impact(mp, li, hv);
             }
         } else {

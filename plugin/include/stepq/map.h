@@ -282,6 +282,15 @@ STEPQ_API int stepq_map_unit_bits(const stepq_map_t *map, int layer, int unit);
  * map, valid until it is closed), or NULL for dense methods and bad layers.
  */
 STEPQ_API const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer);
+/**
+ * The bit width of every key row of value head `head` of layer `layer`:
+ * row_bits[0..d_k) (d_k = n, which must equal head_k_dim). KDA: each row's
+ * unit; GDN: the head's one width on every row; dense methods:
+ * STEPQ_BITS_DENSE everywhere. The one place a head's row widths are read
+ * from a map (the pool's layout and the calibration tools use it).
+ */
+STEPQ_API int stepq_map_head_row_bits(const stepq_map_t *map, int layer, int head,
+                                      uint8_t *row_bits, int n);
 /** Row-impact factors of a head (d_k floats), or NULL when the method uses none. */
 STEPQ_API const float *stepq_map_row_impact(const stepq_map_t *map, int layer, int head);
 /** Calibration statistics of a unit; STEPQ_ENOENT when the map has none. */
