@@ -148,6 +148,7 @@ struct ctx {
     stepq__cuda_layer *L;
     void *dense;
     enum kind kind;
+    unsigned dense_flags; /* of the dense steps: 0, or STEPQ__CUDA_COLUMN on the "(old)" rows */
     cudaStream_t s;
 };
 
@@ -157,10 +158,10 @@ static int launch(struct ctx *c)
     switch (c->kind) {
     case K_DENSE_F32:
         return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
-                                         STEPQ_DTYPE_FP32);
+                                         STEPQ_DTYPE_FP32, c->dense_flags);
     case K_DENSE_BF16:
         return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
-                                         STEPQ_DTYPE_BF16);
+                                         STEPQ_DTYPE_BF16, c->dense_flags);
     case K_PACKED:
         return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_FUSED);
     case K_PACKED_2S:
@@ -288,7 +289,8 @@ static int layouts(struct stepq_head_layout *hl, const struct method *me, stepq_
 /*
  * The rows of each batch, in print order. Step rows first (the ones with a "vs fp32"
  * and "vs peer"), then pack and unpack of stepq@6 with each dense side, then the
- * thread-per-column kernels (old; stepq__cuda_set_legacy) for comparison.
+ * thread-per-column kernels (old: STEPQ__CUDA_COLUMN, on the row's layer handle or dense
+ * step) for comparison.
  */
 struct row {
     const char *label; /* unique: --only selects by it */
@@ -716,6 +718,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 size_t state_rw;
                 if (me->budget == 0) {
                     c.kind = rw->kind;
+                    c.dense_flags = rw->old ? STEPQ__CUDA_COLUMN : 0;
                     state_rw = rw->kind == K_DENSE_F32 ? 2 * dense_f32 : dense_f32;
                     /* the fp32 rows before left fp32 bits: make the bf16 view finite again */
                     if (rw->kind == K_DENSE_BF16 &&
@@ -751,10 +754,21 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     state_rw += step ? state_rw : bf16_side ? dense_f32 / 2 : dense_f32;
                     if (rw->kind == K_PACKED_2S)
                         state_rw += 2 * dense_f32; /* scratch write + read */
+                    /*
+                     * The pages were packed through the default handle (synchronised above),
+                     * so an "(old)" row times a column handle of the same layer on pages
+                     * written by the shipped pack.
+                     */
+                    if (rc == 0 && rw->old) {
+                        stepq__cuda_layer_release(c.L);
+                        c.L = NULL;
+                        if (stepq__cuda_layer_prepare_ex(&c.pl, STEPQ__CUDA_COLUMN, &c.L) < 0) {
+                            fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
+                            rc = 1;
+                        }
+                    }
                 }
-                stepq__cuda_set_legacy(rw->old);
                 double us = rc ? -1 : time_us(&c, e0, e1);
-                stepq__cuda_set_legacy(0);
                 if (us < 0)
                     rc = 1;
                 size_t bytes = state_rw + (step ? io_bytes : 0);

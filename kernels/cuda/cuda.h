@@ -24,7 +24,9 @@
  * Only d_k = d_v = 128 is implemented (every shipping GDN/KDA model); other
  * shapes return STEPQ_ENOTSUP. CUDA errors never abort: they map to
  * STEPQ_ECUDA with cudaGetErrorString() in the detail text, and the sticky
- * error is cleared. Entries are asynchronous on `stream` and thread-safe.
+ * error is cleared. Entries are asynchronous on `stream` and thread-safe,
+ * except that a handle's two-stage scratch and second stream serve one
+ * call at a time (the fused step, pack and unpack only read the handle).
  */
 #ifndef STEPQ_KERNELS_CUDA_CUDA_H
 #define STEPQ_KERNELS_CUDA_CUDA_H
@@ -58,14 +60,32 @@ typedef enum stepq__cuda_variant {
 int stepq__cuda_device_count(void);
 
 /**
+ * Kernel choice of stepq__cuda_layer_prepare_ex and stepq__cuda_step_dense_ex:
+ * the thread-per-column kernels (head_kernel.cuh) for every launch of that
+ * handle or call, instead of the micro-tiled ones (tile_kernel.cuh,
+ * unpack_kernel.cuh). For the tests and the benchmark's "(old)" rows, which
+ * compare the two; launches that use the column kernels anyway (the dense
+ * fp32 step, two-stage stage 1, layers with dense-method pages) are the same
+ * either way. The choice belongs to the handle (or the call), not to the
+ * process: handles of either kind may be used side by side.
+ */
+#define STEPQ__CUDA_COLUMN 1u
+
+/**
  * Mirrors a packed layer's description (pl->heads, head_offset, row_impact:
  * host memory) into a device descriptor table. pl->base, n_slots and
  * page_stride are NOT captured: they are passed again at each call.
- * Synchronous (a blocking copy). Release with stepq__cuda_layer_release.
+ * `flags`: 0 or STEPQ__CUDA_COLUMN, kept in the handle for its steps, packs
+ * and unpacks. Synchronous (a blocking copy). Release with
+ * stepq__cuda_layer_release.
  * @return STEPQ_OK; STEPQ_EINVAL (bad layout, w not finite > 0, head block
- *         outside the page), STEPQ_ENOTSUP (d_k or d_v != 128),
- *         STEPQ_ENOMEM, STEPQ_ECUDA.
+ *         outside the page, unknown flags), STEPQ_ENOTSUP (d_k or d_v !=
+ *         128), STEPQ_ENOMEM, STEPQ_ECUDA.
  */
+int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl, unsigned flags,
+                                 stepq__cuda_layer **out);
+
+/** stepq__cuda_layer_prepare_ex with flags 0: the shipped kernels (the pool's handles). */
 int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl, stepq__cuda_layer **out);
 
 /** Frees a prepared layer (synchronises its second stream). NULL is a no-op. */
@@ -97,20 +117,14 @@ int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl, stepq__cud
  * Dense decode step on fp32 or bf16 states (base is float* or bf16 bits;
  * slot_stride in elements; `dtype` is the states', a->dtype the inputs').
  * bf16 states are updated in fp32 and stored rounded to nearest even,
- * saturating to the largest finite bf16.
+ * saturating to the largest finite bf16. `flags`: 0 or STEPQ__CUDA_COLUMN
+ * (bf16 states on the column kernel; fp32 states always run there);
+ * anything else is STEPQ_EINVAL.
  */
 int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size_t slot_stride,
-                              stepq__layout layout, stepq_dtype dtype);
+                              stepq__layout layout, stepq_dtype dtype, unsigned flags);
 
-/**
- * Selects the thread-per-column kernels (head_kernel.cuh) for every entry
- * instead of the micro-tiled ones (tile_kernel.cuh): for tests and the
- * benchmark's comparison rows. Process-wide, not synchronised with launches
- * in flight on other threads.
- */
-void stepq__cuda_set_legacy(int on);
-
-/** stepq__cuda_step_dense_ex on fp32 states, described as for stepq__ref_step_dense. */
+/** stepq__cuda_step_dense_ex on fp32 states (flags 0), described as for stepq__ref_step_dense. */
 int stepq__cuda_step_dense(const struct stepq__step_args *a, const struct stepq__dense_states *st);
 
 #ifdef __cplusplus

@@ -27,6 +27,7 @@ struct stepq__cuda_layer {
     size_t max_block; /* largest block_bytes */
     int offsets16;    /* all head offsets multiples of 16 */
     int all_quant;    /* every head quantized: the tile kernel handles the layer */
+    int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
     /* two-stage variant */
     float *scratch;
@@ -135,13 +136,15 @@ static size_t dyn_smem(size_t max_block)
     return ((max_block + 16 + 15) & ~(size_t)15) + SQ_D * SQ_D;
 }
 
-extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
-                                         stepq__cuda_layer **out)
+extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl, unsigned flags,
+                                            stepq__cuda_layer **out)
 {
     static const char who[] = "cuda layer prepare";
     if (!out)
         return stepq__error(STEPQ_EINVAL, "%s: NULL output", who);
     *out = NULL;
+    if (flags & ~STEPQ__CUDA_COLUMN)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown flags 0x%x", who, flags);
     if (!pl || pl->n_heads < 1)
         return stepq__error(STEPQ_EINVAL, "%s: NULL or empty packed layer", who);
     sq_head_desc *h = (sq_head_desc *)calloc((size_t)pl->n_heads, sizeof(*h));
@@ -169,6 +172,7 @@ extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
         }
     }
     L->n_heads = pl->n_heads;
+    L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         L->all_quant &= pl->heads[hv].quantized;
@@ -183,6 +187,12 @@ fail:
     free(L);
     free(h);
     return rc;
+}
+
+extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
+                                         stepq__cuda_layer **out)
+{
+    return stepq__cuda_layer_prepare_ex(pl, 0, out);
 }
 
 extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
@@ -295,16 +305,10 @@ static size_t pack_smem(size_t max_block, const sq_io &io)
 }
 static_assert(SQ_STAGE_BYTES(4) <= SQ_DYN_SMEM_MAX, "the staged fp32 head exceeds the attribute");
 
-static int legacy_kernels; /* stepq__cuda_set_legacy: thread-per-column kernel everywhere */
-
-extern "C" void stepq__cuda_set_legacy(int on)
-{
-    legacy_kernels = on != 0;
-}
-
+/* The tile and unpack kernels read quantized blocks only; a column handle asked for neither. */
 static int use_tile(const stepq__cuda_layer *L)
 {
-    return !legacy_kernels && (!L || L->all_quant);
+    return !L->column && L->all_quant;
 }
 
 /* Template bits of the pack: run-time widths without a uniform-width head; [V,K] staged. */
@@ -578,9 +582,11 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
 
 extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base,
                                          size_t slot_stride, stepq__layout layout,
-                                         stepq_dtype dtype)
+                                         stepq_dtype dtype, unsigned flags)
 {
     static const char who[] = "cuda step (dense)";
+    if (flags & ~STEPQ__CUDA_COLUMN)
+        return stepq__error(STEPQ_EINVAL, "%s: unknown flags 0x%x", who, flags);
     int rc = check_args(a, who);
     if (rc < 0 || a->batch == 0)
         return rc;
@@ -607,7 +613,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
      * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
      * 2.4x faster than the tile's 32-byte-per-thread rows.
      */
-    if (use_tile(NULL) && dtype == STEPQ_DTYPE_BF16)
+    if (!(flags & STEPQ__CUDA_COLUMN) && dtype == STEPQ_DTYPE_BF16)
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
                                                               io, 0, who);
     return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st, io, who);
@@ -618,5 +624,5 @@ extern "C" int stepq__cuda_step_dense(const struct stepq__step_args *a,
 {
     if (!st)
         return stepq__error(STEPQ_EINVAL, "cuda step (dense): NULL states");
-    return stepq__cuda_step_dense_ex(a, st->base, st->slot_stride, st->layout, STEPQ_DTYPE_FP32);
+    return stepq__cuda_step_dense_ex(a, st->base, st->slot_stride, st->layout, STEPQ_DTYPE_FP32, 0);
 }

@@ -518,6 +518,12 @@ struct view {
 };
 
 static int step_view; /* run_step and run_dense take their inputs and o through a struct view */
+/*
+ * The kernel choice run_step, run_pack and run_dense pass to the entries
+ * (stepq__cuda_layer_prepare_ex, stepq__cuda_step_dense_ex): 0, or
+ * STEPQ__CUDA_COLUMN for the thread-per-column comparison checks.
+ */
+static unsigned kernel_flags;
 
 static void view_alloc(struct view *w, stepq_arch arch, int batch, int H, int HV)
 {
@@ -777,7 +783,7 @@ static int run_step(stepq_method m, stepq_arch arch, int bits, int H, int HV, in
     struct stepq__packed_layer dpl = L.pl;
     dpl.base = dpages + 0; /* pages start at byte 0; the first head at GAP */
     stepq__cuda_layer *cl = NULL;
-    SQ(stepq__cuda_layer_prepare(&dpl, &cl));
+    SQ(stepq__cuda_layer_prepare_ex(&dpl, kernel_flags, &cl));
     SQ(stepq__cuda_step_packed_prepared(&d, &dpl, cl, variant));
     CU(cudaDeviceSynchronize());
     CU(cudaMemcpy(got, dpages, L.bytes, cudaMemcpyDeviceToHost));
@@ -908,7 +914,7 @@ static int run_pack(stepq_method m, stepq_arch arch, int bits, int HV, int n, st
     struct stepq__packed_layer dpl = L.pl;
     dpl.base = dpages;
     stepq__cuda_layer *cl = NULL;
-    SQ(stepq__cuda_layer_prepare(&dpl, &cl));
+    SQ(stepq__cuda_layer_prepare_ex(&dpl, kernel_flags, &cl));
     SQ(stepq__cuda_pack_prepared(&dpl, cl, n, dslots, dsrc, stride, lay, dt, dh, dc, NULL));
     CU(cudaMemcpy(got, dpages, L.bytes, cudaMemcpyDeviceToHost));
     CU(cudaMemcpy(h_got, dh, sizeof(h_got), cudaMemcpyDeviceToHost));
@@ -1043,8 +1049,9 @@ static int run_dense(stepq_arch arch, stepq__layout lay, int H, int HV, int batc
             CU(cudaMemcpy(dg, in.g, sizeof(float) * batch * HV * ng, cudaMemcpyHostToDevice));
             CU(cudaMemcpy(db, in.beta, sizeof(float) * batch * HV, cudaMemcpyHostToDevice));
         }
-        if (bf16)
-            SQ(stepq__cuda_step_dense_ex(&d, dS, stride, lay, STEPQ_DTYPE_BF16));
+        if (bf16 || kernel_flags)
+            SQ(stepq__cuda_step_dense_ex(&d, dS, stride, lay,
+                                         bf16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32, kernel_flags));
         else
             SQ(stepq__cuda_step_dense(&d, &dst));
         if (step_view && (t == steps - 1 || t == 0)) {
@@ -1253,13 +1260,21 @@ static int run_bad_args(void)
 
     /* dense fp32 step on the same states */
     x = a, x.n_slots = 0;
-    BAD(stepq__cuda_step_dense_ex(&x, ddense, stride, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32),
+    BAD(stepq__cuda_step_dense_ex(&x, ddense, stride, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, 0),
         STEPQ_EINVAL, dense);
     x = a, x.d_k = 64;
-    BAD(stepq__cuda_step_dense_ex(&x, ddense, stride, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32),
+    BAD(stepq__cuda_step_dense_ex(&x, ddense, stride, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, 0),
         STEPQ_ENOTSUP, dense);
-    BAD(stepq__cuda_step_dense_ex(&a, ddense, stride / 2, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32),
+    BAD(stepq__cuda_step_dense_ex(&a, ddense, stride / 2, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, 0),
         STEPQ_EINVAL, dense);
+    BAD(stepq__cuda_step_dense_ex(&a, ddense, stride, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, 2),
+        STEPQ_EINVAL, dense);
+
+    /* a kernel choice other than STEPQ__CUDA_COLUMN leaves no handle */
+    stepq__cuda_layer *bad = cl;
+    BAD(stepq__cuda_layer_prepare_ex(&dpl, ~STEPQ__CUDA_COLUMN, &bad), STEPQ_EINVAL,
+        "cuda layer prepare");
+    CHECK(bad == NULL, "a rejected prepare left a handle");
 
     CU(cudaDeviceSynchronize());
     CU(cudaGetLastError()); /* nothing sticky */
@@ -1396,8 +1411,11 @@ int main(void)
     RUN("pack/unpack gdn fp32",
         run_pack(STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 0, 2, 3, STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32));
 
-    /* the thread-per-column kernels (kept for unpack, dense pages and comparison) */
-    stepq__cuda_set_legacy(1);
+    /*
+     * The thread-per-column kernels (kept for dense pages, two-stage stage 1
+     * and comparison), chosen per handle and per dense call.
+     */
+    kernel_flags = STEPQ__CUDA_COLUMN;
     RUN("legacy gdn step stepq mixed + pivot head",
         run_step(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
     RUN("legacy kda step stepq mixed rows",
@@ -1410,7 +1428,7 @@ int main(void)
         run_dense(STEPQ_ARCH_GDN, STEPQ__LAYOUT_KV, 2, 4, B, 1, 1));
     RUN("legacy gdn step bf16 strided inputs, gate",
         run_step_view(STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, 0, 2, 4, B, 1, 0, 0));
-    stepq__cuda_set_legacy(0);
+    kernel_flags = 0;
 
     RUN("invalid arguments: status, message, pages unchanged", run_bad_args());
 
