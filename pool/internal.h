@@ -135,9 +135,11 @@ enum {
     STEPQ__SLOT_SENTINEL = 2,
 };
 
+struct stepq__pool_entry;
+
 struct stepq_pool {
-    uint32_t magic; /* STEPQ__POOL_MAGIC while open */
-    pthread_mutex_t mu;
+    struct stepq__pool_entry *entry; /* its handle-table entry: the lock lives there */
+    uint32_t index;                  /* of the entry */
     char err[STEPQ__ERRLEN];
 
     stepq_pool_backend backend;
@@ -170,8 +172,6 @@ struct stepq_pool {
     void *backend_data;
 };
 
-#define STEPQ__POOL_MAGIC 0x504f4f4cu /* "POOL" */
-
 /**
  * Layer `layer` as the kernels see it: the pool's pages and the head layouts,
  * offsets and row impact of that layer's blocks.
@@ -188,12 +188,21 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
                             stepq_pool_t **out);
 
 /**
- * Looks a pool up in the table of open pools and takes its mutex:
- * STEPQ_EBADF (message names fn) when the handle is not open. Every public
- * entry that takes a pool starts with it and ends with stepq__pool_leave().
+ * Looks a handle up in the table of open pools and takes its pool's mutex:
+ * *pool gets the pool, or STEPQ_EBADF (message names fn) when the handle is
+ * not open. Every public entry that takes a pool starts with it and ends
+ * with stepq__pool_leave(pool). Handles are not pointers to the pool
+ * (pool/pool.c says why): never dereference one.
  */
-int stepq__pool_enter(stepq_pool_t *pool, const char *fn);
+int stepq__pool_enter(stepq_pool_t *h, const char *fn, stepq_pool_t **pool);
 void stepq__pool_leave(stepq_pool_t *pool);
+
+/**
+ * The pool a handle names (for tests that call internal functions on an
+ * open pool), or NULL when the handle is not open. Takes no lock beyond the
+ * lookup: only for single-threaded use.
+ */
+stepq_pool_t *stepq__pool_resolve(stepq_pool_t *h);
 
 /**
  * Internal consistency check of the allocator (ring, states, counters):

@@ -4,6 +4,7 @@
  * movement is the backend's (backend_host.c, backend_cuda.c).
  */
 #include <inttypes.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -99,79 +100,175 @@ int stepq__pool_sizing(const stepq_pool_config *cfg, uint64_t page_bytes, int32_
     return STEPQ_OK;
 }
 
-/* --- the table of open pools ------------------------------------------- */
+/* --- handles ------------------------------------------------------------- */
 
 /*
- * Every open pool is listed here, so a call with a closed handle is caught
- * by a pointer comparison instead of reading freed memory. Lookups take the
- * table lock and then the pool's lock (always in that order); close removes
- * the pool while holding both, so no call can be inside a pool being freed.
+ * A handle is not the pool's address. It names an entry of a table whose
+ * entries are never freed or moved, (generation << 32) | (index + 1), and
+ * the entry holds the pool's mutex, its current generation and the pool.
+ * Close bumps the generation under the entry's mutex, so a closed handle can
+ * never become valid again, whatever later reuses the pool's memory or the
+ * entry (no ABA). A call locks only its own entry: calls on different pools
+ * share no lock, and their cost does not depend on how many pools are open.
+ * The table lock is taken by open and close alone.
  */
-static pthread_mutex_t registry_mu = PTHREAD_MUTEX_INITIALIZER;
-static stepq_pool_t **registry;
-static size_t registry_len, registry_cap;
+#define ENTRIES_PER_CHUNK 1024
+#define MAX_CHUNKS        4096 /* 4M pools open at once */
+
+struct stepq__pool_entry {
+    pthread_mutex_t mu;      /* the pool's lock */
+    uint32_t gen;            /* bumped by every close */
+    struct stepq_pool *pool; /* NULL while the entry is free */
+};
+
+_Static_assert(sizeof(uintptr_t) == 8, "handles pack a 32-bit generation and index");
+
+static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct stepq__pool_entry *_Atomic chunks[MAX_CHUNKS];
+static uint32_t n_entries;  /* entries ever made (under table_mu) */
+static uint32_t *free_list; /* indices of free entries (under table_mu) */
+static uint32_t n_free, cap_free;
 
 static const char closed_text[] = "pool handle is closed or not valid";
 
-static ptrdiff_t registry_find(const stepq_pool_t *pool)
+static stepq_pool_t *handle_of(uint32_t index, uint32_t gen)
 {
-    for (size_t i = 0; i < registry_len; i++)
-        if (registry[i] == pool)
-            return (ptrdiff_t)i;
-    return -1;
+    return (stepq_pool_t *)(uintptr_t)(((uint64_t)gen << 32) | ((uint64_t)index + 1));
 }
 
-static int registry_add(stepq_pool_t *pool)
+/* The entry a handle names, or NULL for a value no open ever returned. */
+static struct stepq__pool_entry *entry_of(const stepq_pool_t *h, uint32_t *gen)
 {
+    const uintptr_t v = (uintptr_t)h;
+    const uint32_t low = (uint32_t)v;
+    struct stepq__pool_entry *chunk;
+
+    if (low == 0 || low - 1 >= (uint32_t)MAX_CHUNKS * ENTRIES_PER_CHUNK)
+        return NULL;
+    chunk = atomic_load_explicit(&chunks[(low - 1) / ENTRIES_PER_CHUNK], memory_order_acquire);
+    if (!chunk)
+        return NULL;
+    *gen = (uint32_t)(v >> 32);
+    return &chunk[(low - 1) % ENTRIES_PER_CHUNK];
+}
+
+/* Takes a free entry (or makes one) for pool and returns its handle in *out. */
+static int entry_add(stepq_pool_t *pool, stepq_pool_t **out)
+{
+    struct stepq__pool_entry *e;
+    uint32_t index;
     int ret = STEPQ_OK;
 
-    pthread_mutex_lock(&registry_mu);
-    if (registry_len == registry_cap) {
-        size_t cap = registry_cap ? 2 * registry_cap : 8;
-        stepq_pool_t **r = realloc(registry, cap * sizeof(*r));
-        if (!r) {
-            ret = stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (pool table)");
-            goto out;
+    pthread_mutex_lock(&table_mu);
+    if (n_free > 0) {
+        index = free_list[--n_free];
+    } else if (n_entries == (uint32_t)MAX_CHUNKS * ENTRIES_PER_CHUNK) {
+        ret = stepq__error_obj(pool->err, STEPQ_ENOMEM,
+                               "%u pools are open: the handle table is full", n_entries);
+        goto out;
+    } else {
+        index = n_entries;
+        if (index % ENTRIES_PER_CHUNK == 0) {
+            struct stepq__pool_entry *c = calloc(ENTRIES_PER_CHUNK, sizeof(*c));
+            if (!c) {
+                ret = stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (pool handles)");
+                goto out;
+            }
+            for (int k = 0; k < ENTRIES_PER_CHUNK; k++) {
+                pthread_mutex_init(&c[k].mu, NULL);
+                c[k].gen = 1;
+            }
+            atomic_store_explicit(&chunks[index / ENTRIES_PER_CHUNK], c, memory_order_release);
         }
-        registry = r;
-        registry_cap = cap;
+        n_entries++;
     }
-    registry[registry_len++] = pool;
+    e = &atomic_load_explicit(&chunks[index / ENTRIES_PER_CHUNK],
+                              memory_order_relaxed)[index % ENTRIES_PER_CHUNK];
+    pthread_mutex_lock(&e->mu);
+    e->pool = pool;
+    pool->entry = e;
+    pool->index = index;
+    *out = handle_of(index, e->gen);
+    pthread_mutex_unlock(&e->mu);
 out:
-    pthread_mutex_unlock(&registry_mu);
+    pthread_mutex_unlock(&table_mu);
     return ret;
 }
 
-/* Looks the pool up and locks it; STEPQ_EBADF when it is not open. */
-int stepq__pool_enter(stepq_pool_t *pool, const char *fn)
+/*
+ * Returns a closed pool's entry to the free list. An entry whose generation
+ * would wrap is retired instead, so no handle ever comes back to life.
+ */
+static void entry_release(uint32_t index, uint32_t gen)
 {
-    if (!pool)
+    pthread_mutex_lock(&table_mu);
+    if (gen != UINT32_MAX) {
+        if (n_free == cap_free) {
+            uint32_t cap = cap_free ? 2 * cap_free : 64;
+            uint32_t *f = realloc(free_list, cap * sizeof(*f));
+            if (f) {
+                free_list = f;
+                cap_free = cap;
+            }
+        }
+        /* Out of memory for the list: the entry is retired, nothing breaks. */
+        if (n_free < cap_free)
+            free_list[n_free++] = index;
+    }
+    pthread_mutex_unlock(&table_mu);
+}
+
+/* Looks the handle up and locks its pool; STEPQ_EBADF when it is not open. */
+int stepq__pool_enter(stepq_pool_t *h, const char *fn, stepq_pool_t **pool)
+{
+    struct stepq__pool_entry *e;
+    uint32_t gen = 0;
+
+    *pool = NULL;
+    if (!h)
         return stepq__error(STEPQ_EINVAL, "%s: pool is NULL", fn);
-    pthread_mutex_lock(&registry_mu);
-    if (registry_find(pool) < 0) {
-        pthread_mutex_unlock(&registry_mu);
+    e = entry_of(h, &gen);
+    if (!e)
+        return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
+    pthread_mutex_lock(&e->mu);
+    if (e->gen != gen || !e->pool) {
+        pthread_mutex_unlock(&e->mu);
         return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
     }
-    pthread_mutex_lock(&pool->mu);
-    pthread_mutex_unlock(&registry_mu);
+    *pool = e->pool;
     return STEPQ_OK;
 }
 
 void stepq__pool_leave(stepq_pool_t *pool)
 {
-    pthread_mutex_unlock(&pool->mu);
+    pthread_mutex_unlock(&pool->entry->mu);
 }
 
-const char *stepq_pool_last_error(const stepq_pool_t *pool)
+stepq_pool_t *stepq__pool_resolve(stepq_pool_t *h)
 {
-    const char *text = closed_text;
+    stepq_pool_t *pool = NULL;
 
-    if (!pool)
+    if (stepq__pool_enter(h, "stepq__pool_resolve", &pool) < 0)
+        return NULL;
+    stepq__pool_leave(pool);
+    return pool;
+}
+
+const char *stepq_pool_last_error(const stepq_pool_t *h)
+{
+    /* A copy made under the pool's lock: failing calls on other threads write
+     * the pool's text under the same lock, and the copy stays valid for this
+     * thread until its next call here. */
+    static _Thread_local char text[STEPQ__ERRLEN];
+    stepq_pool_t *pool;
+
+    if (!h)
         return "pool is NULL";
-    pthread_mutex_lock(&registry_mu);
-    if (registry_find(pool) >= 0)
-        text = pool->err;
-    pthread_mutex_unlock(&registry_mu);
+    if (stepq__pool_enter((stepq_pool_t *)h, "stepq_pool_last_error", &pool) < 0)
+        return closed_text;
+    memcpy(text, pool->err, sizeof(text));
+    text[sizeof(text) - 1] = '\0';
+    stepq__pool_leave(pool);
     return text;
 }
 
@@ -294,7 +391,6 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
         ret = stepq__error(STEPQ_ENOMEM, "out of memory (pool)");
         goto fail_layout;
     }
-    pool->magic = STEPQ__POOL_MAGIC;
     pool->backend = cfg->backend;
     pool->ops =
         cfg->backend == STEPQ_POOL_BACKEND_CUDA ? &stepq__pool_cuda_ops : &stepq__pool_host_ops;
@@ -322,25 +418,18 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
     pool->ring_head = 0;
     pool->ring_count = slots;
 
-    if (pthread_mutex_init(&pool->mu, NULL)) {
-        ret = stepq__error(STEPQ_ENOMEM, "pthread_mutex_init failed");
-        goto fail_bookkeeping;
-    }
     ret = pool->ops->init(pool);
     if (ret < 0) {
         stepq__error(ret, "%s", pool->err);
-        goto fail_mutex;
+        goto fail_bookkeeping;
     }
-    ret = registry_add(pool);
+    ret = entry_add(pool, out);
     if (ret < 0)
         goto fail_backend;
-    *out = pool;
     return STEPQ_OK;
 
 fail_backend:
     pool->ops->fini(pool);
-fail_mutex:
-    pthread_mutex_destroy(&pool->mu);
 fail_bookkeeping:
     free(pool->ring);
     free(pool->state);
@@ -354,45 +443,44 @@ fail_layout:
     return ret;
 }
 
-int stepq_pool_close(stepq_pool_t *pool, unsigned flags)
+int stepq_pool_close(stepq_pool_t *h, unsigned flags)
 {
-    ptrdiff_t at;
+    stepq_pool_t *pool;
+    uint32_t index, gen;
+    int ret;
 
-    if (!pool)
+    if (!h)
         return STEPQ_OK;
     if (flags & ~STEPQ_POOL_CLOSE_FORCE)
         return stepq__error(STEPQ_EINVAL, "stepq_pool_close: unknown flags 0x%x",
                             flags & ~STEPQ_POOL_CLOSE_FORCE);
-    pthread_mutex_lock(&registry_mu);
-    at = registry_find(pool);
-    if (at < 0) {
-        pthread_mutex_unlock(&registry_mu);
-        return stepq__error(STEPQ_EBADF, "stepq_pool_close: %s", closed_text);
-    }
-    pthread_mutex_lock(&pool->mu);
+    ret = stepq__pool_enter(h, "stepq_pool_close", &pool);
+    if (ret < 0)
+        return ret;
     if (pool->in_use > 0 && !(flags & STEPQ_POOL_CLOSE_FORCE)) {
-        int ret = stepq__error_obj(pool->err, STEPQ_EBUSY,
-                                   "stepq_pool_close: %" PRId32
-                                   " slots are still allocated (free them or pass "
-                                   "STEPQ_POOL_CLOSE_FORCE)",
-                                   pool->in_use);
-        pthread_mutex_unlock(&pool->mu);
-        pthread_mutex_unlock(&registry_mu);
+        ret = stepq__error_obj(pool->err, STEPQ_EBUSY,
+                               "stepq_pool_close: %" PRId32
+                               " slots are still allocated (free them or pass "
+                               "STEPQ_POOL_CLOSE_FORCE)",
+                               pool->in_use);
+        stepq__pool_leave(pool);
         return ret;
     }
-    registry[at] = registry[--registry_len];
-    pthread_mutex_unlock(&registry_mu);
+    /* From here the handle is dead: a call waiting on the lock sees the new
+     * generation and returns STEPQ_EBADF. */
+    index = pool->index;
+    gen = ++pool->entry->gen;
+    pool->entry->pool = NULL;
+    pthread_mutex_unlock(&pool->entry->mu);
 
     pool->ops->fini(pool);
-    pool->magic = 0;
-    pthread_mutex_unlock(&pool->mu);
-    pthread_mutex_destroy(&pool->mu);
     free(pool->ring);
     free(pool->state);
     free(pool->mark);
     free(pool->scratch);
     stepq__pool_layout_free(&pool->layout);
     free(pool);
+    entry_release(index, gen);
     return STEPQ_OK;
 }
 
@@ -476,9 +564,10 @@ static int validate_list(stepq_pool_t *pool, const char *what, const int32_t *id
 
 /* --- slot operations ------------------------------------------------------ */
 
-int stepq_pool_alloc(stepq_pool_t *pool, int32_t n, int32_t *ids)
+int stepq_pool_alloc(stepq_pool_t *h, int32_t n, int32_t *ids)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_alloc");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_alloc", &pool);
 
     if (ret < 0)
         return ret;
@@ -521,10 +610,11 @@ out:
     return ret;
 }
 
-int stepq_pool_free(stepq_pool_t *pool, const int32_t *ids, int32_t n)
+int stepq_pool_free(stepq_pool_t *h, const int32_t *ids, int32_t n)
 {
     int32_t m;
-    int ret = stepq__pool_enter(pool, "stepq_pool_free");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_free", &pool);
 
     if (ret < 0)
         return ret;
@@ -547,10 +637,11 @@ out:
     return ret;
 }
 
-int stepq_pool_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n)
+int stepq_pool_clear(stepq_pool_t *h, const int32_t *ids, int32_t n)
 {
     int32_t m;
-    int ret = stepq__pool_enter(pool, "stepq_pool_clear");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_clear", &pool);
 
     if (ret < 0)
         return ret;
@@ -563,10 +654,11 @@ int stepq_pool_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n)
     return ret;
 }
 
-int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst, int32_t n)
+int stepq_pool_copy(stepq_pool_t *h, const int32_t *src, const int32_t *dst, int32_t n)
 {
     int32_t *s, *d, m = 0;
-    int ret = stepq__pool_enter(pool, "stepq_pool_copy");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_copy", &pool);
 
     if (ret < 0)
         return ret;
@@ -677,11 +769,12 @@ static int check_host_list(stepq_pool_t *pool, const int32_t *ids, int32_t n, in
     return ret;
 }
 
-int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, void *host,
+int stepq_pool_copy_to_host(stepq_pool_t *h, const int32_t *ids, int32_t n, void *host,
                             size_t host_bytes)
 {
     int32_t m, *pos;
-    int ret = stepq__pool_enter(pool, "stepq_pool_copy_to_host");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_copy_to_host", &pool);
 
     if (ret < 0)
         return ret;
@@ -696,11 +789,12 @@ int stepq_pool_copy_to_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, v
     return ret;
 }
 
-int stepq_pool_copy_from_host(stepq_pool_t *pool, const int32_t *ids, int32_t n, const void *host,
+int stepq_pool_copy_from_host(stepq_pool_t *h, const int32_t *ids, int32_t n, const void *host,
                               size_t host_bytes)
 {
     int32_t m, *pos;
-    int ret = stepq__pool_enter(pool, "stepq_pool_copy_from_host");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_copy_from_host", &pool);
 
     if (ret < 0)
         return ret;
@@ -713,9 +807,10 @@ int stepq_pool_copy_from_host(stepq_pool_t *pool, const int32_t *ids, int32_t n,
     return ret;
 }
 
-int stepq_pool_sync(stepq_pool_t *pool)
+int stepq_pool_sync(stepq_pool_t *h)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_sync");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_sync", &pool);
 
     if (ret < 0)
         return ret;
@@ -728,9 +823,10 @@ int stepq_pool_sync(stepq_pool_t *pool)
 
 /* --- queries ------------------------------------------------------------- */
 
-int stepq_pool_buffer_infos(stepq_pool_t *pool, stepq_pool_buffer_info *out, int cap, int *count)
+int stepq_pool_buffer_infos(stepq_pool_t *h, stepq_pool_buffer_info *out, int cap, int *count)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_buffer_infos");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_buffer_infos", &pool);
 
     if (ret < 0)
         return ret;
@@ -757,9 +853,10 @@ out:
     return ret;
 }
 
-int stepq_pool_health_words(stepq_pool_t *pool, uint32_t **words)
+int stepq_pool_health_words(stepq_pool_t *h, uint32_t **words)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_health_words");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_health_words", &pool);
 
     if (ret < 0)
         return ret;
@@ -787,11 +884,12 @@ static int read_health(stepq_pool_t *pool, uint32_t **buf)
     return ret;
 }
 
-int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, uint32_t *out)
+int stepq_pool_health_read(stepq_pool_t *h, const int32_t *ids, int32_t n, uint32_t *out)
 {
     uint32_t *words = NULL;
     int32_t m;
-    int ret = stepq__pool_enter(pool, "stepq_pool_health_read");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_health_read", &pool);
 
     if (ret < 0)
         return ret;
@@ -812,12 +910,13 @@ int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int32_t n, ui
     return ret;
 }
 
-int stepq_pool_get_stats(stepq_pool_t *pool, stepq_pool_stats *out, size_t stats_size)
+int stepq_pool_get_stats(stepq_pool_t *h, stepq_pool_stats *out, size_t stats_size)
 {
     stepq_pool_stats s;
     const stepq_pool_layout *l;
     uint32_t *words = NULL;
-    int ret = stepq__pool_enter(pool, "stepq_pool_get_stats");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_get_stats", &pool);
 
     if (ret < 0)
         return ret;
@@ -862,9 +961,10 @@ out:
     return ret;
 }
 
-int stepq_pool_get_layout(stepq_pool_t *pool, const stepq_pool_layout **out)
+int stepq_pool_get_layout(stepq_pool_t *h, const stepq_pool_layout **out)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_get_layout");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_get_layout", &pool);
 
     if (ret < 0)
         return ret;
@@ -876,9 +976,10 @@ int stepq_pool_get_layout(stepq_pool_t *pool, const stepq_pool_layout **out)
     return ret;
 }
 
-int stepq_pool_page(stepq_pool_t *pool, int32_t slot, void **ptr)
+int stepq_pool_page(stepq_pool_t *h, int32_t slot, void **ptr)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_page");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_page", &pool);
 
     if (ret < 0)
         return ret;
@@ -894,9 +995,10 @@ int stepq_pool_page(stepq_pool_t *pool, int32_t slot, void **ptr)
     return ret;
 }
 
-int stepq_pool_is_allocated(stepq_pool_t *pool, int32_t slot)
+int stepq_pool_is_allocated(stepq_pool_t *h, int32_t slot)
 {
-    int ret = stepq__pool_enter(pool, "stepq_pool_is_allocated");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_is_allocated", &pool);
 
     if (ret < 0)
         return ret;
@@ -910,10 +1012,11 @@ int stepq_pool_is_allocated(stepq_pool_t *pool, int32_t slot)
     return ret;
 }
 
-int stepq__pool_check(stepq_pool_t *pool)
+int stepq__pool_check(stepq_pool_t *h)
 {
     int32_t used = 0;
-    int ret = stepq__pool_enter(pool, "stepq__pool_check");
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq__pool_check", &pool);
 
     if (ret < 0)
         return ret;

@@ -300,12 +300,13 @@ static void to_kernel_args(const stepq_pool_t *pool, const stepq_step_args *p, v
     a->stream = stream ? stream : pool->stream;
 }
 
-int stepq_pool_decode_step(stepq_pool_t *pool, int layer, const stepq_step_args *args, void *stream)
+int stepq_pool_decode_step(stepq_pool_t *h, int layer, const stepq_step_args *args, void *stream)
 {
     static const char fn[] = "stepq_pool_decode_step";
     struct stepq__step_args a;
     stepq_step_args p;
-    int ret = stepq__pool_enter(pool, fn);
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, fn, &pool);
 
     if (ret < 0)
         return ret;
@@ -329,12 +330,13 @@ out:
     return ret;
 }
 
-static int transfer(stepq_pool_t *pool, int layer, int pack, const stepq_prefill_args *args,
+static int transfer(stepq_pool_t *h, int layer, int pack, const stepq_prefill_args *args,
                     void *stream)
 {
     const char *fn = pack ? "stepq_pool_prefill_pack" : "stepq_pool_prefill_unpack";
     stepq_prefill_args p;
-    int ret = stepq__pool_enter(pool, fn);
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, fn, &pool);
 
     if (ret < 0)
         return ret;
@@ -371,10 +373,11 @@ int stepq_pool_prefill_unpack(stepq_pool_t *pool, int layer, const stepq_prefill
     return transfer(pool, layer, 0, args, stream);
 }
 
-int stepq_pool_supports(stepq_pool_t *pool, stepq_op op, int layer, const void *args)
+int stepq_pool_supports(stepq_pool_t *h, stepq_op op, int layer, const void *args)
 {
     static const char fn[] = "stepq_pool_supports";
-    int ret = stepq__pool_enter(pool, fn);
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, fn, &pool);
 
     if (ret < 0)
         return ret;
@@ -402,15 +405,17 @@ out:
     return ret;
 }
 
-int stepq_pool_conv_state(stepq_pool_t *pool, int layer, stepq_conv_view *out, size_t view_size)
+int stepq_pool_conv_state(stepq_pool_t *h, int layer, stepq_conv_view *out, size_t view_size)
 {
     static const char fn[] = "stepq_pool_conv_state";
-    const struct stepq__pool_layout *L = &pool->layout;
+    const struct stepq__pool_layout *L;
     stepq_conv_view v;
-    int ret = stepq__pool_enter(pool, fn);
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, fn, &pool);
 
     if (ret < 0)
         return ret;
+    L = &pool->layout;
     if (!out || view_size == 0 || view_size > sizeof(v)) {
         ret = FAIL(pool, STEPQ_EINVAL, "%s: out %s, view_size %zu (this library knows up to %zu)",
                    fn, out ? "set" : "NULL", view_size, sizeof(v));

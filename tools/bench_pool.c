@@ -9,6 +9,7 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <pthread.h>
+#include <unistd.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -103,46 +104,95 @@ static void *rate_main(void *p)
     return NULL;
 }
 
-static int bench_rate(double seconds)
+/*
+ * Calls/s by thread count: threads on one shared pool, and threads on a pool
+ * each (calls on different pools share no lock, so these should scale with
+ * the cores); then one thread with 10,000 other pools open (a call's cost
+ * must not depend on how many pools exist).
+ */
+static int run_rate(stepq_pool_t **pools, int n_threads, int32_t batch, double seconds,
+                    double *calls_s)
 {
-    static const int threads[] = { 1, 4 };
-    static const int32_t batches[] = { 1, 8, 64 };
-    stepq_pool_t *pool;
-    int ret = open_pool(NULL, 4096, STEPQ_POOL_BACKEND_HOST, 4096, &pool);
+    struct rate_arg a[8];
+    pthread_t th[8];
+    uint64_t ops = 0;
+    double t0 = now_s();
+    int failed = 0;
 
-    if (ret < 0) {
-        fprintf(stderr, "stepq bench pool: %s\n", stepq_last_error());
-        return 1;
+    for (int i = 0; i < n_threads; i++) {
+        a[i] = (struct rate_arg){ pools[i], batch, seconds, 0, 0 };
+        pthread_create(&th[i], NULL, rate_main, &a[i]);
     }
-    printf("alloc/free on the host (one alloc + one free = 2 calls)\n");
-    printf("%8s %8s %16s %16s\n", "threads", "slots", "calls/s", "slots/s");
-    for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
-        for (size_t b = 0; b < sizeof(batches) / sizeof(batches[0]); b++) {
-            struct rate_arg a[4];
-            pthread_t th[4];
-            uint64_t ops = 0;
-            double t0 = now_s(), dt;
-
-            for (int i = 0; i < threads[t]; i++) {
-                a[i] = (struct rate_arg){ pool, batches[b], seconds, 0, 0 };
-                pthread_create(&th[i], NULL, rate_main, &a[i]);
-            }
-            for (int i = 0; i < threads[t]; i++) {
-                pthread_join(th[i], NULL);
-                ops += a[i].ops;
-                if (a[i].failed) {
-                    fprintf(stderr, "stepq bench pool: %s\n", stepq_pool_last_error(pool));
-                    stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
-                    return 1;
-                }
-            }
-            dt = now_s() - t0;
-            printf("%8d %8" PRId32 " %16.3e %16.3e\n", threads[t], batches[b], (double)ops / dt,
-                   (double)ops / 2 * batches[b] / dt);
+    for (int i = 0; i < n_threads; i++) {
+        pthread_join(th[i], NULL);
+        ops += a[i].ops;
+        if (a[i].failed) {
+            fprintf(stderr, "stepq bench pool: %s\n", stepq_pool_last_error(pools[i]));
+            failed = 1;
         }
     }
-    stepq_pool_close(pool, 0);
-    return 0;
+    *calls_s = (double)ops / (now_s() - t0);
+    return failed ? -1 : 0;
+}
+
+static int bench_rate(double seconds)
+{
+    static const int threads[] = { 1, 2, 4, 8 };
+    static const int32_t batches[] = { 1, 8, 64 };
+    enum { N_OTHER = 10000 };
+    stepq_pool_t *own[8] = { 0 }, *shared[8], **other = NULL;
+    int ret = 0;
+
+    for (int i = 0; i < 8 && ret >= 0; i++)
+        ret = open_pool(NULL, 4096, STEPQ_POOL_BACKEND_HOST, 4096, &own[i]);
+    if (ret < 0) {
+        fprintf(stderr, "stepq bench pool: %s\n", stepq_last_error());
+        goto out;
+    }
+    for (int i = 0; i < 8; i++)
+        shared[i] = own[0];
+    printf("alloc/free on the host (one alloc + one free = 2 calls; %d cores)\n",
+           (int)sysconf(_SC_NPROCESSORS_ONLN));
+    printf("%8s %8s %16s %16s %10s\n", "threads", "slots", "calls/s shared", "calls/s own",
+           "own/1 thr");
+    for (size_t b = 0; b < sizeof(batches) / sizeof(batches[0]); b++) {
+        double one = 0;
+        for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
+            double cs, co;
+            if (run_rate(shared, threads[t], batches[b], seconds, &cs) < 0 ||
+                run_rate(own, threads[t], batches[b], seconds, &co) < 0) {
+                ret = -1;
+                goto out;
+            }
+            if (t == 0)
+                one = co;
+            printf("%8d %8" PRId32 " %16.3e %16.3e %9.2fx\n", threads[t], batches[b], cs, co,
+                   co / one);
+        }
+    }
+    other = calloc(N_OTHER, sizeof(*other));
+    for (int i = 0; other && i < N_OTHER && ret >= 0; i++)
+        ret = open_pool(NULL, 256, STEPQ_POOL_BACKEND_HOST, 1, &other[i]);
+    if (!other || ret < 0) {
+        fprintf(stderr, "stepq bench pool: %s\n", other ? stepq_last_error() : "out of memory");
+        ret = -1;
+        goto out;
+    }
+    {
+        double cs;
+        if (run_rate(own, 1, 1, seconds, &cs) < 0) {
+            ret = -1;
+            goto out;
+        }
+        printf("%8d %8d %16.3e   (with %d other pools open)\n", 1, 1, cs, N_OTHER);
+    }
+out:
+    for (int i = 0; other && i < N_OTHER; i++)
+        stepq_pool_close(other[i], STEPQ_POOL_CLOSE_FORCE);
+    free(other);
+    for (int i = 0; i < 8; i++)
+        stepq_pool_close(own[i], STEPQ_POOL_CLOSE_FORCE);
+    return ret < 0 ? 1 : 0;
 }
 
 /* --- copy / clear throughput ------------------------------------------------ */

@@ -563,6 +563,43 @@ static void open_checks_the_config_header_and_map(void **state)
     assert_int_equal(stepq_pool_open(&cfg, NULL), STEPQ_EINVAL);
 }
 
+/*
+ * Handle reuse (ABA): a pool opened after another was closed takes over its
+ * table entry (and, with most allocators, its memory), but not its handle.
+ * Before handles carried a generation, stepq_pool_free(a, ids of b) returned
+ * OK here and b then handed out slots b's owner still held.
+ */
+static void a_closed_handle_never_names_a_later_pool(void **state)
+{
+    stepq_pool_t *a = open_synthetic(8, 0), *b;
+    int32_t ids[2], more[8], n;
+    stepq_pool_stats s;
+
+    assert_int_equal(stepq_pool_close(a, 0), STEPQ_OK);
+    for (int round = 0; round < 100; round++) {
+        b = open_synthetic(8, 0);
+        assert_true(b != a);
+        assert_int_equal(stepq_pool_alloc(b, 2, ids), STEPQ_OK);
+        assert_int_equal(stepq_pool_free(a, ids, 2), STEPQ_EBADF);
+        assert_non_null(strstr(stepq_last_error(), "closed or not valid"));
+        assert_int_equal(stepq_pool_alloc(a, 1, more), STEPQ_EBADF);
+        assert_string_equal(stepq_pool_last_error(a), "pool handle is closed or not valid");
+        /* b still owns exactly its two slots: the next 6 are all different. */
+        assert_int_equal(stepq_pool_get_stats(b, &s, sizeof(s)), STEPQ_OK);
+        assert_int_equal(s.in_use, 2);
+        assert_int_equal(stepq_pool_alloc(b, 6, more), STEPQ_OK);
+        for (n = 0; n < 6; n++)
+            assert_true(more[n] != ids[0] && more[n] != ids[1]);
+        assert_int_equal(stepq_pool_close(b, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+        assert_int_equal(stepq_pool_close(b, 0), STEPQ_EBADF);
+    }
+    /* Values no open returned: EBADF, never a crash. */
+    int local;
+    assert_int_equal(stepq_pool_alloc((stepq_pool_t *)&local, 1, more), STEPQ_EBADF);
+    assert_int_equal(stepq_pool_alloc((stepq_pool_t *)(uintptr_t)0x7fffffffu, 1, more),
+                     STEPQ_EBADF);
+}
+
 static void open_layout_rejects_bad_backend_flags_and_sizing(void **state)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
@@ -752,6 +789,7 @@ int main(void)
         cmocka_unit_test(policies_have_names_and_slot_counts),
         cmocka_unit_test(the_cuda_backend_fails_cleanly_without_a_device),
         cmocka_unit_test(concurrent_alloc_and_free_never_share_a_slot),
+        cmocka_unit_test(a_closed_handle_never_names_a_later_pool),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);

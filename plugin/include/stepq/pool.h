@@ -17,9 +17,14 @@
  *
  * Thread safety: every function taking a pool may be called from several
  * threads at once; each call is atomic with respect to the others (one mutex
- * per pool). Data operations of the CUDA backend are enqueued on the pool's
- * stream in the order the calls took the mutex. stepq_pool_close() must not
- * race with other calls on the same pool.
+ * per pool, no lock shared between pools). Data operations of the CUDA
+ * backend are enqueued on the pool's stream in the order the calls took the
+ * mutex. A call racing stepq_pool_close() either runs before the close or
+ * returns STEPQ_EBADF.
+ *
+ * Handles: a stepq_pool_t * is an opaque handle, not the pool's address.
+ * It carries a generation, so once its pool is closed it is STEPQ_EBADF
+ * forever, even when a later pool reuses the memory or the table entry.
  *
  * Stream semantics (CUDA backend): alloc/free are host bookkeeping and take
  * effect at once; clear, copy, host copies and the health-word reset of
@@ -173,9 +178,8 @@ STEPQ_API int stepq_pool_open(const stepq_pool_config *cfg, stepq_pool_t **out);
  * Closes a pool and frees its memory (after waiting for its stream). With
  * slots still allocated it returns STEPQ_EBUSY and leaves the pool open,
  * unless STEPQ_POOL_CLOSE_FORCE is given. NULL is a no-op. After a
- * successful close the handle is invalid: the library keeps a table of open
- * pools, so calls with a closed handle return STEPQ_EBADF instead of touching
- * freed memory (until a new pool happens to reuse the same address).
+ * successful close the handle is invalid for good: every call with it
+ * returns STEPQ_EBADF (see "Handles" above).
  */
 STEPQ_API int stepq_pool_close(stepq_pool_t *pool, unsigned flags);
 
