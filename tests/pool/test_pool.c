@@ -569,6 +569,41 @@ static void open_checks_the_config_header_and_map(void **state)
  * Before handles carried a generation, stepq_pool_free(a, ids of b) returned
  * OK here and b then handed out slots b's owner still held.
  */
+/* Failing calls write the pool's error text while other threads read it. */
+struct err_reader {
+    stepq_pool_t *pool;
+    atomic_int stop;
+    int bad;
+};
+
+static void *err_reader_main(void *arg)
+{
+    struct err_reader *r = arg;
+    while (!atomic_load(&r->stop)) {
+        const char *t = stepq_pool_last_error(r->pool);
+        /* Either nothing failed yet or the whole text of one failure. */
+        if (t[0] && !strstr(t, "is not allocated"))
+            r->bad = 1;
+    }
+    return NULL;
+}
+
+static void error_text_is_read_safely_while_calls_fail(void **state)
+{
+    stepq_pool_t *pool = open_synthetic(8, 0);
+    struct err_reader r = { .pool = pool };
+    pthread_t th;
+    int32_t id = 3;
+
+    assert_int_equal(pthread_create(&th, NULL, err_reader_main, &r), 0);
+    for (int i = 0; i < 20000; i++)
+        assert_int_equal(stepq_pool_free(pool, &id, 1), STEPQ_EDOUBLEFREE);
+    atomic_store(&r.stop, 1);
+    pthread_join(th, NULL);
+    assert_false(r.bad);
+    assert_int_equal(stepq_pool_close(pool, 0), STEPQ_OK);
+}
+
 static void a_closed_handle_never_names_a_later_pool(void **state)
 {
     stepq_pool_t *a = open_synthetic(8, 0), *b;
@@ -790,6 +825,7 @@ int main(void)
         cmocka_unit_test(the_cuda_backend_fails_cleanly_without_a_device),
         cmocka_unit_test(concurrent_alloc_and_free_never_share_a_slot),
         cmocka_unit_test(a_closed_handle_never_names_a_later_pool),
+        cmocka_unit_test(error_text_is_read_safely_while_calls_fail),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);
