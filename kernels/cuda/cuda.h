@@ -22,9 +22,11 @@
  * outcome is undefined (one of the writers wins).
  *
  * Only d_k = d_v = 128 is implemented (every shipping GDN/KDA model); other
- * shapes return STEPQ_ENOTSUP. CUDA errors never abort: they map to
- * STEPQ_ECUDA with cudaGetErrorString() in the detail text, and the sticky
- * error is cleared. Entries are asynchronous on `stream` and thread-safe,
+ * shapes return STEPQ_ENOTSUP. CUDA errors never abort: stepq__cuda_error
+ * (plugin/cuda_err.h) maps them to STEPQ_ENODEV (no device, no or too old
+ * a driver, no kernel image for the device) or STEPQ_ECUDA, with a message
+ * naming the entry, the failing call and the runtime's text, and clears
+ * the last error. Entries are asynchronous on `stream` and thread-safe,
  * except that a handle's two-stage scratch and second stream serve one
  * call at a time (the fused step, pack and unpack only read the handle).
  */
@@ -80,7 +82,7 @@ int stepq__cuda_device_count(void);
  * stepq__cuda_layer_release.
  * @return STEPQ_OK; STEPQ_EINVAL (bad layout, w not finite > 0, head block
  *         outside the page, unknown flags), STEPQ_ENOTSUP (d_k or d_v !=
- *         128), STEPQ_ENOMEM, STEPQ_ECUDA.
+ *         128), STEPQ_ENOMEM, STEPQ_ENODEV or STEPQ_ECUDA.
  */
 int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl, unsigned flags,
                                  stepq__cuda_layer **out);

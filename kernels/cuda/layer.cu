@@ -1,10 +1,12 @@
 /*
  * Host side of the CUDA kernels: device descriptor tables of packed layers,
  * argument checks, launches and the two-stage variant. Every CUDA error
- * becomes STEPQ_ECUDA (never an abort).
+ * becomes a status through the library's one helper, stepq__cuda_error
+ * (never an abort).
  */
 #include <cuda_runtime.h>
 #include <math.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -12,6 +14,7 @@ extern "C" {
 #include "kernels/cuda/cuda.h"
 #include "kernels/format.h"
 #include "kernels/quant.h"
+#include "plugin/cuda_err.h"
 #include "plugin/err.h"
 }
 #include "kernels/cuda/tile_kernel.cuh"
@@ -37,10 +40,17 @@ struct stepq__cuda_layer {
     cudaEvent_t ev_a, ev_b;
 };
 
-static int cuda_fail(cudaError_t err, const char *who, const char *what)
+/*
+ * A failed runtime call `call` of entry `who` as stepq__cuda_error's status
+ * (STEPQ_ENODEV or STEPQ_ECUDA, the last error cleared), its message
+ * "<who>: <call>: <text> (<name>)" so that it names the entry as every
+ * other error of the entry does.
+ */
+static int cuda_fail(cudaError_t err, const char *who, const char *call)
 {
-    cudaGetLastError(); /* clear the sticky (non-fatal) error */
-    return stepq__error(STEPQ_ECUDA, "%s: %s: %s", who, what, cudaGetErrorString(err));
+    char what[256];
+    snprintf(what, sizeof(what), "%s: %s", who, call);
+    return stepq__cuda_error(NULL, (int)err, what);
 }
 
 #define SQ_CU(call, who)                        \

@@ -4,6 +4,7 @@
  * tests/kernels/check_vs_transformers.py (ctypes). Not installed; not part
  * of the library's API.
  */
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -16,6 +17,7 @@
 #include <cuda_runtime_api.h>
 
 #include "kernels/cuda/cuda.h"
+#include "plugin/cuda_err.h"
 #endif
 
 #define SHIM_API __attribute__((visibility("default")))
@@ -138,11 +140,12 @@ int stepq_ref_shim_has_cuda(void)
 }
 
 #if STEPQ_HAVE_CUDA
-/* Records a CUDA failure (clearing the sticky error) as STEPQ_ECUDA. */
+/* A CUDA failure of step `what` as stepq__cuda_error's status, its message naming the shim. */
 static int cuda_fail(cudaError_t e, const char *what)
 {
-    (void)cudaGetLastError();
-    return stepq__error(STEPQ_ECUDA, "shim (cuda): %s: %s", what, cudaGetErrorString(e));
+    char msg[128];
+    snprintf(msg, sizeof(msg), "shim (cuda): %s", what);
+    return stepq__cuda_error(NULL, (int)e, msg);
 }
 
 /* [B][T][n] -> [T][B][n], so that token t of every request is one [B][n] slice. */
@@ -173,7 +176,8 @@ static cudaError_t dev_copy(float **d, const float *h, size_t n)
  * ([B][HV][d_k][d_v], layout [K,V], slot b = request b) stay on the device
  * for all T steps, and o and the final states come back at the end.
  * Returns STEPQ_ENODEV without a device (or in a build without CUDA),
- * STEPQ_ENOTSUP unless d_k = d_v = 128, STEPQ_ECUDA on a runtime error.
+ * STEPQ_ENOTSUP unless d_k = d_v = 128, STEPQ_ECUDA (or STEPQ_ENODEV, see
+ * stepq__cuda_error) on a runtime error.
  */
 int stepq_ref_shim_run_cuda(int arch, int B, int T, int H, int HV, int d_k, int d_v, const float *q,
                             const float *k, const float *v, const float *g, const float *beta,
