@@ -150,7 +150,11 @@ int stepq__ref_unpack(const struct stepq__packed_layer *pl, int n, const int32_t
 int stepq__ref_prefill_chunked(const struct stepq__step_args *a, int chunk, float *state,
                                stepq__layout layout);
 
-/* Helpers shared by the reference files. */
+/*
+ * Helpers shared by the reference entries, all in kernels/recurrence.c so
+ * that kernels/step.c calls recurrence.c and never the other way round
+ * (the CUDA host code and the calibration replay call some of them too).
+ */
 int stepq__check_step_args(const struct stepq__step_args *a, const char *who);
 
 /** The per-request strides of a step's tensors in elements, the packed defaults filled in. */

@@ -1,7 +1,11 @@
 /*
  * The fp32 reference recurrence of GDN and KDA: one decode step on dense
  * states in either native layout, and a chunked prefill that equals the
- * token-by-token recurrence.
+ * token-by-token recurrence. It also holds the helpers every reference
+ * entry shares (declared at the end of kernels/dsp.h): the checks of step
+ * arguments and slot lists, the input preparation of one head, the update
+ * of one head on an fp32 tile and health notes. kernels/step.c (the packed
+ * entries) calls them; nothing here calls step.c.
  *
  * Dot products accumulate in double; states and vectors are float, as in the
  * fla / transformers fp32 paths, so the reference is at least as accurate as
@@ -136,6 +140,33 @@ int stepq__check_step_args(const struct stepq__step_args *a, const char *who)
     if (!(a->opt.scale <= 0.0f || isfinite(a->opt.scale)))
         return stepq__error(STEPQ_EINVAL, "%s: scale %g is not finite", who, (double)a->opt.scale);
     return STEPQ_OK;
+}
+
+int stepq__check_slot_list(int n, const int32_t *slots, int n_slots, int distinct, const char *who)
+{
+    if (n_slots < 1)
+        return stepq__error(STEPQ_EINVAL, "%s: n_slots = %d", who, n_slots);
+    if (n < 0 || (n > 0 && !slots))
+        return stepq__error(STEPQ_EINVAL, "%s: n=%d with %s slot ids", who, n,
+                            slots ? "valid" : "NULL");
+    uint8_t *seen = distinct ? calloc(((size_t)n_slots + 7) / 8, 1) : NULL;
+    if (distinct && !seen)
+        return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+    int rc = STEPQ_OK;
+    for (int e = 0; e < n && rc == STEPQ_OK; e++) {
+        int32_t s = slots[e];
+        if (s == -1)
+            continue;
+        if (s < 0 || s >= n_slots)
+            rc = stepq__error(STEPQ_EINVAL, "%s: slots[%d] = %d is outside -1, 0..%d", who, e,
+                              (int)s, n_slots - 1);
+        else if (seen && (seen[s / 8] & (1u << (s % 8))))
+            rc = stepq__error(STEPQ_EINVAL, "%s: slot %d appears twice", who, (int)s);
+        else if (seen)
+            seen[s / 8] |= (uint8_t)(1u << (s % 8));
+    }
+    free(seen);
+    return rc;
 }
 
 static float softplus(float x)

@@ -1,7 +1,10 @@
 /*
  * The C reference of the kernels that work on packed pages: the decode step
  * quantize(update(dequantize(page))) (paper Eq. 4), pack and unpack over a
- * list of slots.
+ * list of slots, on top of recurrence.c: the argument checks, the input
+ * preparation and the per-head update it shares with the dense step are
+ * recurrence.c's (declared in kernels/dsp.h). Calls go one way, from here
+ * to there; nothing in recurrence.c calls this file.
  */
 #include <math.h>
 #include <stdlib.h>
@@ -39,33 +42,6 @@ static int check_layer(const struct stepq__packed_layer *pl, int d_k, int d_v, c
             }
     }
     return STEPQ_OK;
-}
-
-int stepq__check_slot_list(int n, const int32_t *slots, int n_slots, int distinct, const char *who)
-{
-    if (n_slots < 1)
-        return stepq__error(STEPQ_EINVAL, "%s: n_slots = %d", who, n_slots);
-    if (n < 0 || (n > 0 && !slots))
-        return stepq__error(STEPQ_EINVAL, "%s: n=%d with %s slot ids", who, n,
-                            slots ? "valid" : "NULL");
-    uint8_t *seen = distinct ? calloc(((size_t)n_slots + 7) / 8, 1) : NULL;
-    if (distinct && !seen)
-        return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
-    int rc = STEPQ_OK;
-    for (int e = 0; e < n && rc == STEPQ_OK; e++) {
-        int32_t s = slots[e];
-        if (s == -1)
-            continue;
-        if (s < 0 || s >= n_slots)
-            rc = stepq__error(STEPQ_EINVAL, "%s: slots[%d] = %d is outside -1, 0..%d", who, e,
-                              (int)s, n_slots - 1);
-        else if (seen && (seen[s / 8] & (1u << (s % 8))))
-            rc = stepq__error(STEPQ_EINVAL, "%s: slot %d appears twice", who, (int)s);
-        else if (seen)
-            seen[s / 8] |= (uint8_t)(1u << (s % 8));
-    }
-    free(seen);
-    return rc;
 }
 
 static uint8_t *head_block(const struct stepq__packed_layer *pl, int32_t slot, int h)
