@@ -1147,8 +1147,10 @@ static int import_load_config(const stepq_map_load_config *cfg, size_t *max_byte
 
     if (st < 0)
         return st;
+    /* Any larger limit means "no limit": no buffer that large can exist, and
+     * the reader's max_bytes + 1 must not wrap. */
     if (c.max_bytes)
-        *max_bytes = c.max_bytes;
+        *max_bytes = c.max_bytes < SIZE_MAX / 2 ? c.max_bytes : SIZE_MAX / 2;
     return STEPQ_OK;
 }
 

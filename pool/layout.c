@@ -26,6 +26,11 @@
 #include "plugin/hash.h"
 #include "pool/internal.h"
 
+/* Limits of the alignment and size fields (the config's checks name them). */
+#define MAX_PAGE_ALIGN     (UINT64_C(1) << 30) /* 1 GiB: pages align to at most a huge page */
+#define MAX_BLOCK_ALIGN    4096u               /* a head block aligns to at most a page */
+#define MAX_MIN_PAGE_BYTES (UINT64_C(1) << 48)
+
 static uint64_t round_up(uint64_t x, uint64_t align)
 {
     return (x + align - 1) / align * align;
@@ -190,6 +195,19 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
                                 "stepq_pool_config: page_align %" PRIu64 " and block_align %" PRIu64
                                 " must be powers of two, page_align at least 16",
                                 page_align, block_align);
+    /* Bounds far above any use keep every offset and rounding inside 64 bits. */
+    if (page_align > MAX_PAGE_ALIGN)
+        return stepq__error_obj(err, STEPQ_EINVAL,
+                                "stepq_pool_config.page_align: %" PRIu64 " is over %" PRIu64,
+                                page_align, (uint64_t)MAX_PAGE_ALIGN);
+    if (block_align > MAX_BLOCK_ALIGN)
+        return stepq__error_obj(err, STEPQ_EINVAL,
+                                "stepq_pool_config.block_align: %" PRIu64 " is over %u",
+                                block_align, MAX_BLOCK_ALIGN);
+    if (cfg->min_page_bytes > MAX_MIN_PAGE_BYTES)
+        return stepq__error_obj(err, STEPQ_ERANGE,
+                                "stepq_pool_config.min_page_bytes: %" PRIu64 " is over 2^48",
+                                cfg->min_page_bytes);
     ret = stepq_map_shape(map, &shape);
     if (ret < 0)
         return ret;

@@ -97,6 +97,11 @@ int stepq__pool_sizing(const stepq_pool_config *cfg, uint64_t page_bytes, int32_
                                     cfg->memory_budget_bytes, pages, page_bytes);
         *slots = pages - 1 > (uint64_t)max_slots ? max_slots : (int32_t)(pages - 1);
     }
+    if ((uint64_t)*slots + 1 > UINT64_MAX / page_bytes)
+        return stepq__error_obj(err, STEPQ_ERANGE,
+                                "stepq_pool_config: %" PRId32 " slots + 1 of %" PRIu64
+                                " B pages overflow 64 bits",
+                                *slots, page_bytes);
     return STEPQ_OK;
 }
 
@@ -402,6 +407,13 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
     pool->page_bytes = layout->pub.page_bytes;
     pool->slots = slots;
 
+    /* The pages first: a pool too large for the memory fails here, before
+     * seconds of bookkeeping for its slots are spent. */
+    ret = pool->ops->init(pool);
+    if (ret < 0) {
+        stepq__error(ret, "%s", pool->err);
+        goto fail_bookkeeping;
+    }
     n = (size_t)slots + 1;
     pool->ring = malloc(n * sizeof(*pool->ring));
     pool->state = calloc(n, 1);
@@ -410,7 +422,7 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
     if (!pool->ring || !pool->state || !pool->mark || !pool->scratch) {
         ret =
             stepq__error(STEPQ_ENOMEM, "out of memory (bookkeeping for %" PRId32 " slots)", slots);
-        goto fail_bookkeeping;
+        goto fail_backend;
     }
     pool->state[0] = STEPQ__SLOT_SENTINEL;
     for (int32_t i = 0; i < slots; i++)
@@ -418,11 +430,6 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
     pool->ring_head = 0;
     pool->ring_count = slots;
 
-    ret = pool->ops->init(pool);
-    if (ret < 0) {
-        stepq__error(ret, "%s", pool->err);
-        goto fail_bookkeeping;
-    }
     ret = entry_add(pool, out);
     if (ret < 0)
         goto fail_backend;

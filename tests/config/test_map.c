@@ -729,6 +729,32 @@ static void head_row_bits_follow_the_units(void **state)
     }
 }
 
+/* max_bytes = SIZE_MAX means no limit: the reader's bound must not wrap and refuse the map. */
+static void load_with_the_largest_max_bytes(void **state)
+{
+    stepq_model_shape sh = fx_shape_small(STEPQ_ARCH_GDN);
+    stepq_map_t *m = NULL, *back = NULL;
+    stepq_map_load_config lc = STEPQ_MAP_LOAD_CONFIG_INITIALIZER;
+    char path[] = "/tmp/stepq-map-XXXXXX";
+    char *buf = NULL;
+    size_t len = 0;
+    int fd = mkstemp(path);
+
+    assert_true(fd >= 0);
+    close(fd);
+    assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_UNIFORM, 6, &m), STEPQ_OK);
+    assert_int_equal(stepq_map_write_file(m, path), STEPQ_OK);
+    assert_int_equal(stepq_map_write_buffer(m, &buf, &len), STEPQ_OK);
+    lc.max_bytes = SIZE_MAX;
+    assert_int_equal(stepq_map_load_file(path, &lc, &back), STEPQ_OK);
+    stepq_map_close(back);
+    assert_int_equal(stepq_map_load_buffer(buf, len, &lc, &back), STEPQ_OK);
+    stepq_map_close(back);
+    unlink(path);
+    stepq_free(buf);
+    stepq_map_close(m);
+}
+
 /* Writes full-featured maps as fuzz seeds (tests/fuzz/corpus/ok-full-*.json). */
 static int write_corpus(const char *dir)
 {
@@ -765,6 +791,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(qwen27_stepq6_with_32_pivots_is_the_paper_layout),
         cmocka_unit_test(kimi_fp32_and_dsq4_match_the_paper),
         cmocka_unit_test(head_row_bits_follow_the_units),
+        cmocka_unit_test(load_with_the_largest_max_bytes),
         cmocka_unit_test(kda_pivot_rows_drop_their_row_scale_and_full_pivot_heads_their_columns),
         cmocka_unit_test(odd_widths_round_code_bytes_up_per_unit),
         cmocka_unit_test(qwen_next_uniform_numbers),

@@ -255,6 +255,41 @@ static void kda_blocks_mix_row_widths_within_a_head(void **state)
     stepq_map_close(map);
 }
 
+/*
+ * Sizes that would wrap 64 bits are refused, naming the field, before any
+ * work: the pool size of huge pages x many slots, huge alignments, a huge
+ * minimum page.
+ */
+static void sizes_that_would_wrap_are_refused(void **state)
+{
+    stepq_model_shape s = fx_shape_small(STEPQ_ARCH_GDN);
+    stepq_map_t *map = NULL;
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_pool_plan_info plan;
+
+    assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_UNIFORM, 4, &map), STEPQ_OK);
+    cfg.map = map;
+    cfg.num_slots = 1 << 30;
+    cfg.min_page_bytes = UINT64_C(1) << 40;
+    assert_int_equal(stepq_pool_plan(&cfg, &plan), STEPQ_ERANGE);
+    assert_non_null(strstr(stepq_last_error(), "overflow"));
+    cfg.num_slots = 4;
+    cfg.min_page_bytes = UINT64_C(1) << 62;
+    assert_int_equal(stepq_pool_plan(&cfg, &plan), STEPQ_ERANGE);
+    assert_non_null(strstr(stepq_last_error(), "min_page_bytes"));
+    cfg.min_page_bytes = 0;
+    cfg.page_align = UINT64_C(1) << 63;
+    assert_int_equal(stepq_pool_plan(&cfg, &plan), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "page_align"));
+    cfg.page_align = 0;
+    cfg.block_align = 1u << 31;
+    assert_int_equal(stepq_pool_plan(&cfg, &plan), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "block_align"));
+    cfg.block_align = 0;
+    assert_int_equal(stepq_pool_plan(&cfg, &plan), STEPQ_OK);
+    stepq_map_close(map);
+}
+
 static void plan_and_open_agree_and_fingerprints_are_stable(void **state)
 {
     stepq_map_t *map = qwen_stepq6();
@@ -299,6 +334,7 @@ int main(void)
         cmocka_unit_test(a_memory_budget_buys_whole_pages),
         cmocka_unit_test(kda_blocks_mix_row_widths_within_a_head),
         cmocka_unit_test(plan_and_open_agree_and_fingerprints_are_stable),
+        cmocka_unit_test(sizes_that_would_wrap_are_refused),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);
