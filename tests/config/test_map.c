@@ -5,6 +5,7 @@
  */
 #include <locale.h>
 #include <math.h>
+#include <pthread.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -729,6 +730,25 @@ static void head_row_bits_follow_the_units(void **state)
     }
 }
 
+struct pipe_feed {
+    const char *buf;
+    size_t len;
+    int fd;
+};
+
+static void *feed_main(void *p)
+{
+    struct pipe_feed *f = p;
+    for (size_t at = 0; at < f->len;) {
+        ssize_t w = write(f->fd, f->buf + at, f->len - at);
+        if (w <= 0)
+            break;
+        at += (size_t)w;
+    }
+    close(f->fd);
+    return NULL;
+}
+
 /* max_bytes = SIZE_MAX means no limit: the reader's bound must not wrap and refuse the map. */
 static void load_with_the_largest_max_bytes(void **state)
 {
@@ -751,6 +771,26 @@ static void load_with_the_largest_max_bytes(void **state)
     assert_int_equal(stepq_map_load_buffer(buf, len, &lc, &back), STEPQ_OK);
     stepq_map_close(back);
     unlink(path);
+    stepq_free(buf);
+    stepq_map_close(m);
+
+    /* A pipe has no size: the reader grows its buffer, bounded by max_bytes + 1. */
+    sh = fx_shape_qwen27();
+    assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_STEPQ, 6, &m), STEPQ_OK);
+    assert_int_equal(stepq_map_write_buffer(m, &buf, &len), STEPQ_OK);
+    assert_true(len > 65536);
+    struct pipe_feed feed = { .buf = buf, .len = len };
+    int fds[2];
+    pthread_t th;
+    char fdpath[64];
+    assert_int_equal(pipe(fds), 0);
+    feed.fd = fds[1];
+    assert_int_equal(pthread_create(&th, NULL, feed_main, &feed), 0);
+    snprintf(fdpath, sizeof(fdpath), "/dev/fd/%d", fds[0]);
+    assert_int_equal(stepq_map_load_file(fdpath, &lc, &back), STEPQ_OK);
+    pthread_join(th, NULL);
+    close(fds[0]);
+    stepq_map_close(back);
     stepq_free(buf);
     stepq_map_close(m);
 }
