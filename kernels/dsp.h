@@ -106,11 +106,11 @@ struct stepq__dense_states {
 struct stepq__packed_layer {
     uint8_t *base;
     size_t page_stride;
-    int n_slots;                           /**< pages in the pool (incl. sentinel 0) */
-    int n_heads;                           /**< HV */
-    const struct stepq_head_layout *heads; /**< [n_heads], all with the same d_k, d_v */
-    const size_t *head_offset;             /**< [n_heads] */
-    const float *row_impact;               /**< [n_heads][d_k] or NULL (all 1) */
+    int n_slots;                            /**< pages in the pool (incl. sentinel 0) */
+    int n_heads;                            /**< HV */
+    const struct stepq__head_layout *heads; /**< [n_heads], all with the same d_k, d_v */
+    const size_t *head_offset;              /**< [n_heads] */
+    const float *row_impact;                /**< [n_heads][d_k] or NULL (all 1) */
 };
 
 /* --- The C reference entries (kernels/recurrence.c, kernels/step.c) --- */

@@ -37,7 +37,7 @@ int stepq__format_int_bits(int bits)
     return (bits >= 2 && bits <= 6) || bits == 8;
 }
 
-int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, stepq_arch arch,
+int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, stepq_arch arch,
                             int d_k, int d_v, const uint8_t *row_bits, size_t align)
 {
     if (!hl)
@@ -143,7 +143,7 @@ int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, s
     return STEPQ_OK;
 }
 
-void stepq__head_layout_free(struct stepq_head_layout *hl)
+void stepq__head_layout_free(struct stepq__head_layout *hl)
 {
     if (!hl)
         return;

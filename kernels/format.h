@@ -91,7 +91,7 @@ typedef enum stepq__layout {
  * Byte layout of one head block. Built by stepq__head_layout_init, released
  * with stepq__head_layout_free. Read-only after init (thread-safe to share).
  */
-struct stepq_head_layout {
+struct stepq__head_layout {
     stepq_method method;
     stepq_arch arch;
     int d_k, d_v;
@@ -130,11 +130,11 @@ struct stepq_head_layout {
  * @param align    sub-block alignment, a power of two; 0 = STEPQ__ALIGN_DEFAULT.
  * @return STEPQ_OK, STEPQ_EINVAL (message names the field) or STEPQ_ENOMEM.
  */
-int stepq__head_layout_init(struct stepq_head_layout *hl, stepq_method method, stepq_arch arch,
+int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, stepq_arch arch,
                             int d_k, int d_v, const uint8_t *row_bits, size_t align);
 
 /** Releases the arrays of a layout and zeroes it. Safe on a zeroed layout. */
-void stepq__head_layout_free(struct stepq_head_layout *hl);
+void stepq__head_layout_free(struct stepq__head_layout *hl);
 
 /** Whether a bit width is a legal integer format (2,3,4,5,6,8). */
 int stepq__format_int_bits(int bits);

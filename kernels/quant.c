@@ -24,7 +24,7 @@ static void wr16(uint8_t *p, uint16_t v)
     memcpy(p, &v, sizeof(v));
 }
 
-static int check_layout(const struct stepq_head_layout *hl)
+static int check_layout(const struct stepq__head_layout *hl)
 {
     if (!hl || !hl->row_bitoff || !hl->row_bits || hl->d_k < 1 || hl->d_v < 1 ||
         hl->d_k > STEPQ__MAX_HEAD_DIM || hl->d_v > STEPQ__MAX_HEAD_DIM)
@@ -62,7 +62,7 @@ static void quant_row(const float *y, const float *c, int d_v, int qmax, int8_t 
     }
 }
 
-static void store_dense(const struct stepq_head_layout *hl, const float *x, uint8_t *blk,
+static void store_dense(const struct stepq__head_layout *hl, const float *x, uint8_t *blk,
                         uint32_t *flags)
 {
     size_t n = (size_t)hl->d_k * (size_t)hl->d_v;
@@ -144,7 +144,7 @@ static float row_absmax(const float *xr, int d_v)
 }
 
 /* uniform / temporal: row absmax scales, no column scales. */
-static void fit_rowmax(const struct stepq_head_layout *hl, const float *x, uint8_t *blk,
+static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint8_t *blk,
                        uint32_t *flags)
 {
     int d_k = hl->d_k, d_v = hl->d_v;
@@ -170,7 +170,7 @@ static void fit_rowmax(const struct stepq_head_layout *hl, const float *x, uint8
 }
 
 /* dsq / spatial / stepq: the key-row-aware dual-axis fit (w NULL = all 1). */
-static void fit_dual(const struct stepq_head_layout *hl, const float *x, const float *w,
+static void fit_dual(const struct stepq__head_layout *hl, const float *x, const float *w,
                      uint8_t *blk, uint32_t *flags)
 {
     int d_k = hl->d_k, d_v = hl->d_v;
@@ -278,7 +278,7 @@ static void fit_dual(const struct stepq_head_layout *hl, const float *x, const f
     free(y);
 }
 
-int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, const float *w,
+int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, const float *w,
                          void *block, uint32_t *flags)
 {
     uint32_t dummy = 0;
@@ -330,7 +330,7 @@ int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, con
     return STEPQ_OK;
 }
 
-int stepq__dequantize_head(const struct stepq_head_layout *hl, const void *block, float *x)
+int stepq__dequantize_head(const struct stepq__head_layout *hl, const void *block, float *x)
 {
     int rc = check_layout(hl);
 

@@ -51,14 +51,14 @@
  *         STEPQ_ENOMEM (block untouched).
  * Thread-safety: reentrant.
  */
-int stepq__quantize_head(const struct stepq_head_layout *hl, const float *x, const float *w,
+int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, const float *w,
                          void *block, uint32_t *flags);
 
 /**
  * Reconstructs one head from its block into x, fp32 [d_k][d_v].
  * @return STEPQ_OK or STEPQ_EINVAL for a bad layout.
  */
-int stepq__dequantize_head(const struct stepq_head_layout *hl, const void *block, float *x);
+int stepq__dequantize_head(const struct stepq__head_layout *hl, const void *block, float *x);
 
 /**
  * The weighted squared error sum_i w_i^2 sum_j (x_ij - y_ij)^2 (w NULL = 1),

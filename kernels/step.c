@@ -23,7 +23,7 @@ static int check_layer(const struct stepq__packed_layer *pl, int d_k, int d_v, c
         return stepq__error(STEPQ_EINVAL, "%s: n_heads=%d, n_slots=%d", who, pl->n_heads,
                             pl->n_slots);
     for (int h = 0; h < pl->n_heads; h++) {
-        const struct stepq_head_layout *hl = &pl->heads[h];
+        const struct stepq__head_layout *hl = &pl->heads[h];
         if (!hl->row_bitoff || hl->d_k != d_k || hl->d_v != d_v)
             return stepq__error(STEPQ_EINVAL,
                                 "%s: head %d layout is %dx%d (or not initialised), expected %dx%d",
@@ -86,7 +86,7 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
             /* On a non-finite input the page keeps its previous, valid content. */
             if (stepq__prep_step_head(a, b, h, s, q, k, v, g, &beta))
                 continue;
-            const struct stepq_head_layout *hl = &pl->heads[h];
+            const struct stepq__head_layout *hl = &pl->heads[h];
             uint8_t *blk = head_block(pl, s, h);
             stepq__dequantize_head(hl, blk, tile);
             uint32_t fl = stepq__head_update(tile, (size_t)a->d_v, 1, a->arch == STEPQ_ARCH_KDA,

@@ -38,10 +38,10 @@ struct stepq__pool_layout {
      * head_off + layer * n_local_heads), and the row impact of every block
      * ([n_blocks][d_k]; NULL when the method does not use it).
      */
-    struct stepq_head_layout *heads; /* [n_blocks] */
-    size_t *head_off;                /* [n_blocks] */
-    float *row_impact;               /* [n_blocks * d_k] or NULL */
-    int n_k_heads;                   /* q/k heads on this rank */
+    struct stepq__head_layout *heads; /* [n_blocks] */
+    size_t *head_off;                 /* [n_blocks] */
+    float *row_impact;                /* [n_blocks * d_k] or NULL */
+    int n_k_heads;                    /* q/k heads on this rank */
     int conv_rank;
     int64_t conv_shape[STEPQ_CONV_MAX_RANK]; /* this rank's: dim 0 / tp */
     stepq_dtype conv_dtype;

@@ -272,7 +272,7 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
     for (int layer = 0; layer < shape.n_layers; layer++) {
         for (int h = 0; h < n_local; h++) {
             int b = layer * n_local + h, head = first + h;
-            struct stepq_head_layout *hlp = &out->heads[b], hl;
+            struct stepq__head_layout *hlp = &out->heads[b], hl;
 
             ret = stepq_map_head_row_bits(map, layer, head, row_bits, shape.head_k_dim);
             if (ret < 0)

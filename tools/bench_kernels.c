@@ -245,7 +245,7 @@ static const struct method methods[] = {
  * per KDA head (0.625% of 128 rows), and a {4,6,8} (@6) or {2..8} (@4) mix at
  * exactly the budget sum(b) = bbar*N - 8*N_piv.
  */
-static int layouts(struct stepq_head_layout *hl, const struct method *me, stepq_arch arch, int HV)
+static int layouts(struct stepq__head_layout *hl, const struct method *me, stepq_arch arch, int HV)
 {
     uint8_t rb[32][D];
     if (me->budget == 0) {
@@ -669,7 +669,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 const int step = is_step(rw->kind);
                 if (only && strcmp(only, rw->label))
                     continue;
-                struct stepq_head_layout hl[32];
+                struct stepq__head_layout hl[32];
                 size_t off[32], pos = 0;
                 float w[32 * D];
                 memset(hl, 0, sizeof(hl));

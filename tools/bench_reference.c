@@ -76,7 +76,7 @@ struct ctx {
     struct stepq__step_args a;
     struct stepq__dense_states st;
     struct stepq__packed_layer pl;
-    const struct stepq_head_layout *hl;
+    const struct stepq__head_layout *hl;
     float *tile;
     uint8_t *block;
     const float *w;
@@ -215,7 +215,7 @@ int stepq_tool_bench_reference(int argc, char **argv)
     float *dense = malloc(sizeof(float) * (size_t)(B + 1) * HV * head);
     float *w = malloc(sizeof(float) * HV * dk);
     int32_t *slots = malloc(sizeof(int32_t) * B);
-    struct stepq_head_layout *hls = calloc((size_t)HV, sizeof(*hls));
+    struct stepq__head_layout *hls = calloc((size_t)HV, sizeof(*hls));
     size_t *offs = malloc(sizeof(size_t) * HV);
     uint8_t *rb = malloc((size_t)dk);
     uint8_t *pages = NULL;

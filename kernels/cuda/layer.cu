@@ -84,7 +84,7 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
     *max_block = 0;
     *off16 = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
-        const struct stepq_head_layout *hl = &pl->heads[hv];
+        const struct stepq__head_layout *hl = &pl->heads[hv];
         if (!hl->row_bitoff || !hl->row_bits)
             return stepq__error(STEPQ_EINVAL, "%s: head %d layout is not initialised", who, hv);
         if (hl->d_k != SQ_D || hl->d_v != SQ_D)

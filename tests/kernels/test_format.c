@@ -22,7 +22,7 @@ static void fill_bits(uint8_t *rb, int n, int b)
 static void gdn_6bit_128_head_is_12288_code_bytes_plus_two_scale_vectors(void **state)
 {
     (void)state;
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     uint8_t rb[128];
     fill_bits(rb, 128, 6);
     assert_int_equal(
@@ -49,7 +49,7 @@ static void gdn_6bit_128_head_is_12288_code_bytes_plus_two_scale_vectors(void **
 static void pivot_head_reserves_both_scale_slots_but_compact_omits_them(void **state)
 {
     (void)state;
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     uint8_t rb[128];
     fill_bits(rb, 128, STEPQ_BITS_PIVOT);
     assert_int_equal(
@@ -72,7 +72,7 @@ static void pivot_head_reserves_both_scale_slots_but_compact_omits_them(void **s
 static void qwen_stepq6_totals_match_the_paper(void **state)
 {
     (void)state;
-    struct stepq_head_layout h6, h4, hp;
+    struct stepq__head_layout h6, h4, hp;
     uint8_t rb[128];
     fill_bits(rb, 128, 6);
     assert_int_equal(
@@ -103,7 +103,7 @@ static void qwen_stepq6_totals_match_the_paper(void **state)
 static void kda_rows_with_mixed_bits_are_byte_aligned_streams(void **state)
 {
     (void)state;
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     const uint8_t rb[4] = { 3, STEPQ_BITS_PIVOT, 5, 2 };
     assert_int_equal(stepq__head_layout_init(&hl, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 4, 3, rb, 0),
                      0);
@@ -132,7 +132,7 @@ static void kda_rows_with_mixed_bits_are_byte_aligned_streams(void **state)
 static void kda_head_of_only_pivots_has_no_compact_column_vector(void **state)
 {
     (void)state;
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     uint8_t rb[4];
     fill_bits(rb, 4, STEPQ_BITS_PIVOT);
     assert_int_equal(stepq__head_layout_init(&hl, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 4, 3, rb, 0),
@@ -145,7 +145,7 @@ static void kda_head_of_only_pivots_has_no_compact_column_vector(void **state)
 static void dense_blocks_hold_the_dtype_row_major(void **state)
 {
     (void)state;
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     assert_int_equal(stepq__head_layout_init(&hl, STEPQ_METHOD_FP32, STEPQ_ARCH_GDN, 4, 3, NULL, 0),
                      0);
     assert_int_equal(hl.codes_bytes, 48);
@@ -163,7 +163,7 @@ static void dense_blocks_hold_the_dtype_row_major(void **state)
 static void layout_rejects_bad_bits_methods_and_alignment(void **state)
 {
     (void)state;
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     uint8_t rb[4] = { 4, 4, 7, 4 };
     assert_int_equal(stepq__head_layout_init(&hl, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, 4, 3, rb, 0),
                      STEPQ_EINVAL);

@@ -17,7 +17,7 @@
 #define MAXB 4096
 
 struct head {
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     uint8_t blk[MAXB];
     float xh[64 * 64];
 };

@@ -26,7 +26,7 @@ static const stepq_method all_methods[] = { STEPQ_METHOD_FP32,     STEPQ_METHOD_
 
 /* A pool of n_slots pages for one layer of HV heads, with per-head formats. */
 struct pages {
-    struct stepq_head_layout heads[8];
+    struct stepq__head_layout heads[8];
     size_t offset[8];
     float w[8 * 64];
     struct stepq__packed_layer pl;

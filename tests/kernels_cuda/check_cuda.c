@@ -77,7 +77,7 @@ static double nmse(const float *a, const float *ref, size_t n)
 
 /* A test layer: HV heads of one method, pages with sentinel gaps. */
 struct layer {
-    struct stepq_head_layout hl[8];
+    struct stepq__head_layout hl[8];
     size_t off[8];
     float w[8 * D];
     struct stepq__packed_layer pl;
@@ -204,7 +204,7 @@ static int src_entry(const struct pack_src *ps, int s)
 
 /* Loads entry e, head h of the source and both pages' scales (a: GPU, b: reference). */
 static void tie_head_load(struct tie_head *th, const struct pack_src *ps, int e, int h,
-                          const struct stepq_head_layout *hl, const uint8_t *a, const uint8_t *b)
+                          const struct stepq__head_layout *hl, const uint8_t *a, const uint8_t *b)
 {
     const float *x = ps->x + (size_t)e * ps->stride + (size_t)h * D * D;
     for (int i = 0; i < D; i++)
@@ -297,7 +297,7 @@ static int compare_pages(const struct layer *L, const uint8_t *got, const uint8_
     }
     for (int s = 0; s < L->pl.n_slots; s++)
         for (int h = 0; h < L->pl.n_heads; h++) {
-            const struct stepq_head_layout *hl = &L->hl[h];
+            const struct stepq__head_layout *hl = &L->hl[h];
             const uint8_t *a = got + (size_t)s * L->pl.page_stride + L->off[h];
             const uint8_t *b = ref + (size_t)s * L->pl.page_stride + L->off[h];
             /* the 1e-4 budget is over every code compared, identical blocks included */

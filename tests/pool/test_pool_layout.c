@@ -108,7 +108,7 @@ static void blocks_follow_the_kernel_format_layer_by_layer(void **state)
         for (int h = 0; h < 48; h++) {
             int b = layer * 48 + h;
             uint8_t bits = (uint8_t)stepq_map_unit_bits(map, layer, h), row[128];
-            struct stepq_head_layout hl;
+            struct stepq__head_layout hl;
 
             memset(row, bits, sizeof(row));
             assert_int_equal(
@@ -212,7 +212,7 @@ static void kda_blocks_mix_row_widths_within_a_head(void **state)
     stepq_pool_t *pool;
     const stepq_pool_layout *l;
     uint8_t row[64];
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
 
     memset(&s, 0, sizeof(s));
     s.arch = STEPQ_ARCH_KDA;

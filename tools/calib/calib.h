@@ -36,7 +36,7 @@ double stepq__calib_err_step_read(float *E, const struct stepq__calib_head *h, i
 
 /** A storage method for one head, applied in place (quantize + reconstruct). */
 struct stepq__calib_quant {
-    struct stepq_head_layout hl;
+    struct stepq__head_layout hl;
     uint8_t *block;
     const float *w; /* row impact (spatial, stepq) or NULL */
     int dense_fp32; /* nothing to do */
