@@ -46,6 +46,8 @@
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 
+#include "kernels/cuda/common.cuh"
+/* not used here: layer.cu, which launches sq_head_kernel too, includes only this and unpack */
 #include "kernels/cuda/head_kernel.cuh"
 
 #define SQ_TMIN_BLOCKS 2
@@ -59,11 +61,6 @@ __device__ __forceinline__ float sq_maxnan(float a, float b)
     asm("max.NaN.f32 %0, %1, %2;" : "=f"(r) : "f"(a), "f"(b));
     return r;
 }
-
-template <int B> struct sq_bw {
-    static constexpr int QM = (1 << (B - 1)) - 1;
-    static constexpr uint32_t MASK = (1u << B) - 1u;
-};
 
 /* Loads the B bytes of 8 codes at row + tx*B (row 16-byte aligned). */
 template <int B>
@@ -113,32 +110,6 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
     }
 }
 
-/* CALL(b) for an integer width b (2..6 or 8) as a template argument; DEF for any other b. */
-#define SQ_WIDTH_SWITCH(b, CALL, DEF) \
-    switch (b) {                      \
-    case 2:                           \
-        CALL(2);                      \
-        break;                        \
-    case 3:                           \
-        CALL(3);                      \
-        break;                        \
-    case 4:                           \
-        CALL(4);                      \
-        break;                        \
-    case 5:                           \
-        CALL(5);                      \
-        break;                        \
-    case 6:                           \
-        CALL(6);                      \
-        break;                        \
-    case 8:                           \
-        CALL(8);                      \
-        break;                        \
-    default:                          \
-        DEF;                          \
-        break;                        \
-    }
-
 /* Template bits of the tile kernel, chosen by the host (layer.cu, launch_tile). */
 /* grid (batch, heads): resident blocks mostly share a head, so one code path is hot */
 #define SQ_V_ORDER 1
@@ -163,11 +134,6 @@ template <int V> __device__ __forceinline__ int sq_in_bf16(const sq_step &st)
 {
     return (V & SQ_V_IN16) ? 1 : (V & SQ_V_IN32) ? 0 : st.in_bf16;
 }
-
-/* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
-__constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
-                                 1.0f / 3.0f,  1.0f / 7.0f,  1.0f / 15.0f,
-                                 1.0f / 31.0f, 1.0f / 63.0f, 1.0f / 127.0f };
 
 /*
  * Decode of 8 codes of a uniform-width row: code n sits at bit p < 24 - B of an extraction
@@ -536,12 +502,6 @@ __device__ __forceinline__ void sq_tload(float (&x)[64], const void *p, size_t o
                 off + (vk ? (size_t)(C0 + c) * SQ_D + R0 + r : (size_t)(R0 + r) * SQ_D + C0 + c);
             x[r * 8 + c] = DT == SQ_F32 ? ((const float *)p)[n] : sq_bf2f(((const uint16_t *)p)[n]);
         }
-}
-
-__device__ __forceinline__ uint32_t sq_bf16x2(float a, float b)
-{
-    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
-    return *reinterpret_cast<uint32_t *>(&h);
 }
 
 /* Dense tile store; bf16 rounds to nearest even, `sat`: values may round to Inf. */

@@ -41,7 +41,7 @@
 #ifndef STEPQ_KERNELS_CUDA_UNPACK_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_UNPACK_KERNEL_CUH
 
-#include "kernels/cuda/tile_kernel.cuh"
+#include "kernels/cuda/common.cuh"
 
 /* 4 blocks per SM (<= 64 registers): the staging of one block hides behind the others' stores */
 #define SQ_UMIN_BLOCKS 4

@@ -1,0 +1,303 @@
+/*
+ * What the three kernels share: the device mirrors of the layout and the
+ * step arguments, conversions that round as kernels/quant.c does, the
+ * input loads and gate math of the recurrence, cp.async staging and the
+ * code-width constants. head_kernel.cuh (thread per column),
+ * tile_kernel.cuh (micro-tiles) and unpack_kernel.cuh include it.
+ */
+#ifndef STEPQ_KERNELS_CUDA_COMMON_CUH
+#define STEPQ_KERNELS_CUDA_COMMON_CUH
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+extern "C" {
+#include "kernels/dsp.h"
+}
+
+#define SQ_D       128 /* head dimension (d_k = d_v) */
+#define SQ_THREADS 256 /* threads per block: one block per (request, value head) */
+
+enum { SQ_SRC_PACKED = 0, SQ_SRC_DENSE = 1 };
+enum { SQ_SINK_PACKED = 0, SQ_SINK_DENSE = 1 };
+
+/* Device mirror of one head's layout (kernels/format.h). */
+struct sq_head_desc {
+    uint32_t block_off;   /* head_offset in the page */
+    uint32_t block_bytes; /* multiple of 16 */
+    uint32_t row_scale_off, col_scale_off;
+    uint8_t method, quantized, has_col, dual;
+    uint8_t any_int, ubits;  /* ubits: the one integer width of every row, else 0 */
+    uint8_t needs_zero, pad; /* the block has bytes no field covers (zeroed by the tile kernel) */
+    uint8_t bits[SQ_D];      /* 2..8 or 16 (pivot); 0 for dense methods */
+    uint16_t row_off[SQ_D];  /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
+    float w[SQ_D];           /* row impact used by the fit (1 when unused) */
+};
+
+/*
+ * The recurrence inputs (device pointers). q, k, v, g, beta and o are fp32
+ * or bf16 (in_bf16), A_log and dt_bias likewise (par_bf16); the strides are
+ * the elements between consecutive requests, already defaulted by the host
+ * (layer.cu, make_step), so they are never 0 here.
+ */
+struct sq_step {
+    int H, HV, kda, l2norm, gate, beta_sig;
+    int in_bf16, par_bf16;
+    float scale;
+    const void *q, *k, *v, *g, *beta, *A_log, *dt_bias;
+    void *o;
+    size_t q_stride, k_stride, v_stride, g_stride, beta_stride, o_stride;
+};
+
+/* Where the work items go. */
+struct sq_io {
+    int n_slots;          /* slot ids outside 0..n_slots-1 are skipped */
+    const int32_t *slots; /* [entries]; NULL: entry e is slot e */
+    uint8_t *pages;       /* packed pages */
+    size_t page_stride;
+    const sq_head_desc *heads;
+    int vec16;           /* pages, stride and offsets 16-byte aligned */
+    void *dense;         /* dense tensor */
+    size_t dense_stride; /* elements per entry (or per slot) */
+    int dense_by_slot;   /* dense entry index = slot id (dense step) or entry (pack/unpack) */
+    int layout_vk, bf16;
+    int dense_vec; /* dense base and stride allow 16-byte (fp32) / 8-byte (bf16) vectors */
+    uint32_t *health;
+    unsigned long long *counts;
+    int *skip; /* two-stage: [entries][HV], stage 1 marks heads left untouched */
+};
+
+__device__ __forceinline__ float sq_h2f(uint16_t h)
+{
+    return __half2float(__ushort_as_half(h));
+}
+
+/* stepq__scale_to_fp16 */
+__device__ __forceinline__ uint16_t sq_scale_h(float s)
+{
+    if (!(s >= STEPQ__SCALE_MIN))
+        return 0x0400u;
+    if (s >= STEPQ__SCALE_MAX)
+        return 0x7bffu;
+    return __half_as_ushort(__float2half_rn(s));
+}
+
+/* stepq__fp16_from_float_sat */
+__device__ __forceinline__ uint16_t sq_f16_sat(float f, unsigned *fl)
+{
+    if (f != f) {
+        *fl |= STEPQ_HEALTH_SATURATED;
+        return 0;
+    }
+    if (f >= 65504.0f) {
+        if (f > 65504.0f)
+            *fl |= STEPQ_HEALTH_SATURATED;
+        return 0x7bffu;
+    }
+    if (f <= -65504.0f) {
+        if (f < -65504.0f)
+            *fl |= STEPQ_HEALTH_SATURATED;
+        return 0xfbffu;
+    }
+    return __half_as_ushort(__float2half_rn(f));
+}
+
+/* bf16 store of kernels/quant.c store_dense: RNE, Inf saturates. */
+__device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
+{
+    uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x0040u);
+    x += 0x7fffu + ((x >> 16) & 1u);
+    uint16_t h = (uint16_t)(x >> 16);
+    if ((h & 0x7f80u) == 0x7f80u) {
+        h = (uint16_t)((h & 0x8000u) | 0x7f7fu);
+        *fl |= STEPQ_HEALTH_SATURATED;
+    }
+    return h;
+}
+
+__device__ __forceinline__ float sq_bf2f(uint16_t h)
+{
+    return __uint_as_float((uint32_t)h << 16);
+}
+
+/*
+ * The bits of element i of a recurrence input (fp32, or bf16 when `bf16`)
+ * and their value (bf16 widens exactly), and the output store (bf16 rounded
+ * to nearest even, as stepq__bf16_from_float). The flag is uniform over the
+ * grid; only the input phase and the output store go through these. The
+ * load and the widening are separate so that no thread waits on an input
+ * where its load is issued: a widening in the arm of the dtype branch that
+ * holds the load makes each load wait in turn, before the next input's and
+ * the state's loads go out.
+ */
+__device__ __forceinline__ uint32_t sq_ld_bits(const void *p, size_t i, int bf16)
+{
+    return bf16 ? (uint32_t)((const uint16_t *)p)[i] : ((const uint32_t *)p)[i];
+}
+
+__device__ __forceinline__ float sq_bits_f(uint32_t b, int bf16)
+{
+    return __uint_as_float(bf16 ? b << 16 : b);
+}
+
+__device__ __forceinline__ void sq_st_out(void *p, size_t i, float x, int bf16)
+{
+    if (bf16)
+        ((__nv_bfloat16 *)p)[i] = __float2bfloat16_rn(x);
+    else
+        ((float *)p)[i] = x;
+}
+
+/* 16-byte asynchronous global -> shared copy (cp.async, sm_80+), its wait and commit. */
+__device__ __forceinline__ void sq_cp_async16(void *smem, const void *gmem)
+{
+    unsigned sa = (unsigned)__cvta_generic_to_shared(smem);
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sa), "l"(gmem) : "memory");
+}
+
+__device__ __forceinline__ void sq_cp_async_wait_all()
+{
+    asm volatile("cp.async.wait_all;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void sq_cp_commit()
+{
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+}
+
+/* Issues the cp.async copy of a head block into buf (bytes: a multiple of 16), one group. */
+__device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk, uint32_t bytes)
+{
+    for (uint32_t n = threadIdx.x; n < bytes / 16; n += SQ_THREADS)
+        sq_cp_async16(buf + 16 * n, blk + 16 * n);
+    sq_cp_commit();
+}
+
+enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
+
+/*
+ * The bits of dt_bias[hv][j] (GDN: [hv]) and A_log[hv] that sq_decay needs
+ * with st.gate (0 without), loaded apart from it so that a kernel can issue
+ * them with its other inputs.
+ */
+__device__ __forceinline__ void sq_ld_gate(const sq_step &st, int hv, int j, uint32_t &bias,
+                                           uint32_t &alog)
+{
+    bias = alog = 0;
+    if (st.gate) {
+        const int ng = st.kda ? SQ_D : 1;
+        bias = sq_ld_bits(st.dt_bias, (size_t)hv * ng + j, st.par_bf16);
+        alog = sq_ld_bits(st.A_log, (size_t)hv, st.par_bf16);
+    }
+}
+
+/*
+ * The decay exp(g) of a head's key channel (GDN: of the head); with st.gate,
+ * g is the raw gate and g = -exp(A_log) softplus(g + dt_bias) is formed
+ * here from the bits of sq_ld_gate (torch's softplus: in double as the
+ * reference when DBL, else in fp32). bad notes a non-finite gate.
+ */
+template <bool DBL>
+__device__ __forceinline__ float sq_decay(const sq_step &st, float g, uint32_t bias, uint32_t alog,
+                                          bool &bad)
+{
+    if (st.gate) {
+        const int pb = st.par_bf16;
+        const float ga = g + sq_bits_f(bias, pb);
+        const float sp = ga > 20.0f ? ga : DBL ? (float)log1p(exp((double)ga)) : log1pf(expf(ga));
+        g = -expf(sq_bits_f(alog, pb)) * sp;
+    }
+    bad |= !isfinite(g);
+    return expf(g);
+}
+
+/* beta, or sigmoid(beta) with st.beta_sig; bad notes a non-finite one. */
+__device__ __forceinline__ float sq_beta(const sq_step &st, float b, bool &bad)
+{
+    if (st.beta_sig)
+        b = 1.0f / (1.0f + expf(-b));
+    bad |= !isfinite(b);
+    return b;
+}
+
+/*
+ * Non-finite recurrence inputs of (entry e, head hv): the state keeps its
+ * content (the caller writes nothing back), the output row is 0 (o is bf16
+ * when bf16), stage 2 of the two-stage step skips the head, and the slot's
+ * health notes INPUT.
+ */
+__device__ __forceinline__ void sq_input_failed(const sq_step &st, const sq_io &io, int e, int HV,
+                                                int hv, int32_t slot, int t, int bf16)
+{
+    if (t < SQ_D)
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, 0.0f, bf16);
+    if (t == 0) {
+        if (io.skip)
+            io.skip[(size_t)e * HV + hv] = 1;
+        if (io.health)
+            atomicOr(io.health + slot, STEPQ_HEALTH_INPUT);
+        if (io.counts)
+            atomicAdd(io.counts + 0, 1ull);
+    }
+}
+
+/*
+ * a / b from b and RN(1/b) (Markstein): the residual is exact and the
+ * corrected quotient is the correctly rounded a / b outside the subnormal
+ * range (where codes are 0 anyway); 3 operations instead of an IEEE division.
+ */
+__device__ __forceinline__ float sq_div(float a, float b, float binv)
+{
+    float q = __fmul_rn(a, binv);
+    float e = fmaf(-q, b, a);
+    return fmaf(e, binv, q);
+}
+
+/* Two values as bf16, rounded to nearest even by one cvt; no saturation: callers rule out Inf. */
+__device__ __forceinline__ uint32_t sq_bf16x2(float a, float b)
+{
+    __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* qmax and code mask of a B-bit width, as constants for the templated decode and pack. */
+template <int B> struct sq_bw {
+    static constexpr int QM = (1 << (B - 1)) - 1;
+    static constexpr uint32_t MASK = (1u << B) - 1u;
+};
+
+/* RN(1 / qmax) for b = 0..8 (entries for b < 2 and b = 7 unused). */
+__constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
+                                 1.0f / 3.0f,  1.0f / 7.0f,  1.0f / 15.0f,
+                                 1.0f / 31.0f, 1.0f / 63.0f, 1.0f / 127.0f };
+
+/* CALL(b) for an integer width b (2..6 or 8) as a template argument; DEF for any other b. */
+#define SQ_WIDTH_SWITCH(b, CALL, DEF) \
+    switch (b) {                      \
+    case 2:                           \
+        CALL(2);                      \
+        break;                        \
+    case 3:                           \
+        CALL(3);                      \
+        break;                        \
+    case 4:                           \
+        CALL(4);                      \
+        break;                        \
+    case 5:                           \
+        CALL(5);                      \
+        break;                        \
+    case 6:                           \
+        CALL(6);                      \
+        break;                        \
+    case 8:                           \
+        CALL(8);                      \
+        break;                        \
+    default:                          \
+        DEF;                          \
+        break;                        \
+    }
+
+#endif /* STEPQ_KERNELS_CUDA_COMMON_CUH */
