@@ -1208,6 +1208,10 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
         st = stepq__error(STEPQ_EPARSE, "line %zu, column %zu: %s", line, col,
                           off >= len ? "unexpected end of input (truncated?)"
                                      : "syntax error (or out of memory)");
+        /* cJSON's process-global error pointer now points into `copy`, which is
+         * freed next; a host program calling cJSON_GetErrorPtr() would read
+         * freed memory. A successful parse resets it (to NULL). */
+        cJSON_Delete(cJSON_Parse("0"));
         free(copy);
         return st;
     }

@@ -537,6 +537,16 @@ static void bits_error_names_layer_and_head_exactly(void **state)
     cJSON_free(edited);
 }
 
+/* After a syntax error, cJSON's global error pointer points into no freed stepq buffer. */
+static void a_syntax_error_leaves_no_dangling_cjson_error_pointer(void **state)
+{
+    static const char bad[] = "{\"format\": \"stepq-precision-map\", oops}";
+    stepq_map_t *m = NULL;
+
+    assert_int_equal(stepq_map_load_buffer(bad, sizeof(bad) - 1, NULL, &m), STEPQ_EPARSE);
+    assert_null(cJSON_GetErrorPtr());
+}
+
 static void size_limit_and_config_header_are_enforced(void **state)
 {
     stepq_map_load_config cfg = STEPQ_MAP_LOAD_CONFIG_INITIALIZER;
@@ -650,6 +660,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(every_malformed_map_fails_with_its_status_and_path),
         cmocka_unit_test(bits_error_names_layer_and_head_exactly),
         cmocka_unit_test(size_limit_and_config_header_are_enforced),
+        cmocka_unit_test(a_syntax_error_leaves_no_dangling_cjson_error_pointer),
         cmocka_unit_test(file_errors_name_the_file_and_content_errors_the_path),
     };
     if (argc == 3 && !strcmp(argv[1], "--write-corpus"))

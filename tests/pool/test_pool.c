@@ -604,6 +604,48 @@ static void error_text_is_read_safely_while_calls_fail(void **state)
     assert_int_equal(stepq_pool_close(pool, 0), STEPQ_OK);
 }
 
+/* Single-slot allocations reuse the oldest freed slot first (FIFO, as SGLang's allocator). */
+static void single_slots_come_back_first_freed_first_reused(void **state)
+{
+    stepq_pool_t *pool = open_synthetic(3, 0);
+    int32_t a, b, c, got;
+
+    assert_int_equal(stepq_pool_alloc(pool, 1, &a), STEPQ_OK);
+    assert_int_equal(stepq_pool_alloc(pool, 1, &b), STEPQ_OK);
+    assert_int_equal(stepq_pool_alloc(pool, 1, &c), STEPQ_OK);
+    assert_int_equal(stepq_pool_free(pool, &b, 1), STEPQ_OK);
+    assert_int_equal(stepq_pool_free(pool, &c, 1), STEPQ_OK);
+    assert_int_equal(stepq_pool_free(pool, &a, 1), STEPQ_OK);
+    assert_int_equal(stepq_pool_alloc(pool, 1, &got), STEPQ_OK);
+    assert_int_equal(got, b);
+    assert_int_equal(stepq_pool_alloc(pool, 1, &got), STEPQ_OK);
+    assert_int_equal(got, c);
+    assert_int_equal(stepq_pool_alloc(pool, 1, &got), STEPQ_OK);
+    assert_int_equal(got, a);
+    assert_int_equal(stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+}
+
+/* A copy carries the source's health word to the destination; the source keeps its own. */
+static void health_words_travel_with_copies(void **state)
+{
+    stepq_pool_t *pool = open_synthetic(4, 0);
+    int32_t ids[4];
+    uint32_t *words, got[2];
+
+    assert_int_equal(stepq_pool_alloc(pool, 4, ids), STEPQ_OK);
+    assert_int_equal(stepq_pool_health_words(pool, &words), STEPQ_OK);
+    words[ids[0]] = STEPQ_HEALTH_STATE;
+    words[ids[1]] = STEPQ_HEALTH_INPUT | STEPQ_HEALTH_OUTPUT;
+    assert_int_equal(stepq_pool_copy(pool, &ids[0], &ids[2], 1), STEPQ_OK);
+    assert_int_equal(stepq_pool_copy(pool, &ids[1], &ids[3], 1), STEPQ_OK);
+    int32_t dst[2] = { ids[2], ids[3] };
+    assert_int_equal(stepq_pool_health_read(pool, dst, 2, got), STEPQ_OK);
+    assert_int_equal(got[0], STEPQ_HEALTH_STATE);
+    assert_int_equal(got[1], STEPQ_HEALTH_INPUT | STEPQ_HEALTH_OUTPUT);
+    assert_int_equal(words[ids[0]], STEPQ_HEALTH_STATE);
+    assert_int_equal(stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+}
+
 static void a_closed_handle_never_names_a_later_pool(void **state)
 {
     stepq_pool_t *a = open_synthetic(8, 0), *b;
@@ -825,6 +867,8 @@ int main(void)
         cmocka_unit_test(the_cuda_backend_fails_cleanly_without_a_device),
         cmocka_unit_test(concurrent_alloc_and_free_never_share_a_slot),
         cmocka_unit_test(a_closed_handle_never_names_a_later_pool),
+        cmocka_unit_test(single_slots_come_back_first_freed_first_reused),
+        cmocka_unit_test(health_words_travel_with_copies),
         cmocka_unit_test(error_text_is_read_safely_while_calls_fail),
     };
 
