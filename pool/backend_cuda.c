@@ -183,26 +183,36 @@ out:
     return ret;
 }
 
-static void cuda_fini(stepq_pool_t *pool)
+/*
+ * Frees everything, whatever fails on the way, and returns the first
+ * failure: work still queued that failed (the stream's sync), or a device
+ * switch that failed (the frees are still tried: with unified addressing
+ * the runtime finds each allocation's device).
+ */
+static int cuda_fini(stepq_pool_t *pool)
 {
     struct cuda_data *cd = pool->backend_data;
-    int prev = 0;
+    int prev = 0, ret, entered;
+    cudaError_t e;
 
     if (!cd)
-        return;
-    if (device_enter(pool, &prev) >= 0) {
-        (void)cudaStreamSynchronize(stream_of(pool));
-        release_layers(cd);
-        cudaFree(pool->pages);
-        cudaFree(pool->health);
-        cudaFree(cd->tables);
-        (void)cudaGetLastError();
+        return STEPQ_OK;
+    ret = device_enter(pool, &prev);
+    entered = ret >= 0;
+    if (entered && (e = cudaStreamSynchronize(stream_of(pool))) != cudaSuccess)
+        ret = cuda_fail(pool, e, "stepq_pool_close: work queued on the pool's stream failed");
+    release_layers(cd);
+    cudaFree(pool->pages);
+    cudaFree(pool->health);
+    cudaFree(cd->tables);
+    (void)cudaGetLastError();
+    if (entered)
         device_leave(pool, prev);
-    }
     free(cd);
     pool->backend_data = NULL;
     pool->pages = NULL;
     pool->health = NULL;
+    return ret < 0 ? ret : STEPQ_OK;
 }
 
 static int cuda_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n, int pages)
@@ -427,8 +437,9 @@ static int nocuda_init(stepq_pool_t *pool)
                             "the CUDA backend is not in this build (configured without nvcc)");
 }
 
-static void nocuda_fini(stepq_pool_t *pool)
+static int nocuda_fini(stepq_pool_t *pool)
 {
+    return STEPQ_OK;
 }
 
 const struct stepq__pool_ops stepq__pool_cuda_ops = {

@@ -29,12 +29,13 @@ static int host_init(stepq_pool_t *pool)
     return STEPQ_OK;
 }
 
-static void host_fini(stepq_pool_t *pool)
+static int host_fini(stepq_pool_t *pool)
 {
     free(pool->pages);
     free(pool->health);
     pool->pages = NULL;
     pool->health = NULL;
+    return STEPQ_OK;
 }
 
 static uint8_t *page(stepq_pool_t *pool, int32_t id)

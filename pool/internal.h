@@ -89,8 +89,11 @@ struct stepq__pool_ops {
     const char *name;
     /** Allocates pages (zeroed), health words (zeroed) and device tables. */
     int (*init)(struct stepq_pool *pool);
-    /** Releases what init allocated; waits for outstanding work first. */
-    void (*fini)(struct stepq_pool *pool);
+    /**
+     * Releases what init allocated, after waiting for outstanding work; frees
+     * everything even when something fails, and returns the first failure.
+     */
+    int (*fini)(struct stepq_pool *pool);
     /** Zeroes the health words of ids and, when pages is nonzero, their pages. */
     int (*clear)(struct stepq_pool *pool, const int32_t *ids, int32_t n, int pages);
     /** Copies pages and health words src[i] -> dst[i] (lists disjoint). */

@@ -480,7 +480,11 @@ int stepq_pool_close(stepq_pool_t *h, unsigned flags)
     pool->entry->pool = NULL;
     pthread_mutex_unlock(&pool->entry->mu);
 
-    pool->ops->fini(pool);
+    /* The pool is closed either way; a failure of its queued work or of its
+     * device is still the caller's to know. */
+    ret = pool->ops->fini(pool);
+    if (ret < 0)
+        stepq__error(ret, "%s", pool->err);
     free(pool->ring);
     free(pool->state);
     free(pool->mark);
@@ -488,7 +492,7 @@ int stepq_pool_close(stepq_pool_t *h, unsigned flags)
     stepq__pool_layout_free(&pool->layout);
     free(pool);
     entry_release(index, gen);
-    return STEPQ_OK;
+    return ret;
 }
 
 /* --- id validation ------------------------------------------------------- */

@@ -179,7 +179,10 @@ STEPQ_API int stepq_pool_open(const stepq_pool_config *cfg, stepq_pool_t **out);
  * slots still allocated it returns STEPQ_EBUSY and leaves the pool open,
  * unless STEPQ_POOL_CLOSE_FORCE is given. NULL is a no-op. After a
  * successful close the handle is invalid for good: every call with it
- * returns STEPQ_EBADF (see "Handles" above).
+ * returns STEPQ_EBADF (see "Handles" above). When work queued on the pool's
+ * stream failed, or its device could not be made current, close still
+ * frees everything and then returns that STEPQ_ECUDA / STEPQ_ENODEV (the
+ * handle is closed all the same).
  */
 STEPQ_API int stepq_pool_close(stepq_pool_t *pool, unsigned flags);
 
