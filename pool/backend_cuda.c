@@ -24,7 +24,6 @@
 #include "pool/cuda.h"
 
 struct cuda_data {
-    void *tables; /* device copies of the layout tables */
     /*
      * One prepared device descriptor per recurrent layer, built at open so a
      * step uploads nothing. NULL where the kernels cannot run the layer
@@ -116,13 +115,8 @@ static int prepare_layers(stepq_pool_t *pool, struct cuda_data *cd)
 
 static int cuda_init(stepq_pool_t *pool)
 {
-    struct stepq__pool_layout *L = &pool->layout;
-    stepq_pool_layout *l = &L->pub;
     size_t n = (size_t)pool->slots + 1;
-    size_t nb = (size_t)l->n_blocks, off_bytes = nb * 8, conv = (size_t)l->n_layers * 8,
-           bb = nb * 4, ub = nb * (size_t)l->units_per_head;
     struct cuda_data *cd;
-    uint8_t *t;
     int count = 0, prev = 0, ret = STEPQ_OK;
     cudaError_t e = cudaGetDeviceCount(&count);
 
@@ -147,18 +141,6 @@ static int cuda_init(stepq_pool_t *pool)
     }
     CUDA_TRY(cudaMalloc((void **)&pool->pages, n * pool->page_bytes), "cudaMalloc(pages)");
     CUDA_TRY(cudaMalloc((void **)&pool->health, n * sizeof(uint32_t)), "cudaMalloc(health)");
-    CUDA_TRY(cudaMalloc(&cd->tables, off_bytes + conv + bb + ub + 1), "cudaMalloc(tables)");
-    t = cd->tables;
-    CUDA_TRY(cudaMemcpy(t, L->block_offset, off_bytes, cudaMemcpyHostToDevice), "tables");
-    CUDA_TRY(cudaMemcpy(t + off_bytes, L->conv_offset, conv, cudaMemcpyHostToDevice), "tables");
-    CUDA_TRY(cudaMemcpy(t + off_bytes + conv, L->block_bytes, bb, cudaMemcpyHostToDevice),
-             "tables");
-    CUDA_TRY(cudaMemcpy(t + off_bytes + conv + bb, L->unit_bits, ub, cudaMemcpyHostToDevice),
-             "tables");
-    l->d_block_offset = (const uint64_t *)t;
-    l->d_conv_offset = (const uint64_t *)(t + off_bytes);
-    l->d_block_bytes = (const uint32_t *)(t + off_bytes + conv);
-    l->d_unit_bits = t + off_bytes + conv + bb;
     /* Zero on the pool's stream and wait, so the pages are zero for every
      * stream once open returns. */
     CUDA_TRY(cudaMemsetAsync(pool->pages, 0, n * pool->page_bytes, stream_of(pool)),
@@ -172,7 +154,6 @@ out:
         release_layers(cd);
         cudaFree(pool->pages);
         cudaFree(pool->health);
-        cudaFree(cd->tables);
         (void)cudaGetLastError();
         pool->pages = NULL;
         pool->health = NULL;
@@ -204,7 +185,6 @@ static int cuda_fini(stepq_pool_t *pool)
     release_layers(cd);
     cudaFree(pool->pages);
     cudaFree(pool->health);
-    cudaFree(cd->tables);
     (void)cudaGetLastError();
     if (entered)
         device_leave(pool, prev);

@@ -151,7 +151,8 @@ typedef struct stepq_pool_plan_info {
     uint64_t pad_bytes;           /**< page tail padding (page_align, min_page_bytes) */
     int32_t slots;                /**< usable slots (the sentinel excluded) */
     uint64_t pool_bytes;          /**< (slots + 1) x page_bytes: the one page allocation */
-    uint64_t meta_bytes;          /**< health words and offset tables, allocated separately */
+    uint64_t meta_bytes; /**< health words (backend memory) + layout tables (host), apart from the
+                            pages */
 } stepq_pool_plan_info;
 
 /**
@@ -292,7 +293,7 @@ typedef struct stepq_pool_stats {
     uint64_t page_bytes;          /**< bytes per slot */
     uint64_t pool_bytes;          /**< (capacity + 1) x page_bytes */
     uint64_t in_use_bytes;        /**< in_use x page_bytes */
-    uint64_t meta_bytes;          /**< health words + offset tables */
+    uint64_t meta_bytes;          /**< health words (backend memory) + layout tables (host) */
     uint64_t state_bytes;         /**< per page: packed blocks as allocated */
     uint64_t state_bytes_compact; /**< per page: packed blocks without alignment */
     uint64_t conv_bytes;          /**< per page: conv state */
@@ -309,11 +310,11 @@ typedef struct stepq_pool_stats {
 STEPQ_API int stepq_pool_get_stats(stepq_pool_t *pool, stepq_pool_stats *out, size_t stats_size);
 
 /**
- * The page layout, for kernels and the server. Arrays are plain uint64 /
- * uint32 tables; the d_ copies live in device memory (CUDA backend, NULL on
- * host) so kernels can read them directly. Block i = layer * n_local_heads +
- * local head. The byte layout inside a block is the kernels' head-block
- * format for the block's unit bits (kernels/format.h).
+ * The page layout, for the server and its tools (host memory). The pool's
+ * own kernels read one device description of it, the per-layer descriptors
+ * the CUDA backend prepares at open. Block i = layer * n_local_heads + local
+ * head. The byte layout inside a block is the kernels' head-block format
+ * for the block's unit bits (kernels/format.h).
  */
 typedef struct stepq_pool_layout {
     stepq_arch arch;
@@ -329,17 +330,13 @@ typedef struct stepq_pool_layout {
     uint64_t conv_bytes; /**< all layers */
     uint64_t conv_bytes_per_layer;
     uint64_t pad_bytes;
-    const uint64_t *block_offset;   /**< [n_blocks] byte offset of each head block in a page */
-    const uint32_t *block_bytes;    /**< [n_blocks] allocated bytes of each head block */
-    const uint32_t *block_compact;  /**< [n_blocks] compact bytes of each head block */
-    const uint8_t *unit_bits;       /**< [n_blocks * units_per_head] unit bits (map values) */
-    const uint64_t *conv_offset;    /**< [n_layers] byte offset of each layer's conv state */
-    const uint64_t *d_block_offset; /**< device copies (CUDA) or NULL */
-    const uint32_t *d_block_bytes;
-    const uint8_t *d_unit_bits;
-    const uint64_t *d_conv_offset;
-    int n_blocks;         /**< n_layers * n_local_heads */
-    uint64_t fingerprint; /**< hash of the layout: equal on both ends of a transfer */
+    const uint64_t *block_offset;  /**< [n_blocks] byte offset of each head block in a page */
+    const uint32_t *block_bytes;   /**< [n_blocks] allocated bytes of each head block */
+    const uint32_t *block_compact; /**< [n_blocks] compact bytes of each head block */
+    const uint8_t *unit_bits;      /**< [n_blocks * units_per_head] unit bits (map values) */
+    const uint64_t *conv_offset;   /**< [n_layers] byte offset of each layer's conv state */
+    int n_blocks;                  /**< n_layers * n_local_heads */
+    uint64_t fingerprint;          /**< hash of the layout: equal on both ends of a transfer */
 } stepq_pool_layout;
 
 /** Points *out at the pool's layout (owned by the pool, valid while it is open). */
