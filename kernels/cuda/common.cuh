@@ -274,30 +274,4 @@ __constant__ float sq_iqm[9] = { 0.0f,         0.0f,         1.0f,
                                  1.0f / 3.0f,  1.0f / 7.0f,  1.0f / 15.0f,
                                  1.0f / 31.0f, 1.0f / 63.0f, 1.0f / 127.0f };
 
-/* CALL(b) for an integer width b (2..6 or 8) as a template argument; DEF for any other b. */
-#define SQ_WIDTH_SWITCH(b, CALL, DEF) \
-    switch (b) {                      \
-    case 2:                           \
-        CALL(2);                      \
-        break;                        \
-    case 3:                           \
-        CALL(3);                      \
-        break;                        \
-    case 4:                           \
-        CALL(4);                      \
-        break;                        \
-    case 5:                           \
-        CALL(5);                      \
-        break;                        \
-    case 6:                           \
-        CALL(6);                      \
-        break;                        \
-    case 8:                           \
-        CALL(8);                      \
-        break;                        \
-    default:                          \
-        DEF;                          \
-        break;                        \
-    }
-
 #endif /* STEPQ_KERNELS_CUDA_COMMON_CUH */

@@ -110,6 +110,34 @@ __device__ __forceinline__ void sq_st_codes(uint8_t *row, int tx, uint32_t lo, u
     }
 }
 
+/* sq_st_codes at a run-time width b: the one switch on b of the run-time-width path. */
+__device__ __forceinline__ void sq_st_codes_rt(uint8_t *row, int tx, int b, uint32_t lo,
+                                               uint32_t hi)
+{
+    switch (b) {
+    case 2:
+        sq_st_codes<2>(row, tx, lo, hi);
+        break;
+    case 3:
+        sq_st_codes<3>(row, tx, lo, hi);
+        break;
+    case 4:
+        sq_st_codes<4>(row, tx, lo, hi);
+        break;
+    case 5:
+        sq_st_codes<5>(row, tx, lo, hi);
+        break;
+    case 6:
+        sq_st_codes<6>(row, tx, lo, hi);
+        break;
+    case 8:
+        sq_st_codes<8>(row, tx, lo, hi);
+        break;
+    default:
+        break;
+    }
+}
+
 /* Template bits of the tile kernel, chosen by the host (layer.cu, launch_tile). */
 /* grid (batch, heads): resident blocks mostly share a head, so one code path is hot */
 #define SQ_V_ORDER 1
@@ -234,6 +262,59 @@ __device__ __forceinline__ void sq_quant_tile_e(const float (&x)[64], uint8_t *b
         sq_quant_row_e<B>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, qci, a[R0 + r], num, den);
 }
 
+/* sq_dec_tile_e at the head's uniform width ub (2..6 or 8): one dispatch per head. */
+__device__ __forceinline__ void sq_dec_tile_ub(float (&x)[64], const uint8_t *buf, int R0, int tx,
+                                               const float *rowf, const float (&cc)[8], int ub)
+{
+    switch (ub) { /* 8 is the one width left */
+    case 2:
+        sq_dec_tile_e<2>(x, buf, R0, tx, rowf, cc);
+        break;
+    case 3:
+        sq_dec_tile_e<3>(x, buf, R0, tx, rowf, cc);
+        break;
+    case 4:
+        sq_dec_tile_e<4>(x, buf, R0, tx, rowf, cc);
+        break;
+    case 5:
+        sq_dec_tile_e<5>(x, buf, R0, tx, rowf, cc);
+        break;
+    case 6:
+        sq_dec_tile_e<6>(x, buf, R0, tx, rowf, cc);
+        break;
+    default:
+        sq_dec_tile_e<8>(x, buf, R0, tx, rowf, cc);
+        break;
+    }
+}
+
+/* sq_quant_tile_e at the head's uniform width ub (2..6 or 8). */
+__device__ __forceinline__ void sq_quant_tile_ub(const float (&x)[64], uint8_t *buf, int R0, int tx,
+                                                 const float (&ci)[8], const float *a,
+                                                 float (&num)[8], float (&den)[8], int ub)
+{
+    switch (ub) { /* 8 is the one width left */
+    case 2:
+        sq_quant_tile_e<2>(x, buf, R0, tx, ci, a, num, den);
+        break;
+    case 3:
+        sq_quant_tile_e<3>(x, buf, R0, tx, ci, a, num, den);
+        break;
+    case 4:
+        sq_quant_tile_e<4>(x, buf, R0, tx, ci, a, num, den);
+        break;
+    case 5:
+        sq_quant_tile_e<5>(x, buf, R0, tx, ci, a, num, den);
+        break;
+    case 6:
+        sq_quant_tile_e<6>(x, buf, R0, tx, ci, a, num, den);
+        break;
+    default:
+        sq_quant_tile_e<8>(x, buf, R0, tx, ci, a, num, den);
+        break;
+    }
+}
+
 /*
  * Run-time widths: one code path for every width b (2..8), so the
  * rows of a mixed-width (KDA) head need no per-row template switch and the
@@ -306,9 +387,7 @@ __device__ __forceinline__ void sq_quant_row_rt(const float *yr, uint8_t *row, i
     const uint32_t s4 = 4u * (uint32_t)b;
     const uint32_t lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
     const uint32_t hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
-#define SQ_ST(B) sq_st_codes<B>(row, tx, lo, hi)
-    SQ_WIDTH_SWITCH(b, SQ_ST, )
-#undef SQ_ST
+    sq_st_codes_rt(row, tx, b, lo, hi);
 }
 
 /*
@@ -396,9 +475,7 @@ __device__ __forceinline__ void sq_quant_row_rc(const float *yr, uint8_t *row, i
     const uint32_t s4 = 4u * (uint32_t)b;
     const uint32_t lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
     const uint32_t hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
-#define SQ_ST(B) sq_st_codes<B>(row, tx, lo, hi)
-    SQ_WIDTH_SWITCH(b, SQ_ST, )
-#undef SQ_ST
+    sq_st_codes_rt(row, tx, b, lo, hi);
 }
 
 /*
@@ -557,6 +634,26 @@ struct __align__(16) sq_tsmem
     float beta, dec0;
     unsigned fl, sat;
 };
+
+/*
+ * The codes and refit sums of the thread's 8 rows on the run-time-width
+ * path: U, a uniform-width head (width ub, ci = qmax / c_j); else each row's
+ * width, pivot rows skipped. CL: clamp (a scale saturated).
+ */
+template <bool CL, bool U>
+__device__ __forceinline__ void
+sq_quant_tile_rt(const float (&x)[64], uint8_t *buf, const sq_tsmem &sm, int R0, int tx, int ub,
+                 const float (&ci)[8], float (&num)[8], float (&den)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int i = R0 + r;
+        const int b = U ? ub : sm.bits[i];
+        if (U || b != STEPQ_BITS_PIVOT)
+            sq_quant_row_rt<CL, U>(x + 8 * r, buf + sm.roff[i], tx, b, ci, U ? sm.aw[i] : sm.ar[i],
+                                   sm.ad[i], num, den);
+    }
+}
 
 /*
  * Raw recurrence inputs of one (request, head) as bits (sq_ld_bits), loaded
@@ -884,28 +981,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
         const int ub = hd->ubits; /* one width for every row: one dispatch per head */
         if (ub && !RTU) {
-#define SQ_DT(B) sq_dec_tile_e<B>(x, buf, R0, tx, sm.rowf, cc)
-            switch (ub) { /* 8 is the one width left */
-            case 2:
-                SQ_DT(2);
-                break;
-            case 3:
-                SQ_DT(3);
-                break;
-            case 4:
-                SQ_DT(4);
-                break;
-            case 5:
-                SQ_DT(5);
-                break;
-            case 6:
-                SQ_DT(6);
-                break;
-            default:
-                SQ_DT(8);
-                break;
-            }
-#undef SQ_DT
+            sq_dec_tile_ub(x, buf, R0, tx, sm.rowf, cc, ub);
         } else
 #pragma unroll
             for (int r = 0; r < 8; r++) {
@@ -1157,47 +1233,17 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             num[c] = den[c] = 0.0f;
         const bool clamp = sm.sat;
         const int ub = hd->ubits;
-#define SQ_QUANT_RT(CL, U)                                                           \
-    _Pragma("unroll") for (int r = 0; r < 8; r++)                                    \
-    {                                                                                \
-        const int i = R0 + r;                                                        \
-        const int b = U ? ub : sm.bits[i];                                           \
-        if (U || b != STEPQ_BITS_PIVOT)                                              \
-            sq_quant_row_rt<CL, U>(x + 8 * r, buf + sm.roff[i], tx, b, U ? qci : ci, \
-                                   U ? sm.aw[i] : sm.ar[i], sm.ad[i], num, den);     \
-    }
         float qci[8]; /* RTU: qmax / c_j of a uniform-width head */
         if (ub && !clamp && !RTU) {
-#define SQ_QT(B) sq_quant_tile_e<B>(x, buf, R0, tx, ci, sm.aw, num, den)
-            switch (ub) { /* 8 is the one width left */
-            case 2:
-                SQ_QT(2);
-                break;
-            case 3:
-                SQ_QT(3);
-                break;
-            case 4:
-                SQ_QT(4);
-                break;
-            case 5:
-                SQ_QT(5);
-                break;
-            case 6:
-                SQ_QT(6);
-                break;
-            default:
-                SQ_QT(8);
-                break;
-            }
-#undef SQ_QT
+            sq_quant_tile_ub(x, buf, R0, tx, ci, sm.aw, num, den, ub);
         } else if (ub && !clamp) {
             const float qm = (float)((1 << (ub - 1)) - 1);
 #pragma unroll
             for (int c = 0; c < 8; c++)
                 qci[c] = ci[c] * qm;
-            SQ_QUANT_RT(false, true)
+            sq_quant_tile_rt<false, true>(x, buf, sm, R0, tx, ub, qci, num, den);
         } else if (clamp) {
-            SQ_QUANT_RT(true, false)
+            sq_quant_tile_rt<true, false>(x, buf, sm, R0, tx, ub, ci, num, den);
         } else if (ROWC) {
 #pragma unroll
             for (int r = 0; r < 8; r++) {
@@ -1208,9 +1254,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                                     sm.ad[i], ci, num, den);
             }
         } else {
-            SQ_QUANT_RT(false, false)
+            sq_quant_tile_rt<false, false>(x, buf, sm, R0, tx, ub, ci, num, den);
         }
-#undef SQ_QUANT_RT
         /* 4. fixed-code column refit */
         if (dual) {
             sq_col_part<false>(num, sm.part[0], w, lane);

@@ -238,6 +238,18 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
     }
 }
 
+/* The block's 128 rows into dst: through T where the stores need it (sq_unpack_rows_t). */
+template <int B, int DT, bool VK>
+__device__ __forceinline__ void sq_unpack_head(const uint8_t *buf, const sq_urow *rows,
+                                               const float *cs, float4 *T, void *dst, size_t off,
+                                               bool vec, bool slow, int w, int lane)
+{
+    if constexpr (VK || DT == SQ_F32)
+        sq_unpack_rows_t<B, DT, VK>(buf, rows, cs, T, dst, off, slow, w, lane);
+    else
+        sq_unpack_rows<B, DT>(buf, rows, cs, dst, off, vec, slow, w, lane);
+}
+
 /*
  * One block per (entry, head) on a (heads, batch) grid: blocks that run
  * together write neighbouring heads of one entry. DT: SQ_F32 or SQ_BF16;
@@ -284,16 +296,30 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     const size_t off = (size_t)e * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
     const int w = t >> 5, lane = t & 31;
     const bool vec = io.dense_vec;
-#define SQ_UR(B)                                                                            \
-    do {                                                                                    \
-        if constexpr (VK || DT == SQ_F32)                                                   \
-            sq_unpack_rows_t<B, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, slow, w, lane); \
-        else                                                                                \
-            sq_unpack_rows<B, DT>(sq_dyn, rows, cs, io.dense, off, vec, slow, w, lane);     \
-    } while (0)
     /* one width for every row: templated decode; else run-time widths */
-    SQ_WIDTH_SWITCH(hd->ubits, SQ_UR, SQ_UR(0))
-#undef SQ_UR
+    switch (hd->ubits) {
+    case 2:
+        sq_unpack_head<2, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    case 3:
+        sq_unpack_head<3, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    case 4:
+        sq_unpack_head<4, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    case 5:
+        sq_unpack_head<5, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    case 6:
+        sq_unpack_head<6, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    case 8:
+        sq_unpack_head<8, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    default:
+        sq_unpack_head<0, DT, VK>(sq_dyn, rows, cs, T, io.dense, off, vec, slow, w, lane);
+        break;
+    }
 }
 
 #endif /* STEPQ_KERNELS_CUDA_UNPACK_KERNEL_CUH */
