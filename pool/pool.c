@@ -8,7 +8,12 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "stepq_config.h"
+
 #include "pool/internal.h"
+#if STEPQ_HAVE_CUDA
+#include "kernels/cuda/cuda.h"
+#endif
 
 /* --- policies ------------------------------------------------------------ */
 
@@ -304,13 +309,24 @@ static int check_open_args(const stepq_pool_config *user, stepq_pool_config *cfg
     return STEPQ_OK;
 }
 
-static uint64_t meta_bytes_of(const struct stepq__pool_layout *l, int32_t slots)
+/*
+ * What a pool holds besides its pages: the health words (backend memory),
+ * the layout tables (host) and, on the CUDA backend, one kernel descriptor
+ * per head and layer (device memory).
+ */
+static uint64_t meta_bytes_of(const struct stepq__pool_layout *l, int32_t slots,
+                              stepq_pool_backend backend)
 {
     const stepq_pool_layout *p = &l->pub;
+    uint64_t desc = 0;
 
+#if STEPQ_HAVE_CUDA
+    if (backend == STEPQ_POOL_BACKEND_CUDA && l->heads)
+        desc = (uint64_t)p->n_blocks * stepq__cuda_layer_bytes_per_head();
+#endif
     return (uint64_t)(slots + 1) * sizeof(uint32_t) +
            (uint64_t)p->n_blocks * (sizeof(uint64_t) + 2 * sizeof(uint32_t)) +
-           (uint64_t)p->n_blocks * (uint64_t)p->units_per_head + (uint64_t)p->n_layers * 8;
+           (uint64_t)p->n_blocks * (uint64_t)p->units_per_head + (uint64_t)p->n_layers * 8 + desc;
 }
 
 int stepq_pool_plan(const stepq_pool_config *user, stepq_pool_plan_info *out)
@@ -339,7 +355,7 @@ int stepq_pool_plan(const stepq_pool_config *user, stepq_pool_plan_info *out)
     out->pad_bytes = l->pad_bytes;
     out->slots = slots;
     out->pool_bytes = (uint64_t)(slots + 1) * l->page_bytes;
-    out->meta_bytes = meta_bytes_of(&layout, slots);
+    out->meta_bytes = meta_bytes_of(&layout, slots, cfg.backend);
 out:
     stepq__pool_layout_free(&layout);
     return ret;
@@ -954,7 +970,7 @@ int stepq_pool_get_stats(stepq_pool_t *h, stepq_pool_stats *out, size_t stats_si
     s.page_bytes = pool->page_bytes;
     s.pool_bytes = (uint64_t)(pool->slots + 1) * pool->page_bytes;
     s.in_use_bytes = (uint64_t)pool->in_use * pool->page_bytes;
-    s.meta_bytes = meta_bytes_of(&pool->layout, pool->slots);
+    s.meta_bytes = meta_bytes_of(&pool->layout, pool->slots, pool->backend);
     s.state_bytes = l->state_bytes;
     s.state_bytes_compact = l->state_bytes_compact;
     s.conv_bytes = l->conv_bytes;

@@ -94,6 +94,13 @@ int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl, stepq__cuda_
 void stepq__cuda_layer_release(stepq__cuda_layer *L);
 
 /**
+ * Device bytes a prepared layer holds per head (its descriptor), for the
+ * pool's memory accounting; the two-stage variant's scratch comes on top
+ * when that variant runs.
+ */
+size_t stepq__cuda_layer_bytes_per_head(void);
+
+/**
  * Packed decode step on a prepared layer. pl supplies base, page_stride,
  * n_slots (its heads/offsets must be the ones L was prepared from).
  * STEPQ__CUDA_TWO_STAGE keeps an fp32 scratch of batch*HV heads in L (grown

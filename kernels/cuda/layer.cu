@@ -205,6 +205,11 @@ extern "C" int stepq__cuda_layer_prepare(const struct stepq__packed_layer *pl,
     return stepq__cuda_layer_prepare_ex(pl, 0, out);
 }
 
+extern "C" size_t stepq__cuda_layer_bytes_per_head(void)
+{
+    return sizeof(sq_head_desc);
+}
+
 extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
 {
     if (!L)

@@ -284,17 +284,17 @@ STEPQ_API int stepq_pool_health_read(stepq_pool_t *pool, const int32_t *ids, int
 
 /** Pool counters. */
 typedef struct stepq_pool_stats {
-    int32_t capacity;             /**< usable slots (the sentinel excluded) */
-    int32_t in_use;               /**< allocated slots */
-    int32_t available;            /**< capacity - in_use */
-    int32_t high_water;           /**< largest in_use since open */
-    uint64_t n_alloc;             /**< slots handed out since open */
-    uint64_t n_free;              /**< slots returned since open */
-    uint64_t page_bytes;          /**< bytes per slot */
-    uint64_t pool_bytes;          /**< (capacity + 1) x page_bytes */
-    uint64_t in_use_bytes;        /**< in_use x page_bytes */
-    uint64_t meta_bytes;          /**< health words (backend memory) + layout tables (host) */
-    uint64_t state_bytes;         /**< per page: packed blocks as allocated */
+    int32_t capacity;      /**< usable slots (the sentinel excluded) */
+    int32_t in_use;        /**< allocated slots */
+    int32_t available;     /**< capacity - in_use */
+    int32_t high_water;    /**< largest in_use since open */
+    uint64_t n_alloc;      /**< slots handed out since open */
+    uint64_t n_free;       /**< slots returned since open */
+    uint64_t page_bytes;   /**< bytes per slot */
+    uint64_t pool_bytes;   /**< (capacity + 1) x page_bytes */
+    uint64_t in_use_bytes; /**< in_use x page_bytes */
+    uint64_t meta_bytes;   /**< health words + layout tables (host) + CUDA kernel descriptors */
+    uint64_t state_bytes;  /**< per page: packed blocks as allocated */
     uint64_t state_bytes_compact; /**< per page: packed blocks without alignment */
     uint64_t conv_bytes;          /**< per page: conv state */
     uint64_t pad_bytes;           /**< per page: tail padding */
