@@ -10,6 +10,7 @@
 
 #include "kernels/dsp.h"
 #include "plugin/err.h"
+#include "plugin/handle.h"
 #include "stepq/pool.h"
 #include "stepq/step.h"
 
@@ -138,11 +139,8 @@ enum {
     STEPQ__SLOT_SENTINEL = 2,
 };
 
-struct stepq__pool_entry;
-
 struct stepq_pool {
-    struct stepq__pool_entry *entry; /* its handle-table entry: the lock lives there */
-    uint32_t index;                  /* of the entry */
+    struct stepq__handle_entry *entry; /* its handle-table entry: the lock lives there */
     char err[STEPQ__ERRLEN];
 
     stepq_pool_backend backend;

@@ -113,139 +113,32 @@ int stepq__pool_sizing(const stepq_pool_config *cfg, uint64_t page_bytes, int32_
 /* --- handles ------------------------------------------------------------- */
 
 /*
- * A handle is not the pool's address. It names an entry of a table whose
- * entries are never freed or moved, (generation << 32) | (index + 1), and
- * the entry holds the pool's mutex, its current generation and the pool.
- * Close bumps the generation under the entry's mutex, so a closed handle can
- * never become valid again, whatever later reuses the pool's memory or the
- * entry (no ABA). A call locks only its own entry: calls on different pools
- * share no lock, and their cost does not depend on how many pools are open.
- * The table lock is taken by open and close alone.
+ * A pool's handle is an entry of the library's handle table (plugin/handle.h
+ * says why: no ABA, no global lock). The entry's mutex is the pool's lock,
+ * so a call that waits on it while the pool closes sees the new generation
+ * and returns STEPQ_EBADF.
  */
-#define ENTRIES_PER_CHUNK 1024
-#define MAX_CHUNKS        4096 /* 4M pools open at once */
-
-struct stepq__pool_entry {
-    pthread_mutex_t mu;      /* the pool's lock */
-    uint32_t gen;            /* bumped by every close */
-    struct stepq_pool *pool; /* NULL while the entry is free */
-};
-
-_Static_assert(sizeof(uintptr_t) == 8, "handles pack a 32-bit generation and index");
-
-static pthread_mutex_t table_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct stepq__pool_entry *_Atomic chunks[MAX_CHUNKS];
-static uint32_t n_entries;  /* entries ever made (under table_mu) */
-static uint32_t *free_list; /* indices of free entries (under table_mu) */
-static uint32_t n_free, cap_free;
-
 static const char closed_text[] = "pool handle is closed or not valid";
-
-static stepq_pool_t *handle_of(uint32_t index, uint32_t gen)
-{
-    return (stepq_pool_t *)(uintptr_t)(((uint64_t)gen << 32) | ((uint64_t)index + 1));
-}
-
-/* The entry a handle names, or NULL for a value no open ever returned. */
-static struct stepq__pool_entry *entry_of(const stepq_pool_t *h, uint32_t *gen)
-{
-    const uintptr_t v = (uintptr_t)h;
-    const uint32_t low = (uint32_t)v;
-    struct stepq__pool_entry *chunk;
-
-    if (low == 0 || low - 1 >= (uint32_t)MAX_CHUNKS * ENTRIES_PER_CHUNK)
-        return NULL;
-    chunk = atomic_load_explicit(&chunks[(low - 1) / ENTRIES_PER_CHUNK], memory_order_acquire);
-    if (!chunk)
-        return NULL;
-    *gen = (uint32_t)(v >> 32);
-    return &chunk[(low - 1) % ENTRIES_PER_CHUNK];
-}
-
-/* Takes a free entry (or makes one) for pool and returns its handle in *out. */
-static int entry_add(stepq_pool_t *pool, stepq_pool_t **out)
-{
-    struct stepq__pool_entry *e;
-    uint32_t index;
-    int ret = STEPQ_OK;
-
-    pthread_mutex_lock(&table_mu);
-    if (n_free > 0) {
-        index = free_list[--n_free];
-    } else if (n_entries == (uint32_t)MAX_CHUNKS * ENTRIES_PER_CHUNK) {
-        ret = stepq__error_obj(pool->err, STEPQ_ENOMEM,
-                               "%u pools are open: the handle table is full", n_entries);
-        goto out;
-    } else {
-        index = n_entries;
-        if (index % ENTRIES_PER_CHUNK == 0) {
-            struct stepq__pool_entry *c = calloc(ENTRIES_PER_CHUNK, sizeof(*c));
-            if (!c) {
-                ret = stepq__error_obj(pool->err, STEPQ_ENOMEM, "out of memory (pool handles)");
-                goto out;
-            }
-            for (int k = 0; k < ENTRIES_PER_CHUNK; k++) {
-                pthread_mutex_init(&c[k].mu, NULL);
-                c[k].gen = 1;
-            }
-            atomic_store_explicit(&chunks[index / ENTRIES_PER_CHUNK], c, memory_order_release);
-        }
-        n_entries++;
-    }
-    e = &atomic_load_explicit(&chunks[index / ENTRIES_PER_CHUNK],
-                              memory_order_relaxed)[index % ENTRIES_PER_CHUNK];
-    pthread_mutex_lock(&e->mu);
-    e->pool = pool;
-    pool->entry = e;
-    pool->index = index;
-    *out = handle_of(index, e->gen);
-    pthread_mutex_unlock(&e->mu);
-out:
-    pthread_mutex_unlock(&table_mu);
-    return ret;
-}
-
-/*
- * Returns a closed pool's entry to the free list. An entry whose generation
- * would wrap is retired instead, so no handle ever comes back to life.
- */
-static void entry_release(uint32_t index, uint32_t gen)
-{
-    pthread_mutex_lock(&table_mu);
-    if (gen != UINT32_MAX) {
-        if (n_free == cap_free) {
-            uint32_t cap = cap_free ? 2 * cap_free : 64;
-            uint32_t *f = realloc(free_list, cap * sizeof(*f));
-            if (f) {
-                free_list = f;
-                cap_free = cap;
-            }
-        }
-        /* Out of memory for the list: the entry is retired, nothing breaks. */
-        if (n_free < cap_free)
-            free_list[n_free++] = index;
-    }
-    pthread_mutex_unlock(&table_mu);
-}
 
 /* Looks the handle up and locks its pool; STEPQ_EBADF when it is not open. */
 int stepq__pool_enter(stepq_pool_t *h, const char *fn, stepq_pool_t **pool)
 {
-    struct stepq__pool_entry *e;
+    struct stepq__handle_entry *e;
     uint32_t gen = 0;
 
     *pool = NULL;
     if (!h)
         return stepq__error(STEPQ_EINVAL, "%s: pool is NULL", fn);
-    e = entry_of(h, &gen);
+    e = stepq__handle_entry_of(h, &gen);
     if (!e)
         return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
     pthread_mutex_lock(&e->mu);
-    if (e->gen != gen || !e->pool) {
+    if (atomic_load(&e->gen) != gen || !atomic_load(&e->obj) ||
+        atomic_load(&e->kind) != STEPQ__HANDLE_POOL) {
         pthread_mutex_unlock(&e->mu);
         return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
     }
-    *pool = e->pool;
+    *pool = atomic_load(&e->obj);
     return STEPQ_OK;
 }
 
@@ -446,9 +339,11 @@ int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_lay
     pool->ring_head = 0;
     pool->ring_count = slots;
 
-    ret = entry_add(pool, out);
-    if (ret < 0)
+    ret = stepq__handle_add(pool, STEPQ__HANDLE_POOL, (void **)out, &pool->entry, pool->err);
+    if (ret < 0) {
+        stepq__error(ret, "%s", pool->err);
         goto fail_backend;
+    }
     return STEPQ_OK;
 
 fail_backend:
@@ -469,7 +364,7 @@ fail_layout:
 int stepq_pool_close(stepq_pool_t *h, unsigned flags)
 {
     stepq_pool_t *pool;
-    uint32_t index, gen;
+    struct stepq__handle_entry *e;
     int ret;
 
     if (!h)
@@ -491,10 +386,9 @@ int stepq_pool_close(stepq_pool_t *h, unsigned flags)
     }
     /* From here the handle is dead: a call waiting on the lock sees the new
      * generation and returns STEPQ_EBADF. */
-    index = pool->index;
-    gen = ++pool->entry->gen;
-    pool->entry->pool = NULL;
-    pthread_mutex_unlock(&pool->entry->mu);
+    e = pool->entry;
+    stepq__handle_drop(e);
+    pthread_mutex_unlock(&e->mu);
 
     /* The pool is closed either way; a failure of its queued work or of its
      * device is still the caller's to know. */
@@ -507,7 +401,6 @@ int stepq_pool_close(stepq_pool_t *h, unsigned flags)
     free(pool->scratch);
     stepq__pool_layout_free(&pool->layout);
     free(pool);
-    entry_release(index, gen);
     return ret;
 }
 
