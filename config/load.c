@@ -1108,7 +1108,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
 
     if ((st = stepq__map_alloc(&shape, c.method, budget, &m)) < 0)
         goto done;
-    if (name && (st = stepq_map_set_model_name(m, name)) < 0)
+    if (name && (st = stepq__map_set_name(m, name)) < 0)
         goto done;
     if (f[R_PROV]) {
         old = push_key(&c, "provenance");
@@ -1129,11 +1129,10 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
 done:
     free(ids);
     if (st < 0) {
-        stepq_map_close(m);
+        stepq__map_free(m);
         return st;
     }
-    *out = m;
-    return STEPQ_OK;
+    return stepq__map_publish(m, out);
 }
 
 /* The caller's load options (any version) as this library's; max_bytes 0 keeps the default. */

@@ -9,6 +9,7 @@
 #include <string.h>
 
 #include "config/map_internal.h"
+#include "plugin/handle.h"
 #include "plugin/hash.h"
 
 const char *const stepq__prov_str_keys[STEPQ__PROV_STR_COUNT] = {
@@ -185,7 +186,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
 
     if (!stepq_method_is_dense(method)) {
         if (n_units > STEPQ__MAX_UNITS) {
-            stepq_map_close(m);
+            stepq__map_free(m);
             return stepq__error(STEPQ_ERANGE, "model: %lld units exceed the limit of %lld",
                                 (long long)n_units, (long long)STEPQ__MAX_UNITS);
         }
@@ -206,7 +207,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
     return STEPQ_OK;
 
 fail_nomem:
-    stepq_map_close(m);
+    stepq__map_free(m);
     return stepq__error(STEPQ_ENOMEM, "out of memory allocating a precision map");
 }
 
@@ -224,10 +225,13 @@ int stepq_map_create(const stepq_model_shape *shape, stepq_method method, double
         return st;
     if ((st = stepq__budget_check(method, budget_bits)) < 0)
         return st;
-    return stepq__map_alloc(shape, method, budget_bits, out);
+    stepq_map_t *m;
+    if ((st = stepq__map_alloc(shape, method, budget_bits, &m)) < 0)
+        return st;
+    return stepq__map_publish(m, out);
 }
 
-void stepq_map_close(stepq_map_t *map)
+void stepq__map_free(stepq_map_t *map)
 {
     if (!map)
         return;
@@ -242,9 +246,61 @@ void stepq_map_close(stepq_map_t *map)
     free(map);
 }
 
-const char *stepq_map_last_error(const stepq_map_t *map)
+/* --- handles ---------------------------------------------------------------
+ *
+ * A map's handle is an entry of the library's handle table (plugin/handle.h):
+ * a closed map's handle is STEPQ_EBADF forever, whatever reuses its memory,
+ * and a pool's handle is not a map's. Lookups take no lock (maps are read
+ * from many threads); closing a map while another thread uses it is the
+ * caller's bug, as for any object.
+ */
+static const char closed_map_text[] = "map handle is closed or not valid";
+
+int stepq__map_publish(stepq_map_t *map, stepq_map_t **out)
 {
-    return map ? map->err : "";
+    int st = stepq__handle_add(map, STEPQ__HANDLE_MAP, (void **)out, &map->entry, NULL);
+
+    if (st < 0) {
+        stepq__map_free(map);
+        *out = NULL;
+    }
+    return st;
+}
+
+int stepq__map_resolve(const stepq_map_t *h, const char *fn, stepq_map_t **map)
+{
+    *map = NULL;
+    if (!h)
+        return stepq__error(STEPQ_EINVAL, "%s: map is NULL", fn);
+    *map = stepq__handle_get(h, STEPQ__HANDLE_MAP);
+    if (!*map)
+        return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_map_text);
+    return STEPQ_OK;
+}
+
+stepq_map_t *stepq__map_of(const stepq_map_t *h, const char *fn)
+{
+    stepq_map_t *map = NULL;
+
+    if (h)
+        stepq__map_resolve(h, fn, &map);
+    return map;
+}
+
+void stepq_map_close(stepq_map_t *h)
+{
+    stepq_map_t *map;
+
+    if (!h || stepq__map_resolve(h, "stepq_map_close", &map) < 0)
+        return; /* a second close is refused (STEPQ_EBADF in stepq_last_error()) */
+    stepq__handle_drop(map->entry);
+    stepq__map_free(map);
+}
+
+const char *stepq_map_last_error(const stepq_map_t *h)
+{
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_last_error");
+    return map ? map->err : h ? closed_map_text : "";
 }
 
 /* Checks layer and unit ids of a setter; records the error in the map. */
@@ -259,8 +315,14 @@ static int check_unit_ids(stepq_map_t *map, const char *fn, int layer, int unit)
     return STEPQ_OK;
 }
 
-int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits)
+int stepq_map_set_unit_bits(stepq_map_t *h, int layer, int unit, int bits)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_set_unit_bits", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int st;
 
     if (!map)
@@ -313,8 +375,14 @@ int stepq__row_impact_check(const float *w, int n, const char *path)
     return STEPQ_OK;
 }
 
-int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, const float *w)
+int stepq_map_set_row_impact(stepq_map_t *h, int layer, int head, const float *w)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_set_row_impact", &map);
+        if (st_ < 0)
+            return st_;
+    }
     char path[96];
     int st, dk;
 
@@ -379,8 +447,14 @@ int stepq__stats_check(const stepq_unit_stats *s, const char *path, int row)
     return STEPQ_OK;
 }
 
-int stepq_map_set_unit_stats(stepq_map_t *map, int layer, int unit, const stepq_unit_stats *stats)
+int stepq_map_set_unit_stats(stepq_map_t *h, int layer, int unit, const stepq_unit_stats *stats)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_set_unit_stats", &map);
+        if (st_ < 0)
+            return st_;
+    }
     stepq_unit_stats s;
     char path[96];
     int st;
@@ -550,8 +624,14 @@ int stepq__prov_set_num(stepq_map_t *map, const char *key, double value)
     return STEPQ_OK;
 }
 
-int stepq_map_set_provenance(stepq_map_t *map, const char *key, const char *value)
+int stepq_map_set_provenance(stepq_map_t *h, const char *key, const char *value)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_set_provenance", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int st;
     if (!map)
         return stepq__error(STEPQ_EINVAL, "stepq_map_set_provenance: map is NULL");
@@ -560,8 +640,14 @@ int stepq_map_set_provenance(stepq_map_t *map, const char *key, const char *valu
     return STEPQ_OK;
 }
 
-int stepq_map_set_provenance_number(stepq_map_t *map, const char *key, double value)
+int stepq_map_set_provenance_number(stepq_map_t *h, const char *key, double value)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_set_provenance_number", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int st;
     if (!map)
         return stepq__error(STEPQ_EINVAL, "stepq_map_set_provenance_number: map is NULL");
@@ -570,8 +656,14 @@ int stepq_map_set_provenance_number(stepq_map_t *map, const char *key, double va
     return STEPQ_OK;
 }
 
-int stepq_map_set_provenance_candidates(stepq_map_t *map, const int *bits, int n)
+int stepq_map_set_provenance_candidates(stepq_map_t *h, const int *bits, int n)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_set_provenance_candidates", &map);
+        if (st_ < 0)
+            return st_;
+    }
     if (!map)
         return stepq__error(STEPQ_EINVAL, "stepq_map_set_provenance_candidates: map is NULL");
     if (!bits) {
@@ -598,13 +690,11 @@ int stepq_map_set_provenance_candidates(stepq_map_t *map, const int *bits, int n
     return STEPQ_OK;
 }
 
-int stepq_map_set_model_name(stepq_map_t *map, const char *name)
+int stepq__map_set_name(stepq_map_t *map, const char *name)
 {
     char *copy = NULL;
     int st;
 
-    if (!map)
-        return stepq__error(STEPQ_EINVAL, "stepq_map_set_model_name: map is NULL");
     if (name) {
         if ((st = text_check(name, "model.name")) < 0)
             return map_fail(map, st);
@@ -615,6 +705,14 @@ int stepq_map_set_model_name(stepq_map_t *map, const char *name)
     free(map->model_name);
     map->model_name = copy;
     return STEPQ_OK;
+}
+
+int stepq_map_set_model_name(stepq_map_t *h, const char *name)
+{
+    stepq_map_t *map;
+    int st = stepq__map_resolve(h, "stepq_map_set_model_name", &map);
+
+    return st < 0 ? st : stepq__map_set_name(map, name);
 }
 
 /* --- validation --- */
@@ -748,8 +846,14 @@ int stepq__map_check(const stepq_map_t *m)
     return STEPQ_OK;
 }
 
-int stepq_map_validate(const stepq_map_t *map)
+int stepq_map_validate(const stepq_map_t *h)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_validate", &map);
+        if (st_ < 0)
+            return st_;
+    }
     if (!map)
         return stepq__error(STEPQ_EINVAL, "stepq_map_validate: map is NULL");
     return stepq__map_check(map);
@@ -757,31 +861,46 @@ int stepq_map_validate(const stepq_map_t *map)
 
 /* --- readers --- */
 
-int stepq_map_shape(const stepq_map_t *map, stepq_model_shape *shape)
+int stepq_map_shape(const stepq_map_t *h, stepq_model_shape *shape)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_shape", &map);
+        if (st_ < 0)
+            return st_;
+    }
     if (!map || !shape)
         return stepq__error(STEPQ_EINVAL, "stepq_map_shape: NULL argument");
     *shape = map->shape;
     return STEPQ_OK;
 }
 
-stepq_method stepq_map_method(const stepq_map_t *map)
+stepq_method stepq_map_method(const stepq_map_t *h)
 {
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_method");
     return map ? map->method : STEPQ_METHOD_COUNT;
 }
 
-double stepq_map_budget_bits(const stepq_map_t *map)
+double stepq_map_budget_bits(const stepq_map_t *h)
 {
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_budget_bits");
     return map ? map->budget_bits : 0.0;
 }
 
-const char *stepq_map_model_name(const stepq_map_t *map)
+const char *stepq_map_model_name(const stepq_map_t *h)
 {
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_model_name");
     return map && map->model_name ? map->model_name : "";
 }
 
-int stepq_map_layer_index(const stepq_map_t *map, int model_layer_id)
+int stepq_map_layer_index(const stepq_map_t *h, int model_layer_id)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_layer_index", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int lo = 0, hi;
 
     if (!map)
@@ -800,14 +919,26 @@ int stepq_map_layer_index(const stepq_map_t *map, int model_layer_id)
                         model_layer_id);
 }
 
-int stepq_map_units_per_layer(const stepq_map_t *map)
+int stepq_map_units_per_layer(const stepq_map_t *h)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_units_per_layer", &map);
+        if (st_ < 0)
+            return st_;
+    }
     return map ? map->units_per_layer
                : stepq__error(STEPQ_EINVAL, "stepq_map_units_per_layer: map is NULL");
 }
 
-int stepq_map_values_per_unit(const stepq_map_t *map)
+int stepq_map_values_per_unit(const stepq_map_t *h)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_values_per_unit", &map);
+        if (st_ < 0)
+            return st_;
+    }
     return map ? map->values_per_unit
                : stepq__error(STEPQ_EINVAL, "stepq_map_values_per_unit: map is NULL");
 }
@@ -825,8 +956,14 @@ static int reader_ids(const stepq_map_t *map, const char *fn, int layer, int uni
     return STEPQ_OK;
 }
 
-int stepq_map_unit_bits(const stepq_map_t *map, int layer, int unit)
+int stepq_map_unit_bits(const stepq_map_t *h, int layer, int unit)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_unit_bits", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int st = reader_ids(map, "stepq_map_unit_bits", layer, unit, map ? map->units_per_layer : 0);
     if (st < 0)
         return st;
@@ -835,8 +972,9 @@ int stepq_map_unit_bits(const stepq_map_t *map, int layer, int unit)
     return map->bits[stepq__unit_index(map, layer, unit)];
 }
 
-const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer)
+const uint8_t *stepq_map_layer_bits(const stepq_map_t *h, int layer)
 {
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_layer_bits");
     if (reader_ids(map, "stepq_map_layer_bits", layer, 0, 1) < 0)
         return NULL;
     if (!map->bits) {
@@ -847,8 +985,14 @@ const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer)
     return map->bits + stepq__unit_index(map, layer, 0);
 }
 
-int stepq_map_head_row_bits(const stepq_map_t *map, int layer, int head, uint8_t *row_bits, int n)
+int stepq_map_head_row_bits(const stepq_map_t *h, int layer, int head, uint8_t *row_bits, int n)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_head_row_bits", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int st =
         reader_ids(map, "stepq_map_head_row_bits", layer, head, map ? map->shape.num_v_heads : 0);
     if (st < 0)
@@ -867,8 +1011,9 @@ int stepq_map_head_row_bits(const stepq_map_t *map, int layer, int head, uint8_t
     return STEPQ_OK;
 }
 
-const float *stepq_map_row_impact(const stepq_map_t *map, int layer, int head)
+const float *stepq_map_row_impact(const stepq_map_t *h, int layer, int head)
 {
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_row_impact");
     if (reader_ids(map, "stepq_map_row_impact", layer, head, map ? map->shape.num_v_heads : 0) < 0)
         return NULL;
     if (!map->row_impact)
@@ -877,8 +1022,14 @@ const float *stepq_map_row_impact(const stepq_map_t *map, int layer, int head)
            ((size_t)layer * map->shape.num_v_heads + head) * (size_t)map->shape.head_k_dim;
 }
 
-int stepq_map_unit_stats(const stepq_map_t *map, int layer, int unit, stepq_unit_stats *stats)
+int stepq_map_unit_stats(const stepq_map_t *h, int layer, int unit, stepq_unit_stats *stats)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_unit_stats", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int st = reader_ids(map, "stepq_map_unit_stats", layer, unit, map ? map->units_per_layer : 0);
     if (st < 0)
         return st;
@@ -891,14 +1042,21 @@ int stepq_map_unit_stats(const stepq_map_t *map, int layer, int unit, stepq_unit
     return STEPQ_OK;
 }
 
-const char *stepq_map_provenance(const stepq_map_t *map, const char *key)
+const char *stepq_map_provenance(const stepq_map_t *h, const char *key)
 {
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_provenance");
     int idx = stepq__prov_str_index(key);
     return map && idx >= 0 ? map->prov_str[idx] : NULL;
 }
 
-int stepq_map_provenance_number(const stepq_map_t *map, const char *key, double *value)
+int stepq_map_provenance_number(const stepq_map_t *h, const char *key, double *value)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_provenance_number", &map);
+        if (st_ < 0)
+            return st_;
+    }
     int idx = stepq__prov_num_index(key);
     if (!map || !value)
         return stepq__error(STEPQ_EINVAL, "stepq_map_provenance_number: NULL argument");
@@ -911,8 +1069,14 @@ int stepq_map_provenance_number(const stepq_map_t *map, const char *key, double 
     return STEPQ_OK;
 }
 
-int stepq_map_provenance_candidates(const stepq_map_t *map, int *bits, int cap)
+int stepq_map_provenance_candidates(const stepq_map_t *h, int *bits, int cap)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_provenance_candidates", &map);
+        if (st_ < 0)
+            return st_;
+    }
     if (!map || (cap > 0 && !bits))
         return stepq__error(STEPQ_EINVAL, "stepq_map_provenance_candidates: NULL argument");
     if (map->n_candidates < 0)
@@ -924,8 +1088,14 @@ int stepq_map_provenance_candidates(const stepq_map_t *map, int *bits, int cap)
 
 /* --- memory accounting --- */
 
-int stepq_map_memory_info(const stepq_map_t *map, stepq_map_memory *out)
+int stepq_map_memory_info(const stepq_map_t *h, stepq_map_memory *out)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_memory_info", &map);
+        if (st_ < 0)
+            return st_;
+    }
     stepq_map_memory r;
 
     if (!map || !out)
@@ -1001,8 +1171,14 @@ static uint64_t fnv_double(uint64_t h, double d)
     return fnv_u64(h, v);
 }
 
-int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out)
+int stepq_map_fingerprint(const stepq_map_t *handle, uint64_t *out)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(handle, "stepq_map_fingerprint", &map);
+        if (st_ < 0)
+            return st_;
+    }
     static const char tag[] = "stepq-map-fingerprint-v1";
     uint64_t h = STEPQ__FNV_OFFSET;
 
@@ -1045,8 +1221,11 @@ static bool str_eq(const char *a, const char *b)
     return !strcmp(a, b);
 }
 
-bool stepq__map_equal(const stepq_map_t *a, const stepq_map_t *b)
+bool stepq__map_equal(const stepq_map_t *ha, const stepq_map_t *hb)
 {
+    const stepq_map_t *a = stepq__map_of(ha, "stepq__map_equal"),
+                      *b = stepq__map_of(hb, "stepq__map_equal");
+
     const stepq_model_shape *sa = &a->shape, *sb = &b->shape;
 
     if (sa->arch != sb->arch || sa->n_layers != sb->n_layers ||

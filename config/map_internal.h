@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "plugin/err.h"
+#include "plugin/handle.h"
 #include "plugin/vocab.h"
 #include "stepq/map.h"
 
@@ -87,6 +88,7 @@ struct stepq_map {
     int n_candidates; /* -1: no candidate list */
 
     char err[STEPQ__ERRLEN];
+    struct stepq__handle_entry *entry; /* its handle, once published */
 };
 
 /** Whether b is an integer unit width (2,3,4,5,6,8). */
@@ -148,6 +150,22 @@ const char *stepq__num(char buf[32], double v);
 
 /** Exact equality of two maps, every field included (tests, round trips). */
 bool stepq__map_equal(const stepq_map_t *a, const stepq_map_t *b);
+
+/*
+ * Map handles (plugin/handle.h). The public functions take handles and
+ * resolve them first; the loader and the builder work on the struct and
+ * publish it when it is complete.
+ */
+/** Gives a complete map its handle in *out; frees the map on failure. */
+int stepq__map_publish(stepq_map_t *map, stepq_map_t **out);
+/** The map a handle names: STEPQ_EINVAL for NULL, STEPQ_EBADF for a stale or foreign one. */
+int stepq__map_resolve(const stepq_map_t *h, const char *fn, stepq_map_t **map);
+/** stepq__map_resolve for functions that return no status: NULL (error recorded) or the map. */
+stepq_map_t *stepq__map_of(const stepq_map_t *h, const char *fn);
+/** Frees a map's struct and arrays (one not published, or one whose handle is dropped). */
+void stepq__map_free(stepq_map_t *map);
+/** The model name setter on the struct. */
+int stepq__map_set_name(stepq_map_t *map, const char *name);
 
 /** Index of a unit in the [layer][unit] arrays. */
 static inline int64_t stepq__unit_index(const stepq_map_t *m, int layer, int unit)

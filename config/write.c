@@ -281,8 +281,14 @@ static void write_layers(struct out *o, const stepq_map_t *m)
     puts_(o, "  ]");
 }
 
-int stepq_map_write_buffer(const stepq_map_t *map, char **out, size_t *len)
+int stepq_map_write_buffer(const stepq_map_t *h, char **out, size_t *len)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_write_buffer", &map);
+        if (st_ < 0)
+            return st_;
+    }
     struct out o = { NULL, 0, 0, 0 };
     locale_t c_locale, old;
     int st;
@@ -338,8 +344,14 @@ static int write_all(int fd, const char *p, size_t n)
     return 0;
 }
 
-int stepq_map_write_file(const stepq_map_t *map, const char *path)
+int stepq_map_write_file(const stepq_map_t *h, const char *path)
 {
+    stepq_map_t *map;
+    {
+        int st_ = stepq__map_resolve(h, "stepq_map_write_file", &map);
+        if (st_ < 0)
+            return st_;
+    }
     static atomic_uint counter;
     char *buf, *tmp;
     size_t len, tlen;
@@ -347,7 +359,7 @@ int stepq_map_write_file(const stepq_map_t *map, const char *path)
 
     if (!map || !path)
         return stepq__error(STEPQ_EINVAL, "stepq_map_write_file: NULL argument");
-    if ((st = stepq_map_write_buffer(map, &buf, &len)) < 0)
+    if ((st = stepq_map_write_buffer(h, &buf, &len)) < 0)
         return st;
     /* A unique name in the same directory, so rename() is atomic. */
     tlen = strlen(path) + 64;

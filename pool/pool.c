@@ -199,6 +199,14 @@ static int check_open_args(const stepq_pool_config *user, stepq_pool_config *cfg
         return ret;
     if (!cfg->map)
         return stepq__error(STEPQ_EINVAL, "stepq_pool_config.map: a precision map is required");
+    {
+        stepq_model_shape shape;
+        ret = stepq_map_shape(cfg->map, &shape);
+        if (ret == STEPQ_EBADF)
+            return stepq__error(ret, "stepq_pool_config.map: map handle is closed or not valid");
+        if (ret < 0)
+            return ret;
+    }
     return STEPQ_OK;
 }
 

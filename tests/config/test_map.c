@@ -18,6 +18,7 @@
 #include <cmocka.h>
 
 #include "config/map_internal.h"
+#include "stepq/pool.h"
 #include "tests/config/fixtures.h"
 
 static stepq_map_t *create_ok(const stepq_model_shape *s, stepq_method m, double budget)
@@ -795,6 +796,40 @@ static void load_with_the_largest_max_bytes(void **state)
     stepq_map_close(m);
 }
 
+/* Map handles: a closed map is STEPQ_EBADF everywhere, a second close is harmless. */
+static void a_closed_map_handle_is_refused_everywhere(void **state)
+{
+    stepq_model_shape sh = fx_shape_small(STEPQ_ARCH_GDN), got;
+    stepq_map_t *m = NULL, *later = NULL;
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_pool_t *pool = NULL;
+
+    assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_UNIFORM, 6, &m), STEPQ_OK);
+    stepq_map_close(m);
+    assert_int_equal(stepq_map_shape(m, &got), STEPQ_EBADF);
+    assert_int_equal(stepq_map_set_unit_bits(m, 0, 0, 4), STEPQ_EBADF);
+    assert_int_equal(stepq_map_validate(m), STEPQ_EBADF);
+    assert_null(stepq_map_layer_bits(m, 0));
+    assert_int_equal(stepq_map_method(m), STEPQ_METHOD_COUNT);
+    stepq_map_close(m); /* a double close: refused, nothing freed twice */
+    assert_non_null(strstr(stepq_last_error(), "closed or not valid"));
+    /* A later map may take the memory and the table entry, never the handle. */
+    assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_UNIFORM, 6, &later), STEPQ_OK);
+    assert_true(later != m);
+    assert_int_equal(stepq_map_shape(m, &got), STEPQ_EBADF);
+    cfg.map = m;
+    cfg.num_slots = 2;
+    assert_int_equal(stepq_pool_open(&cfg, &pool), STEPQ_EBADF);
+    assert_non_null(strstr(stepq_last_error(), "stepq_pool_config.map"));
+    assert_null(pool);
+    /* A pool's handle is not a map's. */
+    cfg.map = later;
+    assert_int_equal(stepq_pool_open(&cfg, &pool), STEPQ_OK);
+    assert_int_equal(stepq_map_shape((const stepq_map_t *)pool, &got), STEPQ_EBADF);
+    assert_int_equal(stepq_pool_close(pool, 0), STEPQ_OK);
+    stepq_map_close(later);
+}
+
 /* Writes full-featured maps as fuzz seeds (tests/fuzz/corpus/ok-full-*.json). */
 static int write_corpus(const char *dir)
 {
@@ -832,6 +867,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(kimi_fp32_and_dsq4_match_the_paper),
         cmocka_unit_test(head_row_bits_follow_the_units),
         cmocka_unit_test(load_with_the_largest_max_bytes),
+        cmocka_unit_test(a_closed_map_handle_is_refused_everywhere),
         cmocka_unit_test(kda_pivot_rows_drop_their_row_scale_and_full_pivot_heads_their_columns),
         cmocka_unit_test(odd_widths_round_code_bytes_up_per_unit),
         cmocka_unit_test(qwen_next_uniform_numbers),

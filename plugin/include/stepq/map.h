@@ -26,7 +26,12 @@
 extern "C" {
 #endif
 
-/** Opaque precision map. */
+/**
+ * Opaque precision map handle (not the map's address): once its map is
+ * closed it is STEPQ_EBADF in every call for good, even when a later map
+ * reuses the memory. Maps are read-only once loaded and may be read from
+ * several threads; closing must not race with their use.
+ */
 typedef struct stepq_map stepq_map_t;
 
 /*
@@ -158,7 +163,8 @@ STEPQ_API int stepq_map_write_buffer(const stepq_map_t *map, char **out, size_t 
 /** Writes stepq_map_write_buffer's output to a file (atomically: temp file + rename). */
 STEPQ_API int stepq_map_write_file(const stepq_map_t *map, const char *path);
 
-/** Releases a map. NULL is a no-op. */
+/** Releases a map. NULL is a no-op; a closed handle is refused (STEPQ_EBADF in stepq_last_error()).
+ */
 STEPQ_API void stepq_map_close(stepq_map_t *map);
 
 /** The detail text of the last failure on this map, or "" if none. */
