@@ -116,17 +116,6 @@ static int pool_roundtrip(struct shim_pool *p, int layer, float *states, int n, 
     return rc;
 }
 
-int stepq_shim_open(const char *map_path, int threads, void **out);
-SHIM_API int stepq_shim_layer_index(void *h, int model_layer);
-SHIM_API int stepq_shim_shape(void *h, int out[5]);
-SHIM_API int stepq_shim_bits_per_value(void *h, double *out);
-SHIM_API int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n);
-SHIM_API void stepq_shim_close(void *h);
-SHIM_API const char *stepq_shim_last_error(void);
-SHIM_API int stepq_shim_cuda_open(void *h, int max_n);
-SHIM_API int stepq_shim_cuda_roundtrip(void *h, int layer_index, float *dev_states, int n,
-                                       void *stream);
-
 int stepq_shim_open(const char *map_path, int threads, void **out)
 {
     struct shim *s = calloc(1, sizeof(*s));
