@@ -1,0 +1,273 @@
+/*
+ * The unpack family (the prefill hook that reconstructs a layer's dense
+ * states from its pages): a host pool and a CUDA pool holding the same packed
+ * start (fx_pools_fill) unpack the same slot list (padding, a repeated slot)
+ * into dense tensors full of FX_SENTINEL bytes. call_ref is the host pool's
+ * stepq_pool_prefill_unpack, call_new the CUDA pool's or the unpack entry on a
+ * STEPQ__CUDA_COLUMN handle of its layer. The pages are only read: both pools
+ * must keep every byte. The refused calls are pack.c's (the same checks).
+ */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "kernels/cuda/cuda.h"
+#include "tests/checkasm/checkasm.h"
+#include "tests/checkasm/compare.h"
+
+/* Magnitude of the random states packed into the start pages. */
+#define AMP 0.2f
+/*
+ * bf16 destinations: both sides round the same reconstruction to nearest
+ * even; the reconstruction r_i c_j z / qmax is one product order on both, so
+ * no element may differ.
+ */
+#define TOL_UNPACK_BF16_ULPS 0
+
+struct params {
+    stepq_arch arch;
+    stepq_method method;
+    int bits; /* 0: mixed widths */
+    int HV, n;
+    stepq_state_layout layout;
+    stepq_dtype dtype;
+    int column;   /* the entry on a STEPQ__CUDA_COLUMN handle instead of the pool */
+    int wild_ids; /* the CUDA side's skipped entries are ids outside 0..slots instead of -1 */
+};
+
+static int start(const struct params *p)
+{
+    char w[32] = "";
+    if (!stepq_method_is_dense(p->method)) {
+        if (p->bits)
+            snprintf(w, sizeof(w), "@%d", p->bits);
+        else
+            snprintf(w, sizeof(w), "%s",
+                     p->arch == STEPQ_ARCH_GDN ? " mixed+pivot head" : " mixed rows+pivots");
+    }
+    return checkasm_check("unpack %s %s%s HV=%d n=%d to %s %s%s%s", stepq_arch_name(p->arch),
+                          stepq_method_name(p->method), w, p->HV, p->n, stepq_dtype_name(p->dtype),
+                          p->layout == STEPQ_STATE_LAYOUT_KV ? "[K,V]" : "[V,K]",
+                          p->wild_ids ? " cuda ids outside 0..slots" : "",
+                          p->column ? " column kernel" : "");
+}
+
+struct launch {
+    stepq_pool_t *pool;
+    int layer;
+    const stepq_prefill_args *args;
+    const struct stepq__packed_layer *pl;
+    stepq__cuda_layer *L; /* column: the entry on it */
+};
+
+static int launch_new(void *ctx)
+{
+    const struct launch *c = ctx;
+    const stepq_prefill_args *a = c->args;
+    if (!c->L)
+        return stepq_pool_prefill_unpack(c->pool, c->layer, a, NULL);
+    return stepq__cuda_unpack_prepared(c->pl, c->L, a->n, a->slot_ids, a->states,
+                                       (size_t)a->state_stride, (stepq__layout)a->layout, a->dtype,
+                                       NULL);
+}
+
+/*
+ * The destinations, CUDA (got) vs host (ref): entries of skipped slots and
+ * the stride gaps keep their FX_SENTINEL bytes on both sides; fp32 within
+ * TOL_F32_NMSE, bf16 within TOL_UNPACK_BF16_ULPS.
+ */
+static int compare_dense(const struct params *p, const uint8_t *got, const uint8_t *ref,
+                         const int32_t *ids, size_t stride)
+{
+    const size_t es = p->dtype == STEPQ_DTYPE_BF16 ? 2 : 4;
+    const size_t per = (size_t)p->HV * FX_D * FX_D;
+    double num = 0, den = 0;
+    for (int e = 0; e < p->n; e++)
+        for (size_t i = 0; i < stride; i++) {
+            const size_t at = ((size_t)e * stride + i) * es;
+            if (ids[e] < 0 || i >= per) {
+                for (size_t k = 0; k < es; k++)
+                    CA_CHECK(got[at + k] == FX_SENTINEL && ref[at + k] == FX_SENTINEL,
+                             "entry %d element %zu (%s) written: 0x%02x, reference 0x%02x", e, i,
+                             ids[e] < 0 ? "a skipped entry" : "a stride gap", got[at + k],
+                             ref[at + k]);
+                continue;
+            }
+            if (es == 2) {
+                const uint16_t a = ca_rd16(got + at), b = ca_rd16(ref + at);
+                CA_CHECK(ca_ulp16(a, b) <= TOL_UNPACK_BF16_ULPS,
+                         "entry %d element %zu: bf16 0x%04x vs reference 0x%04x", e, i, a, b);
+                continue;
+            }
+            float a, b;
+            memcpy(&a, got + at, 4);
+            memcpy(&b, ref + at, 4);
+            num += ((double)a - b) * ((double)a - b);
+            den += (double)b * b;
+        }
+    const double e = den > 0 ? num / den : num;
+    CA_CHECK(e <= TOL_F32_NMSE, "unpack NMSE %g > %g", e, TOL_F32_NMSE);
+    return 0;
+}
+
+static int run(const struct params *p)
+{
+    const struct fx_map_spec spec = {
+        .arch = p->arch,
+        .method = p->method,
+        .bits = p->bits,
+        .H = p->HV > 1 ? p->HV / 2 : 1,
+        .HV = p->HV,
+        .w_lo = 0.5f,
+        .w_hi = 2.0f,
+    };
+    const int bf16 = p->dtype == STEPQ_DTYPE_BF16;
+    /* [V,K] bf16 with an odd stride takes the scalar path, the others the vector path */
+    const size_t head = (size_t)FX_D * FX_D,
+                 stride = head * p->HV + (p->layout == STEPQ_STATE_LAYOUT_VK && bf16 ? 1 : 64);
+    const size_t bytes = stride * (size_t)p->n * (bf16 ? 2 : 4);
+    struct fx_rng *rng = checkasm_rng();
+    struct fx_pools fx = { 0 };
+    struct fx_buf hd = { 0 }, dd = { 0 }, hids = { 0 }, dids_b = { 0 };
+    stepq__cuda_layer *L = NULL;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)p->n), *dids = malloc(sizeof(int32_t) * p->n);
+    uint8_t *got = malloc(bytes), *hp = NULL, *dp = NULL;
+    uint32_t *hh = NULL, *dh = NULL;
+    stepq_prefill_args ah = STEPQ_PREFILL_ARGS_INITIALIZER, ad;
+    int64_t bad;
+    int rc = 0;
+
+    CA_TRY(ids && dids && got, "out of memory");
+    CA_OK(fx_pools_open(&fx, &spec, p->n + 1, rng));
+    CA_OK(fx_pools_fill(&fx, AMP, rng));
+    /* slots from the top down; entry 1 skipped (every third from it with wild ids), entry 3 a
+     * repeat of entry 0 (an unpack only reads) */
+    const int32_t wild[] = { fx.slots + 1, -7, 1 << 30 };
+    for (int e = 0, k = 0; e < p->n; e++) {
+        const int pad = e == 1 || (p->wild_ids && e % 3 == 1);
+        ids[e] = pad ? STEPQ_POOL_SLOT_PAD : e == 3 ? ids[0] : fx.slots - e;
+        dids[e] = pad && p->wild_ids ? wild[k++ % 3] : ids[e];
+    }
+    CA_OK(fx_buf_alloc(&hd, bytes, 0));
+    CA_OK(fx_buf_alloc(&dd, bytes, 1));
+    CA_OK(fx_buf_alloc(&hids, sizeof(int32_t) * (size_t)p->n, 0));
+    CA_OK(fx_buf_alloc(&dids_b, sizeof(int32_t) * (size_t)p->n, 1));
+    CA_OK(fx_buf_set(&hids, ids));
+    CA_OK(fx_buf_set(&dids_b, dids));
+    const size_t words = ((size_t)fx.slots + 1) * sizeof(uint32_t);
+    hp = malloc(fx.pages_bytes);
+    dp = malloc(fx.pages_bytes);
+    hh = malloc(words);
+    dh = malloc(words);
+    CA_TRY(hp && dp && hh && dh, "out of memory");
+    memcpy(hp, fx.hpages, fx.pages_bytes);
+    memcpy(hh, fx.hhealth, words);
+    CA_OK(fx_pools_download(&fx, dp, dh));
+    ah.n = p->n;
+    ah.slot_ids = hids.p;
+    ah.states = hd.p;
+    ah.state_stride = (int64_t)stride;
+    ah.dtype = p->dtype;
+    ah.layout = p->layout;
+    ad = ah;
+    ad.slot_ids = dids_b.p;
+    ad.states = dd.p;
+    struct launch lc = { fx.cuda, fx.layer, &ad, &fx.dpl, NULL };
+    if (p->column) {
+        CA_OK(stepq__cuda_layer_prepare_ex(&fx.dpl, STEPQ__CUDA_COLUMN, &L));
+        lc.L = L;
+    }
+
+    /* call_ref, call_new */
+    CA_OK(stepq_pool_prefill_unpack(fx.host, fx.layer, &ah, NULL));
+    CA_OK(launch_new(&lc));
+
+    CA_OK(fx_buf_get(&dd, got));
+    if (compare_dense(p, got, hd.p, ids, stride) ||
+        ca_pools_unchanged(&fx, hp, hh, dp, dh, "the unpack")) {
+        rc = 1;
+        goto out;
+    }
+    const struct fx_buf *outs[2] = { &hd, &dd }, *ins[2] = { &hids, &dids_b };
+    for (int i = 0; i < 2; i++) {
+        CA_OK(fx_buf_compare(outs[i], 1, &bad));
+        CA_TRY(bad < 0, "%s destination: guard byte %lld changed", i ? "device" : "host",
+               (long long)bad - FX_GUARD);
+        CA_OK(fx_buf_compare(ins[i], 0, &bad));
+        CA_TRY(bad < 0, "%s slot ids: byte %lld changed", i ? "device" : "host",
+               (long long)bad - FX_GUARD);
+    }
+    if (checkasm_benchmarking())
+        rc = checkasm_bench(launch_new, &lc, NULL);
+out:
+    stepq__cuda_layer_release(L);
+    fx_buf_free(&hd);
+    fx_buf_free(&dd);
+    fx_buf_free(&hids);
+    fx_buf_free(&dids_b);
+    free(ids);
+    free(dids);
+    free(got);
+    free(hp);
+    free(dp);
+    free(hh);
+    free(dh);
+    fx_pools_close(&fx);
+    return rc;
+}
+
+static void one(struct params p)
+{
+    if (start(&p))
+        checkasm_report(run(&p));
+}
+
+void checkasm_check_unpack(void)
+{
+    static const int widths[] = { 2, 3, 4, 5, 6, 8 };
+    const stepq_arch G = STEPQ_ARCH_GDN, K = STEPQ_ARCH_KDA;
+    const stepq_method SQ = STEPQ_METHOD_STEPQ;
+    const int small = checkasm_small();
+
+    /* the destinations of check_cuda's pack/unpack checks, each with its own pages */
+    for (int lay = 0; lay < 2; lay++)
+        for (int dt = 0; dt < 2; dt++) {
+            one((struct params){
+                .arch = G, .method = SQ, .HV = 4, .n = 4, .layout = lay, .dtype = dt });
+            one((struct params){
+                .arch = K, .method = SQ, .HV = 2, .n = 4, .layout = lay, .dtype = dt });
+        }
+    for (int w = 0; w < 6; w++) {
+        if (!small)
+            one((struct params){ .arch = G,
+                                 .method = SQ,
+                                 .bits = widths[w],
+                                 .HV = 2,
+                                 .n = 3,
+                                 .layout = w & 1,
+                                 .dtype = w >> 1 & 1 });
+        if (!small || widths[w] == 6)
+            one((struct params){ .arch = G,
+                                 .method = STEPQ_METHOD_UNIFORM,
+                                 .bits = widths[w],
+                                 .HV = 2,
+                                 .n = 3,
+                                 .layout = !(w & 1),
+                                 .dtype = w >> 1 & 1 });
+    }
+    if (!small)
+        one((struct params){ .arch = K,
+                             .method = STEPQ_METHOD_TEMPORAL,
+                             .HV = 2,
+                             .n = 3,
+                             .layout = STEPQ_STATE_LAYOUT_VK,
+                             .dtype = STEPQ_DTYPE_BF16 });
+    one((struct params){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
+    one((struct params){ .arch = G, .method = SQ, .HV = 4, .n = 10, .wild_ids = 1 });
+    /* the thread-per-column kernel on an explicit handle */
+    one((struct params){
+        .arch = G, .method = SQ, .HV = 4, .n = 4, .layout = STEPQ_STATE_LAYOUT_VK, .column = 1 });
+    one((struct params){
+        .arch = G, .method = SQ, .HV = 4, .n = 4, .dtype = STEPQ_DTYPE_BF16, .column = 1 });
+}
