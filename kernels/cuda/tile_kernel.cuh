@@ -636,26 +636,6 @@ struct __align__(16) sq_tsmem
 };
 
 /*
- * The codes and refit sums of the thread's 8 rows on the run-time-width
- * path: U, a uniform-width head (width ub, ci = qmax / c_j); else each row's
- * width, pivot rows skipped. CL: clamp (a scale saturated).
- */
-template <bool CL, bool U>
-__device__ __forceinline__ void
-sq_quant_tile_rt(const float (&x)[64], uint8_t *buf, const sq_tsmem &sm, int R0, int tx, int ub,
-                 const float (&ci)[8], float (&num)[8], float (&den)[8])
-{
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const int i = R0 + r;
-        const int b = U ? ub : sm.bits[i];
-        if (U || b != STEPQ_BITS_PIVOT)
-            sq_quant_row_rt<CL, U>(x + 8 * r, buf + sm.roff[i], tx, b, ci, U ? sm.aw[i] : sm.ar[i],
-                                   sm.ad[i], num, den);
-    }
-}
-
-/*
  * Raw recurrence inputs of one (request, head) as bits (sq_ld_bits), loaded
  * ahead and widened where they are used (sq_bits_f), so that the state
  * tile's loads go out without waiting for them:
@@ -821,36 +801,29 @@ __device__ __forceinline__ void sq_tload_at(float (&x)[64], const sq_io &io, int
 }
 
 /*
- * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
- * dense; SINK: packed (quantized) or dense. With a packed source the block
- * has been staged into buf by the caller (sq_stage_block), and so has the
- * dense head of a pack (sq_stage_dense, sq_stage_dense_scalar).
- * Ends with a barrier: buf and sm are free when it returns. V: SQ_V_* bits.
+ * A thread's place in the block (the file's comment has the mapping): its
+ * warp w, tx = lane % 16, and the first row R0 and column C0 of its 8x8
+ * micro-tile. The phases below take it whole, so that their parameters name
+ * only what they read and write.
  */
-template <int SRC, bool UPDATE, int SINK, int V = 0>
-__device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
-                                             int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
-                                             const sq_in &in)
+struct sq_tpos {
+    int t, lane, w, tx, R0, C0;
+};
+
+/*
+ * Load: the rows' widths and code offsets (and with SQ_V_RTU their table,
+ * rowc) into shared memory, and a dense source into x. A packed source is
+ * already on its way into buf (sq_tile_kernel), and so is a staged dense
+ * head, which this waits for.
+ */
+template <int SRC, bool UPDATE, int SINK, int V>
+__device__ __forceinline__ void
+sq_tile_load(float (&x)[64], const sq_io &io, const sq_head_desc *hd, sq_tsmem &sm, sq_rowc *rowc,
+             const uint8_t *buf, int32_t slot, int e, int hv, const sq_tpos &pos)
 {
-    const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
-    const int lane = t & 31, w = t >> 5, tx = lane & 15;
-    const int R0 = 8 * (2 * w + (lane >> 4)), C0 = 8 * tx;
-    const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
-    const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
-    uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
-    unsigned fl = 0;
-    if (t == 0) {
-        sm.fl = 0;
-        sm.sat = 0;
-    }
-    /* run-time widths: per-row constants from a table (1-1.3% faster than per-lane math, KDA) */
+    const int t = pos.t, R0 = pos.R0, C0 = pos.C0;
+    constexpr bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
     constexpr bool ROWC = V & SQ_V_RTU;
-    sq_rowc *rowc = nullptr;
-    if constexpr (ROWC) {
-        __shared__ sq_rowc rowc_tab[SQ_D];
-        rowc = rowc_tab;
-    }
-    float x[64];
     /*
      * Where a dense source is not staged, its loads go first, so that they
      * are in flight while the descriptor loads below wait. Measured on the
@@ -884,185 +857,249 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         else
             sq_tload_staged<SQ_F32, false>(x, buf, R0, C0);
     }
+}
 
-    /* ---- inputs of the recurrence (as sq_head_kernel) + k.q ---- */
-    constexpr bool RTU = V & SQ_V_RTU;
-    float kq = 0.0f;
-    if (UPDATE) {
-        bool bad = false;
-        if (t < SQ_D) {
-            const float qv = sq_bits_f(in.w[0], bfi), kv = sq_bits_f(in.w[1], bfi);
-            bad = !isfinite(qv) || !isfinite(kv);
-            if (st.l2norm) {
-                /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
-                float sq2 = qv * qv, sk2 = kv * kv;
+/*
+ * Inputs, channel t of q and k (threads 0..127): widened from their bits
+ * (bf16 when bfi), their squares' warp sums for the l2norm, into shared
+ * memory. Returns whether one is not finite.
+ */
+__device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in, sq_tsmem &sm,
+                                              int bfi, const sq_tpos &pos)
+{
+    const int t = pos.t, lane = pos.lane, w = pos.w;
+    const float qv = sq_bits_f(in.w[0], bfi), kv = sq_bits_f(in.w[1], bfi);
+    /*
+     * Not `const bool bad = !isfinite(qv) || !isfinite(kv)`: in a function
+     * of its own that form compiles to a 16-bit flag where the kernel had a
+     * predicate (8 instructions more in the dense bf16 step).
+     */
+    bool bad = !isfinite(qv);
+    if (!bad)
+        bad = !isfinite(kv);
+    if (st.l2norm) {
+        /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
+        float sq2 = qv * qv, sk2 = kv * kv;
 #pragma unroll
-                for (int o = 16; o; o >>= 1) {
-                    sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
-                    sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
-                }
-                if (lane == 0) {
-                    sm.l2[w][0] = sq2;
-                    sm.l2[w][1] = sk2;
-                }
-            }
-            sm.q[t] = qv;
-            sm.k[t] = kv;
-        } else {
-            const int j = t - SQ_D;
-            const float vv = sq_bits_f(in.w[0], bfi);
-            bad = !isfinite(vv);
-            sm.v[j] = vv;
-            if (st.kda || j == 0) {
-                float d = sq_decay<false>(st, sq_bits_f(in.w[1], bfi), in.w[3], in.w[4], bad);
-                if (st.kda)
-                    sm.dec[j] = d;
-                else
-                    sm.dec0 = d;
-            }
-            if (j == 0)
-                sm.beta = sq_beta(st, sq_bits_f(in.w[2], bfi), bad);
+        for (int o = 16; o; o >>= 1) {
+            sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
+            sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
         }
-        if (__syncthreads_or(bad)) {
-            if (SRC != SQ_SRC_DENSE)
-                sq_cp_async_wait_all(); /* nothing may land in a finished block */
-            sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
-            __syncthreads(); /* buf and sm are free when it returns */
-            return;
+        if (lane == 0) {
+            sm.l2[w][0] = sq2;
+            sm.l2[w][1] = sk2;
         }
-        if (t < SQ_D) {
-            float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
-            float qv = sm.q[t], kv = sm.k[t];
-            if (st.l2norm) {
-                float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
-                float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
-                qv *= 1.0f / sqrtf(a + 1e-6f);
-                kv *= 1.0f / sqrtf(b + 1e-6f);
-            }
-            qv *= sc;
-            sm.q[t] = qv;
-            sm.k[t] = kv;
-            float p = qv * kv;
+    }
+    sm.q[t] = qv;
+    sm.k[t] = kv;
+    return bad;
+}
+
+/*
+ * Inputs, channel j = t - 128 of v, its decay (KDA; GDN: j = 0 only) and
+ * beta (j = 0), into shared memory (threads 128..255). Returns whether one
+ * is not finite.
+ */
+__device__ __forceinline__ bool sq_tile_in_vgb(const sq_step &st, const sq_in &in, sq_tsmem &sm,
+                                               int bfi, int t)
+{
+    const int j = t - SQ_D;
+    const float vv = sq_bits_f(in.w[0], bfi);
+    bool bad = !isfinite(vv);
+    sm.v[j] = vv;
+    if (st.kda || j == 0) {
+        float d = sq_decay<false>(st, sq_bits_f(in.w[1], bfi), in.w[3], in.w[4], bad);
+        if (st.kda)
+            sm.dec[j] = d;
+        else
+            sm.dec0 = d;
+    }
+    if (j == 0)
+        sm.beta = sq_beta(st, sq_bits_f(in.w[2], bfi), bad);
+    return bad;
+}
+
+/*
+ * Inputs, once all are finite: q and k l2-normalised, q scaled, the GDN
+ * decay copied to every row, the head left to two-stage stage 2 (io.skip);
+ * waits for a staged packed block. Returns k.q for the readout.
+ */
+template <int SRC>
+__device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io &io, sq_tsmem &sm,
+                                                 int hv, int e, int HV, const sq_tpos &pos)
+{
+    const int t = pos.t, lane = pos.lane, w = pos.w;
+    if (t < SQ_D) {
+        float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
+        float qv = sm.q[t], kv = sm.k[t];
+        if (st.l2norm) {
+            float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
+            float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
+            qv *= 1.0f / sqrtf(a + 1e-6f);
+            kv *= 1.0f / sqrtf(b + 1e-6f);
+        }
+        qv *= sc;
+        sm.q[t] = qv;
+        sm.k[t] = kv;
+        float p = qv * kv;
 #pragma unroll
-            for (int o = 16; o; o >>= 1)
-                p += __shfl_xor_sync(0xffffffffu, p, o);
-            if (lane == 0)
-                sm.kqp[w] = p;
-        } else if (!st.kda) {
-            sm.dec[t - SQ_D] = sm.dec0;
-        }
-        if (io.skip && t == 0)
-            io.skip[(size_t)e * HV + hv] = 0;
-        if (SRC != SQ_SRC_DENSE)
-            sq_cp_async_wait_all();
-        __syncthreads();
-        kq = (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
-    } else if (SRC == SQ_SRC_PACKED) {
+        for (int o = 16; o; o >>= 1)
+            p += __shfl_xor_sync(0xffffffffu, p, o);
+        if (lane == 0)
+            sm.kqp[w] = p;
+    } else if (!st.kda) {
+        sm.dec[t - SQ_D] = sm.dec0;
+    }
+    if (io.skip && t == 0)
+        io.skip[(size_t)e * HV + hv] = 0;
+    if (SRC != SQ_SRC_DENSE)
         sq_cp_async_wait_all();
-        __syncthreads();
-    }
+    __syncthreads();
+    return (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
+}
 
-    /* ---- packed source: decode (decay folded into the row factor) ---- */
-    if (SRC == SQ_SRC_PACKED) {
-        if (t < SQ_D) {
-            int b = sm.bits[t];
-            float d = UPDATE ? sm.dec[t] : 1.0f;
-            float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
-            sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
-            sm.cold[t] =
-                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
-        }
-        __syncthreads();
-        float cc[8];
-        {
-            float4 a = *(const float4 *)(sm.cold + C0), b = *(const float4 *)(sm.cold + C0 + 4);
-            cc[0] = a.x, cc[1] = a.y, cc[2] = a.z, cc[3] = a.w;
-            cc[4] = b.x, cc[5] = b.y, cc[6] = b.z, cc[7] = b.w;
-        }
-        const int ub = hd->ubits; /* one width for every row: one dispatch per head */
-        if (ub && !RTU) {
-            sq_dec_tile_ub(x, buf, R0, tx, sm.rowf, cc, ub);
-        } else
+/*
+ * The rows of a head without a uniform width (and with SQ_V_RTU, every
+ * head): fp16 pivot rows, or codes at each row's width b, decoded with the
+ * row's constants from the table (ROWC) or computed per lane.
+ */
+template <bool ROWC>
+__device__ __forceinline__ void sq_dec_tile_rows(float (&x)[64], const uint8_t *buf,
+                                                 const sq_tsmem &sm, const sq_rowc *rowc, int R0,
+                                                 int tx, const float (&cc)[8])
+{
 #pragma unroll
-            for (int r = 0; r < 8; r++) {
-                const int i = R0 + r;
-                uint4 d0 = make_uint4(0, 0, 0, 0), d1 = d0;
-                if (ROWC) {
-                    d0 = rowc[i].d0;
-                    d1 = rowc[i].d1;
-                }
-                const int b = ROWC ? (d0.x ? (int)d0.x : STEPQ_BITS_PIVOT) : sm.bits[i];
-                const float rf = sm.rowf[i];
-                const uint8_t *row = buf + (ROWC ? d1.z : sm.roff[i]);
-                float *xr = x + 8 * r;
-                if (b == STEPQ_BITS_PIVOT) {
-                    uint4 v = *(const uint4 *)(row + 16 * tx);
-                    uint32_t wd[4] = { v.x, v.y, v.z, v.w };
+    for (int r = 0; r < 8; r++) {
+        const int i = R0 + r;
+        uint4 d0 = make_uint4(0, 0, 0, 0), d1 = d0;
+        if (ROWC) {
+            d0 = rowc[i].d0;
+            d1 = rowc[i].d1;
+        }
+        const int b = ROWC ? (d0.x ? (int)d0.x : STEPQ_BITS_PIVOT) : sm.bits[i];
+        const float rf = sm.rowf[i];
+        const uint8_t *row = buf + (ROWC ? d1.z : sm.roff[i]);
+        float *xr = x + 8 * r;
+        if (b == STEPQ_BITS_PIVOT) {
+            uint4 v = *(const uint4 *)(row + 16 * tx);
+            uint32_t wd[4] = { v.x, v.y, v.z, v.w };
 #pragma unroll
-                    for (int k = 0; k < 4; k++) {
-                        float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&wd[k]));
-                        xr[2 * k] = f.x * rf;
-                        xr[2 * k + 1] = f.y * rf;
-                    }
-                } else if (ROWC) {
-                    sq_dec_row_rc(xr, row, tx, d0, d1, rf, cc);
-                } else {
-                    sq_dec_row_rt(xr, row, tx, b, rf, cc);
-                }
+            for (int k = 0; k < 4; k++) {
+                float2 f = __half22float2(*reinterpret_cast<const __half2 *>(&wd[k]));
+                xr[2 * k] = f.x * rf;
+                xr[2 * k + 1] = f.y * rf;
             }
-    } else if (UPDATE) {
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float d = sm.dec[R0 + r];
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                x[r * 8 + c] *= d;
+        } else if (ROWC) {
+            sq_dec_row_rc(xr, row, tx, d0, d1, rf, cc);
+        } else {
+            sq_dec_row_rt(xr, row, tx, b, rf, cc);
         }
     }
+}
 
-    /* ---- update: S^T k and S^T q of the decayed state in one pass ---- */
-    if (UPDATE) {
-        float pk[8], pq[8];
+/*
+ * Decode of the staged block into x: the row factors r_i dec_i / qmax_i (the
+ * decay folded in: no pass of its own) and the column scales, then the
+ * codes at the head's uniform width or row by row.
+ */
+template <bool UPDATE, int V>
+__device__ __forceinline__ void sq_tile_decode(float (&x)[64], const uint8_t *buf,
+                                               const sq_head_desc *hd, sq_tsmem &sm,
+                                               const sq_rowc *rowc, const sq_tpos &pos)
+{
+    const int t = pos.t, tx = pos.tx, R0 = pos.R0, C0 = pos.C0;
+    constexpr bool RTU = V & SQ_V_RTU, ROWC = V & SQ_V_RTU;
+    if (t < SQ_D) {
+        int b = sm.bits[t];
+        float d = UPDATE ? sm.dec[t] : 1.0f;
+        float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
+        sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
+        sm.cold[t] = hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
+    }
+    __syncthreads();
+    float cc[8];
+    {
+        float4 a = *(const float4 *)(sm.cold + C0), b = *(const float4 *)(sm.cold + C0 + 4);
+        cc[0] = a.x, cc[1] = a.y, cc[2] = a.z, cc[3] = a.w;
+        cc[4] = b.x, cc[5] = b.y, cc[6] = b.z, cc[7] = b.w;
+    }
+    const int ub = hd->ubits; /* one width for every row: one dispatch per head */
+    if (ub && !RTU)
+        sq_dec_tile_ub(x, buf, R0, tx, sm.rowf, cc, ub);
+    else
+        sq_dec_tile_rows<ROWC>(x, buf, sm, rowc, R0, tx, cc);
+}
+
+/* The decay of a dense source (a packed one has it in its row factors). */
+__device__ __forceinline__ void sq_tile_decay(float (&x)[64], const sq_tsmem &sm, int R0)
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float d = sm.dec[R0 + r];
 #pragma unroll
         for (int c = 0; c < 8; c++)
-            pk[c] = pq[c] = 0.0f;
+            x[r * 8 + c] *= d;
+    }
+}
+
+/*
+ * The delta rule on the decayed state: S^T k and S^T q in one pass (the
+ * readout is o = S_dec^T q + u (k.q)), u = (v - S^T k) beta per column, and
+ * the rank-1 update x += k u^T. Leaves u in sm.cola and S_dec^T q in sm.colb.
+ */
+__device__ __forceinline__ void sq_tile_update(float (&x)[64], sq_tsmem &sm, const sq_tpos &pos)
+{
+    const int t = pos.t, lane = pos.lane, w = pos.w, R0 = pos.R0, C0 = pos.C0;
+    float pk[8], pq[8];
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+    for (int c = 0; c < 8; c++)
+        pk[c] = pq[c] = 0.0f;
 #pragma unroll
-            for (int c = 0; c < 8; c++) {
-                pk[c] = fmaf(x[r * 8 + c], kr, pk[c]);
-                pq[c] = fmaf(x[r * 8 + c], qr, pq[c]);
-            }
-        }
-        sq_col_part<false>(pk, sm.part[0], w, lane);
-        sq_col_part<false>(pq, sm.part[1], w, lane);
-        __syncthreads(); /* also: every read of the staged old block is done */
-        {
-            const int j = t & (SQ_D - 1);
-            if (t < SQ_D)
-                sm.cola[j] = (sm.v[j] - sq_col_total<false>(sm.part[0], j)) * sm.beta;
-            else
-                sm.colb[j] = sq_col_total<false>(sm.part[1], j);
-        }
-        __syncthreads();
-        float uu[8];
-        {
-            float4 a = *(const float4 *)(sm.cola + C0), b = *(const float4 *)(sm.cola + C0 + 4);
-            uu[0] = a.x, uu[1] = a.y, uu[2] = a.z, uu[3] = a.w;
-            uu[4] = b.x, uu[5] = b.y, uu[6] = b.z, uu[7] = b.w;
-        }
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
 #pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float kr = sm.k[R0 + r];
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                x[r * 8 + c] = fmaf(kr, uu[c], x[r * 8 + c]);
+        for (int c = 0; c < 8; c++) {
+            pk[c] = fmaf(x[r * 8 + c], kr, pk[c]);
+            pq[c] = fmaf(x[r * 8 + c], qr, pq[c]);
         }
     }
+    sq_col_part<false>(pk, sm.part[0], w, lane);
+    sq_col_part<false>(pq, sm.part[1], w, lane);
+    __syncthreads(); /* also: every read of the staged old block is done */
+    {
+        const int j = t & (SQ_D - 1);
+        if (t < SQ_D)
+            sm.cola[j] = (sm.v[j] - sq_col_total<false>(sm.part[0], j)) * sm.beta;
+        else
+            sm.colb[j] = sq_col_total<false>(sm.part[1], j);
+    }
+    __syncthreads();
+    float uu[8];
+    {
+        float4 a = *(const float4 *)(sm.cola + C0), b = *(const float4 *)(sm.cola + C0 + 4);
+        uu[0] = a.x, uu[1] = a.y, uu[2] = a.z, uu[3] = a.w;
+        uu[4] = b.x, uu[5] = b.y, uu[6] = b.z, uu[7] = b.w;
+    }
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r];
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            x[r * 8 + c] = fmaf(kr, uu[c], x[r * 8 + c]);
+    }
+}
 
-    /* ---- non-finite elements: detected by NaN-propagating row maxima ---- */
-    float m[8];
+/*
+ * The row maxima m of |x| that the row scales need, NaN-propagating so that
+ * they also detect non-finite elements. A block with one (rare) sets them to
+ * 0 (health STATE) and recomputes S^T q from the sanitised state into
+ * sm.colb. Returns whether it did (then the readout is sm.colb alone).
+ */
+template <bool UPDATE>
+__device__ __forceinline__ bool sq_tile_finite(float (&x)[64], float (&m)[8], sq_tsmem &sm,
+                                               unsigned &fl, const sq_tpos &pos)
+{
+    const int t = pos.t, lane = pos.lane, w = pos.w, R0 = pos.R0;
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         float a = sq_maxnan(fabsf(x[r * 8]), fabsf(x[r * 8 + 1]));
@@ -1107,7 +1144,15 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
             __syncthreads();
         }
     }
-    if (UPDATE && t < SQ_D) {
+    return slow;
+}
+
+/* Readout o of column t (bf16 when bfi); a non-finite one is stored as 0 (health OUTPUT). */
+__device__ __forceinline__ void sq_tile_readout(const sq_step &st, const sq_tsmem &sm, float kq,
+                                                bool slow, int e, int hv, int bfi, unsigned &fl,
+                                                int t)
+{
+    if (t < SQ_D) {
         float o = slow ? sm.colb[t] : fmaf(sm.cola[t], kq, sm.colb[t]);
         if (!isfinite(o)) {
             o = 0.0f;
@@ -1115,176 +1160,351 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         }
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
     }
+}
 
-    if (SINK == SQ_SINK_DENSE) {
-        size_t off =
-            (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
-        if (io.bf16) {
-            float mx = 0.0f;
+/*
+ * Store into the dense sink. bf16: the saturating scalar path only where
+ * the tile's maximum would round to Inf (sq_tstore).
+ */
+__device__ __forceinline__ void sq_tile_store_dense(const float (&x)[64], const float (&m)[8],
+                                                    const sq_io &io, int32_t slot, int e, int hv,
+                                                    unsigned &fl, const sq_tpos &pos)
+{
+    const int R0 = pos.R0, C0 = pos.C0;
+    size_t off = (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
+    if (io.bf16) {
+        float mx = 0.0f;
 #pragma unroll
-            for (int r = 0; r < 8; r++)
-                mx = fmaxf(mx, m[r]);
-            bool sat = __float_as_uint(mx) >= 0x7F7F8000u; /* rounds to Inf in bf16 */
-            sq_tstore<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0, sat, &fl);
-        } else {
-            sq_tstore<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0, false, &fl);
-        }
+        for (int r = 0; r < 8; r++)
+            mx = fmaxf(mx, m[r]);
+        bool sat = __float_as_uint(mx) >= 0x7F7F8000u; /* rounds to Inf in bf16 */
+        sq_tstore<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0, sat, &fl);
     } else {
-        const bool dual = hd->dual;
-        if (hd->needs_zero) {
-            for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
-                ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
-            __syncthreads();
-        }
-        /* 1. row scales on lanes tx even (row R0 + tx/2) */
-        {
-            float mr = sq_row_max(m, tx);
-            if (!(tx & 1)) {
-                const int i = R0 + (tx >> 1);
-                const int b = sm.bits[i];
-                float ri = 0.0f, ar = 0.0f, ad = 0.0f, aw = 0.0f;
-                uint16_t h = 0;
-                if (b != STEPQ_BITS_PIVOT) {
-                    const float wi = hd->w[i];
-                    float s = dual ? sqrtf(mr / wi) : mr;
-                    if (s > STEPQ__SCALE_MAX) {
-                        fl |= STEPQ_HEALTH_SATURATED;
-                        sm.sat = 1;
-                    }
-                    h = sq_scale_h(s);
-                    float r = sq_h2f(h);
-                    const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
-                    const float w2r2 = wi * wi * r * r;
-                    ri = __frcp_rn(r);
-                    ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
-                    ad = ar * iq;
-                    aw = w2r2; /* uniform-width heads: qmax goes to the column scale */
-                }
-                sm.rinv[i] = ri;
-                sm.ar[i] = ar;
-                sm.ad[i] = ad;
-                sm.aw[i] = aw;
-                ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
+        sq_tstore<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, R0, C0, false, &fl);
+    }
+}
+
+/*
+ * Fit, rows: the scale of row R0 + tx/2 from its maximum mr on lanes tx
+ * even (fp16 into the block; saturation raises SATURATED and sm.sat), with
+ * its reciprocal and the refit weights into shared memory.
+ */
+__device__ __forceinline__ void sq_tile_fit_rows(const float (&m)[8], const sq_head_desc *hd,
+                                                 bool dual, sq_tsmem &sm, uint8_t *buf,
+                                                 unsigned &fl, const sq_tpos &pos)
+{
+    const int tx = pos.tx, R0 = pos.R0;
+    float mr = sq_row_max(m, tx);
+    if (!(tx & 1)) {
+        const int i = R0 + (tx >> 1);
+        const int b = sm.bits[i];
+        float ri = 0.0f, ar = 0.0f, ad = 0.0f, aw = 0.0f;
+        uint16_t h = 0;
+        if (b != STEPQ_BITS_PIVOT) {
+            const float wi = hd->w[i];
+            float s = dual ? sqrtf(mr / wi) : mr;
+            if (s > STEPQ__SCALE_MAX) {
+                fl |= STEPQ_HEALTH_SATURATED;
+                sm.sat = 1;
             }
+            h = sq_scale_h(s);
+            float r = sq_h2f(h);
+            const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
+            const float w2r2 = wi * wi * r * r;
+            ri = __frcp_rn(r);
+            ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
+            ad = ar * iq;
+            aw = w2r2; /* uniform-width heads: qmax goes to the column scale */
         }
-        /* pivot rows: fp16 values straight into the block (none in a uniform-width head) */
+        sm.rinv[i] = ri;
+        sm.ar[i] = ar;
+        sm.ad[i] = ad;
+        sm.aw[i] = aw;
+        ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
+    }
+}
+
+/* Encode, pivot rows: their fp16 values straight into the block (none in a uniform-width head). */
+__device__ __forceinline__ void sq_tile_store_pivots(const float (&x)[64], const sq_head_desc *hd,
+                                                     const sq_tsmem &sm, uint8_t *buf, unsigned &fl,
+                                                     int R0, int tx)
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int i = R0 + r;
+        if (!hd->ubits && sm.bits[i] == STEPQ_BITS_PIVOT) {
+            uint16_t hb[8];
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                hb[c] = sq_f16_sat(x[r * 8 + c], &fl);
+            *(uint4 *)(buf + sm.roff[i] + 16 * tx) =
+                make_uint4(hb[0] | (uint32_t)hb[1] << 16, hb[2] | (uint32_t)hb[3] << 16,
+                           hb[4] | (uint32_t)hb[5] << 16, hb[6] | (uint32_t)hb[7] << 16);
+        }
+    }
+}
+
+/*
+ * Fit, columns: y = x / r in place of x (0 on pivot rows), then on dual
+ * heads the column scales c_j of max |y| (saturation raises SATURATED and
+ * sm.sat; c_j into sm.cola for the refit) and ci = 1 / c_j; else ci = 1.
+ */
+__device__ __forceinline__ void sq_tile_fit_cols(float (&x)[64], float (&ci)[8], bool dual,
+                                                 sq_tsmem &sm, unsigned &fl, const sq_tpos &pos)
+{
+    const int t = pos.t, lane = pos.lane, w = pos.w, R0 = pos.R0, C0 = pos.C0;
+    {
+        float4 a = *(const float4 *)(sm.rinv + R0), b = *(const float4 *)(sm.rinv + R0 + 4);
+        const float ri[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+#pragma unroll
+            for (int c = 0; c < 8; c++)
+                x[r * 8 + c] *= ri[r];
+    }
+    if (dual) {
+        float pc[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            float a = fmaxf(fabsf(x[c]), fabsf(x[8 + c]));
+            float b = fmaxf(fabsf(x[16 + c]), fabsf(x[24 + c]));
+            float d = fmaxf(fabsf(x[32 + c]), fabsf(x[40 + c]));
+            float f = fmaxf(fabsf(x[48 + c]), fabsf(x[56 + c]));
+            pc[c] = fmaxf(fmaxf(a, b), fmaxf(d, f));
+        }
+        sq_col_part<true>(pc, sm.part[0], w, lane);
+        __syncthreads();
+        if (t < SQ_D) {
+            const int j = t;
+            const float cm = sq_col_total<true>(sm.part[0], t);
+            if (cm > STEPQ__SCALE_MAX) {
+                fl |= STEPQ_HEALTH_SATURATED;
+                sm.sat = 1;
+            }
+            float c = sq_h2f(sq_scale_h(cm));
+            sm.cola[j] = c;
+            sm.colb[j] = __frcp_rn(c);
+        }
+        __syncthreads();
+        float4 a = *(const float4 *)(sm.colb + C0), b = *(const float4 *)(sm.colb + C0 + 4);
+        ci[0] = a.x, ci[1] = a.y, ci[2] = a.z, ci[3] = a.w;
+        ci[4] = b.x, ci[5] = b.y, ci[6] = b.z, ci[7] = b.w;
+    } else {
+        __syncthreads(); /* sm.sat */
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            ci[c] = 1.0f;
+    }
+}
+
+/*
+ * The codes and refit sums of the thread's 8 rows on the run-time-width
+ * path: U, a uniform-width head (width ub, ci = qmax / c_j); else each row's
+ * width, pivot rows skipped. CL: clamp (a scale saturated).
+ */
+template <bool CL, bool U>
+__device__ __forceinline__ void
+sq_quant_tile_rt(const float (&x)[64], uint8_t *buf, const sq_tsmem &sm, int R0, int tx, int ub,
+                 const float (&ci)[8], float (&num)[8], float (&den)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const int i = R0 + r;
+        const int b = U ? ub : sm.bits[i];
+        if (U || b != STEPQ_BITS_PIVOT)
+            sq_quant_row_rt<CL, U>(x + 8 * r, buf + sm.roff[i], tx, b, ci, U ? sm.aw[i] : sm.ar[i],
+                                   sm.ad[i], num, den);
+    }
+}
+
+/*
+ * Encode, codes: y (in x) quantized at 1 / c_j = ci into the block with the
+ * refit sums num, den of its columns. The uniform-width templates unless
+ * SQ_V_RTU; clamped where a scale saturated (clamp); else row by row.
+ */
+template <int V>
+__device__ __forceinline__ void sq_tile_encode(const float (&x)[64], const float (&ci)[8], int ub,
+                                               bool clamp, const sq_tsmem &sm, const sq_rowc *rowc,
+                                               uint8_t *buf, float (&num)[8], float (&den)[8],
+                                               const sq_tpos &pos)
+{
+    const int tx = pos.tx, R0 = pos.R0;
+    constexpr bool RTU = V & SQ_V_RTU, ROWC = V & SQ_V_RTU;
+    float qci[8]; /* RTU: qmax / c_j of a uniform-width head */
+    if (ub && !clamp && !RTU) {
+        sq_quant_tile_ub(x, buf, R0, tx, ci, sm.aw, num, den, ub);
+    } else if (ub && !clamp) {
+        const float qm = (float)((1 << (ub - 1)) - 1);
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            qci[c] = ci[c] * qm;
+        sq_quant_tile_rt<false, true>(x, buf, sm, R0, tx, ub, qci, num, den);
+    } else if (clamp) {
+        sq_quant_tile_rt<true, false>(x, buf, sm, R0, tx, ub, ci, num, den);
+    } else if (ROWC) {
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const int i = R0 + r;
-            if (!hd->ubits && sm.bits[i] == STEPQ_BITS_PIVOT) {
-                uint16_t hb[8];
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-                    hb[c] = sq_f16_sat(x[r * 8 + c], &fl);
-                *(uint4 *)(buf + sm.roff[i] + 16 * tx) =
-                    make_uint4(hb[0] | (uint32_t)hb[1] << 16, hb[2] | (uint32_t)hb[3] << 16,
-                               hb[4] | (uint32_t)hb[5] << 16, hb[6] | (uint32_t)hb[7] << 16);
-            }
+            const int b = sm.bits[i];
+            if (b != STEPQ_BITS_PIVOT)
+                sq_quant_row_rc(x + 8 * r, buf + sm.roff[i], tx, b, rowc[i].q, sm.ar[i], sm.ad[i],
+                                ci, num, den);
         }
-        __syncwarp();
-        /* 2. y = x / r (0 on pivot rows); column maxima of |y| */
-        {
-            float4 a = *(const float4 *)(sm.rinv + R0), b = *(const float4 *)(sm.rinv + R0 + 4);
-            const float ri[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
-#pragma unroll
-            for (int r = 0; r < 8; r++)
-#pragma unroll
-                for (int c = 0; c < 8; c++)
-                    x[r * 8 + c] *= ri[r];
-        }
-        float ci[8];
-        if (dual) {
-            float pc[8];
-#pragma unroll
-            for (int c = 0; c < 8; c++) {
-                float a = fmaxf(fabsf(x[c]), fabsf(x[8 + c]));
-                float b = fmaxf(fabsf(x[16 + c]), fabsf(x[24 + c]));
-                float d = fmaxf(fabsf(x[32 + c]), fabsf(x[40 + c]));
-                float f = fmaxf(fabsf(x[48 + c]), fabsf(x[56 + c]));
-                pc[c] = fmaxf(fmaxf(a, b), fmaxf(d, f));
-            }
-            sq_col_part<true>(pc, sm.part[0], w, lane);
-            __syncthreads();
-            if (t < SQ_D) {
-                const int j = t;
-                const float cm = sq_col_total<true>(sm.part[0], t);
-                if (cm > STEPQ__SCALE_MAX) {
-                    fl |= STEPQ_HEALTH_SATURATED;
-                    sm.sat = 1;
+    } else {
+        sq_quant_tile_rt<false, false>(x, buf, sm, R0, tx, ub, ci, num, den);
+    }
+}
+
+/*
+ * Fit, refit: the column scales of a dual head from the fixed codes, c_j =
+ * num / den (sq_quant_row_e left qmax out of the sums; den = 0 keeps c_j),
+ * into the block; 0 without integer rows, or where the layout has column
+ * scales but the head is not dual.
+ */
+__device__ __forceinline__ void sq_tile_refit(const float (&num)[8], const float (&den)[8],
+                                              const sq_head_desc *hd, bool dual, int ub, bool clamp,
+                                              sq_tsmem &sm, uint8_t *buf, unsigned &fl,
+                                              const sq_tpos &pos)
+{
+    const int t = pos.t, lane = pos.lane, w = pos.w;
+    if (dual) {
+        sq_col_part<false>(num, sm.part[0], w, lane);
+        sq_col_part<false>(den, sm.part[1], w, lane);
+        __syncthreads();
+        if (t < SQ_D) {
+            const int j = t;
+            uint16_t h = 0;
+            if (hd->any_int) {
+                const float nm = sq_col_total<false>(sm.part[0], t);
+                const float dn = sq_col_total<false>(sm.part[1], t);
+                if (dn > 0.0f) {
+                    /* sq_quant_row_e left qmax out of the sums */
+                    float c = ub && !clamp ? (nm * (float)((1 << (ub - 1)) - 1)) / dn : nm / dn;
+                    if (c > STEPQ__SCALE_MAX)
+                        fl |= STEPQ_HEALTH_SATURATED;
+                    h = sq_scale_h(c);
+                } else {
+                    h = sq_scale_h(sm.cola[j]);
                 }
-                float c = sq_h2f(sq_scale_h(cm));
-                sm.cola[j] = c;
-                sm.colb[j] = __frcp_rn(c);
             }
-            __syncthreads();
-            float4 a = *(const float4 *)(sm.colb + C0), b = *(const float4 *)(sm.colb + C0 + 4);
-            ci[0] = a.x, ci[1] = a.y, ci[2] = a.z, ci[3] = a.w;
-            ci[4] = b.x, ci[5] = b.y, ci[6] = b.z, ci[7] = b.w;
-        } else {
-            __syncthreads(); /* sm.sat */
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                ci[c] = 1.0f;
+            ((uint16_t *)(buf + hd->col_scale_off))[j] = h;
         }
-        /* 3. codes + refit sums */
-        float num[8], den[8];
+    } else if (hd->has_col && t < SQ_D) {
+        ((uint16_t *)(buf + hd->col_scale_off))[t] = 0;
+    }
+}
+
+/*
+ * Into the packed sink: the new block is assembled in buf (the old one has
+ * been read by now), row scales, pivot rows, column scales, codes, refit.
+ */
+template <int V>
+__device__ __forceinline__ void
+sq_tile_store_packed(float (&x)[64], const float (&m)[8], const sq_head_desc *hd, sq_tsmem &sm,
+                     const sq_rowc *rowc, uint8_t *buf, unsigned &fl, const sq_tpos &pos)
+{
+    const int t = pos.t;
+    const bool dual = hd->dual;
+    if (hd->needs_zero) {
+        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+            ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
+        __syncthreads();
+    }
+    sq_tile_fit_rows(m, hd, dual, sm, buf, fl, pos);
+    sq_tile_store_pivots(x, hd, sm, buf, fl, pos.R0, pos.tx);
+    __syncwarp(); /* sm.rinv of a half-warp's rows comes from its own lanes */
+    float ci[8];
+    sq_tile_fit_cols(x, ci, dual, sm, fl, pos);
+    float num[8], den[8];
 #pragma unroll
-        for (int c = 0; c < 8; c++)
-            num[c] = den[c] = 0.0f;
-        const bool clamp = sm.sat;
-        const int ub = hd->ubits;
-        float qci[8]; /* RTU: qmax / c_j of a uniform-width head */
-        if (ub && !clamp && !RTU) {
-            sq_quant_tile_ub(x, buf, R0, tx, ci, sm.aw, num, den, ub);
-        } else if (ub && !clamp) {
-            const float qm = (float)((1 << (ub - 1)) - 1);
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                qci[c] = ci[c] * qm;
-            sq_quant_tile_rt<false, true>(x, buf, sm, R0, tx, ub, qci, num, den);
-        } else if (clamp) {
-            sq_quant_tile_rt<true, false>(x, buf, sm, R0, tx, ub, ci, num, den);
-        } else if (ROWC) {
-#pragma unroll
-            for (int r = 0; r < 8; r++) {
-                const int i = R0 + r;
-                const int b = sm.bits[i];
-                if (b != STEPQ_BITS_PIVOT)
-                    sq_quant_row_rc(x + 8 * r, buf + sm.roff[i], tx, b, rowc[i].q, sm.ar[i],
-                                    sm.ad[i], ci, num, den);
-            }
-        } else {
-            sq_quant_tile_rt<false, false>(x, buf, sm, R0, tx, ub, ci, num, den);
-        }
-        /* 4. fixed-code column refit */
-        if (dual) {
-            sq_col_part<false>(num, sm.part[0], w, lane);
-            sq_col_part<false>(den, sm.part[1], w, lane);
-            __syncthreads();
-            if (t < SQ_D) {
-                const int j = t;
-                uint16_t h = 0;
-                if (hd->any_int) {
-                    const float nm = sq_col_total<false>(sm.part[0], t);
-                    const float dn = sq_col_total<false>(sm.part[1], t);
-                    if (dn > 0.0f) {
-                        /* sq_quant_row_e left qmax out of the sums */
-                        float c = ub && !clamp ? (nm * (float)((1 << (ub - 1)) - 1)) / dn : nm / dn;
-                        if (c > STEPQ__SCALE_MAX)
-                            fl |= STEPQ_HEALTH_SATURATED;
-                        h = sq_scale_h(c);
-                    } else {
-                        h = sq_scale_h(sm.cola[j]);
-                    }
-                }
-                ((uint16_t *)(buf + hd->col_scale_off))[j] = h;
-            }
-        } else if (hd->has_col && t < SQ_D) {
-            ((uint16_t *)(buf + hd->col_scale_off))[t] = 0;
-        }
+    for (int c = 0; c < 8; c++)
+        num[c] = den[c] = 0.0f;
+    const bool clamp = sm.sat;
+    const int ub = hd->ubits;
+    sq_tile_encode<V>(x, ci, ub, clamp, sm, rowc, buf, num, den, pos);
+    sq_tile_refit(num, den, hd, dual, ub, clamp, sm, buf, fl, pos);
+}
+
+/* Health, reported by one thread: one event per (request, head) and flag, as the reference. */
+__device__ __forceinline__ void sq_tile_report(const sq_io &io, unsigned f, int32_t slot)
+{
+    if (io.health)
+        atomicOr(io.health + slot, f);
+    if (io.counts)
+        for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+            if (f & (1u << bit))
+                atomicAdd(io.counts + bit, 1ull);
+}
+
+/*
+ * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
+ * dense; SINK: packed (quantized) or dense. With a packed source the block
+ * has been staged into buf by the caller (sq_stage_block), and so has the
+ * dense head of a pack (sq_stage_dense, sq_stage_dense_scalar).
+ * Ends with a barrier: buf and sm are free when it returns. V: SQ_V_* bits.
+ */
+template <int SRC, bool UPDATE, int SINK, int V = 0>
+__device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io, int hv, int e,
+                                             int HV, int32_t slot, uint8_t *buf, sq_tsmem &sm,
+                                             const sq_in &in)
+{
+    const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
+    const int lane = t & 31, w = t >> 5, tx = lane & 15;
+    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
+    const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
+    uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
+    unsigned fl = 0; /* health bits raised by this thread */
+    if (t == 0) {
+        sm.fl = 0;
+        sm.sat = 0;
+    }
+    /* run-time widths: per-row constants from a table (1-1.3% faster than per-lane math, KDA) */
+    constexpr bool ROWC = V & SQ_V_RTU;
+    sq_rowc *rowc = nullptr;
+    if constexpr (ROWC) {
+        __shared__ sq_rowc rowc_tab[SQ_D];
+        rowc = rowc_tab;
     }
 
-    /* ---- health (one event per (request, head) and flag) and write-back ---- */
+    float x[64];
+    sq_tile_load<SRC, UPDATE, SINK, V>(x, io, hd, sm, rowc, buf, slot, e, hv, pos);
+    float kq = 0.0f;
+    if (UPDATE) {
+        /* the recurrence inputs (as sq_head_kernel), from their bits (sq_load_in) */
+        bool bad = false;
+        if (t < SQ_D)
+            bad = sq_tile_in_qk(st, in, sm, bfi, pos);
+        else
+            bad = sq_tile_in_vgb(st, in, sm, bfi, t);
+        if (__syncthreads_or(bad)) {
+            if (SRC != SQ_SRC_DENSE)
+                sq_cp_async_wait_all(); /* nothing may land in a finished block */
+            sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
+            __syncthreads(); /* buf and sm are free when it returns */
+            return;
+        }
+        kq = sq_tile_in_norm<SRC>(st, io, sm, hv, e, HV, pos);
+    } else if (SRC == SQ_SRC_PACKED) {
+        sq_cp_async_wait_all();
+        __syncthreads();
+    }
+    if (SRC == SQ_SRC_PACKED)
+        sq_tile_decode<UPDATE, V>(x, buf, hd, sm, rowc, pos);
+    else if (UPDATE)
+        sq_tile_decay(x, sm, pos.R0);
+    if (UPDATE)
+        sq_tile_update(x, sm, pos);
+    float m[8];
+    const bool slow = sq_tile_finite<UPDATE>(x, m, sm, fl, pos);
+    if (UPDATE)
+        sq_tile_readout(st, sm, kq, slow, e, hv, bfi, fl, t);
+    if (SINK == SQ_SINK_DENSE)
+        sq_tile_store_dense(x, m, io, slot, e, hv, fl, pos);
+    else
+        sq_tile_store_packed<V>(x, m, hd, sm, rowc, buf, fl, pos);
+
+    /* every thread's health bits are in sm.fl before the block leaves and thread 0 reports */
     if (fl)
         atomicOr(&sm.fl, fl);
     __syncthreads();
@@ -1294,15 +1514,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
             d[n] = s[n];
     }
-    if (t == 0 && sm.fl) {
-        const unsigned f = sm.fl;
-        if (io.health)
-            atomicOr(io.health + slot, f);
-        if (io.counts)
-            for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
-                if (f & (1u << bit))
-                    atomicAdd(io.counts + bit, 1ull);
-    }
+    if (t == 0 && sm.fl)
+        sq_tile_report(io, sm.fl, slot);
     __syncthreads(); /* buf and sm are free when it returns */
 }
 
