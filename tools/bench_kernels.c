@@ -1,13 +1,23 @@
 /*
  * stepq bench kernels [--json FILE] [--quick] [--peer FILE]: one decode step,
  * pack and unpack of one layer on the GPU, timed with CUDA events (3 warm-up
- * launches, median of 20), for the Qwen3-Next-80B-A3B (GDN, 32 value heads
+ * launches, median of 20: tests/checkasm/timing.c, the helper the kernel
+ * checks' --bench uses too), for the Qwen3-Next-80B-A3B (GDN, 32 value heads
  * over 16 q/k heads) and Kimi-Linear-48B (KDA, 32 heads) layer shapes at TP1.
  *
- * Bytes moved = state bytes read + written (packed pages incl. alignment, or
- * the dense state; the two-stage rows add their fp32 scratch write + read)
- * + q/k/v/g/beta read + o written. The device copy bandwidth is measured in
- * the same run (cudaMemcpy device-to-device of 1 GiB, read + write counted).
+ * The rows run on the checks' fixture (tests/checkasm/fixture.c): the packed
+ * step, pack and unpack rows on a CUDA pool opened from a map built in memory
+ * (one layer, the method's widths), through the public API
+ * (stepq_pool_decode_step, stepq_pool_prefill_pack / _unpack), as a server
+ * calls them; the dense fp32 / bf16 rows, the two-stage row and the "(old)"
+ * thread-per-column rows through the internal entries, on the pool's layer
+ * where there is one, the kernel chosen by an explicit argument.
+ *
+ * Bytes moved = state bytes read + written (packed head blocks incl. their
+ * alignment, from the pool's layout, or the dense state; the two-stage rows
+ * add their fp32 scratch write + read) + q/k/v/g/beta read + o written. The
+ * device copy bandwidth is measured in the same run (cudaMemcpy
+ * device-to-device of 1 GiB, read + write counted).
  *
  * The peer (flash-linear-attention's fp32-state kernels) is timed by
  * tools/bench_peer_fla.py in its own process; --peer reads its JSON. Without
@@ -29,12 +39,13 @@
 #include "kernels/cuda/cuda.h"
 #include "kernels/dsp.h"
 #include "kernels/format.h"
+#include "plugin/err.h"
 #include "stepq/stepq.h"
+#include "tests/checkasm/fixture.h"
+#include "tests/checkasm/timing.h"
 
-#define D      128
-#define WARMUP 3
-#define RUNS   20
-#define MAX_B  512
+#define D     128
+#define MAX_B 512
 /* A peer file is a few kB; anything this large is not one. */
 #define PEER_MAX_BYTES (1u << 20)
 
@@ -116,13 +127,7 @@ static int fill_states(void *dev, size_t n, float scale)
     return fill_with(dev, n, pat);
 }
 
-static int cmp_float(const void *a, const void *b)
-{
-    float x = *(const float *)a, y = *(const float *)b;
-    return (x > y) - (x < y);
-}
-
-/* A launcher for one configuration. */
+/* What a row times. */
 enum kind {
     K_DENSE_F32,
     K_DENSE_BF16,
@@ -142,74 +147,80 @@ static int is_step(enum kind k)
     return k == K_DENSE_F32 || k == K_DENSE_BF16 || k == K_PACKED || k == K_PACKED_2S;
 }
 
+/* The dense side of a pack or unpack kind. */
+static stepq_dtype kind_dtype(enum kind k)
+{
+    return k == K_PACK_BF16 || k == K_UNPACK_BF16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32;
+}
+
+static stepq_state_layout kind_layout(enum kind k)
+{
+    return k == K_PACK_VK || k == K_UNPACK_VK ? STEPQ_STATE_LAYOUT_VK : STEPQ_STATE_LAYOUT_KV;
+}
+
+/* One row's launch, what fx_time_us times. */
 struct ctx {
-    struct stepq__step_args a;
-    struct stepq__packed_layer pl;
-    stepq__cuda_layer *L;
-    void *dense;
     enum kind kind;
-    unsigned dense_flags; /* of the dense steps: 0, or STEPQ__CUDA_COLUMN on the "(old)" rows */
+    int old;                       /* the "(old)" rows: STEPQ__CUDA_COLUMN */
+    stepq_pool_t *pool;            /* the packed rows' pool */
+    stepq_step_args args;          /* the step through the public API */
+    stepq_prefill_args pf;         /* the pack / unpack through the public API */
+    struct stepq__step_args ka;    /* the step as the internal entries take it */
+    struct stepq__packed_layer pl; /* the pool's layer 0, for the internal entries */
+    stepq__cuda_layer *L;          /* the two-stage and "(old)" rows' handle */
+    void *dense;                   /* dense states: by slot id (dense steps), by entry (pack) */
+    size_t stride;                 /* elements from one dense state to the next */
     cudaStream_t s;
 };
 
-static int launch(struct ctx *c)
+static int launch(void *p)
 {
-    const size_t stride = (size_t)c->a.HV * D * D;
+    const struct ctx *c = p;
     switch (c->kind) {
     case K_DENSE_F32:
-        return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
-                                         STEPQ_DTYPE_FP32, c->dense_flags);
     case K_DENSE_BF16:
-        return stepq__cuda_step_dense_ex(&c->a, c->dense, stride, STEPQ__LAYOUT_KV,
-                                         STEPQ_DTYPE_BF16, c->dense_flags);
+        return stepq__cuda_step_dense_ex(&c->ka, c->dense, c->stride, STEPQ__LAYOUT_KV,
+                                         c->kind == K_DENSE_BF16 ? STEPQ_DTYPE_BF16
+                                                                 : STEPQ_DTYPE_FP32,
+                                         c->old ? STEPQ__CUDA_COLUMN : 0);
     case K_PACKED:
-        return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_FUSED);
+        if (c->old)
+            return stepq__cuda_step_packed_prepared(&c->ka, &c->pl, c->L, STEPQ__CUDA_FUSED);
+        return stepq_pool_decode_step(c->pool, 0, &c->args, c->s);
     case K_PACKED_2S:
-        return stepq__cuda_step_packed_prepared(&c->a, &c->pl, c->L, STEPQ__CUDA_TWO_STAGE);
+        return stepq__cuda_step_packed_prepared(&c->ka, &c->pl, c->L, STEPQ__CUDA_TWO_STAGE);
     case K_PACK:
-        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                         STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, NULL, NULL, c->s);
     case K_PACK_BF16:
-        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                         STEPQ__LAYOUT_KV, STEPQ_DTYPE_BF16, NULL, NULL, c->s);
     case K_PACK_VK:
-        return stepq__cuda_pack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                         STEPQ__LAYOUT_VK, STEPQ_DTYPE_FP32, NULL, NULL, c->s);
+        return stepq_pool_prefill_pack(c->pool, 0, &c->pf, c->s);
     case K_UNPACK:
-        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                           STEPQ__LAYOUT_KV, STEPQ_DTYPE_FP32, c->s);
     case K_UNPACK_BF16:
-        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                           STEPQ__LAYOUT_KV, STEPQ_DTYPE_BF16, c->s);
     case K_UNPACK_VK:
-        return stepq__cuda_unpack_prepared(&c->pl, c->L, c->a.batch, c->a.slots, c->dense, stride,
-                                           STEPQ__LAYOUT_VK, STEPQ_DTYPE_FP32, c->s);
+        if (c->old)
+            return stepq__cuda_unpack_prepared(&c->pl, c->L, c->pf.n, c->pf.slot_ids, c->dense,
+                                               c->stride, (stepq__layout)c->pf.layout, c->pf.dtype,
+                                               c->s);
+        return stepq_pool_prefill_unpack(c->pool, 0, &c->pf, c->s);
     }
     return STEPQ_EINVAL;
 }
 
-/* Median microseconds of one launch, or < 0 on error. */
-static double time_us(struct ctx *c, cudaEvent_t e0, cudaEvent_t e1)
+/* The copy bandwidth's launch: 1 GiB device to device. */
+struct copy {
+    void *dst, *src;
+    size_t bytes;
+    cudaStream_t s;
+};
+
+static int launch_copy(void *p)
 {
-    float t[RUNS];
-    for (int r = 0; r < WARMUP; r++)
-        if (launch(c) < 0) {
-            fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
-            return -1;
-        }
-    for (int r = 0; r < RUNS; r++) {
-        cudaEventRecord(e0, c->s);
-        if (launch(c) < 0) {
-            fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
-            return -1;
-        }
-        cudaEventRecord(e1, c->s);
-        if (!cu_ok(cudaEventSynchronize(e1), "event"))
-            return -1;
-        cudaEventElapsedTime(&t[r], e0, e1);
+    const struct copy *c = p;
+    cudaError_t e = cudaMemcpyAsync(c->dst, c->src, c->bytes, cudaMemcpyDeviceToDevice, c->s);
+    if (e != cudaSuccess) {
+        cudaGetLastError();
+        return stepq__error(STEPQ_ECUDA, "copy: %s", cudaGetErrorString(e));
     }
-    qsort(t, RUNS, sizeof(float), cmp_float);
-    return 1000.0 * 0.5 * (t[RUNS / 2 - 1] + t[RUNS / 2]);
+    return STEPQ_OK;
 }
 
 /* Synthetic per-unit widths at a budget: counts per width, then shuffled. */
@@ -240,50 +251,78 @@ static const struct method methods[] = {
 };
 
 /*
- * Per-head (GDN) or per-row (KDA) widths: one pivot head per GDN layer (1.39%
- * of 32 heads rounds to 0.44: one is the conservative choice), one pivot row
- * per KDA head (0.625% of 128 rows), and a {4,6,8} (@6) or {2..8} (@4) mix at
- * exactly the budget sum(b) = bbar*N - 8*N_piv.
+ * The widths of a method's map (fx_map_spec.unit_bits), per head (GDN) or per
+ * key row (KDA): one pivot head per GDN layer (1.39% of 32 heads rounds to
+ * 0.44: one is the conservative choice), one pivot row per KDA head (0.625%
+ * of 128 rows), and a {4,6,8} (@6) or {2..8} (@4) mix at exactly the budget
+ * sum(b) = bbar*N - 8*N_piv. NULL where the method has one width.
  */
-static int layouts(struct stepq__head_layout *hl, const struct method *me, stepq_arch arch, int HV)
+static const uint8_t *unit_bits(uint8_t *out, const struct method *me, stepq_arch arch, int HV)
 {
-    uint8_t rb[32][D];
-    if (me->budget == 0) {
+    if (me->m != STEPQ_METHOD_STEPQ)
+        return NULL;
+    if (arch == STEPQ_ARCH_GDN) {
+        static const int w6[] = { 8, 4, 6 }, c6[] = { 7, 8, 16 };
+        static const int w4[] = { 8, 6, 4, 3, 2 }, c4[] = { 3, 4, 8, 8, 8 };
+        uint8_t hb[32];
+        hb[0] = STEPQ_BITS_PIVOT;
+        if (me->budget == 6)
+            make_bits(hb + 1, 31, w6, c6, 3);
+        else
+            make_bits(hb + 1, 31, w4, c4, 5);
         for (int h = 0; h < HV; h++)
-            if (stepq__head_layout_init(&hl[h], me->m, arch, D, D, NULL, 16) < 0)
-                return -1;
-        return 0;
+            out[h] = hb[h % 32];
+        return out;
     }
-    for (int h = 0; h < HV; h++)
-        memset(rb[h], me->budget, D);
-    if (me->m == STEPQ_METHOD_STEPQ) {
-        if (arch == STEPQ_ARCH_GDN) {
-            static const int w6[] = { 8, 4, 6 }, c6[] = { 7, 8, 16 };
-            static const int w4[] = { 8, 6, 4, 3, 2 }, c4[] = { 3, 4, 8, 8, 8 };
-            uint8_t hb[32];
-            hb[0] = STEPQ_BITS_PIVOT;
-            if (me->budget == 6)
-                make_bits(hb + 1, 31, w6, c6, 3);
-            else
-                make_bits(hb + 1, 31, w4, c4, 5);
-            for (int h = 0; h < HV; h++)
-                memset(rb[h], hb[h % 32], D);
-        } else {
-            static const int w6[] = { 8, 4, 6 }, c6[] = { 29, 30, 68 };
-            static const int w4[] = { 8, 6, 4, 3, 2 }, c4[] = { 10, 20, 40, 30, 27 };
-            for (int h = 0; h < HV; h++) {
-                rb[h][0] = STEPQ_BITS_PIVOT;
-                if (me->budget == 6)
-                    make_bits(rb[h] + 1, 127, w6, c6, 3);
-                else
-                    make_bits(rb[h] + 1, 127, w4, c4, 5);
-            }
-        }
+    static const int w6[] = { 8, 4, 6 }, c6[] = { 29, 30, 68 };
+    static const int w4[] = { 8, 6, 4, 3, 2 }, c4[] = { 10, 20, 40, 30, 27 };
+    for (int h = 0; h < HV; h++) {
+        uint8_t *rb = out + (size_t)h * D;
+        rb[0] = STEPQ_BITS_PIVOT;
+        if (me->budget == 6)
+            make_bits(rb + 1, 127, w6, c6, 3);
+        else
+            make_bits(rb + 1, 127, w4, c4, 5);
     }
-    for (int h = 0; h < HV; h++)
-        if (stepq__head_layout_init(&hl[h], me->m, arch, D, D, rb[h], 16) < 0)
-            return -1;
-    return 0;
+    return out;
+}
+
+/*
+ * A CUDA pool of MAX_B slots (ids 1..MAX_B, all allocated) on a one-layer map
+ * of the method for the shape; *blocks gets the bytes of the layer's head
+ * blocks as the pool lays them out.
+ */
+static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cudaStream_t s,
+                     stepq_map_t **map, stepq_pool_t **pool, size_t *blocks)
+{
+    static uint8_t ub[32 * D];
+    struct fx_rng r = { 0x2545f4914f6cdd1dull };
+    const struct fx_map_spec spec = {
+        .arch = arch,
+        .method = me->m,
+        .bits = me->m == STEPQ_METHOD_STEPQ ? 0 : me->budget,
+        .unit_bits = unit_bits(ub, me, arch, HV),
+        .budget = me->budget,
+        .H = H,
+        .HV = HV,
+        .n_layers = 1,
+        .w_lo = 0.75f,
+        .w_hi = 1.25f,
+    };
+    const stepq_pool_layout *lay;
+    int ret;
+
+    *pool = NULL;
+    if ((ret = fx_map_create(&spec, &r, map)) < 0 ||
+        (ret = fx_pool_open(*map, STEPQ_POOL_BACKEND_CUDA, MAX_B, s, pool)) < 0 ||
+        (ret = stepq_pool_get_layout(*pool, &lay)) < 0) {
+        fprintf(stderr, "stepq bench kernels: %s map, pool: %s\n", me->name, stepq_last_error());
+        return ret;
+    }
+    *blocks = 0;
+    for (int h = 0; h < lay->n_local_heads; h++)
+        *blocks += lay->block_bytes[h];
+    return STEPQ_OK;
 }
 
 /*
@@ -546,31 +585,23 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         return 1;
 
     /* Copy bandwidth of this device, now. */
-    size_t cb = (size_t)1 << 30;
-    void *c0 = NULL, *c1 = NULL;
-    cudaEvent_t e0, e1;
+    struct copy cp = { NULL, NULL, (size_t)1 << 30, NULL };
     cudaStream_t s = NULL;
-    if (!cu_ok(cudaMalloc(&c0, cb), "malloc") || !cu_ok(cudaMalloc(&c1, cb), "malloc") ||
-        !cu_ok(cudaEventCreate(&e0), "event") || !cu_ok(cudaEventCreate(&e1), "event"))
+    double copy_us = 0;
+    if (!cu_ok(cudaMalloc(&cp.src, cp.bytes), "malloc") ||
+        !cu_ok(cudaMalloc(&cp.dst, cp.bytes), "malloc"))
         return 1;
-    float ct[RUNS];
-    for (int r = 0; r < WARMUP + RUNS; r++) {
-        cudaEventRecord(e0, s);
-        cudaMemcpyAsync(c1, c0, cb, cudaMemcpyDeviceToDevice, s);
-        cudaEventRecord(e1, s);
-        if (!cu_ok(cudaEventSynchronize(e1), "copy"))
-            return 1;
-        if (r >= WARMUP)
-            cudaEventElapsedTime(&ct[r - WARMUP], e0, e1);
+    if (fx_time_us(launch_copy, &cp, s, &copy_us) < 0) {
+        fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
+        return 1;
     }
-    qsort(ct, RUNS, sizeof(float), cmp_float);
-    double copy_gbs = 2.0 * (double)cb / (0.5e-3 * (ct[RUNS / 2 - 1] + ct[RUNS / 2])) / 1e9;
-    cudaFree(c0);
-    cudaFree(c1);
+    double copy_gbs = 2.0 * (double)cp.bytes / (copy_us * 1e-6) / 1e9;
+    cudaFree(cp.src);
+    cudaFree(cp.dst);
     printf("device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n", prop.name,
            prop.multiProcessorCount, copy_gbs);
     printf("timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
-           WARMUP, RUNS);
+           FX_TIME_WARMUP, FX_TIME_RUNS);
     if (measured) {
         printf("peer: flash-linear-attention fp32 kernels from %s, measured in a separate process\n"
                "      (tools/bench_peer_fla.py) on %s with its own copy bandwidth %.0f GB/s\n",
@@ -589,7 +620,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         }
         fprintf(jf, "{\"device\": ");
         json_str(jf, prop.name);
-        fprintf(jf, ", \"copy_gbs\": %.1f, \"runs\": %d,\n \"peer\": ", copy_gbs, RUNS);
+        fprintf(jf, ", \"copy_gbs\": %.1f, \"runs\": %d,\n \"peer\": ", copy_gbs, FX_TIME_RUNS);
         if (measured) {
             fprintf(jf, "{\"source\": \"measured\", \"file\": ");
             json_str(jf, peer.file);
@@ -606,12 +637,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     /* Device buffers sized for the largest batch. */
     /* dense states are indexed by slot id (1..MAX_B) */
     size_t state_bytes = (size_t)(MAX_B + 1) * 32 * D * D * sizeof(float);
-    void *dstate = NULL, *pages = NULL;
+    void *dstate = NULL;
     float *q, *k, *v, *g, *beta, *A_log, *dt_bias, *o;
     int32_t *dslots;
-    size_t page_max = (size_t)(MAX_B + 1) * 32 * (2 * D * D + 1024);
     int ok = cu_ok(cudaMalloc(&dstate, state_bytes), "malloc states") &&
-             cu_ok(cudaMalloc(&pages, page_max), "malloc pages") &&
              cu_ok(cudaMalloc((void **)&q, MAX_B * 32 * D * 4), "malloc") &&
              cu_ok(cudaMalloc((void **)&k, MAX_B * 32 * D * 4), "malloc") &&
              cu_ok(cudaMalloc((void **)&v, MAX_B * 32 * D * 4), "malloc") &&
@@ -643,11 +672,16 @@ int stepq_tool_bench_kernels(int argc, char **argv)
 
     static const char *shape_name[] = { "Qwen3-Next-80B-A3B (GDN, HV=32, H=16)",
                                         "Kimi-Linear-48B (KDA, HV=32, H=32)" };
+    enum { N_METHODS = (int)(sizeof(methods) / sizeof(methods[0])) };
     for (int shape = 0; shape < 2 && rc == 0; shape++) {
         if (only_shape >= 0 && shape != only_shape)
             continue;
         stepq_arch arch = shape ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
         int H = shape ? 32 : 16, HV = 32, ng = shape ? D : 1;
+        /* the quantized methods' pools, opened at their first row, closed with the shape */
+        stepq_map_t *maps[N_METHODS] = { 0 };
+        stepq_pool_t *pools[N_METHODS] = { 0 };
+        size_t blocks[N_METHODS] = { 0 };
         printf("%s\n", shape_name[shape]);
         printf("%-26s %5s %10s %12s %9s %7s %8s", "method", "B", "us", "bytes", "GB/s", "copy%",
                "vs fp32");
@@ -669,108 +703,92 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 const int step = is_step(rw->kind);
                 if (only && strcmp(only, rw->label))
                     continue;
-                struct stepq__head_layout hl[32];
-                size_t off[32], pos = 0;
-                float w[32 * D];
-                memset(hl, 0, sizeof(hl));
-                if (layouts(hl, me, arch, HV) < 0) {
-                    fprintf(stderr, "stepq bench kernels: layout: %s\n", stepq_last_error());
-                    rc = 1;
-                    break;
-                }
-                for (int h = 0; h < HV; h++) {
-                    off[h] = pos;
-                    pos += hl[h].block_bytes;
-                }
-                for (int i = 0; i < 32 * D; i++)
-                    w[i] = 0.75f + 0.5f * (frand() + 1.0f) * 0.5f;
                 struct ctx c;
                 memset(&c, 0, sizeof(c));
+                c.kind = rw->kind;
+                c.old = rw->old;
                 c.s = s;
-                c.a.arch = arch;
-                c.a.batch = B;
-                c.a.H = H;
-                c.a.HV = HV;
-                c.a.d_k = c.a.d_v = D;
-                c.a.n_slots = MAX_B + 1;
-                c.a.slots = dslots;
-                c.a.q = q;
-                c.a.k = k;
-                c.a.v = v;
-                c.a.g = g;
-                c.a.beta = beta;
-                c.a.A_log = A_log;
-                c.a.dt_bias = dt_bias;
-                c.a.o = o;
-                c.a.opt.l2norm = 1;
-                c.a.opt.gate_in_kernel = 1;
-                c.a.opt.beta_sigmoid = 1;
-                c.a.stream = s;
                 c.dense = dstate;
-                c.pl.base = pages;
-                c.pl.page_stride = (pos + 15) & ~(size_t)15;
-                c.pl.n_slots = MAX_B + 1;
-                c.pl.n_heads = HV;
-                c.pl.heads = hl;
-                c.pl.head_offset = off;
-                c.pl.row_impact = w;
+                c.stride = (size_t)HV * D * D;
+                stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+                a.batch = B;
+                a.slot_ids = dslots;
+                a.q = q;
+                a.k = k;
+                a.v = v;
+                a.g = g;
+                a.beta = beta;
+                a.A_log = A_log;
+                a.dt_bias = dt_bias;
+                a.o = o;
+                a.flags = STEPQ_STEP_L2NORM | STEPQ_STEP_GATE_IN_KERNEL | STEPQ_STEP_BETA_SIGMOID;
+                c.args = a;
+                stepq_prefill_args pf = STEPQ_PREFILL_ARGS_INITIALIZER;
+                pf.n = B;
+                pf.slot_ids = dslots;
+                pf.states = dstate;
+                pf.dtype = kind_dtype(rw->kind);
+                pf.layout = kind_layout(rw->kind);
+                c.pf = pf;
                 const size_t dense_f32 = (size_t)B * HV * D * D * 4;
                 size_t state_rw;
                 if (me->budget == 0) {
-                    c.kind = rw->kind;
-                    c.dense_flags = rw->old ? STEPQ__CUDA_COLUMN : 0;
+                    fx_dense_kernel_args(arch, H, HV, MAX_B + 1, &c.args, s, &c.ka);
                     state_rw = rw->kind == K_DENSE_F32 ? 2 * dense_f32 : dense_f32;
                     /* the fp32 rows before left fp32 bits: make the bf16 view finite again */
                     if (rw->kind == K_DENSE_BF16 &&
                         !fill_states(dstate, (size_t)(MAX_B + 1) * HV * D * D * 4, 0.05f))
                         rc = 1;
                 } else {
-                    if (stepq__cuda_layer_prepare(&c.pl, &c.L) < 0) {
-                        fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
+                    const int mi = rw->method;
+                    if (!pools[mi] &&
+                        open_pool(me, arch, H, HV, s, &maps[mi], &pools[mi], &blocks[mi]) < 0) {
                         rc = 1;
                         break;
                     }
+                    c.pool = pools[mi];
                     /*
                      * Valid pages: pack random fp32 states into every slot used. A pack from
                      * bf16 reads the bf16 states unpacked from them (the dense buffer's fp32
                      * bits read as bf16 would hold NaNs and infinities).
                      */
-                    c.kind = K_PACK;
-                    if (launch(&c) < 0 || !cu_ok(cudaStreamSynchronize(s), "pack"))
+                    stepq_prefill_args fill = pf;
+                    fill.dtype = STEPQ_DTYPE_FP32;
+                    fill.layout = STEPQ_STATE_LAYOUT_KV;
+                    if (stepq_pool_prefill_pack(c.pool, 0, &fill, s) < 0 ||
+                        !cu_ok(cudaStreamSynchronize(s), "pack"))
                         rc = 1;
-                    c.kind = K_UNPACK_BF16;
+                    fill.dtype = STEPQ_DTYPE_BF16;
                     if (rc == 0 && rw->kind == K_PACK_BF16 &&
-                        (launch(&c) < 0 || !cu_ok(cudaStreamSynchronize(s), "unpack")))
+                        (stepq_pool_prefill_unpack(c.pool, 0, &fill, s) < 0 ||
+                         !cu_ok(cudaStreamSynchronize(s), "unpack")))
+                        rc = 1;
+                    /*
+                     * The internal entries run on the pool's own layer (its pages, layouts,
+                     * row impact) with a handle of their kernel choice: the two-stage row the
+                     * shipped kernels, an "(old)" row the column kernels, on pages written by
+                     * the shipped pack.
+                     */
+                    if (rc == 0 && (rw->old || rw->kind == K_PACKED_2S) &&
+                        (fx_packed_layer(c.pool, 0, &c.pl) < 0 ||
+                         fx_kernel_args(c.pool, &c.args, s, &c.ka) < 0 ||
+                         stepq__cuda_layer_prepare_ex(&c.pl, rw->old ? STEPQ__CUDA_COLUMN : 0,
+                                                      &c.L) < 0))
                         rc = 1;
                     if (rc)
                         fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
-                    size_t blocks = 0;
-                    for (int h = 0; h < HV; h++)
-                        blocks += hl[h].block_bytes;
-                    c.kind = rw->kind;
                     /* A pack or unpack moves the pages one way and the dense states the other. */
                     const int bf16_side = rw->kind == K_PACK_BF16 || rw->kind == K_UNPACK_BF16;
-                    state_rw = (size_t)B * blocks;
+                    state_rw = (size_t)B * blocks[mi];
                     state_rw += step ? state_rw : bf16_side ? dense_f32 / 2 : dense_f32;
                     if (rw->kind == K_PACKED_2S)
                         state_rw += 2 * dense_f32; /* scratch write + read */
-                    /*
-                     * The pages were packed through the default handle (synchronised above),
-                     * so an "(old)" row times a column handle of the same layer on pages
-                     * written by the shipped pack.
-                     */
-                    if (rc == 0 && rw->old) {
-                        stepq__cuda_layer_release(c.L);
-                        c.L = NULL;
-                        if (stepq__cuda_layer_prepare_ex(&c.pl, STEPQ__CUDA_COLUMN, &c.L) < 0) {
-                            fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
-                            rc = 1;
-                        }
-                    }
                 }
-                double us = rc ? -1 : time_us(&c, e0, e1);
-                if (us < 0)
+                double us = -1;
+                if (rc == 0 && fx_time_us(launch, &c, s, &us) < 0) {
+                    fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     rc = 1;
+                }
                 size_t bytes = state_rw + (step ? io_bytes : 0);
                 if (ri == 0)
                     fp32_us = us;
@@ -814,9 +832,12 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     first_row = 0;
                 }
                 stepq__cuda_layer_release(c.L);
-                for (int h = 0; h < HV; h++)
-                    stepq__head_layout_free(&hl[h]);
             }
+        }
+        for (int mi = 0; mi < N_METHODS; mi++) {
+            if (pools[mi])
+                stepq_pool_close(pools[mi], STEPQ_POOL_CLOSE_FORCE);
+            stepq_map_close(maps[mi]);
         }
         printf("\n");
     }
@@ -837,7 +858,6 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         }
     }
     cudaFree(dstate);
-    cudaFree(pages);
     cudaFree(q);
     cudaFree(k);
     cudaFree(v);
