@@ -1,5 +1,6 @@
 /* The handle table (plugin/handle.h). */
 #include <stdlib.h>
+#include <string.h>
 
 #include "plugin/err.h"
 #include "plugin/handle.h"
@@ -8,6 +9,8 @@
 #define MAX_CHUNKS        4096 /* 4M objects at once */
 
 _Static_assert(sizeof(uintptr_t) == 8, "handles pack a 32-bit generation and index");
+_Static_assert(sizeof(struct stepq__handle_entry) % STEPQ__HANDLE_ALIGN == 0,
+               "entries fill whole cache lines");
 
 const char stepq__handle_closed_text[] = "handle is closed or not valid";
 
@@ -34,7 +37,10 @@ int stepq__handle_add(void *obj, int kind, void **handle, struct stepq__handle_e
     } else {
         index = n_entries;
         if (index % ENTRIES_PER_CHUNK == 0) {
-            struct stepq__handle_entry *c = calloc(ENTRIES_PER_CHUNK, sizeof(*c));
+            struct stepq__handle_entry *c =
+                aligned_alloc(STEPQ__HANDLE_ALIGN, ENTRIES_PER_CHUNK * sizeof(*c));
+            if (c)
+                memset(c, 0, ENTRIES_PER_CHUNK * sizeof(*c));
             if (!c) {
                 ret = stepq__error_obj(err, STEPQ_ENOMEM, "out of memory (handle table)");
                 goto out;

@@ -315,8 +315,7 @@ static int kernel_fail(stepq_pool_t *pool, int ret)
 
 /*
  * A stream of another device would run the kernels on memory they cannot
- * address. cudaStreamGetDevice is a host-side query, allowed while the
- * stream is capturing.
+ * address: refused with a message naming the stream, outside a capture.
  */
 static int check_stream(stepq_pool_t *pool, void *stream)
 {
@@ -325,6 +324,15 @@ static int check_stream(stepq_pool_t *pool, void *stream)
 
     if (!stream)
         return STEPQ_OK; /* the legacy default stream of the current (the pool's) device */
+    /* cudaStreamGetDevice is refused on a capturing stream (measured: "operation
+     * not permitted when stream is capturing"); a capture then records the
+     * launch, and a stream of another device fails at the launch instead
+     * (STEPQ_ECUDA, nothing written). */
+    enum cudaStreamCaptureStatus cap = cudaStreamCaptureStatusNone;
+    if (cudaStreamIsCapturing((cudaStream_t)stream, &cap) == cudaSuccess &&
+        cap != cudaStreamCaptureStatusNone)
+        return STEPQ_OK;
+    (void)cudaGetLastError();
     e = cudaStreamGetDevice((cudaStream_t)stream, &dev);
     if (e != cudaSuccess) {
         (void)cudaGetLastError();
