@@ -19,6 +19,16 @@
  * RN(1/r), RN(1/c) themselves; reference: three), 8 leaves a margin.
  */
 #define TIE_ULPS 8
+/*
+ * bf16 / fp16 pages: an element within this many ulps of its head's largest
+ * magnitude plus one ulp of its own (compare_dense16 says why).
+ */
+#define TOL_DENSE16_HEAD_ULPS 1
+/*
+ * A column scale moved by flipped codes beyond one ulp: within this factor of
+ * the refit's first-order bound (compare_quant derives it), plus one fp16 ulp.
+ */
+#define TOL_COL_TIE_FACTOR 1.5
 
 double ca_nmse(const float *a, const float *ref, size_t n)
 {
@@ -176,7 +186,7 @@ static int compare_dense16(const struct stepq__head_layout *hl, const uint8_t *a
         double fa = bf ? stepq__bf16_to_float(va) : stepq__fp16_to_float(va);
         double fb = bf ? stepq__bf16_to_float(vb) : stepq__fp16_to_float(vb);
         double ulp = ldexp(1.0, ilogb(fb == 0 ? 1e-30 : fb) - mant);
-        CA_CHECK(fabs(fa - fb) <= ldexp(mx, -mant - 1) + ulp,
+        CA_CHECK(fabs(fa - fb) <= TOL_DENSE16_HEAD_ULPS * ldexp(mx, -mant - 1) + ulp,
                  "slot %d head %d element %d: 0x%04x vs 0x%04x (head max %g)", s, h, e, va, vb, mx);
     }
     return 0;
@@ -254,7 +264,8 @@ static int compare_quant(const struct stepq__head_layout *hl, const float *w, co
                 continue;
             double fa = stepq__fp16_to_float(ca), fb = stepq__fp16_to_float(cb);
             CA_CHECK(flip[j] > 0 && (den[j] == 0 ||
-                                     fabs(fa - fb) <= 1.5 * fb * flip[j] / den[j] + ldexp(fb, -10)),
+                                     fabs(fa - fb) <= TOL_COL_TIE_FACTOR * fb * flip[j] / den[j] +
+                                                          ldexp(fb, -10)),
                      "slot %d head %d col scale %d: 0x%04x vs 0x%04x (tie bound %g)", s, h, j, ca,
                      cb, den[j] > 0 ? flip[j] / den[j] : -1.0);
             f->ties_scale++;

@@ -25,8 +25,9 @@
  * within 2^-8 of its head's largest magnitude plus one ulp of the element (a
  * tiny element left by cancellation may differ by several of its own ulps).
  */
-#define TOL_BF16_STATE_REL 1e-2
-#define TOL_BF16_STATE_OFF 0.01
+#define TOL_BF16_STATE_REL       1e-2
+#define TOL_BF16_STATE_OFF       0.01
+#define TOL_BF16_STATE_HEAD_LOG2 (-8)
 
 struct params {
     stepq_arch arch;
@@ -82,7 +83,7 @@ static int compare_bf16_states(const uint16_t *g16, const float *S, float *Sg, s
             const double ulp = ldexp(1.0, ilogb(gb == 0 ? 1e-38 : gb) - 7);
             Sg[e] = (float)ga;
             off += g16[e] != rb;
-            CA_CHECK(fabs(ga - gb) <= ldexp(mx, -8) + ulp,
+            CA_CHECK(fabs(ga - gb) <= ldexp(mx, TOL_BF16_STATE_HEAD_LOG2) + ulp,
                      "element %zu: bf16 0x%04x vs 0x%04x (%g vs %g, head max %g)", e, g16[e], rb,
                      ga, gb, mx);
         }
