@@ -7,7 +7,7 @@
  * The pool's backends call these entries directly, one per operation: the
  * host backend the C reference below, the CUDA backend the CUDA entries of
  * kernels/cuda/cuda.h (which take the same structs). The tests compare the
- * two on the same inputs, kernel by kernel (tests/kernels_cuda/check_cuda.c)
+ * two on the same inputs, kernel by kernel (tests/checkasm)
  * and through the pool (tests/pool/test_step_cuda.c): the reference is the
  * specification the CUDA kernels are held to.
  *

@@ -7,12 +7,12 @@
 # appended to bench.txt (no JSON) where separate files would make more than 8.
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
-T=build-gpu/tests/kernels_cuda/check_cuda
+T=build-gpu/tests/checkasm/checkasm
 S=build-gpu/tools/stepq
 
 { nvidia-smi --query-gpu=name,clocks.sm,clocks.max.sm,clocks.mem --format=csv; date; } > "$OUT/check.txt" 2>&1
 $T >> "$OUT/check.txt" 2>&1
-echo "check_cuda rc=$?" >> "$OUT/check.txt"
+echo "checkasm rc=$?" >> "$OUT/check.txt"
 
 { SANITIZE=1 compute-sanitizer --tool memcheck --error-exitcode 9 $T 2>&1 | tail -30
   echo "memcheck rc=$?"

@@ -20,7 +20,7 @@
  * staging latency of each other's blocks.
  *
  * Exactness: the reference reconstructs x = (r c_j) * (z / qmax) (c_j = 1
- * without column scales; pivot rows are fp16 values), and check_cuda compares
+ * without column scales; pivot rows are fp16 values), and tests/checkasm compares
  * bf16 unpack bit for bit. The signed code z is exact as a float (the
  * position-exponent decode of tile_kernel.cuh), z / qmax is correctly rounded
  * by one Markstein correction of z * RN(1/qmax) (sq_div; checked exhaustively

@@ -230,7 +230,7 @@ void checkasm_check_unpack(void)
     const stepq_method SQ = STEPQ_METHOD_STEPQ;
     const int small = checkasm_small();
 
-    /* the destinations of check_cuda's pack/unpack checks, each with its own pages */
+    /* the destinations of the pack checks (pack.c), each with its own pages */
     for (int lay = 0; lay < 2; lay++)
         for (int dt = 0; dt < 2; dt++) {
             one((struct params){

@@ -41,7 +41,7 @@
  * the same decoded state through fp32 arithmetic in another order: rounding
  * only. The new state is fitted and rounded to codes and fp16 scales; where
  * a value falls on a rounding tie the two round differently
- * (tests/kernels_cuda proves every differing code is such a tie), which
+ * (tests/checkasm proves every differing code is such a tie), which
  * moves that element, or a row of it for a scale, by one step of its width:
  * far below a 6-bit code's own error (~1e-3), while a wrong head, layout or
  * gate would give ~1.
