@@ -176,6 +176,12 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
         if (err == cudaSuccess)
             err =
                 cudaMemcpy(L->d_heads, h, sizeof(*h) * (size_t)pl->n_heads, cudaMemcpyHostToDevice);
+        /* cudaMemcpy from pageable memory returns once the bytes are staged, not
+         * landed, and steps may run on a non-blocking stream that is not
+         * ordered after the legacy stream: wait for the DMA before the handle
+         * is used (this runs at pool open, never in a step). */
+        if (err == cudaSuccess)
+            err = cudaStreamSynchronize(cudaStreamLegacy);
         if (err != cudaSuccess) {
             rc = cuda_fail(err, who, "descriptor upload");
             goto fail;

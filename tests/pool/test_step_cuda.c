@@ -65,6 +65,20 @@ static void cu(cudaError_t e, const char *what)
     }
 }
 
+/*
+ * A host-to-device copy that has landed. cudaMemcpy from pageable memory
+ * returns once the bytes are staged, before the DMA to the device completes,
+ * and the pools here may run on a non-blocking stream that is not ordered
+ * after the legacy stream's copy: a kernel there could read a half-written
+ * buffer (measured: packs of the same input into two pools differing in a
+ * few low bits, in some runs).
+ */
+static void upload(void *dst, const void *src, size_t n, const char *what)
+{
+    cu(cudaMemcpy(dst, src, n, cudaMemcpyHostToDevice), what);
+    cu(cudaDeviceSynchronize(), what);
+}
+
 static void *dalloc(size_t n)
 {
     void *p = NULL;
@@ -143,7 +157,7 @@ static void batch_init(struct batch *b, stepq_map_t *map)
     /* Slots 2, 5, 6, 10, 13 (allocated on every pool), with padding as a graph batch has it. */
     const int32_t ids[BATCH] = { 6, 0, 2, -1, 13, 0, 5, 10 };
     memcpy(b->ids, ids, sizeof(ids));
-    cu(cudaMemcpy(b->dids, b->ids, sizeof(ids), cudaMemcpyHostToDevice), "ids");
+    upload(b->dids, b->ids, sizeof(ids), "ids");
 }
 
 static void batch_free(struct batch *b)
@@ -211,11 +225,11 @@ static void pack_both(struct batch *b, stepq_pool_t *host, stepq_pool_t *dev)
     for (int e = 0; e < BATCH; e++)
         real[e] = b->ids[e] > 0 ? b->ids[e] : -1;
     void *dreal = dalloc(sizeof(real));
-    cu(cudaMemcpy(dreal, real, sizeof(real), cudaMemcpyHostToDevice), "ids");
+    upload(dreal, real, sizeof(real), "ids");
     for (int l = 0; l < b->L; l++) {
         for (size_t i = 0; i < b->per * BATCH; i++)
             dense[i] = (float)(0.1 * (2 * fx_rand(&r) - 1));
-        cu(cudaMemcpy(ddense, dense, 4 * b->per * BATCH, cudaMemcpyHostToDevice), "dense");
+        upload(ddense, dense, 4 * b->per * BATCH, "dense");
         stepq_prefill_args p = STEPQ_PREFILL_ARGS_INITIALIZER;
         p.n = BATCH;
         p.slot_ids = real;
@@ -245,7 +259,7 @@ static double state_nmse(struct batch *b, stepq_pool_t *host, stepq_pool_t *dev,
     void *dd = dalloc(4 * b->per * BATCH), *dreal = dalloc(sizeof(real));
     assert_true(h && d);
     cu(cudaMemset(dd, 0, 4 * b->per * BATCH), "memset");
-    cu(cudaMemcpy(dreal, real, sizeof(real), cudaMemcpyHostToDevice), "ids");
+    upload(dreal, real, sizeof(real), "ids");
     stepq_prefill_args p = STEPQ_PREFILL_ARGS_INITIALIZER;
     p.n = BATCH;
     p.slot_ids = real;
@@ -271,7 +285,7 @@ static void sync_pages(stepq_pool_t *host, stepq_pool_t *dev)
     assert_int_equal(stepq_pool_buffer_infos(dev, d, 2, &count), STEPQ_OK);
     for (int i = 0; i < 2; i++) {
         assert_int_equal(h[i].bytes, d[i].bytes);
-        cu(cudaMemcpy(d[i].ptr, h[i].ptr, h[i].bytes, cudaMemcpyHostToDevice), "pages");
+        upload(d[i].ptr, h[i].ptr, h[i].bytes, "pages");
     }
 }
 
