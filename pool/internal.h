@@ -181,6 +181,15 @@ void stepq__pool_packed_layer(const struct stepq_pool *pool, int layer,
                               struct stepq__packed_layer *out);
 
 /**
+ * A public decode-step description as the kernels' (stepq__step_args), for
+ * a layer of H q/k and HV value heads of d_k x d_v and n_slots pages; health
+ * is left NULL. The pool's step uses it, and so do the kernel checks and the
+ * bench when they call an internal entry the pool does not reach.
+ */
+void stepq__step_args_to_kernel(stepq_arch arch, int H, int HV, int d_k, int d_v, int n_slots,
+                                const stepq_step_args *p, void *stream, struct stepq__step_args *a);
+
+/**
  * Opens a pool on an explicit layout (ownership of the layout's tables moves
  * to the pool, also on failure). cfg supplies backend, sizing, policy and
  * flags; its map is not used.

@@ -260,20 +260,17 @@ static int check_host_ids(stepq_pool_t *pool, const int32_t *ids, int32_t n, int
 
 /* --- the entries ------------------------------------------------------------ */
 
-/* The kernels' description of a checked decode step. */
-static void to_kernel_args(const stepq_pool_t *pool, const stepq_step_args *p, void *stream,
-                           struct stepq__step_args *a)
+void stepq__step_args_to_kernel(stepq_arch arch, int H, int HV, int d_k, int d_v, int n_slots,
+                                const stepq_step_args *p, void *stream, struct stepq__step_args *a)
 {
-    const struct stepq__pool_layout *L = &pool->layout;
-
     memset(a, 0, sizeof(*a));
-    a->arch = L->pub.arch;
+    a->arch = arch;
     a->batch = p->batch;
-    a->H = L->n_k_heads;
-    a->HV = L->pub.n_local_heads;
-    a->d_k = L->pub.d_k;
-    a->d_v = L->pub.d_v;
-    a->n_slots = pool->slots + 1;
+    a->H = H;
+    a->HV = HV;
+    a->d_k = d_k;
+    a->d_v = d_v;
+    a->n_slots = n_slots;
     a->slots = p->slot_ids;
     a->q = p->q;
     a->k = p->k;
@@ -295,9 +292,19 @@ static void to_kernel_args(const stepq_pool_t *pool, const stepq_step_args *p, v
     a->opt.scale = p->scale; /* 0: the kernels' d_k^-1/2 */
     a->opt.gate_in_kernel = !!(p->flags & STEPQ_STEP_GATE_IN_KERNEL);
     a->opt.beta_sigmoid = !!(p->flags & STEPQ_STEP_BETA_SIGMOID);
-    a->health = pool->health;
     a->counts = p->health_counts;
-    a->stream = stream ? stream : pool->stream;
+    a->stream = stream;
+}
+
+/* The kernels' description of a checked decode step on this pool. */
+static void to_kernel_args(const stepq_pool_t *pool, const stepq_step_args *p, void *stream,
+                           struct stepq__step_args *a)
+{
+    const struct stepq__pool_layout *L = &pool->layout;
+
+    stepq__step_args_to_kernel(L->pub.arch, L->n_k_heads, L->pub.n_local_heads, L->pub.d_k,
+                               L->pub.d_v, pool->slots + 1, p, stream ? stream : pool->stream, a);
+    a->health = pool->health;
 }
 
 int stepq_pool_decode_step(stepq_pool_t *h, int layer, const stepq_step_args *args, void *stream)

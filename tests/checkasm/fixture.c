@@ -302,37 +302,7 @@ int fx_packed_layer(stepq_pool_t *h, int layer, struct stepq__packed_layer *out)
 void fx_dense_kernel_args(stepq_arch arch, int H, int HV, int n_slots, const stepq_step_args *p,
                           void *stream, struct stepq__step_args *a)
 {
-    memset(a, 0, sizeof(*a));
-    a->arch = arch;
-    a->batch = p->batch;
-    a->H = H;
-    a->HV = HV;
-    a->d_k = FX_D;
-    a->d_v = FX_D;
-    a->n_slots = n_slots;
-    a->slots = p->slot_ids;
-    a->q = p->q;
-    a->k = p->k;
-    a->v = p->v;
-    a->g = p->g;
-    a->beta = p->beta;
-    a->A_log = p->A_log;
-    a->dt_bias = p->dt_bias;
-    a->o = p->o;
-    a->dtype = p->dtype;
-    a->param_dtype = p->param_dtype;
-    a->q_stride = (size_t)p->q_stride;
-    a->k_stride = (size_t)p->k_stride;
-    a->v_stride = (size_t)p->v_stride;
-    a->g_stride = (size_t)p->g_stride;
-    a->beta_stride = (size_t)p->beta_stride;
-    a->o_stride = (size_t)p->o_stride;
-    a->opt.l2norm = !!(p->flags & STEPQ_STEP_L2NORM);
-    a->opt.scale = p->scale;
-    a->opt.gate_in_kernel = !!(p->flags & STEPQ_STEP_GATE_IN_KERNEL);
-    a->opt.beta_sigmoid = !!(p->flags & STEPQ_STEP_BETA_SIGMOID);
-    a->counts = p->health_counts;
-    a->stream = stream;
+    stepq__step_args_to_kernel(arch, H, HV, FX_D, FX_D, n_slots, p, stream, a);
 }
 
 int fx_kernel_args(stepq_pool_t *h, const stepq_step_args *p, void *stream,
