@@ -712,3 +712,60 @@ void fx_step_io_free(struct fx_step_io *io)
     fx_buf_free(&io->o);
     fx_buf_free(&io->counts);
 }
+
+/*
+ * The configurations the pack and the unpack checks both run (each family
+ * with its own pages): every layout and dtype, each templated width with and
+ * without column scales, mixed KDA rows, a dense layer, ids outside the pool
+ * and the column-kernel handles. fn is called once per configuration.
+ */
+void fx_transfer_cases(int small, void (*one)(struct fx_transfer))
+{
+    static const int widths[] = { 2, 3, 4, 5, 6, 8 };
+    const stepq_arch G = STEPQ_ARCH_GDN, K = STEPQ_ARCH_KDA;
+    const stepq_method SQ = STEPQ_METHOD_STEPQ;
+
+    /* both layouts, fp32 and bf16 sources */
+    for (int lay = 0; lay < 2; lay++)
+        for (int dt = 0; dt < 2; dt++) {
+            one((struct fx_transfer){
+                .arch = G, .method = SQ, .HV = 4, .n = 4, .layout = lay, .dtype = dt });
+            one((struct fx_transfer){
+                .arch = K, .method = SQ, .HV = 2, .n = 4, .layout = lay, .dtype = dt });
+        }
+    /* each templated width, stepq (column scales) and uniform (none) */
+    for (int w = 0; w < 6; w++) {
+        if (!small)
+            one((struct fx_transfer){ .arch = G,
+                                      .method = SQ,
+                                      .bits = widths[w],
+                                      .HV = 2,
+                                      .n = 3,
+                                      .layout = w & 1,
+                                      .dtype = w >> 1 & 1 });
+        if (!small || widths[w] == 6)
+            one((struct fx_transfer){ .arch = G,
+                                      .method = STEPQ_METHOD_UNIFORM,
+                                      .bits = widths[w],
+                                      .HV = 2,
+                                      .n = 3,
+                                      .layout = !(w & 1),
+                                      .dtype = w >> 1 & 1 });
+    }
+    if (!small)
+        one((struct fx_transfer){ .arch = K,
+                                  .method = STEPQ_METHOD_TEMPORAL,
+                                  .HV = 2,
+                                  .n = 3,
+                                  .layout = STEPQ_STATE_LAYOUT_VK,
+                                  .dtype = STEPQ_DTYPE_BF16 });
+    /* an fp32 layer: the column kernel, which the pool's handle picks for dense pages */
+    one((struct fx_transfer){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
+    /* ids outside 0..slots on the CUDA pool are skipped like -1 (documented) */
+    one((struct fx_transfer){ .arch = G, .method = SQ, .HV = 4, .n = 10, .wild_ids = 1 });
+    /* the thread-per-column kernel on an explicit handle */
+    one((struct fx_transfer){
+        .arch = G, .method = SQ, .HV = 4, .n = 4, .layout = STEPQ_STATE_LAYOUT_VK, .column = 1 });
+    one((struct fx_transfer){
+        .arch = G, .method = SQ, .HV = 4, .n = 4, .dtype = STEPQ_DTYPE_BF16, .column = 1 });
+}

@@ -204,4 +204,20 @@ void fx_step_io_args(const struct fx_step_io *io, unsigned flags, stepq_step_arg
 int fx_step_io_check(const struct fx_step_io *io, char *what, size_t what_len);
 void fx_step_io_free(struct fx_step_io *io);
 
+/* One pack or unpack configuration (fx_transfer_cases). */
+struct fx_transfer {
+    stepq_arch arch;
+    stepq_method method;
+    int bits; /* 0: mixed widths */
+    int HV, n;
+    stepq_state_layout layout;
+    stepq_dtype dtype;
+    int column;   /* the entry on a STEPQ__CUDA_COLUMN handle instead of the pool */
+    int wild_ids; /* the CUDA side's skipped entries are ids outside 0..slots instead of -1 */
+};
+
+/** Calls one for every configuration the pack and unpack checks share (fewer when small:
+ * SANITIZE=1). */
+void fx_transfer_cases(int small, void (*one)(struct fx_transfer));
+
 #endif /* STEPQ_TESTS_CHECKASM_FIXTURE_H */

@@ -20,16 +20,7 @@
 /* Magnitude of the random source states. */
 #define AMP 0.2f
 
-struct params {
-    stepq_arch arch;
-    stepq_method method;
-    int bits; /* 0: mixed widths */
-    int HV, n;
-    stepq_state_layout layout;
-    stepq_dtype dtype;
-    int column;   /* the entry on a STEPQ__CUDA_COLUMN handle instead of the pool */
-    int wild_ids; /* the CUDA side's skipped entry is an id outside 0..slots instead of -1 */
-};
+#define params fx_transfer
 
 static const char *layout_name(stepq_state_layout l)
 {
@@ -560,54 +551,7 @@ out:
 
 void checkasm_check_pack(void)
 {
-    static const int widths[] = { 2, 3, 4, 5, 6, 8 };
-    const stepq_arch G = STEPQ_ARCH_GDN, K = STEPQ_ARCH_KDA;
-    const stepq_method SQ = STEPQ_METHOD_STEPQ;
-    const int small = checkasm_small();
-
-    /* both layouts, fp32 and bf16 sources */
-    for (int lay = 0; lay < 2; lay++)
-        for (int dt = 0; dt < 2; dt++) {
-            one((struct params){
-                .arch = G, .method = SQ, .HV = 4, .n = 4, .layout = lay, .dtype = dt });
-            one((struct params){
-                .arch = K, .method = SQ, .HV = 2, .n = 4, .layout = lay, .dtype = dt });
-        }
-    /* each templated width, stepq (column scales) and uniform (none) */
-    for (int w = 0; w < 6; w++) {
-        if (!small)
-            one((struct params){ .arch = G,
-                                 .method = SQ,
-                                 .bits = widths[w],
-                                 .HV = 2,
-                                 .n = 3,
-                                 .layout = w & 1,
-                                 .dtype = w >> 1 & 1 });
-        if (!small || widths[w] == 6)
-            one((struct params){ .arch = G,
-                                 .method = STEPQ_METHOD_UNIFORM,
-                                 .bits = widths[w],
-                                 .HV = 2,
-                                 .n = 3,
-                                 .layout = !(w & 1),
-                                 .dtype = w >> 1 & 1 });
-    }
-    if (!small)
-        one((struct params){ .arch = K,
-                             .method = STEPQ_METHOD_TEMPORAL,
-                             .HV = 2,
-                             .n = 3,
-                             .layout = STEPQ_STATE_LAYOUT_VK,
-                             .dtype = STEPQ_DTYPE_BF16 });
-    /* an fp32 layer: the column kernel, which the pool's handle picks for dense pages */
-    one((struct params){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
-    /* ids outside 0..slots on the CUDA pool are skipped like -1 (documented) */
-    one((struct params){ .arch = G, .method = SQ, .HV = 4, .n = 10, .wild_ids = 1 });
-    /* the thread-per-column kernel on an explicit handle */
-    one((struct params){
-        .arch = G, .method = SQ, .HV = 4, .n = 4, .layout = STEPQ_STATE_LAYOUT_VK, .column = 1 });
-    one((struct params){
-        .arch = G, .method = SQ, .HV = 4, .n = 4, .dtype = STEPQ_DTYPE_BF16, .column = 1 });
+    fx_transfer_cases(checkasm_small(), one);
 
     if (checkasm_check("pack and unpack invalid arguments (public API, host and CUDA pools)"))
         checkasm_report(run_bad_public());
