@@ -211,8 +211,21 @@ int stepq_tool_eval(int argc, char **argv)
         t_inj = I->T - 1;
     int M = n_maps + 1, H = I->n_layers * I->HV, S = I->n_streams;
     int nb = (I->T + bucket - 1) / bucket;
-    struct stepq__eval c = { ts,   I,    n_maps, maps, nb,   bucket, t_inj,
-                             NULL, NULL, NULL,   NULL, NULL, NULL };
+    /* A host pool per map (one slot): the evaluation quantizes each head as the
+     * map's pool lays it out, from the layouts the pool built at open. */
+    stepq_pool_t *pools[STEPQ__EVAL_MAX_MAPS] = { 0 };
+    for (int m = 0; m < nm && !rc; m++) {
+        stepq_pool_config pc = STEPQ_POOL_CONFIG_INITIALIZER;
+        pc.map = maps[m];
+        pc.num_slots = 1;
+        pc.policy = STEPQ_POOL_POLICY_NO_CACHE;
+        if (stepq_pool_open(&pc, &pools[m]) < 0) {
+            fprintf(stderr, "stepq eval: %s: %s\n", maps_p[m], stepq_last_error());
+            rc = 1;
+        }
+    }
+    struct stepq__eval c = { ts,    I,    n_maps, maps, pools, nb,   bucket,
+                             t_inj, NULL, NULL,   NULL, NULL,  NULL, NULL };
     if (!rc) {
         c.acc = calloc((size_t)M * H * S, sizeof(*c.acc));
         c.curve_err = calloc((size_t)M * H * S * nb, sizeof(double));
@@ -510,8 +523,10 @@ done2:
     free(cls);
     free(order);
 done:
-    for (int m = 0; m < nm; m++)
+    for (int m = 0; m < nm; m++) {
+        stepq_pool_close(pools[m], 0);
         stepq_map_close(maps[m]);
+    }
     free(c.acc);
     free(c.curve_err);
     free(c.curve_ref);

@@ -223,9 +223,26 @@ void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x)
     stepq__dequantize_head(&qz->hl, qz->block, x);
 }
 
+int stepq__calib_quant_init_layout(struct stepq__calib_quant *qz,
+                                   const struct stepq__head_layout *hl, const float *w)
+{
+    memset(qz, 0, sizeof(*qz));
+    if (hl->method == STEPQ_METHOD_FP32) {
+        qz->dense_fp32 = 1;
+        return STEPQ_OK;
+    }
+    qz->hl = *hl; /* its arrays stay the pool's */
+    qz->borrowed = 1;
+    qz->block = malloc(hl->block_bytes);
+    if (!qz->block)
+        return stepq__error(STEPQ_ENOMEM, "quantizer: out of memory");
+    qz->w = stepq__method_uses_row_impact(hl->method) ? w : NULL;
+    return STEPQ_OK;
+}
+
 void stepq__calib_quant_free(struct stepq__calib_quant *qz)
 {
-    if (!qz->dense_fp32)
+    if (!qz->dense_fp32 && !qz->borrowed)
         stepq__head_layout_free(&qz->hl);
     free(qz->block);
     memset(qz, 0, sizeof(*qz));

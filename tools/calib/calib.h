@@ -37,6 +37,7 @@ double stepq__calib_err_step_read(float *E, const struct stepq__calib_head *h, i
 /** A storage method for one head, applied in place (quantize + reconstruct). */
 struct stepq__calib_quant {
     struct stepq__head_layout hl;
+    int borrowed; /* hl is a copy of a pool's layout: not freed here */
     uint8_t *block;
     const float *w; /* row impact (spatial, stepq) or NULL */
     int dense_fp32; /* nothing to do */
@@ -45,6 +46,12 @@ struct stepq__calib_quant {
 /** row_bits: K widths (NULL for dense methods). */
 int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, stepq_arch arch,
                             int K, int V, const uint8_t *row_bits, const float *w);
+/**
+ * A quantizer of one head as a pool stores it: hl is the pool's head layout
+ * (borrowed: it must outlive the quantizer), w its row impact or NULL.
+ */
+int stepq__calib_quant_init_layout(struct stepq__calib_quant *qz,
+                                   const struct stepq__head_layout *hl, const float *w);
 void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x);
 void stepq__calib_quant_free(struct stepq__calib_quant *qz);
 

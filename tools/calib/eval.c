@@ -7,6 +7,7 @@
 #include "plugin/err.h"
 #include "tools/calib/calib.h"
 #include "tools/calib/eval.h"
+#include "pool/internal.h"
 
 /*
  * One pass of state_sums: a[u] = sum_e (X[u][e] - Sr[e])^2 for four tiles, and, when r is
@@ -82,21 +83,19 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
         goto out;
     }
     for (int m = 0; m < M; m++, nq++) {
-        uint8_t rb[STEPQ__MAX_HEAD_DIM];
-        const float *w = NULL;
-        stepq_method meth = STEPQ_METHOD_UNIFORM;
         if (m < c->n_maps) {
-            stepq_map_t *mp = c->maps[m];
-            meth = stepq_map_method(mp);
-            if (!stepq_method_is_dense(meth)) {
-                stepq_map_head_row_bits(mp, li, hv, rb, K);
-                w = stepq_map_row_impact(mp, li, hv);
-            }
+            /* Head hv of layer li exactly as the map's pool stores it. */
+            struct stepq__packed_layer pl;
+            stepq__pool_packed_layer(stepq__pool_resolve(c->pools[m]), li, &pl);
+            c->rc[job] = stepq__calib_quant_init_layout(
+                &qz[m], &pl.heads[hv], pl.row_impact ? pl.row_impact + (size_t)hv * K : NULL);
         } else {
-            memset(rb, 6, sizeof(rb));
+            uint8_t rb[STEPQ__MAX_HEAD_DIM];
+            memset(rb, 6, sizeof(rb)); /* the internal uniform@6 of the lifetime statistics */
+            c->rc[job] =
+                stepq__calib_quant_init(&qz[m], STEPQ_METHOD_UNIFORM, I->arch, K, V, rb, NULL);
         }
-        if ((c->rc[job] = stepq__calib_quant_init(&qz[m], meth, I->arch, K, V,
-                                                  stepq_method_is_dense(meth) ? NULL : rb, w)) < 0)
+        if (c->rc[job] < 0)
             goto out;
     }
     for (int b = 0; b < 2; b++, ni++) {

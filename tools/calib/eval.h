@@ -26,7 +26,8 @@ struct stepq__eval {
     const struct stepq__trace_info *I;
     int n_maps; /* user maps; method n_maps is the internal uniform@6 */
     stepq_map_t **maps;
-    int nb, bucket; /* time buckets */
+    stepq_pool_t **pools; /* [n_maps] a host pool per map: it owns the head layouts */
+    int nb, bucket;       /* time buckets */
     int t_inj;
     struct stepq__eval_acc *acc;   /* [M][heads][S] */
     double *curve_err, *curve_ref; /* [M][heads][S][nb] */
