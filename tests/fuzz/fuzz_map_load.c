@@ -1,9 +1,9 @@
 /*
  * libFuzzer target for the precision-map loader. Every input must either be
  * rejected with a status and a message, or load into a map that validates,
- * writes, and reads back into an equal map with the same fingerprint and
- * the same bytes. A violated property aborts (this is a test harness, not
- * library code), which the fuzzer reports as a crash.
+ * can be planned as a pool (the loader's limits are the pool's), writes, and
+ * reads back into an equal map with the same fingerprint and the same bytes. A violated property
+ * aborts (this is a test harness, not library code), which the fuzzer reports as a crash.
  *
  * Built with -Dfuzz=true and clang (tests/fuzz/meson.build); replay.c runs
  * the seed corpus through the same function in every build.
@@ -14,6 +14,7 @@
 #include <string.h>
 
 #include "config/map_internal.h"
+#include "stepq/pool.h"
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size);
 
@@ -46,6 +47,16 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(map != NULL);
     CHECK(stepq_map_validate(map) == STEPQ_OK);
     CHECK(stepq_map_memory_info(map, &mem) == STEPQ_OK);
+    {
+        /* The loader's limits are the pool's: what loads, opens (here: plans),
+         * and the pool's compact state is the map's accounting. */
+        stepq_pool_config pc = STEPQ_POOL_CONFIG_INITIALIZER;
+        stepq_pool_plan_info plan;
+        pc.map = map;
+        pc.num_slots = 1;
+        CHECK(stepq_pool_plan(&pc, &plan) == STEPQ_OK);
+        CHECK(plan.state_bytes_compact == mem.state_bytes_compact);
+    }
     CHECK(mem.state_bytes_compact > 0 && mem.state_bytes_compact <= mem.state_bytes_fp32 * 2);
     CHECK(stepq_map_fingerprint(map, &f1) == STEPQ_OK);
     CHECK(stepq_map_write_buffer(map, &t1, &n1) == STEPQ_OK);
