@@ -26,6 +26,12 @@
  * It carries a generation, so once its pool is closed it is STEPQ_EBADF
  * forever, even when a later pool reuses the memory or the table entry.
  *
+ * A CUDA failure in a data operation (STEPQ_ECUDA) after its checks passed:
+ * clear, copy and the host copies of many slots run as several launches or
+ * transfers, so the slots listed may be partly done; their pages and health
+ * words are then undefined (clear or copy them again), no other slot is
+ * touched, and the slots stay allocated as they were.
+ *
  * Stream semantics (CUDA backend): alloc/free are host bookkeeping and take
  * effect at once; clear, copy, host copies and the health-word reset of
  * alloc are enqueued on the configured stream and are ordered with the

@@ -24,8 +24,9 @@
  * be captured into a CUDA graph and replayed; the slot ids and inputs are
  * read from device memory at replay time.
  *
- * Slot ids: -1 (STEPQ_POOL_SLOT_PAD) entries are skipped: nothing is read or
- * written for them, their output rows included. Slot 0 (the sentinel) is a
+ * Slot ids: -1 (STEPQ_POOL_SLOT_PAD) entries are skipped: nothing is written
+ * for them, their output rows included (a pack may read a skipped entry's
+ * dense rows, which must therefore be addressable). Slot 0 (the sentinel) is a
  * valid target for padding and may appear any number of times; what it holds
  * is meaningless. Every other id must be an allocated slot and appear once.
  * The host backend checks this and fails with nothing changed; the CUDA
