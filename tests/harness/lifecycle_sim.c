@@ -929,6 +929,10 @@ static int check_config(struct sim *s, const struct stepq__sim_config *c)
         return fail(s, STEPQ_EINVAL,
                     "bad simulation config (requests, max_running, track_interval >= 1, chunk a "
                     "multiple of track_interval, rates in [0, 1], a known policy)");
+    /* The stall guard counts ticks per request: its limit must not wrap. */
+    if (c->requests > (INT64_MAX - 1000) / TICKS_PER_REQUEST_LIMIT)
+        return fail(s, STEPQ_ERANGE, "requests = %" PRId64 " is more than %" PRId64, c->requests,
+                    (int64_t)((INT64_MAX - 1000) / TICKS_PER_REQUEST_LIMIT));
     return 0;
 }
 
@@ -966,6 +970,13 @@ int stepq__sim_run(stepq_pool_t *pool, const struct stepq__sim_config *cfg,
     s->sh_alloc = ps.n_alloc;
     s->sh_free = ps.n_free;
     s->per_req = cfg->policy == STEPQ_POOL_POLICY_EXTRA_BUFFER ? 3 : 1;
+    /* A pool that cannot admit one request is the caller's sizing, not a bug:
+     * refuse it before any work (it used to end as STEPQ_EINTERNAL at tick 2). */
+    if (s->cap < s->per_req)
+        return fail(s, STEPQ_ENOSPC,
+                    "the pool has %" PRId32 " slots; policy %s needs %d for one request "
+                    "(raise --budget or --max-running)",
+                    s->cap, stepq_pool_policy_name(cfg->policy), s->per_req);
     s->tracking =
         cfg->policy == STEPQ_POOL_POLICY_EXTRA_BUFFER || cfg->policy == STEPQ_POOL_POLICY_LAZY;
     s->rng = cfg->seed;

@@ -11,6 +11,7 @@
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
+#include <string.h>
 #include <time.h>
 
 #include <cmocka.h>
@@ -127,6 +128,18 @@ static void a_bad_configuration_is_refused(void **state)
     cfg.chunk = 1024;
     assert_int_equal(stepq_pool_alloc(pool, 1, &id), STEPQ_OK); /* not empty */
     assert_int_equal(stepq__sim_run(pool, &cfg, &st, err, sizeof(err)), STEPQ_EINVAL);
+    assert_int_equal(stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+
+    /* A pool too small for one request (2 pages of 512 B: one slot, extra_buffer
+     * needs 3) is the caller's sizing, refused up front: not STEPQ_EINTERNAL. */
+    pool = open_pool(STEPQ_POOL_POLICY_EXTRA_BUFFER, 0, 1024);
+    assert_int_equal(stepq__sim_run(pool, &cfg, &st, err, sizeof(err)), STEPQ_ENOSPC);
+    assert_non_null(strstr(err, "needs 3 for one request"));
+    assert_int_equal(stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+    /* A request count whose stall limit would wrap 64 bits. */
+    pool = open_pool(STEPQ_POOL_POLICY_EXTRA_BUFFER, 4, 0);
+    cfg.requests = INT64_MAX / 2;
+    assert_int_equal(stepq__sim_run(pool, &cfg, &st, err, sizeof(err)), STEPQ_ERANGE);
     assert_int_equal(stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
 }
 
