@@ -153,6 +153,25 @@ static void round_trip_fp32_and_bf16_values_exact(void **state)
     stepq__trace_set_close(ts);
 }
 
+/*
+ * A trace file truncated after it was opened: the values read at open stay
+ * readable (a mapped file killed the reader with SIGBUS here).
+ */
+static void a_file_truncated_after_open_stays_readable(void **state)
+{
+    (void)state;
+    char p[256];
+    snprintf(p, sizeof(p), "%s/trunc.safetensors", dir);
+    write_trace(p, 0, 2, 2, STEPQ__TRACE_F32, "0,2");
+    const char *paths[1] = { p };
+    struct stepq__trace_set *ts;
+    assert_int_equal(stepq__trace_set_open(paths, 1, &ts), 0);
+    assert_int_equal(truncate(p, 0), 0);
+    check_values(ts, 1, 1, 2, 1);
+    check_values(ts, 0, 0, 0, 0);
+    stepq__trace_set_close(ts);
+}
+
 static void set_joins_files_split_by_streams_and_layers(void **state)
 {
     (void)state;
@@ -279,6 +298,7 @@ int main(void)
         cmocka_unit_test(bf16_storage_rounds_to_nearest),
         cmocka_unit_test(malformed_files_name_the_tensor),
         cmocka_unit_test(missing_file_is_enoent),
+        cmocka_unit_test(a_file_truncated_after_open_stays_readable),
     };
     int rc = cmocka_run_group_tests(tests, NULL, NULL);
     char cmd[512];

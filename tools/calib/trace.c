@@ -387,32 +387,35 @@ int stepq__trace_file_open(const char *path, struct stepq__trace_file **out)
         close(fd);
         return stepq__error(STEPQ_EIO, "%s: not a regular file", path);
     }
+    /*
+     * Read, not mmap: a mapped file that shrinks while open (another process
+     * rewriting it) kills the reader with SIGBUS at the next access; a copy
+     * read at open either is complete or is an error here.
+     */
     size_t len = (size_t)st.st_size;
-    const uint8_t *base = NULL;
-    int mapped = 0;
-    if (len > 0) {
-        void *p = mmap(NULL, len, PROT_READ, MAP_PRIVATE, fd, 0);
-        if (p != MAP_FAILED) {
-            base = p;
-            mapped = 1;
-        }
+    uint8_t *p = malloc(len ? len : 1);
+    size_t got = 0;
+    if (!p) {
+        close(fd);
+        return stepq__error(STEPQ_ENOMEM, "%s: out of memory for %zu bytes", path, len);
     }
-    if (!mapped) {
-        uint8_t *p = malloc(len ? len : 1);
-        size_t got = 0;
-        while (p && got < len) {
-            ssize_t r = read(fd, p + got, len - got);
-            if (r <= 0)
-                break;
-            got += (size_t)r;
-        }
-        if (!p || got != len) {
-            free(p);
-            close(fd);
-            return stepq__error(STEPQ_EIO, "%s: cannot read", path);
-        }
-        base = p;
+    while (got < len) {
+        ssize_t r = read(fd, p + got, len - got);
+        if (r < 0 && errno == EINTR)
+            continue;
+        if (r <= 0)
+            break;
+        got += (size_t)r;
     }
+    if (got != len) {
+        free(p);
+        close(fd);
+        return stepq__error(STEPQ_EIO,
+                            "%s: read %zu of %zu bytes (the file changed while it was read?)", path,
+                            got, len);
+    }
+    const uint8_t *base = p;
+    const int mapped = 0;
     close(fd);
     struct stepq__trace_file *f;
     int rc = stepq__trace_file_parse(base, len, path, &f);
