@@ -14,7 +14,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -96,12 +95,8 @@ static void file_free(struct stepq__trace_file *f)
     }
     free(f->meta_keys);
     free(f->meta_vals);
-    if (f->owns) {
-        if (f->mapped)
-            munmap((void *)f->base, f->size);
-        else
-            free((void *)f->base);
-    }
+    if (f->owns)
+        free((void *)f->base);
     free(f->path);
     free(f);
 }
@@ -415,19 +410,14 @@ int stepq__trace_file_open(const char *path, struct stepq__trace_file **out)
                             got, len);
     }
     const uint8_t *base = p;
-    const int mapped = 0;
     close(fd);
     struct stepq__trace_file *f;
     int rc = stepq__trace_file_parse(base, len, path, &f);
     if (rc < 0) {
-        if (mapped)
-            munmap((void *)base, len);
-        else
-            free((void *)base);
+        free((void *)base);
         return rc;
     }
     f->owns = 1;
-    f->mapped = mapped;
     f->path = strdup(path);
     *out = f;
     return STEPQ_OK;

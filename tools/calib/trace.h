@@ -51,8 +51,7 @@ struct stepq__trace_file {
     char *path;
     const uint8_t *base; /* whole file */
     size_t size;
-    int mapped; /* base came from mmap */
-    int owns;   /* base is ours (mmap or malloc) */
+    int owns; /* base is ours (read at open, freed at close) */
     int n_tensors;
     struct stepq__trace_tensor *tensors;
     int n_meta;
@@ -67,7 +66,7 @@ struct stepq__trace_file {
  */
 int stepq__trace_file_parse(const uint8_t *buf, size_t len, const char *what,
                             struct stepq__trace_file **out);
-/** Opens (mmap) and parses a file. Also STEPQ_ENOENT / STEPQ_EIO. */
+/** Reads a whole file and parses it. Also STEPQ_ENOENT / STEPQ_EIO / STEPQ_ENOMEM. */
 int stepq__trace_file_open(const char *path, struct stepq__trace_file **out);
 void stepq__trace_file_close(struct stepq__trace_file *f);
 const struct stepq__trace_tensor *stepq__trace_file_find(const struct stepq__trace_file *f,
