@@ -8,6 +8,7 @@
  */
 #include <errno.h>
 #include <inttypes.h>
+#include <math.h>
 #include <pthread.h>
 #include <unistd.h>
 #include <stdio.h>
@@ -29,6 +30,8 @@ static void bench_pool_usage(FILE *f)
     fprintf(f,
             "usage: stepq bench pool [--map MAP] [--page-bytes N] [--slots 1,2,4,...,512]\n"
             "                        [--backend host|cuda|both] [--min-ms MS]\n"
+            "Without --backend: cuda where a device exists, else host. Host pools are kept\n"
+            "within a quarter of the machine's memory unless --slots says otherwise.\n"
             "alloc/free ops/s on the CPU; copy and clear GB/s for N slots per call.\n"
             "Pages come from MAP's layout, else --page-bytes (default %llu, the\n"
             "Qwen3.8-27B stepq@6 slot). CUDA needs (2 x max slots + 1) pages of memory.\n",
@@ -262,7 +265,7 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
 int stepq_tool_bench_pool(int argc, char **argv)
 {
     static int sizes[MAX_SIZES] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
-    int n_sizes = 10, max = 512, do_host = 0, do_cuda = 1, rc = 0;
+    int n_sizes = 10, max = 512, do_host = 0, do_cuda = 0, rc = 0, chosen = 0, sized = 0;
     uint64_t page_bytes = DEFAULT_PAGE_BYTES;
     double min_s = 0.2;
     stepq_map_t *map = NULL;
@@ -296,6 +299,7 @@ int stepq_tool_bench_pool(int argc, char **argv)
             }
         } else if (!strcmp(a, "--slots")) {
             char *s = (char *)v, *end;
+            sized = 1;
             n_sizes = 0;
             max = 0;
             while (*s && n_sizes < MAX_SIZES) {
@@ -311,12 +315,20 @@ int stepq_tool_bench_pool(int argc, char **argv)
         } else if (!strcmp(a, "--backend")) {
             do_host = !strcmp(v, "host") || !strcmp(v, "both");
             do_cuda = !strcmp(v, "cuda") || !strcmp(v, "both");
+            chosen = 1;
             if (!do_host && !do_cuda) {
                 fprintf(stderr, "stepq bench pool: --backend host, cuda or both\n");
                 return 2;
             }
         } else if (!strcmp(a, "--min-ms")) {
-            min_s = atof(v) / 1000.0;
+            char *end;
+            double ms = strtod(v, &end);
+            if (end == v || *end || !(ms > 0) || !isfinite(ms) || ms > 600000) {
+                fprintf(stderr, "stepq bench pool: --min-ms '%s': want a number in (0, 600000]\n",
+                        v);
+                return 2;
+            }
+            min_s = ms / 1000.0;
         } else {
             fprintf(stderr, "stepq bench pool: unknown option '%s'\n", a);
             bench_pool_usage(stderr);
@@ -324,6 +336,46 @@ int stepq_tool_bench_pool(int argc, char **argv)
         }
     }
 
+    /* Without --backend: the CUDA backend where a device exists, else the host. */
+    if (!chosen) {
+        stepq_pool_t *probe = NULL;
+        ret = open_pool(NULL, 4096, STEPQ_POOL_BACKEND_CUDA, 1, &probe);
+        do_cuda = ret >= 0;
+        do_host = !do_cuda;
+        if (probe)
+            stepq_pool_close(probe, STEPQ_POOL_CLOSE_FORCE);
+        if (!do_cuda)
+            fprintf(stderr, "stepq bench pool: %s; benchmarking the host backend\n",
+                    stepq_last_error());
+    }
+    /* The host pools hold 2 x max + 1 pages: keep them within a quarter of the
+     * machine's memory unless --slots asked for more. */
+    if (do_host && !sized) {
+        uint64_t pg = map ? 0 : page_bytes, mem = 0;
+        long np = sysconf(_SC_PHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+        if (map) {
+            stepq_pool_config pc = STEPQ_POOL_CONFIG_INITIALIZER;
+            stepq_pool_plan_info plan;
+            pc.map = map;
+            pc.num_slots = 1;
+            if (stepq_pool_plan(&pc, &plan) == STEPQ_OK)
+                pg = plan.page_bytes;
+        }
+        if (np > 0 && ps > 0)
+            mem = (uint64_t)np * (uint64_t)ps;
+        if (pg && mem) {
+            uint64_t fit = (mem / 4 / pg - 1) / 2;
+            if (fit < (uint64_t)max) {
+                while (n_sizes > 1 && (uint64_t)sizes[n_sizes - 1] > fit)
+                    n_sizes--;
+                max = sizes[n_sizes - 1];
+                fprintf(stderr,
+                        "stepq bench pool: up to %d slots per call, so that the host pools fit "
+                        "in a quarter of this machine's %.1f GiB (--slots for more)\n",
+                        max, (double)mem / (1u << 30));
+            }
+        }
+    }
     if (bench_rate(min_s * 5) != 0)
         rc = 1;
     if (do_cuda) {
