@@ -56,9 +56,22 @@ static struct ms mean_se(const double *x, int n)
     return r;
 }
 
+/* A number in JSON: %.6g, or null where there is none (JSON has no NaN or Inf). */
+static void json_num(FILE *f, double x)
+{
+    if (isfinite(x))
+        fprintf(f, "%.6g", x);
+    else
+        fputs("null", f);
+}
+
 static void json_ms(FILE *f, const char *key, struct ms v, int last)
 {
-    fprintf(f, "\"%s\": {\"mean\": %.6g, \"se\": %.6g}%s", key, v.mean, v.se, last ? "" : ", ");
+    fprintf(f, "\"%s\": {\"mean\": ", key);
+    json_num(f, v.mean);
+    fputs(", \"se\": ", f);
+    json_num(f, v.se);
+    fprintf(f, "}%s", last ? "" : ", ");
 }
 
 /* A map's label: its file name without the directory and ".json" (maps of one method that
@@ -410,12 +423,20 @@ int stepq_tool_eval(int argc, char **argv)
            "(per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
            t_inj, pooled[1] / pooled[0], i6.mean, i6.se, pooled[3] / pooled[2], i8.mean, i8.se);
     if (jf) {
-        fprintf(jf,
-                "], \"spearman_uniform6_halflife\": {\"pooled\": %.6g, \"per_stream\": "
-                "{\"mean\": %.6g, \"se\": %.6g}},\n",
-                rho, rs.mean, rs.se);
-        fprintf(jf, "\"injection\": {\"step\": %d, \"int6_ratio\": %.6g, \"int8_ratio\": %.6g, ",
-                t_inj, pooled[1] / pooled[0], pooled[3] / pooled[2]);
+        fputs("], \"spearman_uniform6_halflife\": {\"pooled\": ", jf);
+        json_num(jf, rho);
+        fputs(", ", jf);
+        json_ms(jf, "per_stream", rs, 1);
+        fprintf(jf, "},\n\"injection\": {\"step\": %d, \"int6_ratio\": ", t_inj);
+        json_num(jf, pooled[0] > 0 ? pooled[1] / pooled[0] : NAN);
+        fputs(", \"int8_ratio\": ", jf);
+        json_num(jf, pooled[2] > 0 ? pooled[3] / pooled[2] : NAN);
+        fputs(", ", jf);
+        if (!(pooled[0] > 0))
+            fprintf(jf,
+                    "\"note\": \"no readout error after the injection step %d of %d "
+                    "(it is the last step, or the traces are one token long)\", ",
+                    t_inj, I->T);
         json_ms(jf, "int6_ratio_per_stream", i6, 0);
         json_ms(jf, "int8_ratio_per_stream", i8, 1);
         fprintf(jf, "},\n\"heads\": [");

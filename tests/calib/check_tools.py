@@ -70,6 +70,12 @@ def main():
     assert e["spearman_uniform6_halflife"]["pooled"] > 0.5, e["spearman_uniform6_halflife"]
     assert e["injection"]["int6_ratio"] > 1.0, e["injection"]
     assert e["streams"] == 3
+    # An injection at the last step has no error to measure: valid JSON, null and a reason.
+    ej2 = os.path.join(d, "eval-last.json")
+    run([exe, "eval", "--map", maps["stepq@4"], "--trace"] + traces +
+        ["--json", ej2, "--threads", "2", "--inject-step", "255"])
+    e2 = json.load(open(ej2))
+    assert e2["injection"]["int6_ratio"] is None and "note" in e2["injection"], e2["injection"]
     # KDA: per-row widths within the budget, rows of one head may differ; eval runs.
     kt = os.path.join(d, "k")
     run([exe, "synth", "--arch", "kda", "--out", kt, "--layers", "2", "--H", "2", "--HV", "2", "--K", "16",
