@@ -280,8 +280,9 @@ int stepq_tool_bench_pool(int argc, char **argv)
             return 0;
         }
         if (!v) {
-            fprintf(stderr, "stepq bench pool: %s needs a value\n", a);
-            return 2;
+            static const char *const value_opts[] = { "--backend",    "--map",   "--min-ms",
+                                                      "--page-bytes", "--slots", NULL };
+            return stepq_tool_missing_value("bench pool", a, value_opts);
         }
         i++;
         if (!strcmp(a, "--map")) {

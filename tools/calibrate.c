@@ -326,8 +326,14 @@ int stepq_tool_calibrate(int argc, char **argv)
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            fprintf(stderr, "stepq calibrate: %s needs a value\n", a);
-            return 2;
+            static const char *const value_opts[] = {
+                "--budget",    "--candidates", "--conv-kernel",    "--distortion",
+                "--horizon",   "--lifetime",   "--method",         "--model-name",
+                "--normalize", "--out",        "--pivot-fraction", "--prop-steps",
+                "--report",    "--samples",    "--threads",        "--w-floor",
+                NULL
+            };
+            return stepq_tool_missing_value("calibrate", a, value_opts);
         }
         i++;
         char *e = NULL;

@@ -234,8 +234,11 @@ int stepq_tool_capacity(int argc, char **argv)
             continue;
         }
         if (!v) {
-            fprintf(stderr, "stepq capacity: %s needs a value\n", a);
-            return 2;
+            static const char *const value_opts[] = {
+                "--batch", "--context", "--kv-bytes-per-token", "--plot", "--policy",
+                "--slot",  "--tp",      "--weights-bytes",      NULL
+            };
+            return stepq_tool_missing_value("capacity", a, value_opts);
         }
         i++;
         if (!strcmp(a, "--batch")) {

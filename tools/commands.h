@@ -26,4 +26,11 @@ int stepq_tool_synth(int argc, char **argv);
 int stepq_tool_calibrate(int argc, char **argv);
 int stepq_tool_eval(int argc, char **argv);
 
+/**
+ * The error for an option given last, without its value: "needs a value"
+ * when value_opts (NULL-terminated) names it, else "unknown option" (a typo
+ * must not read as a missing value). Prints "stepq TOOL: ..." and returns 2.
+ */
+int stepq_tool_missing_value(const char *tool, const char *opt, const char *const *value_opts);
+
 #endif /* STEPQ_TOOLS_COMMANDS_H */

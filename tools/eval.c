@@ -159,8 +159,9 @@ int stepq_tool_eval(int argc, char **argv)
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            fprintf(stderr, "stepq eval: %s needs a value\n", a);
-            return 2;
+            static const char *const value_opts[] = { "--bucket", "--inject-step", "--json",
+                                                      "--plot",   "--threads",     NULL };
+            return stepq_tool_missing_value("eval", a, value_opts);
         }
         i++;
         char *e;

@@ -62,8 +62,11 @@ int stepq_tool_simulate(int argc, char **argv)
             path = a;
             continue;
         } else if (!v) {
-            fprintf(stderr, "stepq simulate: %s needs a value\n", a);
-            return 2;
+            static const char *const value_opts[] = { "--abort-rate",     "--budget",
+                                                      "--max-running",    "--policy",
+                                                      "--requests",       "--seed",
+                                                      "--track-interval", NULL };
+            return stepq_tool_missing_value("simulate", a, value_opts);
         }
         i++;
         if (!strcmp(a, "--requests") && !parse_num(v, 1, INT64_MAX / 2, &n)) {

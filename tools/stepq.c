@@ -49,3 +49,14 @@ int main(int argc, char **argv)
     usage(stderr);
     return 2;
 }
+
+int stepq_tool_missing_value(const char *tool, const char *opt, const char *const *value_opts)
+{
+    for (int i = 0; value_opts[i]; i++)
+        if (!strcmp(opt, value_opts[i])) {
+            fprintf(stderr, "stepq %s: %s needs a value\n", tool, opt);
+            return 2;
+        }
+    fprintf(stderr, "stepq %s: unknown option '%s' (see stepq %s --help)\n", tool, opt, tool);
+    return 2;
+}

@@ -87,8 +87,24 @@ int stepq_tool_synth(int argc, char **argv)
             return 0;
         }
         if (!v) {
-            fprintf(stderr, "stepq synth: %s needs a value\n", a);
-            return 2;
+            static const char *const value_opts[] = { "--H",
+                                                      "--HV",
+                                                      "--K",
+                                                      "--T",
+                                                      "--V",
+                                                      "--arch",
+                                                      "--col-outliers",
+                                                      "--dtype",
+                                                      "--halflife-max",
+                                                      "--halflife-min",
+                                                      "--layers",
+                                                      "--out",
+                                                      "--row-outliers",
+                                                      "--seed",
+                                                      "--streams",
+                                                      "--streams-per-file",
+                                                      NULL };
+            return stepq_tool_missing_value("synth", a, value_opts);
         }
         if (!strcmp(a, "--out"))
             out = v;

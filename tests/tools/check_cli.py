@@ -1,0 +1,34 @@
+#!/usr/bin/env python3
+"""The stepq commands answer an option given last without its value: "needs a
+value" for a real option, "unknown option" for a typo (it used to read as a
+missing value), exit status 2 and one line naming the option either way.
+Usage: check_cli.py STEPQ_EXE"""
+import subprocess
+import sys
+
+CASES = [  # (command, a real value option, a typo)
+    (["synth"], "--out", "--outt"),
+    (["calibrate"], "--budget", "--bugdet"),
+    (["eval"], "--threads", "--thread"),
+    (["capacity"], "--tp", "--tpp"),
+    (["simulate"], "--seed", "--sed"),
+    (["bench", "pool"], "--slots", "--slot"),
+]
+
+
+def main():
+    exe = sys.argv[1]
+    bad = 0
+    for cmd, real, typo in CASES:
+        for opt, want in ((real, "needs a value"), (typo, "unknown option")):
+            p = subprocess.run([exe] + cmd + [opt], capture_output=True, text=True)
+            lines = p.stderr.strip().splitlines()
+            ok = p.returncode == 2 and len(lines) == 1 and want in lines[0] and opt in lines[0]
+            print("%s %s %s: rc %d, %r" % ("ok  " if ok else "FAIL", " ".join(cmd), opt,
+                                           p.returncode, p.stderr.strip()))
+            bad += not ok
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
