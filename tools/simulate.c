@@ -83,7 +83,8 @@ int stepq_tool_simulate(int argc, char **argv)
         } else if (!strcmp(a, "--abort-rate")) {
             char *end;
             cfg.abort_rate = strtod(v, &end);
-            if (*end || cfg.abort_rate < 0 || cfg.abort_rate > 1) {
+            /* !(x >= 0 && x <= 1) refuses NaN too, which every ordered comparison passes. */
+            if (end == v || *end || !(cfg.abort_rate >= 0 && cfg.abort_rate <= 1)) {
                 fprintf(stderr, "stepq simulate: --abort-rate '%s': want 0..1\n", v);
                 return 2;
             }

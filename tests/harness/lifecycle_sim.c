@@ -924,8 +924,9 @@ static int check_config(struct sim *s, const struct stepq__sim_config *c)
     if (c->requests < 1 || c->max_running < 1 || c->track_interval < 1 ||
         c->chunk < c->track_interval || c->chunk % c->track_interval || c->prefill_tokens < 1 ||
         c->max_decode_step < 1 || c->max_new_prompt < 1 || c->max_output < 1 || c->n_sys < 1 ||
-        c->abort_rate < 0 || c->abort_rate > 1 || c->follow_rate < 0 || c->follow_rate > 1 ||
-        c->inject_every < 0 || stepq_pool_policy_slots(c->policy) < 0)
+        !(c->abort_rate >= 0 && c->abort_rate <= 1) ||
+        !(c->follow_rate >= 0 && c->follow_rate <= 1) || c->inject_every < 0 ||
+        stepq_pool_policy_slots(c->policy) < 0)
         return fail(s, STEPQ_EINVAL,
                     "bad simulation config (requests, max_running, track_interval >= 1, chunk a "
                     "multiple of track_interval, rates in [0, 1], a known policy)");

@@ -27,6 +27,14 @@ def main():
             print("%s %s %s: rc %d, %r" % ("ok  " if ok else "FAIL", " ".join(cmd), opt,
                                            p.returncode, p.stderr.strip()))
             bad += not ok
+    # Numbers that are not numbers are refused naming the option.
+    for cmd in (["simulate", "--abort-rate", "nan"], ["simulate", "--abort-rate", ""],
+                ["bench", "pool", "--min-ms", "-5"], ["bench", "pool", "--min-ms", "abc"]):
+        p = subprocess.run([exe] + cmd, capture_output=True, text=True)
+        ok = p.returncode == 2 and cmd[-2] in p.stderr
+        print("%s %s: rc %d, %r" % ("ok  " if ok else "FAIL", " ".join(cmd), p.returncode,
+                                    p.stderr.strip()))
+        bad += not ok
     return 1 if bad else 0
 
 
