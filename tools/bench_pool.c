@@ -7,6 +7,7 @@
  * counts bytes written. Each size runs until --min-ms of work has passed.
  */
 #include <errno.h>
+#include <stdarg.h>
 #include <inttypes.h>
 #include <math.h>
 #include <pthread.h>
@@ -15,6 +16,8 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+
+#include <cjson/cJSON.h>
 
 #include "pool/internal.h"
 #include "stepq/map.h"
@@ -29,13 +32,33 @@ static void bench_pool_usage(FILE *f)
 {
     fprintf(f,
             "usage: stepq bench pool [--map MAP] [--page-bytes N] [--slots 1,2,4,...,512]\n"
-            "                        [--backend host|cuda|both] [--min-ms MS]\n"
+            "                        [--backend host|cuda|both] [--min-ms MS] [--json]\n"
             "Without --backend: cuda where a device exists, else host. Host pools are kept\n"
             "within a quarter of the machine's memory unless --slots says otherwise.\n"
             "alloc/free ops/s on the CPU; copy and clear GB/s for N slots per call.\n"
             "Pages come from MAP's layout, else --page-bytes (default %llu, the\n"
             "Qwen3.8-27B stepq@6 slot). CUDA needs (2 x max slots + 1) pages of memory.\n",
             DEFAULT_PAGE_BYTES);
+}
+
+/*
+ * --json: the tables go nowhere (out = NULL) and the numbers into one JSON
+ * document printed on stdout at the end; messages stay on stderr.
+ */
+static FILE *out;
+static cJSON *jroot;
+
+static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void tprintf(const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!out)
+        return;
+    va_start(ap, fmt);
+    vfprintf(out, fmt, ap);
+    va_end(ap);
 }
 
 static double now_s(void)
@@ -154,10 +177,10 @@ static int bench_rate(double seconds)
     }
     for (int i = 0; i < 8; i++)
         shared[i] = own[0];
-    printf("alloc/free on the host (one alloc + one free = 2 calls; %d cores)\n",
-           (int)sysconf(_SC_NPROCESSORS_ONLN));
-    printf("%8s %8s %16s %16s %10s\n", "threads", "slots", "calls/s shared", "calls/s own",
-           "own/1 thr");
+    tprintf("alloc/free on the host (one alloc + one free = 2 calls; %d cores)\n",
+            (int)sysconf(_SC_NPROCESSORS_ONLN));
+    tprintf("%8s %8s %16s %16s %10s\n", "threads", "slots", "calls/s shared", "calls/s own",
+            "own/1 thr");
     for (size_t b = 0; b < sizeof(batches) / sizeof(batches[0]); b++) {
         double one = 0;
         for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
@@ -169,8 +192,16 @@ static int bench_rate(double seconds)
             }
             if (t == 0)
                 one = co;
-            printf("%8d %8" PRId32 " %16.3e %16.3e %9.2fx\n", threads[t], batches[b], cs, co,
-                   co / one);
+            if (jroot) {
+                cJSON *r = cJSON_CreateObject();
+                cJSON_AddNumberToObject(r, "threads", threads[t]);
+                cJSON_AddNumberToObject(r, "slots_per_call", batches[b]);
+                cJSON_AddNumberToObject(r, "calls_per_s_shared_pool", cs);
+                cJSON_AddNumberToObject(r, "calls_per_s_pool_per_thread", co);
+                cJSON_AddItemToArray(cJSON_GetObjectItem(jroot, "alloc_free"), r);
+            }
+            tprintf("%8d %8" PRId32 " %16.3e %16.3e %9.2fx\n", threads[t], batches[b], cs, co,
+                    co / one);
         }
     }
     other = calloc(N_OTHER, sizeof(*other));
@@ -187,7 +218,13 @@ static int bench_rate(double seconds)
             ret = -1;
             goto out;
         }
-        printf("%8d %8d %16.3e   (with %d other pools open)\n", 1, 1, cs, N_OTHER);
+        if (jroot) {
+            cJSON *r = cJSON_CreateObject();
+            cJSON_AddNumberToObject(r, "other_pools_open", N_OTHER);
+            cJSON_AddNumberToObject(r, "calls_per_s", cs);
+            cJSON_AddItemToObject(jroot, "alloc_free_many_pools", r);
+        }
+        tprintf("%8d %8d %16.3e   (with %d other pools open)\n", 1, 1, cs, N_OTHER);
     }
 out:
     for (int i = 0; other && i < N_OTHER; i++)
@@ -217,10 +254,10 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
         free(ids);
         return 1;
     }
-    printf("\n%s backend, page %" PRIu64 " B (%.4f MiB)\n", name, st.page_bytes,
-           (double)st.page_bytes / 1048576.0);
-    printf("%8s %14s %12s %14s %12s\n", "slots", "copy us/call", "copy GB/s", "clear us/call",
-           "clear GB/s");
+    tprintf("\n%s backend, page %" PRIu64 " B (%.4f MiB)\n", name, st.page_bytes,
+            (double)st.page_bytes / 1048576.0);
+    tprintf("%8s %14s %12s %14s %12s\n", "slots", "copy us/call", "copy GB/s", "clear us/call",
+            "clear GB/s");
     for (int i = 0; i < n_sizes; i++) {
         int32_t n = sizes[i];
         double t_copy = 0, t_clear = 0;
@@ -253,9 +290,22 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
             else
                 t_clear = dt;
         }
-        printf("%8" PRId32 " %14.1f %12.1f %14.1f %12.1f\n", n, t_copy * 1e6,
-               2.0 * n * (double)st.page_bytes / t_copy / 1e9, t_clear * 1e6,
-               (double)n * (double)st.page_bytes / t_clear / 1e9);
+        if (jroot) {
+            cJSON *r = cJSON_CreateObject(), *arr = cJSON_GetObjectItem(jroot, name);
+            if (!arr)
+                cJSON_AddItemToObject(jroot, name, arr = cJSON_CreateArray());
+            cJSON_AddNumberToObject(r, "slots", n);
+            cJSON_AddNumberToObject(r, "page_bytes", (double)st.page_bytes);
+            cJSON_AddNumberToObject(r, "copy_us", t_copy * 1e6);
+            cJSON_AddNumberToObject(r, "copy_gb_s", 2.0 * n * (double)st.page_bytes / t_copy / 1e9);
+            cJSON_AddNumberToObject(r, "clear_us", t_clear * 1e6);
+            cJSON_AddNumberToObject(r, "clear_gb_s",
+                                    (double)n * (double)st.page_bytes / t_clear / 1e9);
+            cJSON_AddItemToArray(arr, r);
+        }
+        tprintf("%8" PRId32 " %14.1f %12.1f %14.1f %12.1f\n", n, t_copy * 1e6,
+                2.0 * n * (double)st.page_bytes / t_copy / 1e9, t_clear * 1e6,
+                (double)n * (double)st.page_bytes / t_clear / 1e9);
     }
     stepq_pool_free(pool, ids, st.capacity);
     free(ids);
@@ -265,7 +315,7 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
 int stepq_tool_bench_pool(int argc, char **argv)
 {
     static int sizes[MAX_SIZES] = { 1, 2, 4, 8, 16, 32, 64, 128, 256, 512 };
-    int n_sizes = 10, max = 512, do_host = 0, do_cuda = 0, rc = 0, chosen = 0, sized = 0;
+    int n_sizes = 10, max = 512, do_host = 0, do_cuda = 0, rc = 0, chosen = 0, sized = 0, json = 0;
     uint64_t page_bytes = DEFAULT_PAGE_BYTES;
     double min_s = 0.2;
     stepq_map_t *map = NULL;
@@ -278,6 +328,10 @@ int stepq_tool_bench_pool(int argc, char **argv)
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             bench_pool_usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--json")) {
+            json = 1;
+            continue;
         }
         if (!v) {
             static const char *const value_opts[] = { "--backend",    "--map",   "--min-ms",
@@ -377,12 +431,18 @@ int stepq_tool_bench_pool(int argc, char **argv)
             }
         }
     }
+    out = json ? NULL : stdout;
+    if (json) {
+        jroot = cJSON_CreateObject();
+        cJSON_AddItemToObject(jroot, "alloc_free", cJSON_CreateArray());
+        cJSON_AddNumberToObject(jroot, "cores", (double)sysconf(_SC_NPROCESSORS_ONLN));
+    }
     if (bench_rate(min_s * 5) != 0)
         rc = 1;
     if (do_cuda) {
         ret = open_pool(map, page_bytes, STEPQ_POOL_BACKEND_CUDA, 2 * max + 1, &pool);
         if (ret == STEPQ_ENODEV || ret == STEPQ_ENOTSUP) {
-            printf("\ncuda backend: skipped (%s)\n", stepq_last_error());
+            fprintf(stderr, "stepq bench pool: cuda backend: skipped (%s)\n", stepq_last_error());
         } else if (ret < 0) {
             fprintf(stderr, "stepq bench pool: cuda pool: %s\n", stepq_last_error());
             rc = 1;
@@ -402,5 +462,15 @@ int stepq_tool_bench_pool(int argc, char **argv)
         }
     }
     stepq_map_close(map);
+    if (jroot) {
+        char *text = cJSON_Print(jroot);
+        if (text)
+            printf("%s\n", text);
+        else
+            rc = 1;
+        free(text);
+        cJSON_Delete(jroot);
+        jroot = NULL;
+    }
     return rc;
 }

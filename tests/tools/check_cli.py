@@ -35,6 +35,17 @@ def main():
         print("%s %s: rc %d, %r" % ("ok  " if ok else "FAIL", " ".join(cmd), p.returncode,
                                     p.stderr.strip()))
         bad += not ok
+    # bench pool --json: one JSON document on stdout, tables and messages elsewhere.
+    import json
+    p = subprocess.run([exe, "bench", "pool", "--backend", "host", "--page-bytes", "4096", "--slots",
+                        "1,2", "--min-ms", "1", "--json"], capture_output=True, text=True)
+    try:
+        d = json.loads(p.stdout)
+        ok = p.returncode == 0 and len(d["alloc_free"]) == 12 and len(d["host"]) == 2
+    except (ValueError, KeyError):
+        ok = False
+    print("%s bench pool --json: rc %d" % ("ok  " if ok else "FAIL", p.returncode))
+    bad += not ok
     return 1 if bad else 0
 
 
