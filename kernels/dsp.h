@@ -194,7 +194,10 @@ uint32_t stepq__head_update(float *S, size_t rs, size_t cs, int arch_kda, int d_
                             float beta, float *o);
 /**
  * Checks that slot ids are -1 or in 0..n_slots-1 and, when `distinct`, that
- * no id appears twice (two requests writing one page is a caller bug).
+ * no id but 0 appears twice (two requests writing one page is a caller bug).
+ * Slot 0 is the pages' sentinel, the padding target of a CUDA-graph batch:
+ * it may repeat, entries run in order and what it holds is meaningless (the
+ * CUDA kernels accept it the same way).
  */
 int stepq__check_slot_list(int n, const int32_t *slots, int n_slots, int distinct, const char *who);
 /** Records a health event for a slot (flags OR-ed, counts incremented). */

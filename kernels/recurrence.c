@@ -160,7 +160,7 @@ int stepq__check_slot_list(int n, const int32_t *slots, int n_slots, int distinc
         if (s < 0 || s >= n_slots)
             rc = stepq__error(STEPQ_EINVAL, "%s: slots[%d] = %d is outside -1, 0..%d", who, e,
                               (int)s, n_slots - 1);
-        else if (seen && (seen[s / 8] & (1u << (s % 8))))
+        else if (seen && s > 0 && (seen[s / 8] & (1u << (s % 8))))
             rc = stepq__error(STEPQ_EINVAL, "%s: slot %d appears twice", who, (int)s);
         else if (seen)
             seen[s / 8] |= (uint8_t)(1u << (s % 8));

@@ -101,77 +101,13 @@ static int ref_fail(stepq_pool_t *pool, int ret)
     return stepq__error_obj(pool->err, ret, "host backend: %s", stepq_last_error());
 }
 
-/*
- * The reference kernels refuse a slot listed twice (two writers of a page),
- * but a server pads a batch with any number of sentinel (slot 0) entries.
- * Those run one at a time: the first pass takes every entry but the repeated
- * sentinels (as -1), then each repeat runs alone. Entries skipped in a pass
- * are not written, so the passes do not disturb each other.
- */
-typedef int (*host_pass_fn)(stepq_pool_t *pool, int layer, const int32_t *ids, void *ctx);
-
-static int sentinel_passes(stepq_pool_t *pool, int layer, const int32_t *ids, int32_t n,
-                           host_pass_fn run, void *ctx)
-{
-    int32_t *pass = malloc(((size_t)n ? (size_t)n : 1) * sizeof(*pass)), first = -1;
-    int ret;
-
-    if (!pass)
-        return stepq__error_obj(pool->err, STEPQ_ENOMEM, "host backend: out of memory");
-    for (int32_t i = 0; i < n; i++) {
-        pass[i] = ids[i];
-        if (ids[i] == STEPQ_POOL_SLOT_SENTINEL) {
-            if (first < 0)
-                first = i;
-            else
-                pass[i] = STEPQ_POOL_SLOT_PAD;
-        }
-    }
-    ret = run(pool, layer, pass, ctx);
-    for (int32_t i = first + 1; first >= 0 && i < n && ret >= 0; i++) {
-        if (ids[i] != STEPQ_POOL_SLOT_SENTINEL)
-            continue;
-        for (int32_t j = 0; j < n; j++)
-            pass[j] = j == i ? STEPQ_POOL_SLOT_SENTINEL : STEPQ_POOL_SLOT_PAD;
-        ret = run(pool, layer, pass, ctx);
-    }
-    free(pass);
-    return ret;
-}
-
-static int decode_pass(stepq_pool_t *pool, int layer, const int32_t *ids, void *ctx)
-{
-    struct stepq__step_args a = *(const struct stepq__step_args *)ctx;
-    struct stepq__packed_layer pl;
-    int ret;
-
-    stepq__pool_packed_layer(pool, layer, &pl);
-    a.slots = ids;
-    ret = stepq__ref_step_packed(&a, &pl);
-    return ret < 0 ? ref_fail(pool, ret) : STEPQ_OK;
-}
-
 static int host_decode(stepq_pool_t *pool, int layer, const struct stepq__step_args *a)
 {
-    return sentinel_passes(pool, layer, a->slots, a->batch, decode_pass, (void *)a);
-}
-
-struct transfer_ctx {
-    const stepq_prefill_args *p;
-    const float *src; /* pack: fp32 source */
-    float *dst;       /* unpack: fp32 destination */
-    size_t stride;    /* elements between entries of src / dst */
-};
-
-static int pack_pass(stepq_pool_t *pool, int layer, const int32_t *ids, void *ctx)
-{
-    const struct transfer_ctx *c = ctx;
     struct stepq__packed_layer pl;
     int ret;
 
     stepq__pool_packed_layer(pool, layer, &pl);
-    ret = stepq__ref_pack(&pl, c->p->n, ids, c->src, c->stride, (stepq__layout)c->p->layout,
-                          pool->health, c->p->health_counts, NULL);
+    ret = stepq__ref_step_packed(a, &pl);
     return ret < 0 ? ref_fail(pool, ret) : STEPQ_OK;
 }
 
@@ -186,19 +122,20 @@ static int host_transfer(stepq_pool_t *pool, int layer, int pack, const stepq_pr
     const stepq_pool_layout *l = &pool->layout.pub;
     const size_t per = (size_t)l->n_local_heads * (size_t)l->d_k * (size_t)l->d_v;
     const size_t stride = p->state_stride ? (size_t)p->state_stride : per;
-    struct transfer_ctx c = { .p = p, .stride = stride };
+    size_t fstride = stride; /* of the fp32 tensor the reference moves */
     struct stepq__packed_layer pl;
     float *tmp = NULL;
     int ret;
 
     (void)stream;
+    stepq__pool_packed_layer(pool, layer, &pl);
     if (p->dtype == STEPQ_DTYPE_BF16) {
         tmp = malloc((size_t)p->n * per * sizeof(float));
         if (!tmp)
             return stepq__error_obj(
                 pool->err, STEPQ_ENOMEM,
                 "host backend: out of memory (fp32 copy of %" PRId32 " bf16 states)", p->n);
-        c.stride = per;
+        fstride = per;
     }
     if (pack) {
         if (tmp) {
@@ -207,15 +144,12 @@ static int host_transfer(stepq_pool_t *pool, int layer, int pack, const stepq_pr
                 for (size_t i = 0; i < per; i++)
                     tmp[(size_t)e * per + i] = stepq__bf16_to_float(src[(size_t)e * stride + i]);
         }
-        c.src = tmp ? tmp : p->states;
-        ret = sentinel_passes(pool, layer, p->slot_ids, p->n, pack_pass, &c);
+        ret = stepq__ref_pack(&pl, p->n, p->slot_ids, tmp ? tmp : p->states, fstride,
+                              (stepq__layout)p->layout, pool->health, p->health_counts, NULL);
     } else {
-        stepq__pool_packed_layer(pool, layer, &pl);
-        ret = stepq__ref_unpack(&pl, p->n, p->slot_ids, tmp ? tmp : p->states, c.stride,
+        ret = stepq__ref_unpack(&pl, p->n, p->slot_ids, tmp ? tmp : p->states, fstride,
                                 (stepq__layout)p->layout, NULL);
-        if (ret < 0)
-            ret = ref_fail(pool, ret);
-        else if (tmp) {
+        if (ret >= 0 && tmp) {
             uint16_t *dst = p->states;
             for (int32_t e = 0; e < p->n; e++)
                 if (p->slot_ids[e] != STEPQ_POOL_SLOT_PAD)
@@ -225,7 +159,7 @@ static int host_transfer(stepq_pool_t *pool, int layer, int pack, const stepq_pr
         }
     }
     free(tmp);
-    return ret;
+    return ret < 0 ? ref_fail(pool, ret) : STEPQ_OK;
 }
 
 /* The reference runs every shape, dtype and method the pool could open. */
