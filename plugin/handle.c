@@ -84,15 +84,8 @@ void *stepq__handle_get(const void *handle, int kind)
 {
     uint32_t gen = 0;
     struct stepq__handle_entry *e = stepq__handle_entry_of(handle, &gen);
-    void *obj;
 
-    if (!e)
-        return NULL;
-    obj = atomic_load_explicit(&e->obj, memory_order_acquire);
-    if (!obj || atomic_load_explicit(&e->gen, memory_order_acquire) != gen ||
-        atomic_load_explicit(&e->kind, memory_order_relaxed) != kind)
-        return NULL;
-    return obj;
+    return e ? stepq__handle_live(e, gen, kind) : NULL;
 }
 
 void stepq__handle_drop(struct stepq__handle_entry *e)

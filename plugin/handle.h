@@ -56,6 +56,17 @@ int stepq__handle_add(void *obj, int kind, void **handle, struct stepq__handle_e
  */
 struct stepq__handle_entry *stepq__handle_entry_of(const void *handle, uint32_t *gen);
 
+/** The entry's object, when the entry still holds generation gen and an object of kind. */
+static inline void *stepq__handle_live(struct stepq__handle_entry *e, uint32_t gen, int kind)
+{
+    void *obj = atomic_load_explicit(&e->obj, memory_order_acquire);
+
+    if (!obj || atomic_load_explicit(&e->gen, memory_order_acquire) != gen ||
+        atomic_load_explicit(&e->kind, memory_order_relaxed) != kind)
+        return NULL;
+    return obj;
+}
+
 /**
  * The object of a live handle of this kind, or NULL (stale, foreign or never
  * issued). Lock-free: for objects whose drop may not race with their use.

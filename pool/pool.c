@@ -133,12 +133,11 @@ int stepq__pool_enter(stepq_pool_t *h, const char *fn, stepq_pool_t **pool)
     if (!e)
         return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
     pthread_mutex_lock(&e->mu);
-    if (atomic_load(&e->gen) != gen || !atomic_load(&e->obj) ||
-        atomic_load(&e->kind) != STEPQ__HANDLE_POOL) {
+    *pool = stepq__handle_live(e, gen, STEPQ__HANDLE_POOL);
+    if (!*pool) {
         pthread_mutex_unlock(&e->mu);
         return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
     }
-    *pool = atomic_load(&e->obj);
     return STEPQ_OK;
 }
 

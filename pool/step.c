@@ -37,20 +37,27 @@ void stepq__pool_packed_layer(const struct stepq_pool *pool, int layer,
 /* Where a failing check writes: the pool's buffer (and the thread's). */
 #define FAIL(pool, status, ...) stepq__error_obj((pool)->err, status, __VA_ARGS__)
 
+/* The caller's versioned args (NULL refused) as this library's struct, errors in the pool. */
+static int import_args(stepq_pool_t *pool, const void *user, void *dst, const void *defaults,
+                       size_t size, const size_t *ends, unsigned version, const char *what,
+                       const char *fn)
+{
+    int ret;
+
+    if (!user)
+        return FAIL(pool, STEPQ_EINVAL, "%s: args is NULL", fn);
+    ret = stepq__config_import(dst, defaults, size, user, ends, version, what);
+    return ret < 0 ? FAIL(pool, ret, "%s: %s", fn, stepq_last_error()) : STEPQ_OK;
+}
+
 static int import_step(stepq_pool_t *pool, const stepq_step_args *user, stepq_step_args *a,
                        const char *fn)
 {
     static const stepq_step_args defaults = STEPQ_STEP_ARGS_INITIALIZER;
     static const size_t ends[] = { STEPQ__FIELD_END(stepq_step_args, head_v_dim) };
-    int ret;
 
-    if (!user)
-        return FAIL(pool, STEPQ_EINVAL, "%s: args is NULL", fn);
-    ret = stepq__config_import(a, &defaults, sizeof(*a), user, ends, STEPQ_STEP_ARGS_VERSION,
-                               "stepq_step_args");
-    if (ret < 0)
-        return FAIL(pool, ret, "%s: %s", fn, stepq_last_error());
-    return STEPQ_OK;
+    return import_args(pool, user, a, &defaults, sizeof(*a), ends, STEPQ_STEP_ARGS_VERSION,
+                       "stepq_step_args", fn);
 }
 
 static int import_prefill(stepq_pool_t *pool, const stepq_prefill_args *user, stepq_prefill_args *p,
@@ -58,15 +65,9 @@ static int import_prefill(stepq_pool_t *pool, const stepq_prefill_args *user, st
 {
     static const stepq_prefill_args defaults = STEPQ_PREFILL_ARGS_INITIALIZER;
     static const size_t ends[] = { STEPQ__FIELD_END(stepq_prefill_args, head_v_dim) };
-    int ret;
 
-    if (!user)
-        return FAIL(pool, STEPQ_EINVAL, "%s: args is NULL", fn);
-    ret = stepq__config_import(p, &defaults, sizeof(*p), user, ends, STEPQ_PREFILL_ARGS_VERSION,
-                               "stepq_prefill_args");
-    if (ret < 0)
-        return FAIL(pool, ret, "%s: %s", fn, stepq_last_error());
-    return STEPQ_OK;
+    return import_args(pool, user, p, &defaults, sizeof(*p), ends, STEPQ_PREFILL_ARGS_VERSION,
+                       "stepq_prefill_args", fn);
 }
 
 /* layer in range, and a pool built from a map (a synthetic layout has no heads). */
