@@ -162,29 +162,45 @@ static stepq_prefill_args prefill_args(struct fixture *f, const int32_t *ids, in
     return p;
 }
 
-/* Every page byte of the pool (sentinel included), for "nothing changed". */
-static uint8_t *snapshot(struct fixture *f)
+/* The pool's pages (sentinel included) and their bytes. */
+static uint8_t *pages_of(struct fixture *f, size_t *n)
 {
     const stepq_pool_layout *l;
     void *base;
 
     assert_int_equal(stepq_pool_get_layout(f->pool, &l), STEPQ_OK);
     assert_int_equal(stepq_pool_page(f->pool, 0, &base), STEPQ_OK);
-    size_t n = (size_t)(SLOTS + 1) * l->page_bytes;
+    *n = (size_t)(SLOTS + 1) * l->page_bytes;
+    return base;
+}
+
+/* Every page byte of the pool, for "nothing changed" and to start again from. */
+static uint8_t *snapshot(struct fixture *f)
+{
+    size_t n;
+    const uint8_t *base = pages_of(f, &n);
     uint8_t *s = malloc(n);
+
     assert_non_null(s);
     memcpy(s, base, n);
     return s;
 }
 
+/* The pool's pages back to a snapshot. */
+static void restore(struct fixture *f, const uint8_t *snap)
+{
+    size_t n;
+    uint8_t *base = pages_of(f, &n);
+
+    memcpy(base, snap, n);
+}
+
 static void assert_unchanged(struct fixture *f, const uint8_t *before)
 {
-    const stepq_pool_layout *l;
-    void *base;
+    size_t n;
+    const uint8_t *base = pages_of(f, &n);
 
-    assert_int_equal(stepq_pool_get_layout(f->pool, &l), STEPQ_OK);
-    assert_int_equal(stepq_pool_page(f->pool, 0, &base), STEPQ_OK);
-    assert_memory_equal(base, before, (size_t)(SLOTS + 1) * l->page_bytes);
+    assert_memory_equal(base, before, n);
 }
 
 /* The reference kernels on the pool's own layer description. */
@@ -238,9 +254,7 @@ static void step_matches_reference(stepq_arch arch, stepq_method m, unsigned fla
         memcpy(o_api, f.o, obytes);
         uint8_t *after_api = snapshot(&f);
         /* Back to the start, then the reference by hand. */
-        void *base;
-        assert_int_equal(stepq_pool_page(f.pool, 0, &base), STEPQ_OK);
-        memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+        restore(&f, start);
         memset(f.o, 0, obytes);
         ref_step(&f, layer, &a);
         assert_memory_equal(f.o, o_api, obytes);
@@ -366,15 +380,12 @@ static void test_step_padding_pad_and_repeated_sentinel(void **state)
     assert_int_equal(stepq_pool_decode_step(f.pool, 2, &a, NULL), STEPQ_OK);
     uint8_t *want = snapshot(&f);
 
-    void *base;
     const stepq_pool_layout *l;
     assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
-    assert_int_equal(stepq_pool_page(f.pool, 0, &base), STEPQ_OK);
-    memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
     int32_t padded[BATCH] = { f.ids[0], 0, f.ids[2], -1 };
     int32_t padded2[BATCH] = { f.ids[0], 0, f.ids[2], 0 };
     for (int variant = 0; variant < 2; variant++) {
-        memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+        restore(&f, start);
         for (size_t i = 0; i < BATCH * orow; i++)
             f.o[i] = 42.0f;
         a = step_args(&f, variant ? padded2 : padded, BATCH);
@@ -428,11 +439,7 @@ static void test_step_bf16_strided_equals_fp32(void **state)
     assert_int_equal(stepq_pool_decode_step(f.pool, 0, &a, NULL), STEPQ_OK);
     uint8_t *want = snapshot(&f);
 
-    void *base;
-    const stepq_pool_layout *l;
-    assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
-    assert_int_equal(stepq_pool_page(f.pool, 0, &base), STEPQ_OK);
-    memcpy(base, start, (size_t)(SLOTS + 1) * l->page_bytes);
+    restore(&f, start);
     stepq_step_args c = step_args(&f, f.ids, BATCH);
     c.dtype = STEPQ_DTYPE_BF16;
     c.q = q, c.k = k, c.v = v, c.g = g, c.beta = b, c.o = o;

@@ -88,21 +88,13 @@ static void *dalloc(size_t n)
 
 static stepq_map_t *kda_map(void)
 {
-    static const int ids[2] = { 0, 1 };
-    stepq_model_shape s;
+    /* The small test shape (H 2, HV 4) with the kernels' 128x128 heads, 2 layers. */
+    stepq_model_shape s = fx_shape_small(STEPQ_ARCH_KDA);
     stepq_map_t *map = NULL;
 
-    memset(&s, 0, sizeof(s));
-    s.arch = STEPQ_ARCH_KDA;
     s.n_layers = 2;
-    s.layer_ids = ids;
-    s.num_k_heads = 2;
-    s.num_v_heads = 4;
-    s.head_k_dim = 128;
-    s.head_v_dim = 128;
-    s.conv_rank = 2;
+    s.head_k_dim = s.head_v_dim = 128;
     s.conv_shape[0] = 1024;
-    s.conv_shape[1] = 3;
     s.conv_dtype = STEPQ_DTYPE_BF16;
     assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_STEPQ, 6, &map), STEPQ_OK);
     assert_int_equal(fx_layout_exact(map, 6, 2), STEPQ_OK);
