@@ -236,8 +236,6 @@ static void step_matches_reference(stepq_arch arch, stepq_method m, unsigned fla
 {
     struct fixture f;
     fixture_open(&f, arch, m);
-    const stepq_pool_layout *l;
-    assert_int_equal(stepq_pool_get_layout(f.pool, &l), STEPQ_OK);
     stepq_prefill_args p = prefill_args(&f, f.ids, BATCH, f.dense);
     for (int layer = 0; layer < f.L; layer++)
         assert_int_equal(stepq_pool_prefill_pack(f.pool, layer, &p, NULL), STEPQ_OK);
