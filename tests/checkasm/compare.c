@@ -477,6 +477,15 @@ int ca_expect_refused(stepq_pool_t *pool, int got, int want, const char *needle,
     return 0;
 }
 
+int ca_expect_refused_entry(int got, int want, const char *who, const char *what)
+{
+    CA_CHECK(got == want, "%s: returned %s (%s), expected %s", what, stepq_status_name(got),
+             got < 0 ? stepq_last_error() : "no error", stepq_status_name(want));
+    CA_CHECK(strstr(stepq_last_error(), who) != NULL, "%s: message '%s' does not name '%s'", what,
+             stepq_last_error(), who);
+    return 0;
+}
+
 int ca_pools_unchanged(struct fx_pools *fx, const uint8_t *hstart, const uint32_t *hhealth,
                        const uint8_t *dstart, const uint32_t *dhealth, const char *what)
 {

@@ -77,6 +77,12 @@ int ca_compare_o(const struct fx_step_io *io, const void *got, const void *ref,
 int ca_expect_refused(stepq_pool_t *pool, int got, int want, const char *needle, const char *what);
 
 /**
+ * A refused call of an internal entry (no pool in front of it): its status is
+ * `want` and the thread's message names the entry `who`.
+ */
+int ca_expect_refused_entry(int got, int want, const char *who, const char *what);
+
+/**
  * Both pools' pages and health words are still hstart / hhealth (host pool)
  * and dstart / dhealth (CUDA pool, read back), and no CUDA error is left
  * behind (cudaGetLastError after a synchronisation).

@@ -521,16 +521,6 @@ out:
     return rc;
 }
 
-/* One refused call of an internal entry: the status, and a message naming the entry. */
-static int refused_entry(int got, int want, const char *who, const char *what)
-{
-    CA_CHECK(got == want, "%s: returned %s (%s), expected %s", what, stepq_status_name(got),
-             got < 0 ? stepq_last_error() : "no error", stepq_status_name(want));
-    CA_CHECK(strstr(stepq_last_error(), who) != NULL, "%s: message '%s' does not name '%s'", what,
-             stepq_last_error(), who);
-    return 0;
-}
-
 /*
  * The packed step entry's own checks, on the CUDA pool's layer: what the pool
  * validates before it calls (kept, the entry is callable alone) and what it
@@ -594,7 +584,7 @@ static int run_bad_entry(void)
             x.arch = STEPQ_ARCH_KDA;
         else if (i == 6)
             x.opt.gate_in_kernel = 1, x.A_log = NULL;
-        if ((rc = refused_entry(
+        if ((rc = ca_expect_refused_entry(
                  stepq__cuda_step_packed_prepared(&x, cases[i].pl, cases[i].L,
                                                   (stepq__cuda_variant)cases[i].variant),
                  cases[i].status, step, cases[i].what)))
@@ -602,8 +592,9 @@ static int run_bad_entry(void)
         n++;
     }
     bad = L;
-    if ((rc = refused_entry(stepq__cuda_layer_prepare_ex(&fx.dpl, ~STEPQ__CUDA_COLUMN, &bad),
-                            STEPQ_EINVAL, "cuda layer prepare", "prepare with unknown flags")))
+    if ((rc = ca_expect_refused_entry(
+             stepq__cuda_layer_prepare_ex(&fx.dpl, ~STEPQ__CUDA_COLUMN, &bad), STEPQ_EINVAL,
+             "cuda layer prepare", "prepare with unknown flags")))
         goto out;
     CA_TRY(bad == NULL, "a refused prepare left a handle");
     n++;

@@ -441,15 +441,6 @@ out:
     return rc;
 }
 
-static int refused_entry(int got, int want, const char *who, const char *what)
-{
-    CA_CHECK(got == want, "%s: returned %s (%s), expected %s", what, stepq_status_name(got),
-             got < 0 ? stepq_last_error() : "no error", stepq_status_name(want));
-    CA_CHECK(strstr(stepq_last_error(), who) != NULL, "%s: message '%s' does not name '%s'", what,
-             stepq_last_error(), who);
-    return 0;
-}
-
 /*
  * The pack and unpack entries' own checks on the CUDA pool's layer, those the
  * pool validates first (kept: the entries are callable alone) and those it
@@ -527,7 +518,7 @@ static int run_bad_entry(void)
                                             cases[i].x, cases[i].stride, cases[i].layout,
                                             cases[i].dtype, fx.dhealth, NULL, NULL);
         snprintf(what, sizeof(what), "%s, %s", cases[i].who, cases[i].what);
-        if ((rc = refused_entry(ret, cases[i].status, cases[i].who, what)))
+        if ((rc = ca_expect_refused_entry(ret, cases[i].status, cases[i].who, what)))
             goto out;
         n++;
     }
