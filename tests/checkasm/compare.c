@@ -477,6 +477,23 @@ int ca_expect_refused(stepq_pool_t *pool, int got, int want, const char *needle,
     return 0;
 }
 
+int ca_transfer_check(const struct fx_transfer *p, const char *verb, const char *prep)
+{
+    char w[32] = "";
+    if (!stepq_method_is_dense(p->method)) {
+        if (p->bits)
+            snprintf(w, sizeof(w), "@%d", p->bits);
+        else
+            snprintf(w, sizeof(w), "%s",
+                     p->arch == STEPQ_ARCH_GDN ? " mixed+pivot head" : " mixed rows+pivots");
+    }
+    return checkasm_check(
+        "%s %s %s%s HV=%d n=%d %s %s %s%s%s", verb, stepq_arch_name(p->arch),
+        stepq_method_name(p->method), w, p->HV, p->n, prep, stepq_dtype_name(p->dtype),
+        p->layout == STEPQ_STATE_LAYOUT_KV ? "[K,V]" : "[V,K]",
+        p->wild_ids ? " cuda ids outside 0..slots" : "", p->column ? " column kernel" : "");
+}
+
 int ca_expect_refused_entry(int got, int want, const char *who, const char *what)
 {
     CA_CHECK(got == want, "%s: returned %s (%s), expected %s", what, stepq_status_name(got),

@@ -77,6 +77,13 @@ int ca_compare_o(const struct fx_step_io *io, const void *got, const void *ref,
 int ca_expect_refused(stepq_pool_t *pool, int got, int want, const char *needle, const char *what);
 
 /**
+ * Starts the check of one pack or unpack configuration (checkasm_check),
+ * named from its parameters: "<verb> <arch> <method>[@bits| mixed...] HV=.. n=..
+ * <prep> <dtype> <layout>[ cuda ids outside 0..slots][ column kernel]".
+ */
+int ca_transfer_check(const struct fx_transfer *p, const char *verb, const char *prep);
+
+/**
  * A refused call of an internal entry (no pool in front of it): its status is
  * `want` and the thread's message names the entry `who`.
  */

@@ -29,19 +29,7 @@
 
 static int start(const struct params *p)
 {
-    char w[32] = "";
-    if (!stepq_method_is_dense(p->method)) {
-        if (p->bits)
-            snprintf(w, sizeof(w), "@%d", p->bits);
-        else
-            snprintf(w, sizeof(w), "%s",
-                     p->arch == STEPQ_ARCH_GDN ? " mixed+pivot head" : " mixed rows+pivots");
-    }
-    return checkasm_check("unpack %s %s%s HV=%d n=%d to %s %s%s%s", stepq_arch_name(p->arch),
-                          stepq_method_name(p->method), w, p->HV, p->n, stepq_dtype_name(p->dtype),
-                          p->layout == STEPQ_STATE_LAYOUT_KV ? "[K,V]" : "[V,K]",
-                          p->wild_ids ? " cuda ids outside 0..slots" : "",
-                          p->column ? " column kernel" : "");
+    return ca_transfer_check(p, "unpack", "to");
 }
 
 struct launch {
