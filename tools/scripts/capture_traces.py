@@ -43,6 +43,9 @@ import struct
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_names  # noqa: E402
+
 DTYPE_NAMES = {"bf16": "BF16", "fp32": "F32", "fp16": "F16"}
 
 
@@ -128,11 +131,6 @@ def write_safetensors(path, tensors, metadata):
 
 # ----------------------------------------------------------------------------- hooks
 
-KERNEL_NAMES = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
-                "torch_chunk_kda", "torch_recurrent_kda")
-ATTR_NAMES = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_kda", "recurrent_kda")
-
-
 class Recorder:
     """Wraps the recurrent kernels; a forward pre-hook on each linear-attention layer says which layer runs."""
 
@@ -167,32 +165,10 @@ class Recorder:
 
 
 def install_hooks(model, rec):
-    import importlib
-    mods = set()
-    layers = []
-    for name, m in model.named_modules():
-        cls = type(m).__name__
-        if not hasattr(m, "layer_idx"):
-            continue
-        if "GatedDeltaNet" in cls or "DeltaAttention" in cls or "KDA" in cls:
-            layers.append((m.layer_idx, m))
-            mods.add(type(m).__module__)
-    if not layers:
-        raise SystemExit("capture: no linear-attention layers (GatedDeltaNet / DeltaAttention) found")
-    patched = []
-    for modname in sorted(mods):
-        mod = importlib.import_module(modname)
-        for kn in KERNEL_NAMES:
-            if hasattr(mod, kn):
-                setattr(mod, kn, rec.wrap(getattr(mod, kn)))
-                patched.append(modname + "." + kn)
+    """Wraps the model's recurrent kernels (names: hf_names.py) and hooks every recurrent layer."""
+    layers, mods = hf_names.recurrent_layers(model)
+    patched = hf_names.wrap_kernels(layers, mods, lambda f, name: rec.wrap(f), "__wrapped_stepq__")
     for L, m in layers:
-        for an in ATTR_NAMES:
-            f = getattr(m, an, None)
-            if callable(f) and not hasattr(f, "__wrapped_stepq__"):
-                setattr(m, an, rec.wrap(f))
-                patched.append("layer%d.%s" % (L, an))
-
         def pre(module, args, kwargs, L=L):
             rec.current = L
         m.register_forward_pre_hook(pre, with_kwargs=True)
@@ -200,19 +176,15 @@ def install_hooks(model, rec):
         def post(module, args, out, L=L):
             rec.current = None
         m.register_forward_hook(post)
-    return sorted(L for L, _ in layers), patched
+    return [L for L, _ in layers], patched
 
 
 def model_shape(cfg):
-    """(arch, H, HV, K, V) from a transformers text config."""
-    c = getattr(cfg, "text_config", None) or cfg
-    if hasattr(c, "linear_num_value_heads"):  # Qwen3-Next, Qwen3.5
-        return "gdn", c.linear_num_key_heads, c.linear_num_value_heads, \
-            c.linear_key_head_dim, c.linear_value_head_dim
-    if hasattr(c, "linear_attn_value_heads"):  # Kimi-Linear (transformers naming)
-        return "kda", c.linear_attn_key_heads, c.linear_attn_value_heads, \
-            c.linear_attn_key_head_dim, c.linear_attn_value_head_dim
-    raise SystemExit("capture: the config has no linear-attention head fields")
+    """(arch, H, HV, K, V) from a transformers config (field names: hf_names.py)."""
+    try:
+        return hf_names.model_shape(cfg)
+    except SystemExit as e:
+        raise SystemExit("capture: %s" % e)
 
 
 def dedup_qk(x, H, HV):

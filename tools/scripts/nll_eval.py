@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Excess NLL of a GDN checkpoint with its recurrent state stored through precision maps.
+"""Excess NLL of a GDN or KDA checkpoint with its recurrent state stored through precision maps.
 
 Runs on the GPU host (torch + transformers). Teacher-forced: each stream is
 prefill P bytes (the native chunk kernel; the boundary state is then stored
@@ -22,6 +22,9 @@ import math
 import os
 import sys
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import hf_names  # noqa: E402
 
 
 def parse_args(argv=None):
@@ -106,6 +109,7 @@ class Shim:
         self.threads = threads
         self.shapes = {}  # handle value -> (HV, K, V)
         self.nlayers = {}  # handle value -> recurrent layers in the map
+        self.kda = {}  # handle value -> a KDA map (key-row units)
 
     def err(self):
         e = self.lib.stepq_shim_last_error()
@@ -118,8 +122,7 @@ class Shim:
         out = (ctypes.c_int * 5)()
         if self.lib.stepq_shim_shape(h, out) < 0:
             raise SystemExit("nll_eval: %s: %s" % (map_path, self.err()))
-        if out[4]:
-            raise SystemExit("nll_eval: %s: a KDA map; this tool drives GDN models only" % map_path)
+        self.kda[h.value] = bool(out[4])
         self.shapes[h.value] = (out[1], out[2], out[3])
         self.nlayers[h.value] = out[0]
         return h
@@ -252,7 +255,6 @@ def main(argv=None):
     a = parse_args(argv)
     if a.self_test:
         return self_test(a)
-    import importlib
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -268,23 +270,20 @@ def main(argv=None):
     mdt = torch.bfloat16 if a.model_dtype == "bf16" else torch.float32
     model = AutoModelForCausalLM.from_pretrained(a.model, dtype=mdt).to(a.device).eval()
 
-    # Route the recurrent kernels through a wrapper that stores the returned state. The GDN
-    # layer (transformers' Qwen3_5GatedDeltaNet and kin) calls the module-level functions
-    # torch_chunk_gated_delta_rule (prefill) / torch_recurrent_gated_delta_rule (one-token
-    # decode) by name, with initial_state = the cache's state and output_final_state = True,
-    # and stores the returned state [B, HV, d_k, d_v] (fp32) with
-    # cache_params.update_recurrent_state(); older versions call instance attributes
-    # chunk_gated_delta_rule / recurrent_gated_delta_rule instead. Both are wrapped; a depth
-    # counter makes sure a state is stored through the method once even if one wrapped
-    # function calls another.
+    # Route the recurrent kernels through a wrapper that stores the returned state. The
+    # recurrent layers (GDN: transformers' Qwen3_5GatedDeltaNet and kin; KDA:
+    # KimiLinearDeltaAttention) call module-level kernel functions by name (prefill and
+    # one-token decode; the names per release are in hf_names.py), with initial_state = the
+    # cache's state and output_final_state = True, and store the returned state
+    # [B, HV, d_k, d_v] (fp32) with cache_params.update_recurrent_state(); older versions call
+    # instance attributes instead. All are wrapped; a depth counter makes sure a state is
+    # stored through the method once even if one wrapped function calls another.
     state = {"layer": None, "fn": None, "depth": 0}
-    mods, layers = set(), []
-    for _, m in model.named_modules():
-        if hasattr(m, "layer_idx") and "GatedDeltaNet" in type(m).__name__:
-            layers.append(m)
-            mods.add(type(m).__module__)
-    if not layers:
-        raise SystemExit("nll_eval: no GatedDeltaNet layers found")
+    try:
+        found, mods = hf_names.recurrent_layers(model)
+    except SystemExit as e:
+        raise SystemExit("nll_eval: %s" % e)
+    layers = [m for _, m in found]
     for m in layers:
         def pre(module, args, L=m.layer_idx):
             state["layer"] = L
@@ -303,7 +302,7 @@ def main(argv=None):
             if st is not None and state["fn"] is not None and state["depth"] == 0:
                 L = state["layer"]
                 if L is None:
-                    raise SystemExit("nll_eval: a recurrent kernel ran outside a GatedDeltaNet layer")
+                    raise SystemExit("nll_eval: a recurrent kernel ran outside a recurrent layer")
                 st = state["fn"](st, L)
                 calls["per_layer"][L] = calls["per_layer"].get(L, 0) + 1
                 if kwargs.get("initial_state", 0) is None:
@@ -313,29 +312,17 @@ def main(argv=None):
             return out, st
         wrapped.__wrapped_by_nll_eval__ = True
         return wrapped
-    n_wrapped = 0
-    for modname in mods:
-        mod = importlib.import_module(modname)
-        for kn in ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule"):
-            f = getattr(mod, kn, None)
-            if callable(f) and not getattr(f, "__wrapped_by_nll_eval__", False):
-                setattr(mod, kn, wrap(f, kn))
-                n_wrapped += 1
-    for m in layers:
-        for an in ("chunk_gated_delta_rule", "recurrent_gated_delta_rule"):
-            f = getattr(m, an, None)
-            # A submodule cannot be replaced by a function (torch refuses); if the layer calls
-            # one, the per-layer call count below stops the run.
-            if callable(f) and not isinstance(f, torch.nn.Module) \
-                    and not getattr(f, "__wrapped_by_nll_eval__", False):
-                setattr(m, an, wrap(f, an))
-                n_wrapped += 1
-    if n_wrapped == 0:
-        raise SystemExit("nll_eval: found no gated-delta-rule kernel to wrap in %s" % sorted(mods))
+    try:
+        hf_names.wrap_kernels(found, mods, wrap, "__wrapped_by_nll_eval__")
+    except SystemExit as e:
+        raise SystemExit("nll_eval: %s" % e)
 
     shim = Shim(a.shim, a.threads)
-    cfg = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
-    model_state_shape = (cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim)
+    try:
+        arch, _, HV, K, V = hf_names.model_shape(model.config)
+    except SystemExit as e:
+        raise SystemExit("nll_eval: %s" % e)
+    model_state_shape = (HV, K, V)
     lin_layers = sorted(m.layer_idx for m in layers)
     backend_used = {}
     methods = [("fp32", None)] + ([] if a.no_bf16 else [("bf16", None)])
@@ -355,7 +342,10 @@ def main(argv=None):
         if name == "bf16" and path is None:
             return lambda st, L: st.to(torch.bfloat16).to(st.dtype)
         h = shim.open(path)
-        # The map must be for this model's state: shape, and every GDN layer (by model layer id).
+        # The map must be for this model's state: arch, shape, and every recurrent layer (by model layer id).
+        if shim.kda[h.value] != (arch == "kda"):
+            raise SystemExit("nll_eval: %s: a %s map for a %s model" % (path, "KDA" if shim.kda[h.value] else "GDN",
+                                                                       arch.upper()))
         if shim.shape(h) != model_state_shape:
             raise SystemExit("nll_eval: %s: map state shape %s, model %s" % (path, shim.shape(h), model_state_shape))
         if shim.map_layers(h) != len(lin_layers):
@@ -417,21 +407,12 @@ def main(argv=None):
             return out
         return fn
 
-    def cache_state(cache, L):
-        """The recurrent state the cache keeps for layer L (transformers 5.x: layers[L].recurrent_states[0])."""
-        try:
-            return cache.layers[L].recurrent_states[0]
-        except (AttributeError, IndexError, KeyError, TypeError):
-            pass
-        try:
-            return cache.recurrent_states[L]  # older hybrid caches
-        except (AttributeError, IndexError, KeyError, TypeError):
-            return None
+    cache_state = hf_names.cache_state
 
     notes = []
 
     def check_calls(cache, steps, when):
-        """Every GDN layer stored its state through the method once per forward (the first
+        """Every recurrent layer stored its state through the method once per forward (the first
         with no initial state: the prefill), and the cache holds exactly what was handed back."""
         for L in lin_layers:
             n, fresh = calls["per_layer"].get(L, 0), calls["fresh"].get(L, 0)
@@ -555,7 +536,7 @@ def main(argv=None):
                       "excess": e[0], "excess_se": e[1], "excess_first256": ef[0], "excess_first256_se": ef[1],
                       "excess_last256": el[0], "excess_last256_se": el[1], "seconds": r["seconds"],
                       "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs})
-    meta = {"model": a.model, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
+    meta = {"model": a.model, "arch": arch, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
             "torch": torch.__version__, "transformers": transformers.__version__, "backend": backend_used,
             "decode_vs_full_fp32": decode_vs_full, "notes": notes}

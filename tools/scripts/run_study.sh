@@ -1,10 +1,10 @@
 #!/usr/bin/env bash
-# The tiny-gdn calibration study, end to end on the GPU host:
+# The calibration study of one model (tiny-gdn by default; MODEL=.../tiny-kda for KDA), end to end on the GPU host:
 # capture WikiText-2 traces, calibrate every method on VALID, evaluate on TEST
 # (trace replay with `stepq eval`, and excess NLL with the model in the loop).
 # Big traces stay in a scratch folder; only small results go to $OUT.
 #
-#   tools/scripts/run_tiny_gdn_study.sh STAGE...     STAGE: calib, eval, nll, all; eval4 / eval6 and
+#   tools/scripts/run_study.sh STAGE...     STAGE: calib, eval, nll, all; eval4 / eval6 and
 #   nll4 / nll6 run the 4-bit and the 6/8-bit halves (to fit 10-minute device commands)
 # Environment: RESULTS (results, default out/study), OUT (when set, e.g. the device
 # tool's output folder: the results are packed there as study.tgz plus the
@@ -32,10 +32,12 @@ PREFILL=${PREFILL:-512}
 DECODE=${DECODE:-1536}
 THREADS=${THREADS:-$(nproc)}
 MODEL=${MODEL:-$SHARED/models/tiny-gdn}
+NAME=${NAME:-$(basename "$MODEL")}
 VALID_TEXT=${VALID_TEXT:-$SHARED/data/wikitext2-valid.txt}
 TEST_TEXT=${TEST_TEXT:-$SHARED/data/wikitext2-test.txt}
 STEPQ=$BUILD/tools/stepq
-mkdir -p "$OUT/maps" "$SCRATCH"
+export STEPQ_PLOT_SCRIPT=${STEPQ_PLOT_SCRIPT:-$PWD/tools/scripts/plot.py}
+mkdir -p "$OUT/maps" "$OUT/reports" "$SCRATCH"
 [ $# -gt 0 ] || set -- all
 
 log() { echo "[$(date +%H:%M:%S)] $*" | tee -a "$OUT/study.log" >&2; }
@@ -56,31 +58,33 @@ calib() {
     local T=("$SCRATCH"/valid-*.safetensors)
     for m in fp32 bf16; do
         "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget 4 --out "$OUT/maps/$m.json" \
-            --model-name tiny-gdn 2>&1 | tee -a "$OUT/study.log"
+            --model-name "$NAME" 2>&1 | tee -a "$OUT/study.log"
     done
     for b in 4 6 8; do
         for m in uniform dsq spatial temporal stepq; do
             [ $b = 8 ] && [ $m != uniform ] && continue
             log "calibrate $m@$b"
             "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget $b --threads "$THREADS" \
-                --model-name tiny-gdn --out "$OUT/maps/$m@$b.json" \
-                --report "$SCRATCH/report-$m@$b.json" 2>&1 | tee -a "$OUT/study.log"
+                --model-name "$NAME" --out "$OUT/maps/$m@$b.json" \
+                --report "$OUT/reports/$m@$b.json" 2>&1 | tee -a "$OUT/study.log"
         done
     done
     # Variants kept for comparison: no pivots; the paper's rule (lifetime-only, state MSE,
     # B4 = {2,4,6,8}, B6 = {4,6,8}).
     for b in 4 6; do
         "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
-            --pivot-fraction 0 --model-name tiny-gdn \
+            --pivot-fraction 0 --model-name "$NAME" \
             --out "$OUT/maps/stepq-nopiv@$b.json" 2>&1 | tee -a "$OUT/study.log"
     done
     for b in 4 6; do
         c=$([ $b = 4 ] && echo 2,4,6,8 || echo 4,6,8)
         "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
-            --distortion mse --lifetime gate --normalize none --candidates $c --model-name tiny-gdn \
+            --distortion mse --lifetime gate --normalize none --candidates $c --model-name "$NAME" \
             --out "$OUT/maps/stepq-paper@$b.json" 2>&1 | tee -a "$OUT/study.log"
     done
-    sha256sum "$OUT"/maps/*.json | tee "$OUT/maps/SHA256SUMS"
+    (cd "$OUT/maps" && sha256sum ./*.json | sed 's# \./# #' | tee SHA256SUMS)
+    python3 tools/scripts/map_report.py "stepq@4=$OUT/reports/stepq@4.json" "stepq@6=$OUT/reports/stepq@6.json" \
+        "temporal@6=$OUT/reports/temporal@6.json" --markdown "$OUT/bits-pivots.md" >/dev/null
 }
 
 MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8"
@@ -143,7 +147,7 @@ pack() {
     [ -n "$PACK" ] || return 0
     mkdir -p "$PACK"
     tar czf "$PACK/study.tgz" -C "$OUT" .
-    for f in eval-test-all.txt eval-test-4.txt eval-test-6.txt nll-test-all.md nll-test-4.md \
+    for f in bits-pivots.md eval-test-all.txt eval-test-4.txt eval-test-6.txt nll-test-all.md nll-test-4.md \
         nll-test-6.md study.log; do
         [ -f "$OUT/$f" ] && cp "$OUT/$f" "$PACK/"
     done
