@@ -12,13 +12,14 @@
 # SHARED (default ../shared; or MODEL, VALID_TEXT, TEST_TEXT one by one), SCRATCH (traces, default out/study-scratch: ignored by git, so it survives between
 # device calls on a warm host),
 # VALID_STREAMS (32), TEST_STREAMS (16), SEQ (2048), NLL_STREAMS (16),
-# PREFILL (512), DECODE (1536), THREADS (online CPUs), MAPS (a folder of ready maps, e.g.
+# PREFILL (512), DECODE (1536), THREADS (online CPUs), VARIANTS (1; 0 leaves out the stepq-nopiv and
+# stepq-paper comparison maps), MAPS (a folder of ready maps, e.g.
 # config/calibrated/tiny-gdn: eval / nll stages then copy them instead of capturing and
 # calibrating; their SHA256SUMS are checked).
 # Calibration is deterministic, so `calib` run in two sessions gives byte-identical
 # maps (the script prints their sha256).
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PACK=${OUT:-}
 OUT=${RESULTS:-out/study}
 BUILD=${BUILD:-build-gpu}
@@ -31,6 +32,7 @@ NLL_STREAMS=${NLL_STREAMS:-16}
 PREFILL=${PREFILL:-512}
 DECODE=${DECODE:-1536}
 THREADS=${THREADS:-$(nproc)}
+VARIANTS=${VARIANTS:-1}
 MODEL=${MODEL:-$SHARED/models/tiny-gdn}
 NAME=${NAME:-$(basename "$MODEL")}
 VALID_TEXT=${VALID_TEXT:-$SHARED/data/wikitext2-valid.txt}
@@ -69,14 +71,13 @@ calib() {
                 --report "$OUT/reports/$m@$b.json" 2>&1 | tee -a "$OUT/study.log"
         done
     done
-    # Variants kept for comparison: no pivots; the paper's rule (lifetime-only, state MSE,
-    # B4 = {2,4,6,8}, B6 = {4,6,8}).
+    # Variants kept for comparison (VARIANTS=0 skips them): no pivots; the paper's rule
+    # (lifetime-only, state MSE, B4 = {2,4,6,8}, B6 = {4,6,8}).
     for b in 4 6; do
+        [ "$VARIANTS" = 1 ] || break
         "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
             --pivot-fraction 0 --model-name "$NAME" \
             --out "$OUT/maps/stepq-nopiv@$b.json" 2>&1 | tee -a "$OUT/study.log"
-    done
-    for b in 4 6; do
         c=$([ $b = 4 ] && echo 2,4,6,8 || echo 4,6,8)
         "$STEPQ" calibrate --trace "${T[@]}" --method stepq --budget $b --threads "$THREADS" \
             --distortion mse --lifetime gate --normalize none --candidates $c --model-name "$NAME" \
@@ -88,10 +89,11 @@ calib() {
 }
 
 MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8"
+[ "$VARIANTS" = 1 ] || MAPS_ORDER=$(echo "$MAPS_ORDER" | tr ' ' '\n' | grep -v -e -nopiv -e -paper | tr '\n' ' ')
 
 need_maps() {
     local n
-    if [ ! -f "$OUT/maps/stepq-paper@6.json" ]; then
+    if [ ! -f "$OUT/maps/SHA256SUMS" ]; then
         if [ -n "${MAPS:-}" ]; then
             log "maps: from $MAPS"
             (cd "$MAPS" && sha256sum -c --quiet SHA256SUMS)
