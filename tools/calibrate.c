@@ -320,7 +320,7 @@ int stepq_tool_calibrate(int argc, char **argv)
             return 0;
         }
         if (!strcmp(a, "--trace")) {
-            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) && n_traces < 4096)
+            while (i + 1 < argc && argv[i + 1][0] != '-' && n_traces < 4096)
                 traces[n_traces++] = argv[++i];
             continue;
         }
