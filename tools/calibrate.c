@@ -694,7 +694,7 @@ int stepq_tool_calibrate(int argc, char **argv)
             if (fwrite(text, 1, len, o_map.f) != len || stepq_tool_out_commit(&o_map, "calibrate"))
                 rc = 1;
         }
-        free(text);
+        stepq_free(text);
     }
 
     if (!rc && o.report) {
