@@ -8,6 +8,7 @@
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -246,6 +247,14 @@ int stepq_tool_out_reserve(struct stepq_tool_out *o, const char *tool, const cha
     if (!path || !strcmp(path, "-"))
         return 0;
     o->path = path;
+    /* A target that exists and is not a regular file (/dev/null, a FIFO) is written in place:
+     * renaming over it would replace the device or pipe with a file. */
+    struct stat sb;
+    if (stat(path, &sb) == 0 && !S_ISREG(sb.st_mode)) {
+        o->direct = 1;
+        snprintf(o->tmp, sizeof(o->tmp), "%s", path);
+        return 0;
+    }
     if (snprintf(o->tmp, sizeof(o->tmp), "%s.tmp.%ld.%u", path, (long)getpid(),
                  atomic_fetch_add(&counter, 1)) >= (int)sizeof(o->tmp)) {
         fprintf(stderr, "stepq %s: %s: path too long\n", tool, path);
@@ -268,7 +277,7 @@ FILE *stepq_tool_out_open(struct stepq_tool_out *o, const char *tool, const char
         return NULL;
     if (!o->path)
         return o->f = stdout;
-    if (!(o->f = fopen(o->tmp, "w"))) {
+    if (!(o->f = fopen(o->direct ? o->path : o->tmp, "w"))) {
         stepq_tool_path_error(tool, o->path, NULL, strerror(errno), 0);
         stepq_tool_out_discard(o);
         return NULL;
@@ -302,7 +311,7 @@ int stepq_tool_out_commit(struct stepq_tool_out *o, const char *tool)
                               strerror(e ? e : EIO)),
                       -1)
                    : 0;
-    if (!bad && rename(o->tmp, o->path) < 0) {
+    if (!bad && !o->direct && rename(o->tmp, o->path) < 0) {
         bad = 1;
         e = errno;
     }
@@ -320,7 +329,7 @@ void stepq_tool_out_discard(struct stepq_tool_out *o)
     if (o->f && o->f != stdout)
         fclose(o->f);
     o->f = NULL;
-    if (o->path && o->tmp[0])
+    if (o->path && o->tmp[0] && !o->direct)
         unlink(o->tmp);
     release(o);
 }

@@ -65,12 +65,14 @@ void stepq_tool_progress_end(struct stepq_tool_progress *p);
  * An output file written to a temporary file next to it (PATH.tmp.PID.N) and
  * renamed to PATH when complete, so a reader never sees half a file: a failure
  * (stepq_tool_out_discard) and SIGINT, SIGTERM or SIGHUP remove the temporary
- * file. A NULL path or "-" is standard output.
+ * file. A NULL path or "-" is standard output; a target that exists and is not
+ * a regular file (/dev/null, a FIFO) is written in place.
  */
 struct stepq_tool_out {
     const char *path; /* the target; NULL for standard output */
     char tmp[4096];   /* the temporary file while open */
     int slot;         /* its entry in the signal handler's list, -1 if none */
+    int direct;       /* the target is not a regular file: written in place, tmp is its name */
     FILE *f;
 };
 

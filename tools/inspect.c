@@ -44,9 +44,12 @@ int stepq_tool_inspect(int argc, char **argv)
         } else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h")) {
             inspect_usage(stdout);
             return 0;
-        } else if (argv[i][0] == '-' || path) {
-            fprintf(stderr, "stepq inspect: unexpected argument '%s'\n", argv[i]);
-            inspect_usage(stderr);
+        } else if (argv[i][0] == '-') {
+            fprintf(stderr, "stepq inspect: unknown option '%s' (see stepq inspect --help)\n",
+                    argv[i]);
+            return 2;
+        } else if (path) {
+            fprintf(stderr, "stepq inspect: a second MAP '%s'\n", argv[i]);
             return 2;
         } else {
             path = argv[i];
