@@ -424,7 +424,9 @@ int stepq_tool_eval(int argc, char **argv)
         }
         tab(tf, "\n");
         if (jf) {
-            fprintf(jf, "  {\"name\": \"%s\", \"map\": ", name);
+            fputs("  {\"name\": ", jf);
+            stepq_tool_json_str(jf, name);
+            fputs(", \"map\": ", jf);
             stepq_tool_json_str(jf, m < n_maps ? maps_p[m] : "");
             fprintf(jf, ", \"bits_per_value\": %.6g, ", bpv);
             json_ms(jf, "readout_rel", v[0], 0);
@@ -443,14 +445,16 @@ int stepq_tool_eval(int argc, char **argv)
                         e += c.curve_err[ci];
                         r += c.curve_ref[ci];
                     }
-                fprintf(jf, "%s%.6g", b ? ", " : "", r > 0 ? e / r : 0);
+                fputs(b ? ", " : "", jf);
+                json_num(jf, r > 0 ? e / r : 0);
             }
             fprintf(jf, "], \"head_state_err\": [");
             for (int h = 0; h < H; h++) {
                 double se = 0;
                 for (int s = 0; s < S; s++)
                     se += c.acc[((size_t)m * H + h) * S + s].serr;
-                fprintf(jf, "%s%.6g", h ? ", " : "", se / S);
+                fputs(h ? ", " : "", jf);
+                json_num(jf, se / S);
             }
             fprintf(jf, "], \"head_readout_rel\": [");
             for (int h = 0; h < H; h++) {
@@ -459,7 +463,8 @@ int stepq_tool_eval(int argc, char **argv)
                     e += c.acc[((size_t)m * H + h) * S + s].err;
                     r += c.acc[((size_t)m * H + h) * S + s].ref;
                 }
-                fprintf(jf, "%s%.6g", h ? ", " : "", r > 0 ? e / r : 0);
+                fputs(h ? ", " : "", jf);
+                json_num(jf, r > 0 ? e / r : 0);
             }
             fprintf(jf, "]}%s\n", m + 1 < M ? "," : "");
         }
@@ -594,8 +599,9 @@ int stepq_tool_eval(int argc, char **argv)
                     map_label(name, sizeof(name), maps_p[m], maps[m]);
                 else
                     snprintf(name, sizeof(name), "uniform@6 (internal)");
-                fprintf(f, "%s{\"label\": \"%s\", \"style\": \"%s\", \"x\": [", first ? "" : ", ",
-                        name, kind ? "-" : "o");
+                fputs(first ? "{\"label\": " : ", {\"label\": ", f);
+                stepq_tool_json_str(f, name);
+                fprintf(f, ", \"style\": \"%s\", \"x\": [", kind ? "-" : "o");
                 first = 0;
                 int n = kind ? nb : H;
                 for (int i = 0; i < n; i++)
