@@ -55,9 +55,9 @@ int stepq_tool_real(const char *tool, const char *opt, const char *v, double lo,
 
 /* --- progress on stderr ------------------------------------------------------ */
 
-#define BAR_PERIOD_S   0.2 /* redraws per second on a terminal: smooth, yet cheap */
-#define LINE_PERIOD_S  5.0 /* plain lines: often enough to show life, rare enough for a log */
-#define BAR_WIDTH      24
+#define BAR_PERIOD_S   0.2 /* seconds between redraws of the bar: smooth, yet cheap */
+#define LINE_PERIOD_S  5.0 /* seconds between plain lines: show life, yet keep a log short */
+#define BAR_WIDTH      16  /* the whole bar line stays within 80 columns */
 #define PROGRESS_OFF   0
 #define PROGRESS_BAR   1
 #define PROGRESS_LINES 2
@@ -73,7 +73,7 @@ static double now_s(void)
 static void fmt_amount(char *buf, size_t len, double x, const char *unit)
 {
     if (strcmp(unit, "B"))
-        snprintf(buf, len, "%.0f", x);
+        snprintf(buf, len, x < 10 && x != floor(x) ? "%.2g" : "%.0f", x); /* rates below 10/s */
     else if (x >= 1e9)
         snprintf(buf, len, "%.2f GB", x / 1e9);
     else if (x >= 1e6)
@@ -144,8 +144,8 @@ static void progress_print(struct stepq_tool_progress *p, double t, int last)
         for (int i = 0; i < BAR_WIDTH; i++)
             bar[i] = i < fill ? '#' : '.';
         bar[BAR_WIDTH] = 0;
-        fprintf(stderr, "\r\033[Kstepq %s [%s] %3.0f%% %s/%s%s%s, %s%s%s/s, ETA %s", p->tool, bar,
-                100 * frac, done, total, *u ? " " : "", u, r, *u ? " " : "", u, eta);
+        fprintf(stderr, "\r\033[Kstepq %s [%s] %3.0f%% %s/%s%s%s, %s/s, ETA %s", p->tool, bar,
+                100 * frac, done, total, *u ? " " : "", u, r, eta);
     } else if (last) {
         fmt_time(eta, sizeof(eta), el);
         fprintf(stderr, "stepq %s: %s/%s%s%s done in %s, %s%s%s/s\n", p->tool, done, total,
