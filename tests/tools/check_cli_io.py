@@ -140,7 +140,7 @@ def main():
           "synth: progress in bytes on stderr", p.stderr)
 
     # simulate with a MAP: a short default; an explicit --requests is what runs.
-    p = run(["simulate", MAP27, "--json"], timeout=120)
+    p = run(["simulate", MAP27, "--max-running", "1", "--json"], timeout=120)  # 6 pages
     check(p.returncode == 0 and json.loads(p.stdout)["requests"] == 200,
           "simulate MAP: 200 requests by default", p.stdout + p.stderr)
     p = run(["simulate", "--json"])
