@@ -369,15 +369,23 @@ int stepq_tool_bench_pool(int argc, char **argv)
             sized = 1;
             n_sizes = 0;
             max = 0;
-            while (*s && n_sizes < MAX_SIZES) {
+            while (*s) {
                 long x = strtol(s, &end, 10);
-                if (end == s || x < 1 || x > 1 << 16 || (*end && *end != ',')) {
-                    fprintf(stderr, "stepq bench pool: --slots '%s'\n", v);
+                if (end == s || x < 1 || x > 1 << 16 || (*end && *end != ',') ||
+                    n_sizes == MAX_SIZES) {
+                    fprintf(stderr,
+                            "stepq bench pool: --slots '%s': want up to %d counts in [1, %d], "
+                            "e.g. 1,2,4\n",
+                            v, MAX_SIZES, 1 << 16);
                     return 2;
                 }
                 sizes[n_sizes++] = (int)x;
                 max = x > max ? (int)x : max;
                 s = *end ? end + 1 : end;
+            }
+            if (!n_sizes) {
+                fprintf(stderr, "stepq bench pool: --slots '': want counts, e.g. 1,2,4\n");
+                return 2;
             }
         } else if (!strcmp(a, "--backend")) {
             do_host = !strcmp(v, "host") || !strcmp(v, "both");

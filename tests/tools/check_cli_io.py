@@ -203,6 +203,7 @@ def main():
          ["nan", "0", "1x", ""]),
         (["bench", "pool"], ["--page-bytes"], ["nan", "-5", "1x", "", "100"]),
         (["bench", "pool"], ["--min-ms"], ["nan", "inf", "0", "-5", "1x"]),
+        (["bench", "pool"], ["--slots"], ["nan", "0", "1,x", "", "1,,2", ",".join(["1"] * 17)]),
         (["bench", "kernels"], ["--batch"], ["nan", "0", "8x", ""]),
     ]
     for base, opts, values in numbers:
