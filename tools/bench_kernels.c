@@ -746,6 +746,17 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     static const char *shape_name[] = { "Qwen3-Next-80B-A3B (GDN, HV=32, H=16)",
                                         "Kimi-Linear-48B (KDA, HV=32, H=32)" };
     enum { N_METHODS = (int)(sizeof(methods) / sizeof(methods[0])) };
+    /* Progress on stderr: one step per row measured, the rows the options leave. */
+    int n_meas = 0;
+    for (int shape = 0; shape < 2; shape++)
+        for (int bi = 0; bi < N_BATCHES; bi++)
+            for (int ri = 0; ri < N_ROWS; ri++)
+                n_meas += (only_shape < 0 || shape == only_shape) &&
+                          (!quick || batches[bi] == 1 || batches[bi] == 64 || batches[bi] == 512) &&
+                          (!only_b || batches[bi] == only_b) &&
+                          (!only || !strcmp(only, rows[ri].label));
+    struct stepq_tool_progress prog;
+    stepq_tool_progress_begin(&prog, "bench kernels", "rows", n_meas);
     for (int shape = 0; shape < 2 && rc == 0; shape++) {
         if (only_shape >= 0 && shape != only_shape)
             continue;
@@ -862,6 +873,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     rc = 1;
                 }
+                stepq_tool_progress_add(&prog, 1);
                 size_t bytes = state_rw + (step ? io_bytes : 0);
                 if (ri == 0)
                     fp32_us = us;
@@ -924,6 +936,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         tprintf("peer us (q): quoted from issue 5 (flash-linear-attention "
                 "fused_recurrent_gated_delta_rule /\n"
                 "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
+    stepq_tool_progress_end(&prog);
     if (jf)
         fprintf(jf, "\n]}\n");
     if (stepq_tool_out_commit(&o_json, "bench kernels") < 0)
