@@ -113,7 +113,7 @@ static void mkmap_usage(FILE *f)
                "  --pivots   fp16 pivot units (temporal, stepq), spread evenly; the other\n"
                "             units get a fixed {lower, B, higher} mix summing exactly to\n"
                "             the budget: a synthetic layout example, not a calibration\n"
-               "  --out      output file (default: standard output)\n"
+               "  --out, -o  output file (default: standard output), written whole or not at all\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 

@@ -50,7 +50,7 @@ static double rng_gauss(struct rng *r)
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: stepq synth --out PREFIX [--arch gdn|kda] [--layers N] [--H N] [--HV N]\n"
+            "usage: stepq synth --out|-o PREFIX [--arch gdn|kda] [--layers N] [--H N] [--HV N]\n"
             "         [--K N] [--V N] [--streams S] [--T T] [--streams-per-file N]\n"
             "         [--halflife-min X] [--halflife-max X] [--row-outliers N] [--col-outliers N]\n"
             "         [--dtype bf16|fp32] [--seed N] [--json]\n"
@@ -99,10 +99,11 @@ int stepq_tool_synth(int argc, char **argv)
                                                       "--seed",
                                                       "--streams",
                                                       "--streams-per-file",
+                                                      "-o",
                                                       NULL };
             return stepq_tool_missing_value("synth", a, value_opts);
         }
-        if (!strcmp(a, "--out"))
+        if (!strcmp(a, "--out") || !strcmp(a, "-o"))
             out = v;
         else if (!strcmp(a, "--arch"))
             arch_s = v;
