@@ -194,8 +194,9 @@ void stepq_tool_progress_end(struct stepq_tool_progress *p)
         fputs("\r\033[K", stderr);
     else if (p->mode == PROGRESS_LINES && p->printed)
         progress_print(p, now_s(), 1);
-    if (p->mode != PROGRESS_OFF)
+    if (p->tool) /* once: a second end finds tool NULL */
         pthread_mutex_destroy(&p->lock);
+    p->tool = NULL;
     p->mode = PROGRESS_OFF;
 }
 
