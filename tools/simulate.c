@@ -151,6 +151,16 @@ int stepq_tool_simulate(int argc, char **argv)
         return 1;
     }
 
+    if (map) {
+        /* The map's pages are real memory: say how much before the work. */
+        stepq_pool_stats ps;
+        if (stepq_pool_get_stats(pool, &ps, sizeof(ps)) == STEPQ_OK)
+            fprintf(stderr,
+                    "stepq simulate: %" PRId64 " requests on a host pool of %d + 1 pages of "
+                    "%.1f MiB (%.2f GiB)\n",
+                    cfg.requests, ps.capacity, (double)ps.page_bytes / (1 << 20),
+                    (double)ps.pool_bytes / (1 << 30));
+    }
     stepq_tool_progress_begin(&prog, "simulate", "requests", cfg.requests);
     cfg.progress = sim_progress;
     cfg.progress_arg = &prog;
