@@ -1,5 +1,5 @@
 /*
- * stepq bench kernels [--json FILE] [--quick] [--peer FILE]: one decode step,
+ * stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--peer FILE]: one decode step,
  * pack and unpack of one layer on the GPU, timed with CUDA events (3 warm-up
  * launches, median of 20: tests/checkasm/timing.c, the helper the kernel
  * checks' --bench uses too), for the Qwen3-Next-80B-A3B (GDN, 32 value heads
@@ -25,12 +25,93 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "stepq_config.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
+
+static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
+#define N_BATCHES ((int)(sizeof(batches) / sizeof(batches[0])))
+
+struct kopts {
+    const char *json, *out, *only, *peer; /* json: --json FILE */
+    int json_stdout, quick, only_b, only_shape, help;
+};
+
+/*
+ * The options, checked the same way with or without CUDA in the build. Returns 0, or 2 after
+ * one line naming the option.
+ */
+static int parse_opts(int argc, char **argv, struct kopts *k)
+{
+    static const char *const tool = "bench kernels";
+    long long n;
+
+    memset(k, 0, sizeof(*k));
+    k->only_shape = -1;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            k->help = 1;
+            return 0;
+        } else if (!strcmp(a, "--quick")) {
+            k->quick = 1;
+            continue;
+        } else if (!strcmp(a, "--json")) {
+            /* --json FILE: the JSON into FILE next to the tables; --json alone: on stdout. */
+            if (v && v[0] != '-')
+                k->json = argv[++i];
+            else
+                k->json_stdout = 1;
+            continue;
+        }
+        if (!v) {
+            static const char *const value_opts[] = { "--batch", "--only", "--peer",
+                                                      "--shape", "-o",     NULL };
+            return stepq_tool_missing_value(tool, a, value_opts);
+        }
+        i++;
+        if (!strcmp(a, "-o")) {
+            k->out = v;
+        } else if (!strcmp(a, "--peer")) {
+            k->peer = v;
+        } else if (!strcmp(a, "--only")) {
+            k->only = v;
+        } else if (!strcmp(a, "--batch")) {
+            int known = 0;
+            if (stepq_tool_int(tool, a, v, 1, batches[N_BATCHES - 1], &n) < 0)
+                return 2;
+            for (int bi = 0; bi < N_BATCHES; bi++)
+                known |= batches[bi] == n;
+            if (!known) {
+                fprintf(stderr,
+                        "stepq %s: --batch %s: the batches measured are 1, 8, 32, 64, 128, "
+                        "256 and 512\n",
+                        tool, v);
+                return 2;
+            }
+            k->only_b = (int)n;
+        } else if (!strcmp(a, "--shape")) {
+            k->only_shape = !strcmp(v, "gdn") ? 0 : !strcmp(v, "kda") ? 1 : -2;
+            if (k->only_shape < 0) {
+                fprintf(stderr, "stepq %s: --shape '%s': want gdn or kda\n", tool, v);
+                return 2;
+            }
+        } else {
+            fprintf(stderr, "stepq %s: unknown option '%s' (see stepq %s --help)\n", tool, a, tool);
+            return 2;
+        }
+    }
+    if (k->json && k->json_stdout) {
+        fprintf(stderr, "stepq %s: --json given twice, with and without a FILE\n", tool);
+        return 2;
+    }
+    return 0;
+}
 
 #if STEPQ_HAVE_CUDA
 #include <cjson/cJSON.h>
@@ -48,9 +129,6 @@
 #define MAX_B 512
 /* A peer file is a few kB; anything this large is not one. */
 #define PEER_MAX_BYTES (1u << 20)
-
-static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
-#define N_BATCHES ((int)(sizeof(batches) / sizeof(batches[0])))
 
 /*
  * Quoted from issue 5 (fla fused_recurrent_gated_delta_rule / fused_recurrent_kda, fp32
@@ -478,32 +556,33 @@ static int peer_load(struct peer *p, const char *file)
     return rc;
 }
 
-/* A JSON string literal of s. */
-static void json_str(FILE *f, const char *s)
+/* The tables go to tout: stdout, -o FILE, or nowhere with --json alone. */
+static FILE *tout;
+
+static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void tprintf(const char *fmt, ...)
 {
-    fputc('"', f);
-    for (; *s; s++) {
-        unsigned char ch = (unsigned char)*s;
-        if (ch == '"' || ch == '\\')
-            fprintf(f, "\\%c", ch);
-        else if (ch < 0x20)
-            fprintf(f, "\\u%04x", ch);
-        else
-            fputc(ch, f);
-    }
-    fputc('"', f);
+    va_list ap;
+
+    if (!tout)
+        return;
+    va_start(ap, fmt);
+    vfprintf(tout, fmt, ap);
+    va_end(ap);
 }
 
 static int usage(FILE *f)
 {
-    fprintf(f, "usage: stepq bench kernels [--json FILE] [--quick] [--peer FILE] [--only LABEL]\n"
-               "                           [--batch B] [--shape gdn|kda]\n"
+    fprintf(f, "usage: stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--peer FILE]\n"
+               "                           [--only LABEL] [--batch B] [--shape gdn|kda]\n"
                "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
                "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
                "  --quick: batches 1, 64 and 512 only. --only: one row label (below);\n"
                "  --batch (1, 8, 32, 64, 128, 256 or 512), --shape: one batch / one layer shape\n"
-               "  (for profilers). --json: every row, machine-readable.\n"
+               "  (for profilers). --json: every row, machine-readable, on stdout instead of the\n"
+               "  tables; --json FILE: into FILE, the tables on stdout too; -o: stdout into FILE.\n"
                "  --peer: the JSON of tools/bench_peer_fla.py (flash-linear-attention's fp32\n"
                "  kernels, timed in a separate process): adds 'peer us' and 'vs peer' (peer us /\n"
                "  us) to the step rows at the batches it has. Without it the fp32 rows show the\n"
@@ -525,36 +604,14 @@ static int usage(FILE *f)
 
 int stepq_tool_bench_kernels(int argc, char **argv)
 {
-    const char *json = NULL, *only = NULL, *peer_file = NULL;
-    int quick = 0, only_b = 0, only_shape = -1;
-    for (int i = 1; i < argc; i++) {
-        if (!strcmp(argv[i], "--json") && i + 1 < argc)
-            json = argv[++i];
-        else if (!strcmp(argv[i], "--peer") && i + 1 < argc)
-            peer_file = argv[++i];
-        else if (!strcmp(argv[i], "--only") && i + 1 < argc)
-            only = argv[++i];
-        else if (!strcmp(argv[i], "--batch") && i + 1 < argc)
-            only_b = atoi(argv[++i]);
-        else if (!strcmp(argv[i], "--shape") && i + 1 < argc) {
-            i++;
-            only_shape = !strcmp(argv[i], "gdn") ? 0 : !strcmp(argv[i], "kda") ? 1 : -2;
-            if (only_shape < 0)
-                return usage(stderr);
-        } else if (!strcmp(argv[i], "--quick"))
-            quick = 1;
-        else if (!strcmp(argv[i], "--help") || !strcmp(argv[i], "-h"))
-            return usage(stdout);
-        else
-            return usage(stderr);
-    }
-    if (only_b) {
-        int known = 0;
-        for (int bi = 0; bi < N_BATCHES; bi++)
-            known |= batches[bi] == only_b;
-        if (!known)
-            return usage(stderr);
-    }
+    struct kopts ko;
+    int prc0 = parse_opts(argc, argv, &ko);
+    if (prc0)
+        return prc0;
+    if (ko.help)
+        return usage(stdout);
+    const char *json = ko.json, *only = ko.only, *peer_file = ko.peer;
+    const int quick = ko.quick, only_b = ko.only_b, only_shape = ko.only_shape;
     if (only) {
         int known = 0;
         for (int ri = 0; ri < N_ROWS; ri++)
@@ -598,34 +655,44 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     double copy_gbs = 2.0 * (double)cp.bytes / (copy_us * 1e-6) / 1e9;
     cudaFree(cp.src);
     cudaFree(cp.dst);
-    printf("device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n", prop.name,
-           prop.multiProcessorCount, copy_gbs);
-    printf("timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
-           FX_TIME_WARMUP, FX_TIME_RUNS);
-    if (measured) {
-        printf("peer: flash-linear-attention fp32 kernels from %s, measured in a separate process\n"
-               "      (tools/bench_peer_fla.py) on %s with its own copy bandwidth %.0f GB/s\n",
-               peer.file, peer.device, peer.copy_gbs);
-        if (strcmp(peer.device, prop.name))
-            printf("      NOTE: the peer's device is not this one (%s)\n", prop.name);
+    /* Where things go (opened before the work, so a bad path fails at once): the tables to
+     * stdout or -o FILE, the JSON to --json FILE, or in the tables' place with --json alone. */
+    struct stepq_tool_out o_main, o_json;
+    FILE *mf = stepq_tool_out_open(&o_main, "bench kernels", ko.out), *jf = NULL;
+    stepq_tool_out_reserve(&o_json, "bench kernels", NULL);
+    if (!mf)
+        return 1;
+    if (json && !(jf = stepq_tool_out_open(&o_json, "bench kernels", json))) {
+        stepq_tool_out_discard(&o_main);
+        return 1;
     }
-    printf("\n");
+    if (ko.json_stdout)
+        jf = mf;
+    else
+        tout = mf;
+    tprintf("device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n", prop.name,
+            prop.multiProcessorCount, copy_gbs);
+    tprintf("timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
+            FX_TIME_WARMUP, FX_TIME_RUNS);
+    if (measured) {
+        tprintf(
+            "peer: flash-linear-attention fp32 kernels from %s, measured in a separate process\n"
+            "      (tools/bench_peer_fla.py) on %s with its own copy bandwidth %.0f GB/s\n",
+            peer.file, peer.device, peer.copy_gbs);
+        if (strcmp(peer.device, prop.name))
+            tprintf("      NOTE: the peer's device is not this one (%s)\n", prop.name);
+    }
+    tprintf("\n");
 
-    FILE *jf = NULL;
-    if (json) {
-        jf = fopen(json, "w");
-        if (!jf) {
-            fprintf(stderr, "stepq bench kernels: cannot write %s\n", json);
-            return 1;
-        }
+    if (jf) {
         fprintf(jf, "{\"device\": ");
-        json_str(jf, prop.name);
+        stepq_tool_json_str(jf, prop.name);
         fprintf(jf, ", \"copy_gbs\": %.1f, \"runs\": %d,\n \"peer\": ", copy_gbs, FX_TIME_RUNS);
         if (measured) {
             fprintf(jf, "{\"source\": \"measured\", \"file\": ");
-            json_str(jf, peer.file);
+            stepq_tool_json_str(jf, peer.file);
             fprintf(jf, ", \"device\": ");
-            json_str(jf, peer.device);
+            stepq_tool_json_str(jf, peer.device);
             fprintf(jf, ", \"copy_gbs\": %.1f, \"applies_to\": \"step rows\"}", peer.copy_gbs);
         } else
             fprintf(jf, "{\"source\": \"quoted\", \"reference\": \"issue 5\", \"applies_to\": "
@@ -653,8 +720,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     if (!ok || !fill_states(dstate, state_bytes, 0.05f) || !fill_random(q, MAX_B * 32 * D * 4, 1) ||
         !fill_random(k, MAX_B * 32 * D * 4, 1) || !fill_random(v, MAX_B * 32 * D * 4, 1) ||
         !fill_random(g, MAX_B * 32 * D * 4, 1) || !fill_random(beta, MAX_B * 32 * 4, 1) ||
-        !fill_random(A_log, 32 * 4, 0.5f) || !fill_random(dt_bias, 32 * D * 4, 0.5f))
+        !fill_random(A_log, 32 * 4, 0.5f) || !fill_random(dt_bias, 32 * D * 4, 0.5f)) {
+        stepq_tool_out_discard(&o_json);
+        stepq_tool_out_discard(&o_main);
         return 1;
+    }
     {
         /* slots 1..B, shuffled (0 is the sentinel page) */
         int32_t hs[MAX_B];
@@ -666,13 +736,27 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             hs[i] = hs[r];
             hs[r] = t;
         }
-        if (!cu_ok(cudaMemcpy(dslots, hs, sizeof(hs), cudaMemcpyHostToDevice), "slots"))
+        if (!cu_ok(cudaMemcpy(dslots, hs, sizeof(hs), cudaMemcpyHostToDevice), "slots")) {
+            stepq_tool_out_discard(&o_json);
+            stepq_tool_out_discard(&o_main);
             return 1;
+        }
     }
 
     static const char *shape_name[] = { "Qwen3-Next-80B-A3B (GDN, HV=32, H=16)",
                                         "Kimi-Linear-48B (KDA, HV=32, H=32)" };
     enum { N_METHODS = (int)(sizeof(methods) / sizeof(methods[0])) };
+    /* Progress on stderr: one step per row measured, the rows the options leave. */
+    int n_meas = 0;
+    for (int shape = 0; shape < 2; shape++)
+        for (int bi = 0; bi < N_BATCHES; bi++)
+            for (int ri = 0; ri < N_ROWS; ri++)
+                n_meas += (only_shape < 0 || shape == only_shape) &&
+                          (!quick || batches[bi] == 1 || batches[bi] == 64 || batches[bi] == 512) &&
+                          (!only_b || batches[bi] == only_b) &&
+                          (!only || !strcmp(only, rows[ri].label));
+    struct stepq_tool_progress prog;
+    stepq_tool_progress_begin(&prog, "bench kernels", "rows", n_meas);
     for (int shape = 0; shape < 2 && rc == 0; shape++) {
         if (only_shape >= 0 && shape != only_shape)
             continue;
@@ -682,13 +766,13 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         stepq_map_t *maps[N_METHODS] = { 0 };
         stepq_pool_t *pools[N_METHODS] = { 0 };
         size_t blocks[N_METHODS] = { 0 };
-        printf("%s\n", shape_name[shape]);
-        printf("%-26s %5s %10s %12s %9s %7s %8s", "method", "B", "us", "bytes", "GB/s", "copy%",
-               "vs fp32");
+        tprintf("%s\n", shape_name[shape]);
+        tprintf("%-26s %5s %10s %12s %9s %7s %8s", "method", "B", "us", "bytes", "GB/s", "copy%",
+                "vs fp32");
         if (measured)
-            printf(" %9s %8s\n", "peer us", "vs peer");
+            tprintf(" %9s %8s\n", "peer us", "vs peer");
         else
-            printf(" %12s\n", "peer us (q)");
+            tprintf(" %12s\n", "peer us (q)");
         for (int bi = 0; bi < N_BATCHES && rc == 0; bi++) {
             int B = batches[bi];
             if (quick && B != 1 && B != 64 && B != 512)
@@ -789,6 +873,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     rc = 1;
                 }
+                stepq_tool_progress_add(&prog, 1);
                 size_t bytes = state_rw + (step ? io_bytes : 0);
                 if (ri == 0)
                     fp32_us = us;
@@ -805,12 +890,12 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         snprintf(pc, sizeof(pc), "%.0f", pus);
                         snprintf(vp, sizeof(vp), "%.2fx", pus / us);
                     }
-                    printf("%-26s %5d %10.1f %12zu %9.0f %6.1f%% %8s", rw->label, B, us, bytes, gbs,
-                           100.0 * gbs / copy_gbs, sp);
+                    tprintf("%-26s %5d %10.1f %12zu %9.0f %6.1f%% %8s", rw->label, B, us, bytes,
+                            gbs, 100.0 * gbs / copy_gbs, sp);
                     if (measured)
-                        printf(" %9s %8s\n", pc, vp);
+                        tprintf(" %9s %8s\n", pc, vp);
                     else
-                        printf(" %12s\n", pus > 0 ? pc : "");
+                        tprintf(" %12s\n", pus > 0 ? pc : "");
                     if (jf) {
                         fprintf(jf,
                                 "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
@@ -839,24 +924,25 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 stepq_pool_close(pools[mi], STEPQ_POOL_CLOSE_FORCE);
             stepq_map_close(maps[mi]);
         }
-        printf("\n");
+        tprintf("\n");
     }
     if (measured)
-        printf("peer us: flash-linear-attention fused_recurrent_gated_delta_rule /\n"
-               "fused_recurrent_kda (fp32 state) from %s, a separate process; vs peer = peer us /\n"
-               "us, on the step rows at the batches the peer file has.\n",
-               peer.file);
+        tprintf(
+            "peer us: flash-linear-attention fused_recurrent_gated_delta_rule /\n"
+            "fused_recurrent_kda (fp32 state) from %s, a separate process; vs peer = peer us /\n"
+            "us, on the step rows at the batches the peer file has.\n",
+            peer.file);
     else
-        printf("peer us (q): quoted from issue 5 (flash-linear-attention "
-               "fused_recurrent_gated_delta_rule /\n"
-               "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
-    if (jf) {
+        tprintf("peer us (q): quoted from issue 5 (flash-linear-attention "
+                "fused_recurrent_gated_delta_rule /\n"
+                "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
+    stepq_tool_progress_end(&prog);
+    if (jf)
         fprintf(jf, "\n]}\n");
-        if (fclose(jf)) {
-            fprintf(stderr, "stepq bench kernels: cannot write %s\n", json);
-            rc = 1;
-        }
-    }
+    if (stepq_tool_out_commit(&o_json, "bench kernels") < 0)
+        rc = 1;
+    if (stepq_tool_out_commit(&o_main, "bench kernels") < 0)
+        rc = 1;
     cudaFree(dstate);
     cudaFree(q);
     cudaFree(k);
@@ -874,8 +960,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
 
 int stepq_tool_bench_kernels(int argc, char **argv)
 {
-    (void)argc;
-    (void)argv;
+    struct kopts ko;
+    int rc = parse_opts(argc, argv, &ko);
+    if (rc)
+        return rc;
     fprintf(stderr, "stepq bench kernels: this build has no CUDA support (configure with "
                     "-Dcuda=enabled); nothing measured\n");
     return 1;

@@ -22,6 +22,7 @@
 #include "pool/internal.h"
 #include "stepq/map.h"
 #include "stepq/pool.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 
 /* The paper's stepq@6 slot (Qwen3.8-27B, 31.4375 MiB): the default page of the copy benchmarks. */
@@ -32,12 +33,14 @@ static void bench_pool_usage(FILE *f)
 {
     fprintf(f,
             "usage: stepq bench pool [--map MAP] [--page-bytes N] [--slots 1,2,4,...,512]\n"
-            "                        [--backend host|cuda|both] [--min-ms MS] [--json]\n"
+            "                        [--backend host|cuda|both] [--min-ms MS] [--json] [-o FILE]\n"
             "Without --backend: cuda where a device exists, else host. Host pools are kept\n"
             "within a quarter of the machine's memory unless --slots says otherwise.\n"
             "alloc/free ops/s on the CPU; copy and clear GB/s for N slots per call.\n"
             "Pages come from MAP's layout, else --page-bytes (default %llu, the\n"
-            "Qwen3.8-27B stepq@6 slot). CUDA needs (2 x max slots + 1) pages of memory.\n",
+            "Qwen3.8-27B stepq@6 slot). CUDA needs (2 x max slots + 1) pages of memory.\n"
+            "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress per\n"
+            "measurement on stderr (STEPQ_PROGRESS=off|bar|lines).\n",
             DEFAULT_PAGE_BYTES);
 }
 
@@ -47,6 +50,7 @@ static void bench_pool_usage(FILE *f)
  */
 static FILE *out;
 static cJSON *jroot;
+static struct stepq_tool_progress prog; /* one step per measurement */
 
 static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
@@ -202,6 +206,7 @@ static int bench_rate(double seconds)
             }
             tprintf("%8d %8" PRId32 " %16.3e %16.3e %9.2fx\n", threads[t], batches[b], cs, co,
                     co / one);
+            stepq_tool_progress_add(&prog, 1);
         }
     }
     other = calloc(N_OTHER, sizeof(*other));
@@ -225,6 +230,7 @@ static int bench_rate(double seconds)
             cJSON_AddItemToObject(jroot, "alloc_free_many_pools", r);
         }
         tprintf("%8d %8d %16.3e   (with %d other pools open)\n", 1, 1, cs, N_OTHER);
+        stepq_tool_progress_add(&prog, 1);
     }
 out:
     for (int i = 0; other && i < N_OTHER; i++)
@@ -263,6 +269,7 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
         double t_copy = 0, t_clear = 0;
         long iters;
 
+        stepq_tool_progress_add(&prog, 1);
         if (2 * n > st.capacity)
             continue;
         for (int pass = 0; pass < 2; pass++) {
@@ -318,6 +325,9 @@ int stepq_tool_bench_pool(int argc, char **argv)
     int n_sizes = 10, max = 512, do_host = 0, do_cuda = 0, rc = 0, chosen = 0, sized = 0, json = 0;
     uint64_t page_bytes = DEFAULT_PAGE_BYTES;
     double min_s = 0.2;
+    const char *out_path = NULL;
+    struct stepq_tool_out of;
+    long long n;
     stepq_map_t *map = NULL;
     stepq_pool_t *pool = NULL;
     int ret;
@@ -334,38 +344,48 @@ int stepq_tool_bench_pool(int argc, char **argv)
             continue;
         }
         if (!v) {
-            static const char *const value_opts[] = { "--backend",    "--map",   "--min-ms",
-                                                      "--page-bytes", "--slots", NULL };
+            static const char *const value_opts[] = {
+                "--backend", "--map", "--min-ms", "--page-bytes", "--slots", "-o", NULL
+            };
             return stepq_tool_missing_value("bench pool", a, value_opts);
         }
         i++;
-        if (!strcmp(a, "--map")) {
+        if (!strcmp(a, "-o")) {
+            out_path = v;
+        } else if (!strcmp(a, "--map")) {
+            stepq_map_close(map);
+            map = NULL;
             if ((ret = stepq_map_load_file(v, NULL, &map)) < 0) {
-                fprintf(stderr, "stepq bench pool: %s: %s\n", v, stepq_last_error());
+                stepq_tool_path_error("bench pool", v, NULL, stepq_last_error(), ret);
                 return 1;
             }
         } else if (!strcmp(a, "--page-bytes")) {
-            char *end;
-            errno = 0;
-            page_bytes = strtoull(v, &end, 10);
-            if (errno || *end || page_bytes < 256) {
-                fprintf(stderr, "stepq bench pool: --page-bytes '%s': want >= 256\n", v);
+            /* strtoull took "-5" for 2^64 - 5. */
+            if (stepq_tool_int("bench pool", a, v, 256, INT64_MAX, &n) < 0)
                 return 2;
-            }
+            page_bytes = (uint64_t)n;
         } else if (!strcmp(a, "--slots")) {
             char *s = (char *)v, *end;
             sized = 1;
             n_sizes = 0;
             max = 0;
-            while (*s && n_sizes < MAX_SIZES) {
+            while (*s) {
                 long x = strtol(s, &end, 10);
-                if (end == s || x < 1 || x > 1 << 16 || (*end && *end != ',')) {
-                    fprintf(stderr, "stepq bench pool: --slots '%s'\n", v);
+                if (end == s || x < 1 || x > 1 << 16 || (*end && *end != ',') ||
+                    n_sizes == MAX_SIZES) {
+                    fprintf(stderr,
+                            "stepq bench pool: --slots '%s': want up to %d counts in [1, %d], "
+                            "e.g. 1,2,4\n",
+                            v, MAX_SIZES, 1 << 16);
                     return 2;
                 }
                 sizes[n_sizes++] = (int)x;
                 max = x > max ? (int)x : max;
                 s = *end ? end + 1 : end;
+            }
+            if (!n_sizes) {
+                fprintf(stderr, "stepq bench pool: --slots '': want counts, e.g. 1,2,4\n");
+                return 2;
             }
         } else if (!strcmp(a, "--backend")) {
             do_host = !strcmp(v, "host") || !strcmp(v, "both");
@@ -376,13 +396,9 @@ int stepq_tool_bench_pool(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(a, "--min-ms")) {
-            char *end;
-            double ms = strtod(v, &end);
-            if (end == v || *end || !(ms > 0) || !isfinite(ms) || ms > 600000) {
-                fprintf(stderr, "stepq bench pool: --min-ms '%s': want a number in (0, 600000]\n",
-                        v);
+            double ms;
+            if (stepq_tool_real("bench pool", a, v, 0, 600000, STEPQ_TOOL_OPEN_LO, &ms) < 0)
                 return 2;
-            }
             min_s = ms / 1000.0;
         } else {
             fprintf(stderr, "stepq bench pool: unknown option '%s'\n", a);
@@ -431,7 +447,14 @@ int stepq_tool_bench_pool(int argc, char **argv)
             }
         }
     }
-    out = json ? NULL : stdout;
+    FILE *f = stepq_tool_out_open(&of, "bench pool", out_path);
+    if (!f) {
+        stepq_map_close(map);
+        return 1;
+    }
+    out = json ? NULL : f;
+    stepq_tool_progress_begin(&prog, "bench pool", "measurements",
+                              13 + (int64_t)n_sizes * (do_cuda + do_host));
     if (json) {
         jroot = cJSON_CreateObject();
         cJSON_AddItemToObject(jroot, "alloc_free", cJSON_CreateArray());
@@ -461,16 +484,19 @@ int stepq_tool_bench_pool(int argc, char **argv)
             stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
         }
     }
+    stepq_tool_progress_end(&prog);
     stepq_map_close(map);
     if (jroot) {
         char *text = cJSON_Print(jroot);
         if (text)
-            printf("%s\n", text);
+            fprintf(f, "%s\n", text);
         else
             rc = 1;
         free(text);
         cJSON_Delete(jroot);
         jroot = NULL;
     }
+    if (stepq_tool_out_commit(&of, "bench pool") < 0)
+        rc = 1;
     return rc;
 }

@@ -13,6 +13,7 @@
 
 #include "kernels/dsp.h"
 #include "kernels/quant.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 
 struct bench_opts {
@@ -20,17 +21,20 @@ struct bench_opts {
     int d_k, d_v, heads, batch;
     double min_s;
     int json;
+    const char *out_path;
+    FILE *f; /* the report: stdout or -o FILE */
 };
 
 static void bench_ref_usage(FILE *f)
 {
     fprintf(f, "usage: stepq bench reference [--arch gdn|kda] [--dk N] [--dv N] [--heads N]\n"
-               "                             [--batch N] [--min-ms N] [--json]\n"
+               "                             [--batch N] [--min-ms N] [--json] [-o FILE]\n"
                "Times one decode step of the C reference per (request, head) on one CPU thread:\n"
                "the dense fp32 step in place, then the packed step quantize(update(dequantize))\n"
                "for fp32/bf16/fp16 and uniform/dsq/spatial/temporal/stepq at 4, 6 and 8 bits,\n"
                "with the dequantize and fit+pack parts timed alone. Defaults: gdn, 128x128,\n"
-               "4 heads, batch 4, 200 ms per measurement (median of 3).\n");
+               "4 heads, batch 4, 200 ms per measurement (median of 3). --json: the rows as\n"
+               "JSON; -o: into FILE. Progress per row on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
 static double now_s(void)
@@ -106,22 +110,13 @@ static int run_quant(void *p)
     return stepq__quantize_head(c->hl, c->tile, c->w, c->block, NULL);
 }
 
-static int parse_int(const char *s, int lo, int hi, int *out)
-{
-    char *end;
-    long v = strtol(s, &end, 10);
-    if (*s == '\0' || *end != '\0' || v < lo || v > hi)
-        return -1;
-    *out = (int)v;
-    return 0;
-}
-
 static int parse_args(int argc, char **argv, struct bench_opts *o)
 {
-    int ms = 200;
+    static const char *const tool = "bench reference";
+    long long n;
+
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-        int bad = 0;
         if (!strcmp(a, "--json")) {
             o->json = 1;
             continue;
@@ -131,36 +126,46 @@ static int parse_args(int argc, char **argv, struct bench_opts *o)
             return 1;
         }
         if (!v) {
-            bad = 1;
-        } else if (!strcmp(a, "--arch")) {
+            static const char *const value_opts[] = { "--arch",  "--batch",  "--dk", "--dv",
+                                                      "--heads", "--min-ms", "-o",   NULL };
+            return stepq_tool_missing_value(tool, a, value_opts);
+        }
+        i++;
+        if (!strcmp(a, "--arch")) {
             if (!strcmp(v, "gdn"))
                 o->arch = STEPQ_ARCH_GDN;
             else if (!strcmp(v, "kda"))
                 o->arch = STEPQ_ARCH_KDA;
-            else
-                bad = 1;
-        } else if (!strcmp(a, "--dk")) {
-            bad = parse_int(v, 1, STEPQ__MAX_HEAD_DIM, &o->d_k);
-        } else if (!strcmp(a, "--dv")) {
-            bad = parse_int(v, 1, STEPQ__MAX_HEAD_DIM, &o->d_v);
-        } else if (!strcmp(a, "--heads")) {
-            bad = parse_int(v, 1, 256, &o->heads);
-        } else if (!strcmp(a, "--batch")) {
-            bad = parse_int(v, 1, 4096, &o->batch);
-        } else if (!strcmp(a, "--min-ms")) {
-            bad = parse_int(v, 1, 600000, &ms);
-        } else {
-            bad = 1;
+            else {
+                fprintf(stderr, "stepq %s: --arch '%s': want gdn or kda\n", tool, v);
+                return 2;
+            }
+            continue;
+        } else if (!strcmp(a, "-o")) {
+            o->out_path = v;
+            continue;
         }
-        if (bad) {
-            fprintf(stderr, "stepq bench reference: bad argument '%s%s%s'\n", a, v ? " " : "",
-                    v ? v : "");
-            bench_ref_usage(stderr);
+        int *dst = !strcmp(a, "--dk")      ? &o->d_k
+                   : !strcmp(a, "--dv")    ? &o->d_v
+                   : !strcmp(a, "--heads") ? &o->heads
+                   : !strcmp(a, "--batch") ? &o->batch
+                                           : NULL;
+        long long hi = !strcmp(a, "--heads")   ? 256
+                       : !strcmp(a, "--batch") ? 4096
+                                               : STEPQ__MAX_HEAD_DIM;
+        if (!strcmp(a, "--min-ms")) {
+            if (stepq_tool_int(tool, a, v, 1, 600000, &n) < 0)
+                return 2;
+            o->min_s = (double)n / 1000.0;
+        } else if (dst) {
+            if (stepq_tool_int(tool, a, v, 1, hi, &n) < 0)
+                return 2;
+            *dst = (int)n;
+        } else {
+            fprintf(stderr, "stepq %s: unknown option '%s' (see stepq %s --help)\n", tool, a, tool);
             return 2;
         }
-        i++;
     }
-    o->min_s = ms / 1000.0;
     return 0;
 }
 
@@ -177,31 +182,41 @@ static void print_result(const struct bench_opts *o, const struct result *r, int
     /* bytes a packed step reads and writes per head: the block, twice */
     double mbs = r->step_s > 0 ? 2.0 * (double)r->block_bytes / r->step_s / 1e6 : 0.0;
     if (o->json) {
-        printf("%s\n    {\"method\": \"%s\", \"bits\": %d, \"block_bytes\": %zu, "
-               "\"step_us_per_head\": %.3f, \"dequantize_us\": %.3f, \"quantize_us\": %.3f, "
-               "\"block_MBps\": %.1f}",
-               *first ? "" : ",", r->name, r->bits, r->block_bytes, us,
-               r->unpack_s >= 0 ? 1e6 * r->unpack_s : -1.0, r->pack_s >= 0 ? 1e6 * r->pack_s : -1.0,
-               mbs);
+        fprintf(o->f,
+                "%s\n    {\"method\": \"%s\", \"bits\": %d, \"block_bytes\": %zu, "
+                "\"step_us_per_head\": %.3f, \"dequantize_us\": %.3f, \"quantize_us\": %.3f, "
+                "\"block_MBps\": %.1f}",
+                *first ? "" : ",", r->name, r->bits, r->block_bytes, us,
+                r->unpack_s >= 0 ? 1e6 * r->unpack_s : -1.0,
+                r->pack_s >= 0 ? 1e6 * r->pack_s : -1.0, mbs);
     } else {
         char bits[16] = "-";
         if (r->bits > 0)
             snprintf(bits, sizeof(bits), "%d", r->bits);
-        printf("%-13s %4s %9zu %12.2f", r->name, bits, r->block_bytes, us);
+        fprintf(o->f, "%-13s %4s %9zu %12.2f", r->name, bits, r->block_bytes, us);
         if (r->unpack_s >= 0)
-            printf(" %11.2f %11.2f %9.1f\n", 1e6 * r->unpack_s, 1e6 * r->pack_s, mbs);
+            fprintf(o->f, " %11.2f %11.2f %9.1f\n", 1e6 * r->unpack_s, 1e6 * r->pack_s, mbs);
         else
-            printf(" %11s %11s %9.1f\n", "-", "-", mbs);
+            fprintf(o->f, " %11s %11s %9.1f\n", "-", "-", mbs);
     }
     *first = 0;
 }
 
 int stepq_tool_bench_reference(int argc, char **argv)
 {
-    struct bench_opts o = { STEPQ_ARCH_GDN, 128, 128, 4, 4, 0.2, 0 };
+    struct bench_opts o = { STEPQ_ARCH_GDN, 128, 128, 4, 4, 0.2, 0, NULL, NULL };
+    struct stepq_tool_out of;
+    struct stepq_tool_progress prog;
     int rc = parse_args(argc, argv, &o);
     if (rc)
         return rc == 1 ? 0 : rc;
+    if (!(o.f = stepq_tool_out_open(&of, "bench reference", o.out_path)))
+        return 1;
+    /* Rows: the dense step, the dense formats once and the other methods at three widths. */
+    int rows = 1;
+    for (int m = STEPQ_METHOD_FP32; m < STEPQ_METHOD_COUNT; m++)
+        rows += m <= STEPQ_METHOD_FP16 ? 1 : 3;
+    stepq_tool_progress_begin(&prog, "bench reference", "rows", rows);
 
     int HV = o.heads, B = o.batch, dk = o.d_k, dv = o.d_v;
     int n_g = o.arch == STEPQ_ARCH_KDA ? dk : 1;
@@ -258,15 +273,17 @@ int stepq_tool_bench_reference(int argc, char **argv)
     c.a.opt.l2norm = 1;
 
     if (o.json)
-        printf("{\"benchmark\": \"reference\", \"arch\": \"%s\", \"d_k\": %d, \"d_v\": %d, "
-               "\"heads\": %d, \"batch\": %d, \"results\": [",
-               o.arch == STEPQ_ARCH_KDA ? "kda" : "gdn", dk, dv, HV, B);
+        fprintf(o.f,
+                "{\"benchmark\": \"reference\", \"arch\": \"%s\", \"d_k\": %d, \"d_v\": %d, "
+                "\"heads\": %d, \"batch\": %d, \"results\": [",
+                o.arch == STEPQ_ARCH_KDA ? "kda" : "gdn", dk, dv, HV, B);
     else
-        printf("stepq bench reference: C reference, 1 CPU thread, %s head %dx%d, batch %d x %d "
-               "heads\n(times per head; MB/s = packed block read + written per step time)\n\n"
-               "%-13s %4s %9s %12s %11s %11s %9s\n",
-               o.arch == STEPQ_ARCH_KDA ? "KDA" : "GDN", dk, dv, B, HV, "method", "bits", "block B",
-               "step us", "dequant us", "fit+pack us", "MB/s");
+        fprintf(o.f,
+                "stepq bench reference: C reference, 1 CPU thread, %s head %dx%d, batch %d x %d "
+                "heads\n(times per head; MB/s = packed block read + written per step time)\n\n"
+                "%-13s %4s %9s %12s %11s %11s %9s\n",
+                o.arch == STEPQ_ARCH_KDA ? "KDA" : "GDN", dk, dv, B, HV, "method", "bits",
+                "block B", "step us", "dequant us", "fit+pack us", "MB/s");
     int first = 1;
 
     /* The dense fp32 step on the server's own [N, HV, K, V] tensor. */
@@ -278,6 +295,7 @@ int stepq_tool_bench_reference(int argc, char **argv)
         goto fail;
     struct result r0 = { "fp32 native", 0, head * 4, t / (B * HV), -1.0, -1.0 };
     print_result(&o, &r0, &first);
+    stepq_tool_progress_add(&prog, 1);
 
     static const int widths[] = { 4, 6, 8 };
     for (int m = STEPQ_METHOD_FP32; m < STEPQ_METHOD_COUNT; m++) {
@@ -326,18 +344,23 @@ int stepq_tool_bench_reference(int argc, char **argv)
                 stepq_method_name((stepq_method)m), bits, hls[0].block_bytes, ts / (B * HV), tu, tp
             };
             print_result(&o, &r, &first);
+            stepq_tool_progress_add(&prog, 1);
             for (int h = 0; h < HV; h++)
                 stepq__head_layout_free(&hls[h]);
         }
     }
     if (o.json)
-        printf("\n]}\n");
+        fprintf(o.f, "\n]}\n");
     rc = 0;
     goto out;
 fail:
     fprintf(stderr, "stepq bench reference: %s\n", stepq_last_error());
     rc = 1;
 out:
+    stepq_tool_progress_end(&prog);
+    if (rc == 0 && stepq_tool_out_commit(&of, "bench reference") < 0)
+        rc = 1;
+    stepq_tool_out_discard(&of);
     if (hls)
         for (int h = 0; h < HV; h++)
             stepq__head_layout_free(&hls[h]);

@@ -39,6 +39,7 @@
 #include "plugin/err.h"
 #include "stepq/stepq.h"
 #include "tools/calib/calib.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/calib/trace.h"
 
@@ -76,7 +77,17 @@ struct cctx {
     const struct stepq__trace_info *I;
     const struct copts *o;
     struct head_res *res; /* [n_layers * HV] */
+    struct stepq_tool_progress *prog;
 };
+
+static void head_job(void *vctx, int job, int worker);
+
+/* A head through the progress report. */
+static void head_job_progress(void *vctx, int job, int worker)
+{
+    head_job(vctx, job, worker);
+    stepq_tool_progress_add(((struct cctx *)vctx)->prog, 1);
+}
 
 static void head_job(void *vctx, int job, int worker)
 {
@@ -254,6 +265,8 @@ static void usage(FILE *f)
 {
     fprintf(
         f, "usage: stepq calibrate --trace F... --budget B --method M --out MAP [options]\n"
+           "Writes the map MAP (-o MAP too); a summary on stderr (--json: on stdout, as JSON);\n"
+           "progress per head on stderr (STEPQ_PROGRESS=off|bar|lines).\n"
            "  --method uniform|dsq|spatial|temporal|stepq   --budget 2..8 (widths for single-width "
            "methods)\n"
            "  --horizon H          lifetime-weight horizon (default 2048)\n"
@@ -266,7 +279,7 @@ static void usage(FILE *f)
            "  --samples N          states kept per stream and head (default 4)\n"
            "  --prop-steps N       reads followed by --distortion propagated (default 64)\n"
            "  --w-floor X          row-impact floor before renormalisation (default 0.05)\n"
-           "  --threads N          default: online CPUs\n"
+           "  --threads N          default: online CPUs, at most one per head\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
            "  --model-name NAME    model name written into the map\n");
@@ -308,9 +321,9 @@ int stepq_tool_calibrate(int argc, char **argv)
     struct copts o = {
         STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL
     };
-    const char *out = NULL, *model_name = NULL;
+    const char *out = NULL, *model_name = NULL, *candidates_arg = NULL;
     const char *traces[4096];
-    int n_traces = 0, conv_kernel = 4, have_method = 0, lifetime_set = 0;
+    int n_traces = 0, conv_kernel = 4, have_method = 0, lifetime_set = 0, json = 0, threads_set = 0;
     o.threads = stepq__calib_default_threads();
 
     for (int i = 1; i < argc; i++) {
@@ -319,25 +332,40 @@ int stepq_tool_calibrate(int argc, char **argv)
             usage(stdout);
             return 0;
         }
+        if (!strcmp(a, "--json")) {
+            json = 1;
+            continue;
+        }
         if (!strcmp(a, "--trace")) {
-            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2) && n_traces < 4096)
+            while (i + 1 < argc && argv[i + 1][0] != '-' && n_traces < 4096)
                 traces[n_traces++] = argv[++i];
             continue;
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            static const char *const value_opts[] = {
-                "--budget",    "--candidates", "--conv-kernel",    "--distortion",
-                "--horizon",   "--lifetime",   "--method",         "--model-name",
-                "--normalize", "--out",        "--pivot-fraction", "--prop-steps",
-                "--report",    "--samples",    "--threads",        "--w-floor",
-                NULL
-            };
+            static const char *const value_opts[] = { "--budget",
+                                                      "--candidates",
+                                                      "--conv-kernel",
+                                                      "--distortion",
+                                                      "--horizon",
+                                                      "--lifetime",
+                                                      "--method",
+                                                      "--model-name",
+                                                      "--normalize",
+                                                      "--out",
+                                                      "--pivot-fraction",
+                                                      "--prop-steps",
+                                                      "--report",
+                                                      "--samples",
+                                                      "--threads",
+                                                      "--w-floor",
+                                                      "-o",
+                                                      NULL };
             return stepq_tool_missing_value("calibrate", a, value_opts);
         }
         i++;
-        char *e = NULL;
-        if (!strcmp(a, "--out"))
+        long long n;
+        if (!strcmp(a, "--out") || !strcmp(a, "-o"))
             out = v;
         else if (!strcmp(a, "--report"))
             o.report = v;
@@ -353,19 +381,14 @@ int stepq_tool_calibrate(int argc, char **argv)
             }
             have_method = 1;
         } else if (!strcmp(a, "--budget")) {
-            o.budget = strtod(v, &e);
-            if (e == v || *e || !(o.budget >= 2.0 && o.budget <= 8.0)) {
-                fprintf(stderr, "stepq calibrate: --budget %s: expected a number in [2, 8]\n", v);
+            if (stepq_tool_real("calibrate", a, v, 2.0, 8.0, 0, &o.budget) < 0)
                 return 2;
-            }
         } else if (!strcmp(a, "--horizon")) {
-            long h = strtol(v, &e, 10);
-            if (e == v || *e || h < 1 || h > 100000000) {
-                fprintf(stderr, "stepq calibrate: --horizon %s: expected a positive integer\n", v);
+            if (stepq_tool_int("calibrate", a, v, 1, 100000000, &n) < 0)
                 return 2;
-            }
-            o.horizon = (int)h;
+            o.horizon = (int)n;
         } else if (!strcmp(a, "--candidates")) {
+            candidates_arg = v;
             if (parse_cands(v, o.cand, &o.n_cand) < 0) {
                 fprintf(stderr,
                         "stepq calibrate: --candidates %s: expected increasing widths "
@@ -374,11 +397,8 @@ int stepq_tool_calibrate(int argc, char **argv)
                 return 2;
             }
         } else if (!strcmp(a, "--pivot-fraction")) {
-            o.pivot_fraction = strtod(v, &e);
-            if (e == v || *e || !(o.pivot_fraction >= 0.0 && o.pivot_fraction <= 0.5)) {
-                fprintf(stderr, "stepq calibrate: --pivot-fraction %s: expected [0, 0.5]\n", v);
+            if (stepq_tool_real("calibrate", a, v, 0.0, 0.5, 0, &o.pivot_fraction) < 0)
                 return 2;
-            }
         } else if (!strcmp(a, "--distortion")) {
             o.dist = !strcmp(v, "mse")          ? DIST_MSE
                      : !strcmp(v, "readout")    ? DIST_READOUT
@@ -406,28 +426,22 @@ int stepq_tool_calibrate(int argc, char **argv)
             }
         } else if (!strcmp(a, "--samples") || !strcmp(a, "--prop-steps") ||
                    !strcmp(a, "--threads") || !strcmp(a, "--conv-kernel")) {
-            long n = strtol(v, &e, 10);
-            if (e == v || *e || n < 1 || n > 1000000) {
-                fprintf(stderr, "stepq calibrate: %s %s: expected a positive integer\n", a, v);
+            if (stepq_tool_int("calibrate", a, v, 1, 1000000, &n) < 0)
                 return 2;
-            }
             if (!strcmp(a, "--samples"))
                 o.samples = (int)n;
             else if (!strcmp(a, "--prop-steps"))
                 o.prop_steps = (int)n;
             else if (!strcmp(a, "--threads"))
-                o.threads = (int)n;
+                o.threads = (int)n, threads_set = 1;
             else
                 conv_kernel = (int)n;
         } else if (!strcmp(a, "--w-floor")) {
-            o.w_floor = strtod(v, &e);
-            if (e == v || *e || !(o.w_floor > 0.0 && o.w_floor <= 1.0)) {
-                fprintf(stderr, "stepq calibrate: --w-floor %s: expected (0, 1]\n", v);
+            if (stepq_tool_real("calibrate", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &o.w_floor) < 0)
                 return 2;
-            }
         } else {
-            fprintf(stderr, "stepq calibrate: unknown option %s\n", a);
-            usage(stderr);
+            fprintf(stderr, "stepq calibrate: unknown option '%s' (see stepq calibrate --help)\n",
+                    a);
             return 2;
         }
     }
@@ -444,9 +458,28 @@ int stepq_tool_calibrate(int argc, char **argv)
         return 2;
     }
 
+    /* The widths the allocation may choose from must reach the budget, or bits go unused. */
+    if (!single && o.n_cand && o.cand[o.n_cand - 1] < o.budget)
+        fprintf(stderr,
+                "stepq calibrate: warning: --candidates %s: the widest is %d bits, so %g bits "
+                "per value of --budget %g stay unused\n",
+                candidates_arg, o.cand[o.n_cand - 1], o.budget - o.cand[o.n_cand - 1], o.budget);
+
+    /* The outputs first: a bad path fails before the work. */
+    struct stepq_tool_out o_map, o_rep;
+    stepq_tool_out_reserve(&o_rep, "calibrate", NULL);
+    if (!stepq_tool_out_open(&o_map, "calibrate", out))
+        return 1;
+    if (o.report && !stepq_tool_out_open(&o_rep, "calibrate", o.report)) {
+        stepq_tool_out_discard(&o_map);
+        return 1;
+    }
+
     struct stepq__trace_set *ts;
     if (stepq__trace_set_open(traces, n_traces, &ts) < 0) {
         fprintf(stderr, "stepq calibrate: %s\n", stepq_last_error());
+        stepq_tool_out_discard(&o_rep);
+        stepq_tool_out_discard(&o_map);
         return 1;
     }
     const struct stepq__trace_info *I = stepq__trace_set_info(ts);
@@ -456,6 +489,8 @@ int stepq_tool_calibrate(int argc, char **argv)
     if (kda && o.dist == DIST_PROP) {
         fprintf(stderr, "stepq calibrate: --distortion propagated is implemented for GDN only\n");
         stepq__trace_set_close(ts);
+        stepq_tool_out_discard(&o_rep);
+        stepq_tool_out_discard(&o_map);
         return 2;
     }
     if (!lifetime_set)
@@ -479,12 +514,20 @@ int stepq_tool_calibrate(int argc, char **argv)
     if (!res) {
         fprintf(stderr, "stepq calibrate: out of memory\n");
         stepq__trace_set_close(ts);
+        stepq_tool_out_discard(&o_rep);
+        stepq_tool_out_discard(&o_map);
         return 1;
     }
-    struct cctx ctx = { ts, I, &o, res };
+    struct stepq_tool_progress prog;
+    struct cctx ctx = { ts, I, &o, res, &prog };
     struct timespec t0, t1;
+    o.threads = threads_set           ? stepq_tool_threads("calibrate", o.threads, n_heads, "heads")
+                : o.threads < n_heads ? o.threads
+                                      : n_heads;
     clock_gettime(CLOCK_MONOTONIC, &t0);
-    stepq__calib_parallel(n_heads, o.threads, head_job, &ctx, "calibrate");
+    stepq_tool_progress_begin(&prog, "calibrate", "heads", n_heads);
+    stepq__calib_parallel(n_heads, o.threads, head_job_progress, &ctx, NULL);
+    stepq_tool_progress_end(&prog);
     clock_gettime(CLOCK_MONOTONIC, &t1);
     int rc = 0;
     for (int h = 0; h < n_heads && !rc; h++)
@@ -637,23 +680,26 @@ int stepq_tool_calibrate(int argc, char **argv)
         }
         if (st >= 0)
             st = stepq_map_validate(map);
+        char *text = NULL;
+        size_t len = 0;
         if (st >= 0)
-            st = stepq_map_write_file(map, out);
+            st = stepq_map_write_buffer(map, &text, &len);
         if (st < 0) {
             fprintf(stderr, "stepq calibrate: %s\n",
                     map && stepq_map_last_error(map) && *stepq_map_last_error(map)
                         ? stepq_map_last_error(map)
                         : stepq_last_error());
             rc = 1;
+        } else {
+            if (fwrite(text, 1, len, o_map.f) != len || stepq_tool_out_commit(&o_map, "calibrate"))
+                rc = 1;
         }
+        stepq_free(text);
     }
 
     if (!rc && o.report) {
-        FILE *f = fopen(o.report, "w");
-        if (!f) {
-            fprintf(stderr, "stepq calibrate: %s: %s\n", o.report, strerror(errno));
-            rc = 1;
-        } else {
+        FILE *f = o_rep.f;
+        {
             fprintf(f,
                     "{\"method\": \"%s\", \"budget\": %g, \"distortion\": \"%s\", "
                     "\"lifetime\": \"%s\", \"normalize\": \"%s\", \"horizon\": %d, "
@@ -677,10 +723,12 @@ int stepq_tool_calibrate(int argc, char **argv)
                 fprintf(f, "]}%s\n", u + 1 < U ? "," : "");
             }
             fprintf(f, "]}\n");
-            if (fclose(f) != 0)
+            if (stepq_tool_out_commit(&o_rep, "calibrate") < 0)
                 rc = 1;
         }
     }
+    stepq_tool_out_discard(&o_rep); /* after a failure; nothing once committed */
+    stepq_tool_out_discard(&o_map);
     if (!rc) {
         int hist[17] = { 0 };
         for (long long u = 0; u < U; u++)
@@ -693,6 +741,25 @@ int stepq_tool_calibrate(int argc, char **argv)
             if (hist[b])
                 fprintf(stderr, " %s%d x%d", b == 16 ? "fp16 " : "", b == 16 ? 16 : b, hist[b]);
         fprintf(stderr, "\n");
+        if (json) {
+            fputs("{\"map\": ", stdout);
+            stepq_tool_json_str(stdout, out);
+            printf(", \"method\": \"%s\", \"budget\": %g, \"units\": %lld, \"pivots\": %d, "
+                   "\"distortion\": \"%s\", \"solver\": \"%s\", \"threads\": %d, "
+                   "\"seconds\": %.3f, \"widths\": {",
+                   stepq_method_name(o.method), o.budget, U, n_piv, dist_names[o.dist],
+                   single        ? "none"
+                   : solver == 0 ? "exact-dp"
+                                 : "lagrangian",
+                   o.threads,
+                   (double)(t1.tv_sec - t0.tv_sec) + 1e-9 * (double)(t1.tv_nsec - t0.tv_nsec));
+            for (int b = 2, first = 1; b <= 16; b++)
+                if (hist[b]) {
+                    printf("%s\"%d\": %d", first ? "" : ", ", b, hist[b]);
+                    first = 0;
+                }
+            printf("}}\n");
+        }
     }
     stepq_map_close(map);
     for (int h = 0; h < n_heads; h++) {

@@ -28,6 +28,7 @@
 
 #include "stepq/map.h"
 #include "stepq/pool.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 
 extern char **environ;
@@ -40,12 +41,14 @@ static void capacity_usage(FILE *f)
 {
     fprintf(f, "usage: stepq capacity MAP [--batch 1,8,64,512] [--policy extra_buffer] [--tp N]\n"
                "                      [--weights-bytes N] [--kv-bytes-per-token N --context L]\n"
-               "                      [--slot page|compact] [--json] [--plot FILE.png|FILE.svg]\n"
+               "                      [--slot page|compact] [--json] [-o FILE]\n"
+               "                      [--plot FILE.png|FILE.svg]\n"
                "State pool memory against batch size B: (policy_slots x B + 1) x S, S the\n"
                "per-replica slot (the pool page of MAP summed over --tp ranks, conv state\n"
                "included). Policies: no_cache 1, no_buffer 3, lazy 4, extra_buffer 5 slots per\n"
                "request. --plot draws the map and FP32 curves with the weights as a line\n"
-               "(needs python3 with matplotlib; STEPQ_PYTHON / STEPQ_PLOT_SCRIPT override).\n");
+               "(needs python3 with matplotlib; STEPQ_PYTHON / STEPQ_PLOT_SCRIPT override).\n"
+               "--json: the numbers as JSON; -o: what goes to stdout into FILE.\n");
 }
 
 struct slot {
@@ -204,7 +207,9 @@ static void add_series(cJSON *series, const char *label, const double *v, int n,
 
 int stepq_tool_capacity(int argc, char **argv)
 {
-    const char *path = NULL, *plot = NULL, *policy_name = "extra_buffer";
+    const char *path = NULL, *plot = NULL, *policy_name = "extra_buffer", *out_path = NULL;
+    struct stepq_tool_out out;
+    FILE *f = NULL;
     int batches[MAX_BATCHES] = { 1, 8, 64, 512 }, n_b = 4, json = 0, tp = 1, compact = 0;
     uint64_t weights = 0, kv_per_token = 0, context = 0;
     int have_kv = 0, have_ctx = 0, per, ret, rc = 1;
@@ -236,7 +241,7 @@ int stepq_tool_capacity(int argc, char **argv)
         if (!v) {
             static const char *const value_opts[] = {
                 "--batch", "--context", "--kv-bytes-per-token", "--plot", "--policy",
-                "--slot",  "--tp",      "--weights-bytes",      NULL
+                "--slot",  "--tp",      "--weights-bytes",      "-o",     NULL
             };
             return stepq_tool_missing_value("capacity", a, value_opts);
         }
@@ -283,6 +288,8 @@ int stepq_tool_capacity(int argc, char **argv)
             compact = !strcmp(v, "compact");
         } else if (!strcmp(a, "--plot")) {
             plot = v;
+        } else if (!strcmp(a, "-o")) {
+            out_path = v;
         } else {
             fprintf(stderr, "stepq capacity: unknown option '%s'\n", a);
             capacity_usage(stderr);
@@ -325,6 +332,8 @@ int stepq_tool_capacity(int argc, char **argv)
         total[i] = (double)weights + state[i] + (double)kv[i];
         total32[i] = (double)weights + state32[i] + (double)kv[i];
     }
+    if (!(f = stepq_tool_out_open(&out, "capacity", out_path)))
+        goto out;
     snprintf(label, sizeof(label), "%s %s@%g", stepq_map_model_name(map),
              stepq_method_name(stepq_map_method(map)), stepq_map_budget_bits(map));
 
@@ -363,27 +372,29 @@ int stepq_tool_capacity(int argc, char **argv)
         cJSON_AddItemToObject(root, "batches", rows);
         text = cJSON_Print(root);
         if (text)
-            printf("%s\n", text);
+            fprintf(f, "%s\n", text);
         free(text);
         cJSON_Delete(root);
     } else {
-        printf("map     %s (%s), policy %s: %d slots per request + 1 sentinel, tp %d\n", path,
-               label, stepq_pool_policy_name(policy), per, tp);
-        printf("slot S  %" PRIu64 " B (%.4f MiB) = state %" PRIu64 " B (compact %" PRIu64
-               ") + conv %" PRIu64 " B + padding %" PRIu64 " B%s\n",
-               s_map.bytes, (double)s_map.bytes / MIB, s_map.state, s_map.compact, s_map.conv,
-               s_map.pad, compact ? " [--slot compact: compact + conv]" : "");
-        printf("fp32 S  %" PRIu64 " B (%.4f MiB), %.2fx the map's slot\n", s_fp32.bytes,
-               (double)s_fp32.bytes / MIB, (double)s_fp32.bytes / (double)s_map.bytes);
+        fprintf(f, "map     %s (%s), policy %s: %d slots per request + 1 sentinel, tp %d\n", path,
+                label, stepq_pool_policy_name(policy), per, tp);
+        fprintf(f,
+                "slot S  %" PRIu64 " B (%.4f MiB) = state %" PRIu64 " B (compact %" PRIu64
+                ") + conv %" PRIu64 " B + padding %" PRIu64 " B%s\n",
+                s_map.bytes, (double)s_map.bytes / MIB, s_map.state, s_map.compact, s_map.conv,
+                s_map.pad, compact ? " [--slot compact: compact + conv]" : "");
+        fprintf(f, "fp32 S  %" PRIu64 " B (%.4f MiB), %.2fx the map's slot\n", s_fp32.bytes,
+                (double)s_fp32.bytes / MIB, (double)s_fp32.bytes / (double)s_map.bytes);
         if (weights || have_kv)
-            printf("weights %" PRIu64 " B (%.2f GiB), KV %" PRIu64 " B/token x %" PRIu64
-                   " tokens\n",
-                   weights, (double)weights / GIB, kv_per_token, context);
-        printf("\n%7s %8s %16s %16s %16s %16s\n", "batch", "slots", "state pool GiB",
-               "fp32 pool GiB", "total GiB", "fp32 total GiB");
+            fprintf(f,
+                    "weights %" PRIu64 " B (%.2f GiB), KV %" PRIu64 " B/token x %" PRIu64
+                    " tokens\n",
+                    weights, (double)weights / GIB, kv_per_token, context);
+        fprintf(f, "\n%7s %8s %16s %16s %16s %16s\n", "batch", "slots", "state pool GiB",
+                "fp32 pool GiB", "total GiB", "fp32 total GiB");
         for (int i = 0; i < n_b; i++)
-            printf("%7d %8" PRIu64 " %16.2f %16.2f %16.2f %16.2f\n", batches[i], slots[i],
-                   state[i] / GIB, state32[i] / GIB, total[i] / GIB, total32[i] / GIB);
+            fprintf(f, "%7d %8" PRIu64 " %16.2f %16.2f %16.2f %16.2f\n", batches[i], slots[i],
+                    state[i] / GIB, state32[i] / GIB, total[i] / GIB, total32[i] / GIB);
     }
 
     rc = 0;
@@ -424,9 +435,11 @@ int stepq_tool_capacity(int argc, char **argv)
         if (!text || run_plot(text) < 0)
             rc = 1;
         else if (!json)
-            printf("\nplot written to %s\n", plot);
+            fprintf(f, "\nplot written to %s\n", plot);
         free(text);
     }
+    if (stepq_tool_out_commit(&out, "capacity") < 0)
+        rc = 1;
 out:
     stepq_map_close(fp32);
     stepq_map_close(map);

@@ -22,6 +22,7 @@
  */
 #include <errno.h>
 #include <math.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,6 +35,7 @@
 #include "stepq_config.h"
 #include "tools/calib/calib.h"
 #include "tools/calib/eval.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/calib/trace.h"
 
@@ -106,11 +108,49 @@ static int chart_group(stepq_map_t *const *maps, int n_maps, int m)
 
 static void usage(FILE *f)
 {
-    fprintf(f,
-            "usage: stepq eval --map M... --trace F... [--json FILE] [--plot DIR] [--threads N]\n"
-            "                  [--inject-step T] [--bucket N]\n"
-            "Replays the traces with every map's method in the loop against the fp32\n"
-            "reference; prints a table, writes details as JSON and PNG plots.\n");
+    fprintf(f, "usage: stepq eval --map M... --trace F... [--json [FILE]] [-o FILE] [--classes]\n"
+               "                  [--plot DIR] [--threads N] [--inject-step T] [--bucket N]\n"
+               "Replays the traces with every map's method in the loop against the fp32\n"
+               "reference and prints a table of readout errors (a legend follows it).\n"
+               "  --json         every detail (curves, per-head and per-class errors) as JSON\n"
+               "                 on stdout instead of the table\n"
+               "  --json FILE    the JSON into FILE and the table on stdout as well\n"
+               "  -o FILE        what goes to stdout goes into FILE instead\n"
+               "  --classes      three more table columns: the relative state error of the\n"
+               "                 short-, middle- and long-lived third of the heads\n"
+               "  --plot DIR     PNG charts (python3 with matplotlib), created when missing\n"
+               "  --threads N    default: online CPUs, at most one per head\n"
+               "  --inject-step  the single-injection step (default 256, T/4 for T <= 1024)\n"
+               "  --bucket N     tokens per point of the error-over-time curve (default 64)\n"
+               "Progress on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
+}
+
+/* The table goes to f, or nowhere when f is NULL (--json on stdout). */
+static void tab(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+static void tab(FILE *f, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!f)
+        return;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
+}
+
+/* Jobs through the progress report: one head replayed is one unit of work. */
+struct eval_run {
+    struct stepq__eval *c;
+    struct stepq_tool_progress *prog;
+};
+
+static void eval_job(void *v, int job, int worker)
+{
+    struct eval_run *r = v;
+
+    stepq__eval_head_job(r->c, job, worker);
+    stepq_tool_progress_add(r->prog, 1);
 }
 
 static int run_plot(const char *spec_path)
@@ -135,7 +175,9 @@ static int run_plot(const char *spec_path)
 int stepq_tool_eval(int argc, char **argv)
 {
     const char *maps_p[STEPQ__EVAL_MAX_MAPS], *traces[4096], *json = NULL, *plot = NULL;
+    const char *out_path = NULL;
     int n_maps = 0, n_traces = 0, threads = stepq__calib_default_threads(), t_inj = -1, bucket = 64;
+    int json_stdout = 0, classes = 0, threads_set = 0;
 
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i];
@@ -145,7 +187,7 @@ int stepq_tool_eval(int argc, char **argv)
         }
         if (!strcmp(a, "--map") || !strcmp(a, "--trace")) {
             int is_map = !strcmp(a, "--map");
-            while (i + 1 < argc && strncmp(argv[i + 1], "--", 2)) {
+            while (i + 1 < argc && argv[i + 1][0] != '-') {
                 if (is_map && n_maps < STEPQ__EVAL_MAX_MAPS)
                     maps_p[n_maps++] = argv[++i];
                 else if (!is_map && n_traces < 4096)
@@ -157,51 +199,83 @@ int stepq_tool_eval(int argc, char **argv)
             }
             continue;
         }
+        /* --json alone: JSON on stdout; --json FILE (the value does not start with '-', and
+         * eval has no operands): the JSON into FILE next to the table. */
+        if (!strcmp(a, "--json")) {
+            if (i + 1 < argc && argv[i + 1][0] != '-')
+                json = argv[++i];
+            else
+                json_stdout = 1;
+            continue;
+        }
+        if (!strcmp(a, "--classes")) {
+            classes = 1;
+            continue;
+        }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            static const char *const value_opts[] = { "--bucket", "--inject-step", "--json",
-                                                      "--plot",   "--threads",     NULL };
+            static const char *const value_opts[] = { "--bucket", "--inject-step",
+                                                      "--plot",   "--threads",
+                                                      "-o",       NULL };
             return stepq_tool_missing_value("eval", a, value_opts);
         }
         i++;
-        char *e;
-        if (!strcmp(a, "--json"))
-            json = v;
+        long long n;
+        if (!strcmp(a, "-o"))
+            out_path = v;
         else if (!strcmp(a, "--plot"))
             plot = v;
         else if (!strcmp(a, "--threads") || !strcmp(a, "--inject-step") || !strcmp(a, "--bucket")) {
-            long n = strtol(v, &e, 10);
-            if (e == v || *e || n < (strcmp(a, "--inject-step") ? 1 : 0) || n > 100000000) {
-                fprintf(stderr, "stepq eval: %s %s: expected a positive integer\n", a, v);
+            if (stepq_tool_int("eval", a, v, strcmp(a, "--inject-step") ? 1 : 0, 100000000, &n) < 0)
                 return 2;
-            }
             if (!strcmp(a, "--threads"))
-                threads = (int)n;
+                threads = (int)n, threads_set = 1;
             else if (!strcmp(a, "--bucket"))
                 bucket = (int)n;
             else
                 t_inj = (int)n;
         } else {
-            fprintf(stderr, "stepq eval: unknown option %s\n", a);
-            usage(stderr);
+            fprintf(stderr, "stepq eval: unknown option '%s' (see stepq eval --help)\n", a);
             return 2;
         }
+    }
+    if (json && json_stdout) {
+        fprintf(stderr, "stepq eval: --json given twice, with and without a FILE\n");
+        return 2;
     }
     if (!n_maps || !n_traces) {
         usage(stderr);
         return 2;
     }
+    /* Where things go: the table to stdout (or -o FILE) unless --json alone puts the JSON
+     * there; --json FILE writes the JSON into FILE. Opened first: a bad path fails at once. */
+    struct stepq_tool_out o_main, o_json;
+    FILE *tf = NULL, *jf = NULL, *mf;
+    stepq_tool_out_reserve(&o_json, "eval", NULL); /* none yet: commit and discard do nothing */
+    if (!(mf = stepq_tool_out_open(&o_main, "eval", out_path)))
+        return 1;
+    if (json && !(jf = stepq_tool_out_open(&o_json, "eval", json))) {
+        stepq_tool_out_discard(&o_main);
+        return 1;
+    }
+    if (json_stdout)
+        jf = mf;
+    else
+        tf = mf;
     struct stepq__trace_set *ts;
     if (stepq__trace_set_open(traces, n_traces, &ts) < 0) {
         fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
+        stepq_tool_out_discard(&o_json);
+        stepq_tool_out_discard(&o_main);
         return 1;
     }
     const struct stepq__trace_info *I = stepq__trace_set_info(ts);
     stepq_map_t *maps[STEPQ__EVAL_MAX_MAPS];
     int rc = 0, nm = 0;
     for (; nm < n_maps; nm++) {
-        if (stepq_map_load_file(maps_p[nm], NULL, &maps[nm]) < 0) {
-            fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
+        int st = stepq_map_load_file(maps_p[nm], NULL, &maps[nm]);
+        if (st < 0) {
+            stepq_tool_path_error("eval", maps_p[nm], NULL, stepq_last_error(), st);
             rc = 1;
             break;
         }
@@ -233,8 +307,9 @@ int stepq_tool_eval(int argc, char **argv)
         pc.map = maps[m];
         pc.num_slots = 1;
         pc.policy = STEPQ_POOL_POLICY_NO_CACHE;
-        if (stepq_pool_open(&pc, &pools[m]) < 0) {
-            fprintf(stderr, "stepq eval: %s: %s\n", maps_p[m], stepq_last_error());
+        int st = stepq_pool_open(&pc, &pools[m]);
+        if (st < 0) {
+            stepq_tool_path_error("eval", maps_p[m], NULL, stepq_last_error(), st);
             rc = 1;
         }
     }
@@ -253,7 +328,14 @@ int stepq_tool_eval(int argc, char **argv)
         }
     }
     if (!rc) {
-        stepq__calib_parallel(H, threads, stepq__eval_head_job, &c, "eval");
+        struct stepq_tool_progress prog;
+        struct eval_run run = { &c, &prog };
+        threads = threads_set   ? stepq_tool_threads("eval", threads, H, "heads")
+                  : threads < H ? threads
+                                : H;
+        stepq_tool_progress_begin(&prog, "eval", "heads", H);
+        stepq__calib_parallel(H, threads, eval_job, &run, NULL);
+        stepq_tool_progress_end(&prog);
         for (int h = 0; h < H && !rc; h++)
             if (c.rc[h] < 0) {
                 fprintf(stderr, "stepq eval: %s\n", stepq_last_error());
@@ -281,17 +363,13 @@ int stepq_tool_eval(int argc, char **argv)
     for (int r = 0; r < H; r++)
         cls[order[r]] = r * 3 / H;
 
-    FILE *jf = NULL;
-    if (json && !(jf = fopen(json, "w"))) {
-        fprintf(stderr, "stepq eval: %s: %s\n", json, strerror(errno));
-        rc = 1;
-        goto done2;
-    }
-    printf("stepq eval: %d streams x %d tokens, %d layers x %d heads; mean +- s.e. over streams\n",
-           S, I->T, I->n_layers, I->HV);
-    printf("%-22s %6s %-20s %-20s %-20s %-20s %-20s %-20s %-20s\n", "map", "bits",
-           "readout rel (global)", "readout rel (head)", "first 256", "last 256", "state short",
-           "state middle", "state long");
+    tab(tf, "stepq eval: %d streams x %d tokens, %d layers x %d heads; mean +- s.e. over streams\n",
+        S, I->T, I->n_layers, I->HV);
+    tab(tf, "%-22s %6s %-16s %-16s %-16s %s", "map", "bits", "global", "head", "first 256",
+        classes ? "last 256        " : "last 256");
+    if (classes)
+        tab(tf, " %-16s %-16s %s", "state short", "state middle", "state long");
+    tab(tf, "\n");
     if (jf)
         fprintf(jf,
                 "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
@@ -338,16 +416,19 @@ int stepq_tool_eval(int argc, char **argv)
         } else {
             snprintf(name, sizeof(name), "uniform@6 (internal)");
         }
-        printf("%-22s %6.3f", name, bpv);
-        for (int k = 0; k < 7; k++) {
+        tab(tf, "%-22s %6.3f", name, bpv);
+        for (int k = 0; k < (classes ? 7 : 4); k++) {
             char cell[64];
-            snprintf(cell, sizeof(cell), "%.3e+-%.1e", v[k].mean, v[k].se);
-            printf(" %-20s", cell);
+            snprintf(cell, sizeof(cell), "%.3e+-%.0e", v[k].mean, v[k].se);
+            tab(tf, " %-16s", cell);
         }
-        printf("\n");
+        tab(tf, "\n");
         if (jf) {
-            fprintf(jf, "  {\"name\": \"%s\", \"map\": \"%s\", \"bits_per_value\": %.6g, ", name,
-                    m < n_maps ? maps_p[m] : "", bpv);
+            fputs("  {\"name\": ", jf);
+            stepq_tool_json_str(jf, name);
+            fputs(", \"map\": ", jf);
+            stepq_tool_json_str(jf, m < n_maps ? maps_p[m] : "");
+            fprintf(jf, ", \"bits_per_value\": %.6g, ", bpv);
             json_ms(jf, "readout_rel", v[0], 0);
             json_ms(jf, "readout_rel_head", v[1], 0);
             json_ms(jf, "readout_rel_first", v[2], 0);
@@ -364,14 +445,16 @@ int stepq_tool_eval(int argc, char **argv)
                         e += c.curve_err[ci];
                         r += c.curve_ref[ci];
                     }
-                fprintf(jf, "%s%.6g", b ? ", " : "", r > 0 ? e / r : 0);
+                fputs(b ? ", " : "", jf);
+                json_num(jf, r > 0 ? e / r : 0);
             }
             fprintf(jf, "], \"head_state_err\": [");
             for (int h = 0; h < H; h++) {
                 double se = 0;
                 for (int s = 0; s < S; s++)
                     se += c.acc[((size_t)m * H + h) * S + s].serr;
-                fprintf(jf, "%s%.6g", h ? ", " : "", se / S);
+                fputs(h ? ", " : "", jf);
+                json_num(jf, se / S);
             }
             fprintf(jf, "], \"head_readout_rel\": [");
             for (int h = 0; h < H; h++) {
@@ -380,7 +463,8 @@ int stepq_tool_eval(int argc, char **argv)
                     e += c.acc[((size_t)m * H + h) * S + s].err;
                     r += c.acc[((size_t)m * H + h) * S + s].ref;
                 }
-                fprintf(jf, "%s%.6g", h ? ", " : "", r > 0 ? e / r : 0);
+                fputs(h ? ", " : "", jf);
+                json_num(jf, r > 0 ? e / r : 0);
             }
             fprintf(jf, "]}%s\n", m + 1 < M ? "," : "");
         }
@@ -417,12 +501,23 @@ int stepq_tool_eval(int argc, char **argv)
         r8[s] = a[2] > 0 ? a[3] / a[2] : NAN;
     }
     struct ms i6 = mean_se(r6, S), i8 = mean_se(r8, S);
-    printf("Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "
-           "units)\n",
-           rho, rs.mean, rs.se, H);
-    printf("single injection at step %d, oracle / native squared readout error: INT6 %.2f "
-           "(per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
-           t_inj, pooled[1] / pooled[0], i6.mean, i6.se, pooled[3] / pooled[2], i8.mean, i8.se);
+    tab(tf,
+        "global: sum |o^ - o|^2 / sum |o|^2 over every head and step (o^ read with the map's\n"
+        "  state); head: the mean over heads of that ratio per head; first / last 256: the\n"
+        "  global ratio over the first / last %d steps%s; bits: per value, scales and\n"
+        "  pivots included; uniform@6 (internal): the reference for the two lines below\n",
+        STEPQ__EVAL_EDGE,
+        classes ? "; state short / middle / long: sum |S^ - S|^2 / sum |S|^2 of the third of\n"
+                  "  the heads with the shortest / middle / longest gate half-lives"
+                : "");
+    tab(tf,
+        "Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "
+        "units)\n",
+        rho, rs.mean, rs.se, H);
+    tab(tf,
+        "single injection at step %d, oracle / native squared readout error:\n"
+        "  INT6 %.2f (per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
+        t_inj, pooled[1] / pooled[0], i6.mean, i6.se, pooled[3] / pooled[2], i8.mean, i8.se);
     if (jf) {
         fputs("], \"spearman_uniform6_halflife\": {\"pooled\": ", jf);
         json_num(jf, rho);
@@ -445,11 +540,11 @@ int stepq_tool_eval(int argc, char **argv)
             fprintf(jf, "%s{\"layer\": %d, \"head\": %d, \"half_life\": %.6g, \"class\": %d}",
                     h ? ", " : "", I->layer_ids[h / I->HV], h % I->HV, hl[h], cls[h]);
         fprintf(jf, "]}\n");
-        if (fclose(jf) != 0) {
-            fprintf(stderr, "stepq eval: %s: write failed\n", json);
-            rc = 1;
-        }
     }
+    if (stepq_tool_out_commit(&o_json, "eval") < 0)
+        rc = 1;
+    if (stepq_tool_out_commit(&o_main, "eval") < 0)
+        rc = 1;
     if (plot && !rc) {
         /* Two charts via tools/scripts/plot.py: per-head relative readout error vs half-life, and
          * the relative readout error over time. */
@@ -470,14 +565,18 @@ int stepq_tool_eval(int argc, char **argv)
             static const char *const gname[3] = { "b4", "b6", "b8" };
             snprintf(path, sizeof(path), "%s/%s_%s.spec.json", plot,
                      kind ? "error_vs_time" : "error_vs_halflife", gname[grp]);
-            FILE *f = fopen(path, "w");
+            struct stepq_tool_out so;
+            char png[4096 + 64];
+            FILE *f = stepq_tool_out_open(&so, "eval", path);
             if (!f) {
-                fprintf(stderr, "stepq eval: %s: %s\n", path, strerror(errno));
                 rc = 1;
                 break;
             }
-            fprintf(f, "{\"output\": \"%s/%s_%s.png\", \"logy\": true, \"legend_outside\": true, ",
-                    plot, kind ? "error_vs_time" : "error_vs_halflife", gname[grp]);
+            snprintf(png, sizeof(png), "%s/%s_%s.png", plot,
+                     kind ? "error_vs_time" : "error_vs_halflife", gname[grp]);
+            fputs("{\"output\": ", f);
+            stepq_tool_json_str(f, png);
+            fputs(", \"logy\": true, \"legend_outside\": true, ", f);
             if (!kind)
                 fprintf(
                     f,
@@ -500,8 +599,9 @@ int stepq_tool_eval(int argc, char **argv)
                     map_label(name, sizeof(name), maps_p[m], maps[m]);
                 else
                     snprintf(name, sizeof(name), "uniform@6 (internal)");
-                fprintf(f, "%s{\"label\": \"%s\", \"style\": \"%s\", \"x\": [", first ? "" : ", ",
-                        name, kind ? "-" : "o");
+                fputs(first ? "{\"label\": " : ", {\"label\": ", f);
+                stepq_tool_json_str(f, name);
+                fprintf(f, ", \"style\": \"%s\", \"x\": [", kind ? "-" : "o");
                 first = 0;
                 int n = kind ? nb : H;
                 for (int i = 0; i < n; i++)
@@ -527,7 +627,10 @@ int stepq_tool_eval(int argc, char **argv)
                 fprintf(f, "]}");
             }
             fprintf(f, "]}\n");
-            fclose(f);
+            if (stepq_tool_out_commit(&so, "eval") < 0) {
+                rc = 1;
+                break;
+            }
             if (run_plot(path) < 0)
                 fprintf(stderr,
                         "stepq eval: warning: plotting %s failed (python3 with matplotlib "
@@ -545,6 +648,8 @@ done2:
     free(cls);
     free(order);
 done:
+    stepq_tool_out_discard(&o_json); /* after a failure; nothing once committed */
+    stepq_tool_out_discard(&o_main);
     for (int m = 0; m < nm; m++) {
         stepq_pool_close(pools[m], 0);
         stepq_map_close(maps[m]);

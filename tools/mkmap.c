@@ -10,6 +10,7 @@
 #include <string.h>
 
 #include "stepq/map.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 
 /*
@@ -101,7 +102,7 @@ static const struct preset presets[] = {
 static void mkmap_usage(FILE *f)
 {
     fprintf(f, "usage: stepq mkmap --shape NAME --method METHOD [--bits B] [--pivots P]\n"
-               "                   [--out FILE] [--name TEXT]\n"
+               "                   [--out FILE | -o FILE] [--name TEXT]\n"
                "Builds an uncalibrated precision map for a built-in model shape.\n"
                "  --shape    one of:");
     for (size_t i = 0; i < N_PRESETS; i++)
@@ -112,7 +113,7 @@ static void mkmap_usage(FILE *f)
                "  --pivots   fp16 pivot units (temporal, stepq), spread evenly; the other\n"
                "             units get a fixed {lower, B, higher} mix summing exactly to\n"
                "             the budget: a synthetic layout example, not a calibration\n"
-               "  --out      output file (default: standard output)\n"
+               "  --out, -o  output file (default: standard output), written whole or not at all\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 
@@ -242,35 +243,37 @@ int stepq_tool_mkmap(int argc, char **argv)
             mkmap_usage(stdout);
             return 0;
         }
-        if (!v || a[0] != '-') {
+        if (a[0] != '-') {
             fprintf(stderr, "stepq mkmap: unexpected argument '%s'\n", a);
-            mkmap_usage(stderr);
             return 2;
         }
-        char *end = NULL;
+        if (!v) {
+            static const char *const value_opts[] = { "--bits",   "--method", "--name", "--out",
+                                                      "--pivots", "--shape",  "-o",     NULL };
+            return stepq_tool_missing_value("mkmap", a, value_opts);
+        }
+        long long n;
         if (!strcmp(a, "--shape")) {
             shape_key = v;
         } else if (!strcmp(a, "--method")) {
             method_name = v;
         } else if (!strcmp(a, "--bits")) {
-            bits = (int)strtol(v, &end, 10);
-            if (*end || !is_width(bits)) {
+            if (stepq_tool_int("mkmap", a, v, 2, 8, &n) < 0)
+                return 2;
+            bits = (int)n;
+            if (!is_width(bits)) {
                 fprintf(stderr, "stepq mkmap: --bits %s is not one of 2,3,4,5,6,8\n", v);
                 return 2;
             }
         } else if (!strcmp(a, "--pivots")) {
-            pivots = strtoll(v, &end, 10);
-            if (*end || pivots < 0) {
-                fprintf(stderr, "stepq mkmap: --pivots %s is not a count\n", v);
+            if (stepq_tool_int("mkmap", a, v, 0, INT32_MAX, &pivots) < 0)
                 return 2;
-            }
-        } else if (!strcmp(a, "--out")) {
+        } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
             out = v;
         } else if (!strcmp(a, "--name")) {
             name = v;
         } else {
-            fprintf(stderr, "stepq mkmap: unknown option '%s'\n", a);
-            mkmap_usage(stderr);
+            fprintf(stderr, "stepq mkmap: unknown option '%s' (see stepq mkmap --help)\n", a);
             return 2;
         }
         i++;
@@ -358,28 +361,19 @@ int stepq_tool_mkmap(int argc, char **argv)
         return die("provenance", st);
     }
 
-    if (out && strcmp(out, "-")) {
-        st = stepq_map_write_file(map, out);
-    } else {
-        char *buf;
-        size_t len;
-        st = stepq_map_write_buffer(map, &buf, &len);
-        if (st >= 0) {
-            if (fwrite(buf, 1, len, stdout) != len || fflush(stdout)) {
-                fprintf(stderr, "stepq mkmap: writing standard output failed\n");
-                st = -1;
-            }
-            stepq_free(buf);
-            if (st < 0) {
-                stepq_map_close(map);
-                return 1;
-            }
-        }
-    }
-    if (st < 0) {
+    /* Written whole or not at all; a write error names the file (not its temporary name). */
+    char *buf;
+    size_t len;
+    struct stepq_tool_out o;
+    FILE *f;
+    if ((st = stepq_map_write_buffer(map, &buf, &len)) < 0) {
         stepq_map_close(map);
-        return die(out ? out : "write", st);
+        return die("write", st);
     }
+    st = !(f = stepq_tool_out_open(&o, "mkmap", out)) || fwrite(buf, 1, len, f) != len ||
+         stepq_tool_out_commit(&o, "mkmap") < 0;
+    stepq_tool_out_discard(&o);
+    stepq_free(buf);
     stepq_map_close(map);
-    return 0;
+    return st ? 1 : 0;
 }

@@ -25,7 +25,12 @@ static void usage(FILE *f)
     fprintf(f, "usage: stepq COMMAND [ARGS...]\n\ncommands:\n");
     for (size_t i = 0; i < sizeof(commands) / sizeof(commands[0]); i++)
         fprintf(f, "  %-10s %s\n", commands[i].name, commands[i].summary);
-    fprintf(f, "\n`stepq COMMAND --help` describes a command. stepq %s\n", stepq_version_string());
+    fprintf(f,
+            "\nCommands that report take --json (JSON on stdout instead of the table) and -o FILE\n"
+            "(written whole, or not at all after a failure or Ctrl-C); messages and progress go\n"
+            "to stderr (STEPQ_PROGRESS=off|bar|lines, STEPQ_PROGRESS_INTERVAL=SECONDS).\n"
+            "`stepq COMMAND --help` describes a command. stepq %s\n",
+            stepq_version_string());
 }
 
 int main(int argc, char **argv)

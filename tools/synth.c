@@ -20,6 +20,7 @@
 #include <string.h>
 
 #include "stepq/stepq.h"
+#include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/calib/trace.h"
 
@@ -49,31 +50,22 @@ static double rng_gauss(struct rng *r)
 static void usage(FILE *f)
 {
     fprintf(f,
-            "usage: stepq synth --out PREFIX [--arch gdn|kda] [--layers N] [--H N] [--HV N]\n"
+            "usage: stepq synth --out|-o PREFIX [--arch gdn|kda] [--layers N] [--H N] [--HV N]\n"
             "         [--K N] [--V N] [--streams S] [--T T] [--streams-per-file N]\n"
             "         [--halflife-min X] [--halflife-max X] [--row-outliers N] [--col-outliers N]\n"
-            "         [--dtype bf16|fp32] [--seed N]\n"
-            "Writes PREFIX-000.safetensors, ... (synthetic recurrent-kernel traces).\n"
+            "         [--dtype bf16|fp32] [--seed N] [--json]\n"
+            "Writes PREFIX-000.safetensors, ... (synthetic recurrent-kernel traces) and\n"
+            "prints their names (--json: as a JSON document). Each file appears when it is\n"
+            "complete; a failure or Ctrl-C removes the one being written. Progress on\n"
+            "stderr (STEPQ_PROGRESS=off|bar|lines).\n"
             "Defaults: gdn, 2 layers, H 2, HV 4, K V 32, 2 streams of 256 tokens,\n"
             "half-lives 2 .. 20000 tokens, 2 row and 2 column outliers per head, bf16, seed 1.\n");
-}
-
-static int parse_int(const char *s, long lo, long hi, const char *opt, long *out)
-{
-    char *e;
-    errno = 0;
-    long v = strtol(s, &e, 10);
-    if (e == s || *e || errno || v < lo || v > hi) {
-        fprintf(stderr, "stepq synth: %s %s: expected an integer in [%ld, %ld]\n", opt, s, lo, hi);
-        return -1;
-    }
-    *out = v;
-    return 0;
 }
 
 int stepq_tool_synth(int argc, char **argv)
 {
     const char *out = NULL, *arch_s = "gdn", *dtype_s = "bf16";
+    int json = 0;
     long layers = 2, H = 2, HV = 4, K = 32, V = 32, S = 2, T = 256, spf = 0, rows_o = 2, cols_o = 2,
          seed = 1;
     double hl_min = 2.0, hl_max = 20000.0;
@@ -85,6 +77,10 @@ int stepq_tool_synth(int argc, char **argv)
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 0;
+        }
+        if (!strcmp(a, "--json")) {
+            json = 1;
+            continue;
         }
         if (!v) {
             static const char *const value_opts[] = { "--H",
@@ -103,26 +99,20 @@ int stepq_tool_synth(int argc, char **argv)
                                                       "--seed",
                                                       "--streams",
                                                       "--streams-per-file",
+                                                      "-o",
                                                       NULL };
             return stepq_tool_missing_value("synth", a, value_opts);
         }
-        if (!strcmp(a, "--out"))
+        if (!strcmp(a, "--out") || !strcmp(a, "-o"))
             out = v;
         else if (!strcmp(a, "--arch"))
             arch_s = v;
         else if (!strcmp(a, "--dtype"))
             dtype_s = v;
         else if (!strcmp(a, "--halflife-min") || !strcmp(a, "--halflife-max")) {
-            char *e;
-            double d = strtod(v, &e);
-            if (e == v || *e || !(d > 0.0) || d > 1e9) {
-                fprintf(stderr, "stepq synth: %s %s: expected a positive number\n", a, v);
+            if (stepq_tool_real("synth", a, v, 0, 1e9, STEPQ_TOOL_OPEN_LO,
+                                !strcmp(a, "--halflife-min") ? &hl_min : &hl_max) < 0)
                 return 2;
-            }
-            if (!strcmp(a, "--halflife-min"))
-                hl_min = d;
-            else
-                hl_max = d;
         } else if (!strcmp(a, "--layers"))
             ip = &layers, hi = STEPQ__TRACE_MAX_LAYERS;
         else if (!strcmp(a, "--H"))
@@ -146,12 +136,14 @@ int stepq_tool_synth(int argc, char **argv)
         else if (!strcmp(a, "--seed"))
             ip = &seed, lo = 0, hi = 0x7fffffffL;
         else {
-            fprintf(stderr, "stepq synth: unknown option %s\n", a);
-            usage(stderr);
+            fprintf(stderr, "stepq synth: unknown option '%s' (see stepq synth --help)\n", a);
             return 2;
         }
-        if (ip && parse_int(v, lo, hi, a, ip) < 0)
+        long long n;
+        if (ip && stepq_tool_int("synth", a, v, lo, hi, &n) < 0)
             return 2;
+        if (ip)
+            *ip = (long)n;
         i++;
     }
     if (!out) {
@@ -172,8 +164,19 @@ int stepq_tool_synth(int argc, char **argv)
         fprintf(stderr, "stepq synth: --dtype %s: expected bf16 or fp32\n", dtype_s);
         return 2;
     }
-    if (HV % H || rows_o > K || cols_o > V || hl_max < hl_min) {
-        fprintf(stderr, "stepq synth: need HV %% H == 0, outliers <= K / V, halflife-max >= min\n");
+    if (HV % H) {
+        fprintf(stderr, "stepq synth: --HV %ld: want a multiple of --H %ld\n", HV, H);
+        return 2;
+    }
+    if (rows_o > K || cols_o > V) {
+        fprintf(stderr, "stepq synth: --%s-outliers %ld: want at most --%s %ld\n",
+                rows_o > K ? "row" : "col", rows_o > K ? rows_o : cols_o, rows_o > K ? "K" : "V",
+                rows_o > K ? K : V);
+        return 2;
+    }
+    if (hl_max < hl_min) {
+        fprintf(stderr, "stepq synth: --halflife-max %g: want at least --halflife-min %g\n", hl_max,
+                hl_min);
         return 2;
     }
     if (spf <= 0 || spf > S)
@@ -220,6 +223,15 @@ int stepq_tool_synth(int argc, char **argv)
     for (long l = 0; l < layers; l++)
         pos +=
             (size_t)snprintf(all_layers + pos, sizeof(all_layers) - pos, "%s%ld", l ? "," : "", l);
+    /* Progress in bytes: per token and stream, q and k, v, g (fp32) and beta of every layer. */
+    size_t ds = stepq__trace_dtype_size(dt);
+    int64_t total = (int64_t)S * T * layers *
+                    (int64_t)((2 * H * K + HV * V + HV) * ds + HV * (kda ? K : 1) * 4);
+    struct stepq_tool_progress prog;
+    struct stepq_tool_out of;
+    stepq_tool_progress_begin(&prog, "synth", "B", total);
+    if (json)
+        printf("{\"files\": [");
     int rc = 0, nfile = 0;
     for (long s0 = 0; s0 < S && !rc; s0 += spf, nfile++) {
         long ns = s0 + spf <= S ? spf : S - s0;
@@ -314,9 +326,17 @@ int stepq_tool_synth(int argc, char **argv)
         char path[4096];
         snprintf(path, sizeof(path), "%s-%03d.safetensors", out, nfile);
         struct stepq__trace_writer *w;
-        if (stepq__trace_writer_open(path, wt, nt, meta, (int)(sizeof(meta) / sizeof(meta[0]) / 2),
-                                     &w) < 0) {
-            fprintf(stderr, "stepq synth: %s\n", stepq_last_error());
+        if (stepq_tool_out_reserve(&of, "synth", path) < 0) {
+            free(wt);
+            free(names);
+            rc = 1;
+            break;
+        }
+        int st = stepq__trace_writer_open(of.tmp, wt, nt, meta,
+                                          (int)(sizeof(meta) / sizeof(meta[0]) / 2), &w);
+        if (st < 0) {
+            stepq_tool_path_error("synth", path, of.tmp, stepq_last_error(), 0);
+            stepq_tool_out_discard(&of);
             free(wt);
             free(names);
             rc = 1;
@@ -356,22 +376,34 @@ int stepq_tool_synth(int argc, char **argv)
                                 buf[n++] = (float)(1.0 / (1.0 + exp(-rng_gauss(&tr))));
                         }
                         if (stepq__trace_writer_put(w, buf, n) < 0) {
-                            fprintf(stderr, "stepq synth: %s\n", stepq_last_error());
+                            stepq_tool_path_error("synth", path, of.tmp, stepq_last_error(), 0);
                             rc = 1;
                         }
+                        stepq_tool_progress_add(&prog, (int64_t)(n * (k == 3 ? 4 : ds)));
                     }
                 }
             }
         }
         if (stepq__trace_writer_close(w) < 0 && !rc) {
-            fprintf(stderr, "stepq synth: %s\n", stepq_last_error());
+            stepq_tool_path_error("synth", path, of.tmp, stepq_last_error(), 0);
             rc = 1;
         }
         free(wt);
         free(names);
-        if (!rc)
+        if (rc)
+            stepq_tool_out_discard(&of);
+        else if (stepq_tool_out_commit(&of, "synth") < 0)
+            rc = 1;
+        else if (json) {
+            printf("%s", nfile ? ", " : "");
+            stepq_tool_json_str(stdout, path);
+        } else {
             printf("%s\n", path);
+        }
     }
+    stepq_tool_progress_end(&prog);
+    if (json)
+        printf("]%s}\n", rc ? ", \"failed\": true" : "");
     free(tau);
     free(perm);
     free(kscale);

@@ -881,6 +881,8 @@ static int complete_tick(struct sim *s)
             return -1;
     s->n_done = 0;
     s->st->ticks++;
+    if (s->cfg->progress)
+        s->cfg->progress(s->cfg->progress_arg, s->st->completed + s->st->aborted, s->cfg->requests);
     if (full_check(s) < 0)
         return -1;
     if (s->cfg->inject_every > 0 && s->st->ticks % s->cfg->inject_every == 0 && inject(s) < 0)

@@ -53,13 +53,16 @@ struct stepq__sim_config {
     double follow_rate;  /**< fraction of arrivals that continue a conversation */
     int n_sys;           /**< distinct system prompts */
     int inject_every;    /**< invalid-call injection period in ticks (0 = never) */
+    /** Called after every tick with the requests completed or aborted so far (NULL: none). */
+    void (*progress)(void *arg, int64_t finished, int64_t requests);
+    void *progress_arg;
 };
 
 /** Defaults: 100,000 requests, B = 16, extra_buffer, 256-token tracking. */
 #define STEPQ__SIM_CONFIG_DEFAULT                                                                 \
     {                                                                                             \
         1, 100000, 16, STEPQ_POOL_POLICY_EXTRA_BUFFER, 256, 1024, 8192, 32, 1024, 512, 0.02, 0.6, \
-            8, 997                                                                                \
+            8, 997, NULL, NULL                                                                    \
     }
 
 struct stepq__sim_stats {

@@ -13,6 +13,10 @@ CASES = [  # (command, a real value option, a typo)
     (["capacity"], "--tp", "--tpp"),
     (["simulate"], "--seed", "--sed"),
     (["bench", "pool"], "--slots", "--slot"),
+    (["bench", "reference"], "--min-ms", "--min-m"),
+    (["bench", "kernels"], "--batch", "--batches"),
+    (["mkmap"], "--shape", "--shap"),
+    (["inspect", "x.json"], "-o", "--o"),
 ]
 
 
