@@ -2,6 +2,7 @@
  * Head block layouts, fp16/bf16 conversion and bit-stream packing
  * (the storage contract is written down in kernels/format.h).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,8 +57,8 @@ int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, 
     if (align & (align - 1))
         return stepq__error(STEPQ_EINVAL, "head layout: align %zu is not a power of two", align);
 
-    int dense = method_is_dense(method);
-    if (!dense) {
+    int dense = method_is_dense(method), fp8 = method == STEPQ_METHOD_FP8;
+    if (!dense && !fp8) {
         if (!row_bits)
             return stepq__error(STEPQ_EINVAL, "head layout: %s needs row_bits",
                                 stepq_method_name(method));
@@ -96,6 +97,18 @@ int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, 
     hl->quantized = !dense;
     hl->has_col = method_has_col(method);
 
+    if (fp8) {
+        /* One byte per value, row-major, then the tile scales (kernels/format.h). */
+        memset(hl->row_bits, 0, (size_t)d_k);
+        for (int i = 0; i <= d_k; i++)
+            hl->row_bitoff[i] = (uint64_t)i * (uint64_t)d_v * 8;
+        hl->codes_bytes = (size_t)d_k * (size_t)d_v;
+        hl->tile_scale_offset = align_up(hl->codes_bytes, align);
+        size_t scales = 4 * (size_t)stepq__fp8_tiles(d_v);
+        hl->block_bytes = align_up(hl->tile_scale_offset + scales, align);
+        hl->compact_bytes = hl->codes_bytes + scales;
+        return STEPQ_OK;
+    }
     if (dense) {
         size_t es = stepq_dtype_size(dense_dtype(method));
         memset(hl->row_bits, 0, (size_t)d_k);
@@ -246,6 +259,51 @@ uint16_t stepq__scale_to_fp16(float s)
     if (s >= STEPQ__SCALE_MAX)
         return 0x7bffu;
     return stepq__fp16_from_float(s);
+}
+
+/* --- fp8 (e4m3) --- */
+
+uint8_t stepq__e4m3_from_float(float f)
+{
+    uint8_t sign = (uint8_t)((f2u(f) >> 24) & 0x80u);
+    float a = fabsf(f);
+
+    if (a != a)
+        return 0;
+    if (a > STEPQ__FP8_AMAX)
+        a = STEPQ__FP8_AMAX;
+    if (a < 0.015625f) {
+        /*
+         * Subnormal codes (and 2^-6, the smallest normal, code 8): m * 2^-9 for
+         * m = 0..8. a * 512 is exact, and adding and subtracting 1.5 * 2^23 rounds it
+         * to the nearest integer, ties to even; the integer is the code itself.
+         */
+        float m = (a * 512.0f + 12582912.0f) - 12582912.0f;
+        return sign | (uint8_t)(int)m;
+    }
+    /*
+     * Normal: round the float's 23 mantissa bits to 3, nearest even (the carry may
+     * step the exponent, which is right), then rebias 127 -> 7. a <= 240 keeps the
+     * result at or below 0x77 = 1.875 * 2^7 = 240.
+     */
+    uint32_t u = f2u(a);
+    u += 0x7ffffu + ((u >> 20) & 1u);
+    uint32_t e = (u >> 23) - 127u + 7u;
+    return sign | (uint8_t)(e << 3 | ((u >> 20) & 7u));
+}
+
+float stepq__e4m3_to_float(uint8_t c)
+{
+    uint32_t sign = (uint32_t)(c & 0x80u) << 24;
+    uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
+
+    if (e == 0xf && m == 7)
+        return u2f(sign | 0x7fc00000u);
+    if (e == 0) { /* zero or subnormal: m * 2^-9, exact */
+        float v = (float)m * 0.001953125f;
+        return sign ? -v : v;
+    }
+    return u2f(sign | ((e + 120u) << 23) | (m << 20));
 }
 
 /* --- Bit streams --- */
