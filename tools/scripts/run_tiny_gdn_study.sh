@@ -54,7 +54,7 @@ capture() { # split segments seg_len prefix
 calib() {
     capture valid "$VALID_STREAMS" "$SEQ" "$SCRATCH/valid"
     local T=("$SCRATCH"/valid-*.safetensors)
-    for m in fp32 bf16; do
+    for m in fp32 bf16 fp8; do
         "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget 4 --out "$OUT/maps/$m.json" \
             --model-name tiny-gdn 2>&1 | tee -a "$OUT/study.log"
     done
@@ -83,7 +83,7 @@ calib() {
     sha256sum "$OUT"/maps/*.json | tee "$OUT/maps/SHA256SUMS"
 }
 
-MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8"
+MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8 fp8"
 
 need_maps() {
     local n
