@@ -43,10 +43,10 @@ struct params {
     enum via via;
 };
 
-/* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method. */
+/* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
 static const char *width_name(stepq_arch arch, stepq_method m, int bits, char *buf, size_t n)
 {
-    if (stepq_method_is_dense(m))
+    if (!stepq__method_has_units(m))
         snprintf(buf, n, "%s", "");
     else if (bits)
         snprintf(buf, n, "@%d", bits);
@@ -684,7 +684,7 @@ void checkasm_check_decode(void)
 
     /* GDN with GVA (HV = 2H), every method and bit width. */
     for (int m = 0; m < STEPQ_METHOD_COUNT; m++) {
-        if (stepq_method_is_dense((stepq_method)m)) {
+        if (!stepq__method_has_units((stepq_method)m)) {
             one((struct params){ .arch = G, .method = m, .H = 2, .HV = 4, .batch = B });
             continue;
         }
@@ -787,6 +787,28 @@ void checkasm_check_decode(void)
                          .gate = 1,
                          .view = 1,
                          .via = VIA_COLUMN });
+
+    /*
+     * fp8 (the column kernel: its pages move like the dense methods'): GDN and KDA, batches
+     * of 1, B and 40, in-kernel gate, bf16 strided inputs, NaN inputs, huge states, and the
+     * two-stage variant (stage 2 is the fp8 pack of the updated state).
+     */
+    const stepq_method F8 = STEPQ_METHOD_FP8;
+    one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = 1 });
+    one((struct params){ .arch = K, .method = F8, .H = 2, .HV = 2, .batch = B, .gate = 1 });
+    one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .view = 1 });
+    one((struct params){
+        .arch = K, .method = F8, .H = 2, .HV = 2, .batch = B, .nonfinite = 1, .view = 1 });
+    one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .huge = 1 });
+    one((struct params){
+        .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .gate = 1, .via = VIA_TWO_STAGE });
+    if (!small) {
+        one((struct params){ .arch = G, .method = F8, .H = 4, .HV = 8, .batch = 40, .gate = 1 });
+        one((struct params){ .arch = K, .method = F8, .H = 4, .HV = 8, .batch = 40 });
+        one((struct params){ .arch = K, .method = F8, .H = 2, .HV = 2, .batch = 1, .view = 1 });
+        one((struct params){
+            .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .wild_ids = 1, .gate = 1 });
+    }
 
     if (checkasm_check("decode invalid arguments (public API, host and CUDA pools)"))
         checkasm_report(run_bad_public());
