@@ -263,48 +263,21 @@ uint16_t stepq__scale_to_fp16(float s)
 
 /* --- fp8 (e4m3) --- */
 
-uint8_t stepq__e4m3_from_float(float f)
-{
-    uint8_t sign = (uint8_t)((f2u(f) >> 24) & 0x80u);
-    float a = fabsf(f);
+/*
+ * Code c: sign bit 7, exponent e = bits 6..3 (bias 7), mantissa m = bits 2..0;
+ * e = 0: m * 2^-9, else (1 + m/8) * 2^(e-7); 0x7f / 0xff NaN. Every operation
+ * below is exact in float (powers of two and 4-bit integers).
+ */
+#define E4M3_MAG(c)                \
+    (((c) >> 3 & 15) == 0          \
+         ? (float)((c)&7) / 512.0f \
+         : (1.0f + (float)((c)&7) / 8.0f) * (float)(1u << ((c) >> 3 & 15)) / 128.0f)
+#define E4M3(c)    (((c)&0x7f) == 0x7f ? NAN : (c)&0x80 ? -E4M3_MAG(c) : E4M3_MAG(c))
+#define E4M3_4(c)  E4M3(c), E4M3((c) + 1), E4M3((c) + 2), E4M3((c) + 3)
+#define E4M3_16(c) E4M3_4(c), E4M3_4((c) + 4), E4M3_4((c) + 8), E4M3_4((c) + 12)
+#define E4M3_64(c) E4M3_16(c), E4M3_16((c) + 16), E4M3_16((c) + 32), E4M3_16((c) + 48)
 
-    if (a != a)
-        return 0;
-    if (a > STEPQ__FP8_AMAX)
-        a = STEPQ__FP8_AMAX;
-    if (a < 0.015625f) {
-        /*
-         * Subnormal codes (and 2^-6, the smallest normal, code 8): m * 2^-9 for
-         * m = 0..8. a * 512 is exact, and adding and subtracting 1.5 * 2^23 rounds it
-         * to the nearest integer, ties to even; the integer is the code itself.
-         */
-        float m = (a * 512.0f + 12582912.0f) - 12582912.0f;
-        return sign | (uint8_t)(int)m;
-    }
-    /*
-     * Normal: round the float's 23 mantissa bits to 3, nearest even (the carry may
-     * step the exponent, which is right), then rebias 127 -> 7. a <= 240 keeps the
-     * result at or below 0x77 = 1.875 * 2^7 = 240.
-     */
-    uint32_t u = f2u(a);
-    u += 0x7ffffu + ((u >> 20) & 1u);
-    uint32_t e = (u >> 23) - 127u + 7u;
-    return sign | (uint8_t)(e << 3 | ((u >> 20) & 7u));
-}
-
-float stepq__e4m3_to_float(uint8_t c)
-{
-    uint32_t sign = (uint32_t)(c & 0x80u) << 24;
-    uint32_t e = (c >> 3) & 0xfu, m = c & 7u;
-
-    if (e == 0xf && m == 7)
-        return u2f(sign | 0x7fc00000u);
-    if (e == 0) { /* zero or subnormal: m * 2^-9, exact */
-        float v = (float)m * 0.001953125f;
-        return sign ? -v : v;
-    }
-    return u2f(sign | ((e + 120u) << 23) | (m << 20));
-}
+const float stepq__e4m3_values[256] = { E4M3_64(0), E4M3_64(64), E4M3_64(128), E4M3_64(192) };
 
 /* --- Bit streams --- */
 

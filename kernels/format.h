@@ -81,6 +81,7 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "stepq/common.h"
 #include "stepq/map.h"
@@ -194,15 +195,65 @@ uint16_t stepq__scale_to_fp16(float s);
 /** The value fp8 maps a tile's largest magnitude to (the format note above says why). */
 #define STEPQ__FP8_AMAX 240.0f
 
+/* Inline (format.h is included by the kernels that use them per element). */
+static inline uint32_t stepq__f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static inline float stepq__f32_of_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
 /**
  * float -> e4m3 code, round to nearest even, |f| clamped to STEPQ__FP8_AMAX
  * first (the same code as clamping after rounding: 240 is a code and rounding
  * is monotonic); NaN -> 0. The sign is kept, also for zero (-0 and negative
  * values that round to 0 give 0x80), as the CUDA conversion does.
  */
-uint8_t stepq__e4m3_from_float(float f);
-/** e4m3 code -> float (exact); 0x7f / 0xff are NaN. */
-float stepq__e4m3_to_float(uint8_t c);
+static inline uint8_t stepq__e4m3_from_float(float f)
+{
+    uint8_t sign = (uint8_t)((stepq__f32_bits(f) >> 24) & 0x80u);
+    float a = stepq__f32_of_bits(stepq__f32_bits(f) & 0x7fffffffu);
+
+    if (a != a)
+        return 0;
+    if (a > STEPQ__FP8_AMAX)
+        a = STEPQ__FP8_AMAX;
+    if (a < 0.015625f) {
+        /*
+         * Subnormal codes (and 2^-6, the smallest normal, code 8): m * 2^-9 for
+         * m = 0..8. a * 512 is exact, and adding and subtracting 1.5 * 2^23 rounds it
+         * to the nearest integer, ties to even; the integer is the code itself.
+         */
+        float m = (a * 512.0f + 12582912.0f) - 12582912.0f;
+        return sign | (uint8_t)(int)m;
+    }
+    /*
+     * Normal: round the float's 23 mantissa bits to 3, nearest even (the carry may
+     * step the exponent, which is right), then rebias 127 -> 7. a <= 240 keeps the
+     * result at or below 0x77 = 1.875 * 2^7 = 240.
+     */
+    uint32_t u = stepq__f32_bits(a);
+    u += 0x7ffffu + ((u >> 20) & 1u);
+    uint32_t e = (u >> 23) - 127u + 7u;
+    return sign | (uint8_t)(e << 3 | ((u >> 20) & 7u));
+}
+
+/** The value of every e4m3 code (format.c builds it from the fields at compile time). */
+extern const float stepq__e4m3_values[256];
+
+/** e4m3 code -> float (exact); 0x7f / 0xff are NaN. A table: the reference decodes every
+ * value of a page with it, and the fields' branches cost 5x more per element. */
+static inline float stepq__e4m3_to_float(uint8_t c)
+{
+    return stepq__e4m3_values[c];
+}
 /** Number of fp8 scale tiles of a head with d_v columns: ceil(d_v / 32). */
 static inline int stepq__fp8_tiles(int d_v)
 {

@@ -317,8 +317,11 @@ static void dequant_fp8(const struct stepq__head_layout *hl, const uint8_t *blk,
     for (int i = 0; i < d_k; i++) {
         const uint8_t *cr = blk + (size_t)i * d_v;
         float *xr = x + (size_t)i * d_v;
-        for (int j = 0; j < d_v; j++)
-            xr[j] = stepq__e4m3_to_float(cr[j]) * sc[j / STEPQ__FP8_TILE];
+        for (int t = 0, j0 = 0; j0 < d_v; t++, j0 += STEPQ__FP8_TILE) {
+            int j1 = j0 + STEPQ__FP8_TILE < d_v ? j0 + STEPQ__FP8_TILE : d_v;
+            for (int j = j0; j < j1; j++)
+                xr[j] = stepq__e4m3_to_float(cr[j]) * sc[t];
+        }
     }
 }
 
