@@ -300,8 +300,11 @@ static void fit_fp8(const struct stepq__head_layout *hl, const float *x, uint8_t
         for (int i = 0; i < d_k; i++) {
             const float *xr = x + (size_t)i * d_v;
             uint8_t *cr = blk + (size_t)i * d_v;
+            float y[STEPQ__FP8_TILE];
+            for (int j = j0; j < j1; j++) /* the divisions apart: this loop vectorises */
+                y[j - j0] = xr[j] / sc;
             for (int j = j0; j < j1; j++)
-                cr[j] = stepq__e4m3_from_float(xr[j] / sc);
+                cr[j] = stepq__e4m3_from_float(y[j - j0]);
         }
     }
 }
