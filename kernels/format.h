@@ -55,13 +55,16 @@
  *   |x| of the tile. Codes c = e4m3(clamp(x / s_t, +-240)), round to nearest
  *   even; an all-zero tile (s_t = 0, or m_t / 240 underflowing to 0) stores
  *   codes 0 and decodes to 0. Reconstruction: x^ = float(c) * s_t.
- *   Why 240 and not e4m3's largest finite 448: 240 is the largest value of
- *   the fnuz variant of e4m3 too, the target SGLang's proposal picked so that
- *   one scale rule serves both; x / s_t is 240 within one rounding and never
- *   reaches the codes above 240, so no code saturates for a normal scale. The
- *   clamp is for a subnormal s_t (m_t below 240 * 2^-126), whose relative
- *   error can push x / s_t past 240. row_bits are all 0 (no integer rows)
- *   and the block has no fp16 scales.
+ *   Why 240 and not e4m3's largest finite 448: 240 is the largest magnitude
+ *   both e4m3 variants hold (OCP e4m3fn: 448, e4m3fnuz: 240), the target the
+ *   SGLang proposal specifies. x / s_t is at most 240 within one rounding, so
+ *   the largest element maps to code 0x77 and no code overflows or
+ *   saturates for a normal scale; the codes 256..448 stay unused, which costs
+ *   only range at the bottom (the subnormal step is s_t 2^-9 = m_t / 122880
+ *   instead of m_t / 229376), not precision (the relative step of a binade is
+ *   the same). The clamp is for a subnormal s_t (m_t below 240 * 2^-126),
+ *   whose relative error can push x / s_t past 240. row_bits are all 0 (no
+ *   integer rows) and the block has no fp16 scales.
  *   compact_bytes = d_k*d_v + 4*ceil(d_v/32); for 128x128 that is 16,400 B,
  *   8 + 1/128 = 8.0078 bits per value, with no alignment padding at align 16.
  *
