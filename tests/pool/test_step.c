@@ -295,11 +295,16 @@ static void test_step_kda_fp8_in_kernel_gate(void **state)
  * The README example's check on an fp8 pool: states packed at prefill, TOKENS decode steps
  * on every layer re-quantizing after each token, against the same steps on an fp32 pool
  * (exact states); relative Frobenius error of the unpacked states and of the readouts.
- * One e4m3 rounding is within 2^-4 of a value (half an ulp of 3 mantissa bits); the
- * re-rounding of every token adds errors that the decay and the delta rule shrink again.
+ * The bound is the steady state of an error re-rounded every token and decayed by the
+ * retention r in between: e = d / sqrt(1 - r^2), d the RMS of one rounding (an error
+ * uniform within e4m3's half ulp, 2^-4 relative, has RMS 2^-4 / sqrt(3)) and r the
+ * slowest retention of fill_inputs' gates, exp(-0.05). (The README example's states,
+ * all at retention exp(-0.05), measure 0.082 against this 0.117; these 0.034.)
  */
-#define FP8_TOKENS      32
-#define FP8_TRACK_BOUND 0x1p-4 /* one e4m3 half-ulp, relative: the bound of one rounding */
+#define FP8_TOKENS       32
+#define FP8_ROUNDING_RMS (0x1p-4 / 1.7320508075688772) /* 2^-4 / sqrt(3), relative */
+#define FP8_SLOWEST_GATE (-0.05)                       /* fill_inputs: g in [-0.55, -0.05] */
+#define FP8_TRACK_BOUND  (FP8_ROUNDING_RMS / sqrt(1 - exp(2 * FP8_SLOWEST_GATE)))
 
 static void test_fp8_tracks_an_fp32_pool(void **state)
 {
