@@ -1088,11 +1088,11 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     if ((st = stepq__shape_check(&shape)) < 0)
         goto done;
 
-    if (stepq_method_is_dense(c.method)) {
+    if (!stepq__method_has_units(c.method)) {
         if (f[R_LAYERS]) {
             old = push_key(&c, "layers");
             st = fail(&c, STEPQ_ESCHEMA,
-                      "not allowed for method %s (a dense map has no per-unit formats)",
+                      "not allowed for method %s (its one format has no per-unit choices)",
                       stepq_method_name(c.method));
             goto done;
         }
@@ -1117,7 +1117,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
         if (st < 0)
             goto done;
     }
-    if (!stepq_method_is_dense(c.method)) {
+    if (stepq__method_has_units(c.method)) {
         old = push_key(&c, "layers");
         st = parse_layers(&c, f[R_LAYERS], m);
         pop(&c, old);

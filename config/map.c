@@ -121,8 +121,8 @@ int stepq__budget_check(stepq_method method, double budget)
         return stepq__error(STEPQ_EINVAL, "method: %d is not a method", (int)method);
     if (!isfinite(budget))
         return stepq__error(STEPQ_ENONFINITE, "budget_bits: not a finite number");
-    if (stepq_method_is_dense(method)) {
-        double want = method == STEPQ_METHOD_FP32 ? 32.0 : 16.0;
+    if (!stepq__method_has_units(method)) {
+        double want = stepq__method_fixed_bits(method);
         if (budget != want)
             return stepq__error(STEPQ_ERANGE,
                                 "budget_bits: %s does not match method %s (must be %g)",
@@ -184,7 +184,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
     memcpy(m->layer_ids, shape->layer_ids, sizeof(int) * (size_t)shape->n_layers);
     m->shape.layer_ids = m->layer_ids;
 
-    if (!stepq_method_is_dense(method)) {
+    if (stepq__method_has_units(method)) {
         if (n_units > STEPQ__MAX_UNITS) {
             stepq__map_free(m);
             return stepq__error(STEPQ_ERANGE, "model: %lld units exceed the limit of %lld",
@@ -327,7 +327,7 @@ int stepq_map_set_unit_bits(stepq_map_t *h, int layer, int unit, int bits)
 
     if (!map)
         return stepq__error(STEPQ_EINVAL, "stepq_map_set_unit_bits: map is NULL");
-    if (stepq_method_is_dense(map->method))
+    if (!stepq__method_has_units(map->method))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_unit_bits: method %s has no per-unit widths",
                                 stepq_method_name(map->method));
@@ -461,7 +461,7 @@ int stepq_map_set_unit_stats(stepq_map_t *h, int layer, int unit, const stepq_un
 
     if (!map)
         return stepq__error(STEPQ_EINVAL, "stepq_map_set_unit_stats: map is NULL");
-    if (stepq_method_is_dense(map->method))
+    if (!stepq__method_has_units(map->method))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_unit_stats: method %s has no units",
                                 stepq_method_name(map->method));
@@ -756,7 +756,7 @@ int stepq__map_check(const stepq_map_t *m)
         return st;
     if ((st = stepq__budget_check(m->method, m->budget_bits)) < 0)
         return st;
-    if (stepq_method_is_dense(m->method))
+    if (!stepq__method_has_units(m->method))
         return STEPQ_OK;
 
     /* Widths, pivots and the budget rule. */
@@ -1121,6 +1121,11 @@ int stepq_map_memory_info(const stepq_map_t *h, stepq_map_memory *out)
                          : map->method == STEPQ_METHOD_BF16 ? STEPQ_DTYPE_BF16
                                                             : STEPQ_DTYPE_FP16;
         r.dense_bytes = r.n_values * stepq_dtype_size(dt);
+    } else if (map->method == STEPQ_METHOD_FP8) {
+        /* One e4m3 byte per value and one fp32 scale per (head, tile of 32 columns); a
+         * d_v that is not a multiple of 32 ends in a shorter tile (kernels/format.h). */
+        r.code_bytes = r.n_values;
+        r.scale_bytes = L * HV * ((dv + STEPQ__FP8_TILE - 1) / STEPQ__FP8_TILE) * 4;
     } else {
         const bool col = stepq_method_has_col_scales(map->method);
         const int upl = map->units_per_layer;

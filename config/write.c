@@ -313,7 +313,7 @@ int stepq_map_write_buffer(const stepq_map_t *h, char **out, size_t *len)
     printf_(&o, ",\n  \"method\": \"%s\",\n  \"budget_bits\": ", stepq_method_name(map->method));
     put_double(&o, map->budget_bits);
     write_provenance(&o, map);
-    if (!stepq_method_is_dense(map->method))
+    if (stepq__method_has_units(map->method))
         write_layers(&o, map);
     puts_(&o, "\n}\n");
 

@@ -2,6 +2,7 @@
  * Head block layouts, fp16/bf16 conversion and bit-stream packing
  * (the storage contract is written down in kernels/format.h).
  */
+#include <math.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -56,8 +57,8 @@ int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, 
     if (align & (align - 1))
         return stepq__error(STEPQ_EINVAL, "head layout: align %zu is not a power of two", align);
 
-    int dense = method_is_dense(method);
-    if (!dense) {
+    int dense = method_is_dense(method), fp8 = method == STEPQ_METHOD_FP8;
+    if (!dense && !fp8) {
         if (!row_bits)
             return stepq__error(STEPQ_EINVAL, "head layout: %s needs row_bits",
                                 stepq_method_name(method));
@@ -96,6 +97,18 @@ int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, 
     hl->quantized = !dense;
     hl->has_col = method_has_col(method);
 
+    if (fp8) {
+        /* One byte per value, row-major, then the tile scales (kernels/format.h). */
+        memset(hl->row_bits, 0, (size_t)d_k);
+        for (int i = 0; i <= d_k; i++)
+            hl->row_bitoff[i] = (uint64_t)i * (uint64_t)d_v * 8;
+        hl->codes_bytes = (size_t)d_k * (size_t)d_v;
+        hl->tile_scale_offset = align_up(hl->codes_bytes, align);
+        size_t scales = 4 * (size_t)stepq__fp8_tiles(d_v);
+        hl->block_bytes = align_up(hl->tile_scale_offset + scales, align);
+        hl->compact_bytes = hl->codes_bytes + scales;
+        return STEPQ_OK;
+    }
     if (dense) {
         size_t es = stepq_dtype_size(dense_dtype(method));
         memset(hl->row_bits, 0, (size_t)d_k);
@@ -247,6 +260,24 @@ uint16_t stepq__scale_to_fp16(float s)
         return 0x7bffu;
     return stepq__fp16_from_float(s);
 }
+
+/* --- fp8 (e4m3) --- */
+
+/*
+ * Code c: sign bit 7, exponent e = bits 6..3 (bias 7), mantissa m = bits 2..0;
+ * e = 0: m * 2^-9, else (1 + m/8) * 2^(e-7); 0x7f / 0xff NaN. Every operation
+ * below is exact in float (powers of two and 4-bit integers).
+ */
+#define E4M3_MAG(c)                \
+    (((c) >> 3 & 15) == 0          \
+         ? (float)((c)&7) / 512.0f \
+         : (1.0f + (float)((c)&7) / 8.0f) * (float)(1u << ((c) >> 3 & 15)) / 128.0f)
+#define E4M3(c)    (((c)&0x7f) == 0x7f ? NAN : (c)&0x80 ? -E4M3_MAG(c) : E4M3_MAG(c))
+#define E4M3_4(c)  E4M3(c), E4M3((c) + 1), E4M3((c) + 2), E4M3((c) + 3)
+#define E4M3_16(c) E4M3_4(c), E4M3_4((c) + 4), E4M3_4((c) + 8), E4M3_4((c) + 12)
+#define E4M3_64(c) E4M3_16(c), E4M3_16((c) + 16), E4M3_16((c) + 32), E4M3_16((c) + 48)
+
+const float stepq__e4m3_values[256] = { E4M3_64(0), E4M3_64(64), E4M3_64(128), E4M3_64(192) };
 
 /* --- Bit streams --- */
 

@@ -44,6 +44,30 @@
  *   Reconstruction: X_ij = r_i * c_j * z_ij / qmax_i (c_j = 1 without
  *   column scales).
  *
+ * fp8 (e4m3 codes, fp32 tile scales)
+ *   Codes: d_k*d_v bytes row-major [K][V], one OCP FP8 E4M3 byte per value
+ *   (sign, 4 exponent bits of bias 7, 3 mantissa bits; exponent 0 is
+ *   subnormal, m * 2^-9; 0x7f / 0xff are NaN, never written). Then, at
+ *   tile_scale_offset (a multiple of `align`), ceil(d_v/32) IEEE fp32 scales:
+ *   tile t covers columns [32t, min(32t + 32, d_v)) of every row, so the last
+ *   tile is short when d_v is not a multiple of 32 (STEPQ__FP8_TILE).
+ *   s_t = m_t / 240 (one correctly rounded float division), m_t the largest
+ *   |x| of the tile. Codes c = e4m3(clamp(x / s_t, +-240)), round to nearest
+ *   even; an all-zero tile (s_t = 0, or m_t / 240 underflowing to 0) stores
+ *   codes 0 and decodes to 0. Reconstruction: x^ = float(c) * s_t.
+ *   Why 240 and not e4m3's largest finite 448: 240 is the largest magnitude
+ *   both e4m3 variants hold (OCP e4m3fn: 448, e4m3fnuz: 240), the target the
+ *   SGLang proposal specifies. x / s_t is at most 240 within one rounding, so
+ *   the largest element maps to code 0x77 and no code overflows or
+ *   saturates for a normal scale; the codes 256..448 stay unused, which costs
+ *   only range at the bottom (the subnormal step is s_t 2^-9 = m_t / 122880
+ *   instead of m_t / 229376), not precision (the relative step of a binade is
+ *   the same). The clamp is for a subnormal s_t (m_t below 240 * 2^-126),
+ *   whose relative error can push x / s_t past 240. row_bits are all 0 (no
+ *   integer rows) and the block has no fp16 scales.
+ *   compact_bytes = d_k*d_v + 4*ceil(d_v/32); for 128x128 that is 16,400 B,
+ *   8 + 1/128 = 8.0078 bits per value, with no alignment padding at align 16.
+ *
  * Dense methods (fp32 / bf16 / fp16)
  *   The block is d_k*d_v elements of that dtype, row-major [K][V], then
  *   padding up to `align`. fp16 saturates like pivots; bf16 rounds to
@@ -60,10 +84,12 @@
 
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "stepq/common.h"
 #include "stepq/map.h"
-#include "stepq/pool.h" /* STEPQ_HEALTH_* */
+#include "plugin/vocab.h" /* STEPQ__FP8_TILE */
+#include "stepq/pool.h"   /* STEPQ_HEALTH_* */
 
 /** Default alignment of the sub-blocks of a head block (bytes). */
 #define STEPQ__ALIGN_DEFAULT 16
@@ -95,7 +121,7 @@ struct stepq__head_layout {
     stepq_method method;
     stepq_arch arch;
     int d_k, d_v;
-    int quantized;    /**< 1 for uniform..stepq, 0 for fp32/bf16/fp16 */
+    int quantized;    /**< 1 for uniform..stepq and fp8, 0 for fp32/bf16/fp16 */
     int has_col;      /**< the method stores column scales */
     int n_pivot_rows; /**< rows stored as fp16 (GDN pivot head: d_k) */
     size_t align;
@@ -109,12 +135,13 @@ struct stepq__head_layout {
      */
     uint64_t *row_bitoff;
 
-    size_t codes_offset;     /**< always 0 */
-    size_t codes_bytes;      /**< bytes of codes / pivots / dense values */
-    size_t row_scale_offset; /**< d_k fp16; 0 and unused for dense methods */
-    size_t col_scale_offset; /**< d_v fp16; 0 and unused without column scales */
-    size_t block_bytes;      /**< allocated bytes, a multiple of align */
-    size_t compact_bytes;    /**< information bytes, no alignment, no unused scale slots */
+    size_t codes_offset;      /**< always 0 */
+    size_t codes_bytes;       /**< bytes of codes / pivots / dense values */
+    size_t row_scale_offset;  /**< d_k fp16; 0 and unused for dense methods */
+    size_t col_scale_offset;  /**< d_v fp16; 0 and unused without column scales */
+    size_t tile_scale_offset; /**< fp8: ceil(d_v/32) fp32 tile scales; 0 for other methods */
+    size_t block_bytes;       /**< allocated bytes, a multiple of align */
+    size_t compact_bytes;     /**< information bytes, no alignment, no unused scale slots */
 };
 
 /**
@@ -165,6 +192,76 @@ uint16_t stepq__bf16_from_float(float f);
 float stepq__bf16_to_float(uint16_t h);
 /** A scale as stored: fp16 of s clamped to [2^-14, 65504] (NaN -> 2^-14). */
 uint16_t stepq__scale_to_fp16(float s);
+
+/* --- fp8 (e4m3) --- */
+
+/** The value fp8 maps a tile's largest magnitude to (the format note above says why). */
+#define STEPQ__FP8_AMAX 240.0f
+
+/* Inline (format.h is included by the kernels that use them per element). */
+static inline uint32_t stepq__f32_bits(float f)
+{
+    uint32_t u;
+    memcpy(&u, &f, sizeof(u));
+    return u;
+}
+
+static inline float stepq__f32_of_bits(uint32_t u)
+{
+    float f;
+    memcpy(&f, &u, sizeof(f));
+    return f;
+}
+
+/**
+ * float -> e4m3 code, round to nearest even, |f| clamped to STEPQ__FP8_AMAX
+ * first (the same code as clamping after rounding: 240 is a code and rounding
+ * is monotonic); NaN -> 0. The sign is kept, also for zero (-0 and negative
+ * values that round to 0 give 0x80), as the CUDA conversion does.
+ */
+static inline uint8_t stepq__e4m3_from_float(float f)
+{
+    uint8_t sign = (uint8_t)((stepq__f32_bits(f) >> 24) & 0x80u);
+    float a = stepq__f32_of_bits(stepq__f32_bits(f) & 0x7fffffffu);
+
+    if (a != a)
+        return 0;
+    if (a > STEPQ__FP8_AMAX)
+        a = STEPQ__FP8_AMAX;
+    if (a < 0.015625f) {
+        /*
+         * Subnormal codes (and 2^-6, the smallest normal, code 8): m * 2^-9 for
+         * m = 0..8. a * 512 is exact, and adding and subtracting 1.5 * 2^23 rounds it
+         * to the nearest integer, ties to even; the integer is the code itself.
+         */
+        float m = (a * 512.0f + 12582912.0f) - 12582912.0f;
+        return sign | (uint8_t)(int)m;
+    }
+    /*
+     * Normal: round the float's 23 mantissa bits to 3, nearest even (the carry may
+     * step the exponent, which is right), then rebias 127 -> 7. a <= 240 keeps the
+     * result at or below 0x77 = 1.875 * 2^7 = 240.
+     */
+    uint32_t u = stepq__f32_bits(a);
+    u += 0x7ffffu + ((u >> 20) & 1u);
+    uint32_t e = (u >> 23) - 127u + 7u;
+    return sign | (uint8_t)(e << 3 | ((u >> 20) & 7u));
+}
+
+/** The value of every e4m3 code (format.c builds it from the fields at compile time). */
+extern const float stepq__e4m3_values[256];
+
+/** e4m3 code -> float (exact); 0x7f / 0xff are NaN. A table: the reference decodes every
+ * value of a page with it, and the fields' branches cost 5x more per element. */
+static inline float stepq__e4m3_to_float(uint8_t c)
+{
+    return stepq__e4m3_values[c];
+}
+/** Number of fp8 scale tiles of a head with d_v columns: ceil(d_v / 32). */
+static inline int stepq__fp8_tiles(int d_v)
+{
+    return (d_v + STEPQ__FP8_TILE - 1) / STEPQ__FP8_TILE;
+}
 
 /* --- Bit streams --- */
 

@@ -278,6 +278,56 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
     free(y);
 }
 
+/*
+ * fp8: per tile of 32 columns over all rows, s = amax / 240 (fp32, stored as is), codes
+ * e4m3(clamp(x / s, +-240)) with round to nearest even (kernels/format.h). A tile whose
+ * scale is 0 (all zero, or amax / 240 below the smallest float) keeps codes 0; a
+ * division by it would make Inf/NaN of the zeros. x is finite here.
+ */
+static void fit_fp8(const struct stepq__head_layout *hl, const float *x, uint8_t *blk)
+{
+    int d_k = hl->d_k, d_v = hl->d_v;
+
+    for (int t = 0, j0 = 0; j0 < d_v; t++, j0 += STEPQ__FP8_TILE) {
+        int j1 = j0 + STEPQ__FP8_TILE < d_v ? j0 + STEPQ__FP8_TILE : d_v;
+        float m = 0.0f;
+        for (int i = 0; i < d_k; i++)
+            m = max_keep(m, row_absmax(x + (size_t)i * d_v + j0, j1 - j0));
+        float sc = m / STEPQ__FP8_AMAX;
+        memcpy(blk + hl->tile_scale_offset + 4 * (size_t)t, &sc, sizeof(sc));
+        if (sc == 0.0f)
+            continue; /* the codes stay 0 (the block was cleared) */
+        for (int i = 0; i < d_k; i++) {
+            const float *xr = x + (size_t)i * d_v;
+            uint8_t *cr = blk + (size_t)i * d_v;
+            float y[STEPQ__FP8_TILE];
+            for (int j = j0; j < j1; j++) /* the divisions apart: this loop vectorises */
+                y[j - j0] = xr[j] / sc;
+            for (int j = j0; j < j1; j++)
+                cr[j] = stepq__e4m3_from_float(y[j - j0]);
+        }
+    }
+}
+
+/* The reconstruction of fit_fp8's block: x^ = float(code) * s of the code's tile. */
+static void dequant_fp8(const struct stepq__head_layout *hl, const uint8_t *blk, float *x)
+{
+    int d_k = hl->d_k, d_v = hl->d_v;
+    float sc[STEPQ__MAX_HEAD_DIM / STEPQ__FP8_TILE + 1];
+
+    for (int t = 0; t < stepq__fp8_tiles(d_v); t++)
+        memcpy(&sc[t], blk + hl->tile_scale_offset + 4 * (size_t)t, sizeof(float));
+    for (int i = 0; i < d_k; i++) {
+        const uint8_t *cr = blk + (size_t)i * d_v;
+        float *xr = x + (size_t)i * d_v;
+        for (int t = 0, j0 = 0; j0 < d_v; t++, j0 += STEPQ__FP8_TILE) {
+            int j1 = j0 + STEPQ__FP8_TILE < d_v ? j0 + STEPQ__FP8_TILE : d_v;
+            for (int j = j0; j < j1; j++)
+                xr[j] = stepq__e4m3_to_float(cr[j]) * sc[t];
+        }
+    }
+}
+
 int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, const float *w,
                          void *block, uint32_t *flags)
 {
@@ -322,6 +372,8 @@ int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, co
     memset(blk, 0, hl->block_bytes);
     if (!hl->quantized)
         store_dense(hl, x, blk, flags);
+    else if (hl->method == STEPQ_METHOD_FP8)
+        fit_fp8(hl, x, blk);
     else if (stepq_method_has_col_scales(hl->method))
         fit_dual(hl, x, use_w ? w : NULL, blk, flags);
     else
@@ -352,6 +404,11 @@ int stepq__dequantize_head(const struct stepq__head_layout *hl, const void *bloc
         else
             for (size_t e = 0; e < n; e++)
                 x[e] = stepq__fp16_to_float(rd16(blk + 2 * e));
+        return STEPQ_OK;
+    }
+
+    if (hl->method == STEPQ_METHOD_FP8) {
+        dequant_fp8(hl, blk, x);
         return STEPQ_OK;
     }
 

@@ -25,6 +25,11 @@
  *          c_j = den_j > 0 ? fp16(num_j / den_j) : c_j (step 2)
  *     x^_ij = (r_i * c_j) * ((float)z_ij / (float)qmax_i)
  *
+ *   fp8 (kernels/format.h): per tile t of 32 columns over all rows,
+ *     s_t = m_t / 240 (m_t = max |x| of the tile, stored as fp32, not clamped)
+ *     c_ij = e4m3_rne(clamp(x_ij / s_t, +-240)) (s_t = 0: c_ij = 0)
+ *     x^_ij = float(c_ij) * s_t
+ *
  * The refit changes c_j but not the codes (they were chosen with the step-2
  * scales), so a decoder needs nothing but the stored codes and scales.
  */

@@ -10,9 +10,10 @@
 
 static const struct {
     const char *name;
-    bool dense, col, w, mixed;
+    bool dense, col, w, mixed, units;
 } methods[STEPQ_METHOD_COUNT] = {
-#define XX(n, value, text, dense, col, w, mixed, desc) [value] = { text, dense, col, w, mixed },
+#define XX(n, value, text, dense, col, w, mixed, units, desc) \
+    [value] = { text, dense, col, w, mixed, units },
     STEPQ_METHOD_MAP(XX)
 #undef XX
 };
@@ -82,7 +83,27 @@ bool stepq__method_has_pivots(stepq_method method)
 
 bool stepq__method_single_width(stepq_method method)
 {
-    return method_ok(method) && !methods[method].dense && !methods[method].mixed;
+    return method_ok(method) && methods[method].units && !methods[method].mixed;
+}
+
+bool stepq__method_has_units(stepq_method method)
+{
+    return method_ok(method) && methods[method].units;
+}
+
+double stepq__method_fixed_bits(stepq_method method)
+{
+    switch (method) {
+    case STEPQ_METHOD_FP32:
+        return 32.0;
+    case STEPQ_METHOD_BF16:
+    case STEPQ_METHOD_FP16:
+        return 16.0;
+    case STEPQ_METHOD_FP8:
+        return 8.0;
+    default:
+        return 0.0;
+    }
 }
 
 /* "one of a, b, c" for the error texts of the parsers below. */

@@ -325,7 +325,7 @@ struct method {
 static const struct method methods[] = {
     { "fp32", STEPQ_METHOD_FP32, 0 },         { "bf16", STEPQ_METHOD_BF16, 0 },
     { "uniform@6", STEPQ_METHOD_UNIFORM, 6 }, { "stepq@4", STEPQ_METHOD_STEPQ, 4 },
-    { "stepq@6", STEPQ_METHOD_STEPQ, 6 },
+    { "stepq@6", STEPQ_METHOD_STEPQ, 6 },     { "fp8", STEPQ_METHOD_FP8, 8 },
 };
 
 /*
@@ -405,7 +405,8 @@ static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cu
 
 /*
  * The rows of each batch, in print order. Step rows first (the ones with a "vs fp32"
- * and "vs peer"), then pack and unpack of stepq@6 with each dense side, then the
+ * and "vs peer"), then pack and unpack of stepq@6 and of fp8 (SGLang's proposed float8
+ * pool, on the column kernel) with each dense side, then the
  * thread-per-column kernels (old: STEPQ__CUDA_COLUMN, on the row's layer handle or dense
  * step) for comparison.
  */
@@ -422,6 +423,7 @@ static const struct row rows[] = {
     { "uniform@6", 2, K_PACKED, 0 },
     { "stepq@4", 3, K_PACKED, 0 },
     { "stepq@6", 4, K_PACKED, 0 },
+    { "fp8", 5, K_PACKED, 0 },
     { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
     { "stepq@6 pack", 4, K_PACK, 0 },
     { "stepq@6 pack bf16", 4, K_PACK_BF16, 0 },
@@ -429,6 +431,12 @@ static const struct row rows[] = {
     { "stepq@6 unpack", 4, K_UNPACK, 0 },
     { "stepq@6 unpack bf16", 4, K_UNPACK_BF16, 0 },
     { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0 },
+    { "fp8 pack", 5, K_PACK, 0 },
+    { "fp8 pack bf16", 5, K_PACK_BF16, 0 },
+    { "fp8 pack [V,K]", 5, K_PACK_VK, 0 },
+    { "fp8 unpack", 5, K_UNPACK, 0 },
+    { "fp8 unpack bf16", 5, K_UNPACK_BF16, 0 },
+    { "fp8 unpack [V,K]", 5, K_UNPACK_VK, 0 },
     { "fp32 (old)", 0, K_DENSE_F32, 1 },
     { "bf16 (old)", 1, K_DENSE_BF16, 1 },
     { "stepq@6 (old)", 4, K_PACKED, 1 },

@@ -299,9 +299,10 @@ int stepq_tool_bench_reference(int argc, char **argv)
 
     static const int widths[] = { 4, 6, 8 };
     for (int m = STEPQ_METHOD_FP32; m < STEPQ_METHOD_COUNT; m++) {
-        int dense_m = m <= STEPQ_METHOD_FP16;
-        for (int wi = 0; wi < (dense_m ? 1 : 3); wi++) {
-            int bits = dense_m ? 0 : widths[wi];
+        /* fp32 / bf16 / fp16 / fp8: one format, one row (bits 0: no width to choose) */
+        int fixed = !stepq__method_has_units((stepq_method)m);
+        for (int wi = 0; wi < (fixed ? 1 : 3); wi++) {
+            int bits = fixed ? 0 : widths[wi];
             size_t page = 0;
             memset(rb, bits, (size_t)dk);
             for (int h = 0; h < HV; h++) {

@@ -269,6 +269,8 @@ static void usage(FILE *f)
            "progress per head on stderr (STEPQ_PROGRESS=off|bar|lines).\n"
            "  --method uniform|dsq|spatial|temporal|stepq   --budget 2..8 (widths for single-width "
            "methods)\n"
+           "           fp32|bf16|fp16|fp8: one fixed format, nothing to calibrate (--budget "
+           "ignored)\n"
            "  --horizon H          lifetime-weight horizon (default 2048)\n"
            "  --candidates 3,4,5,6 candidate widths (default: see tools/CALIBRATION.md)\n"
            "  --pivot-fraction P   fp16 pivot units, fraction of all units (default 1.39%% GDN, "
@@ -445,8 +447,10 @@ int stepq_tool_calibrate(int argc, char **argv)
             return 2;
         }
     }
-    if (stepq_method_is_dense(o.method))
-        o.budget = o.method == STEPQ_METHOD_FP32 ? 32.0 : 16.0;
+    /* fp32 / bf16 / fp16 / fp8: one fixed format, so no choice to calibrate; the map of
+     * the traces' shape is written, at the format's own width whatever --budget says. */
+    if (!stepq__method_has_units(o.method))
+        o.budget = stepq__method_fixed_bits(o.method);
     if (!n_traces || !out || o.budget < 0 || !have_method) {
         usage(stderr);
         return 2;
@@ -570,7 +574,7 @@ int stepq_tool_calibrate(int argc, char **argv)
                 cost[u * m + c] = (double)n_u * wgt * d;
                 size[u * m + c] = o.cand[c];
             }
-            bits[u] = stepq_method_is_dense(o.method) ? STEPQ_BITS_DENSE : (int)o.budget;
+            bits[u] = stepq__method_has_units(o.method) ? (int)o.budget : STEPQ_BITS_DENSE;
         }
         if (!single) {
             n_piv = (int)floor(o.pivot_fraction * (double)U + 0.5);
@@ -627,7 +631,7 @@ int stepq_tool_calibrate(int argc, char **argv)
         const char *nm = model_name ? model_name : stepq__trace_set_meta(ts, "model");
         if (st >= 0 && nm)
             st = stepq_map_set_model_name(map, nm);
-        for (long long u = 0; st >= 0 && !stepq_method_is_dense(o.method) && u < U; u++)
+        for (long long u = 0; st >= 0 && stepq__method_has_units(o.method) && u < U; u++)
             st = stepq_map_set_unit_bits(map, (int)(u / upl), (int)(u % upl), bits[u]);
         if (st >= 0 && stepq__method_uses_row_impact(o.method))
             for (int h = 0; st >= 0 && h < n_heads; h++)

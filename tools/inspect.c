@@ -18,9 +18,10 @@ static void inspect_usage(FILE *f)
 {
     fprintf(f, "usage: stepq inspect MAP [--json] [-o FILE]\n"
                "Prints the per-request memory of a precision map (whole model, TP 1):\n"
-               "FP32 state bytes, compact bytes (codes + fp16 scales + fp16 pivots),\n"
-               "allocated bytes (head blocks with alignment), conv bytes, bits per value\n"
-               "and the ratio against FP32. --json: the numbers as JSON; -o: into FILE.\n");
+               "FP32 state bytes, compact bytes (codes + fp16 scales + fp16 pivots; fp8:\n"
+               "e4m3 codes + fp32 tile scales), allocated bytes (head blocks with\n"
+               "alignment), conv bytes, bits per value and the ratio against FP32.\n"
+               "--json: the numbers as JSON; -o: into FILE.\n");
 }
 
 static double mib(uint64_t b)
@@ -130,6 +131,15 @@ int stepq_tool_inspect(int argc, char **argv)
                 stepq_dtype_name(shape.conv_dtype));
         fprintf(f, "  bits per value   %.4f\n", mem.bits_per_value);
         fprintf(f, "  ratio vs fp32    %.4fx\n", mem.ratio_vs_fp32);
+        if (stepq_map_method(map) == STEPQ_METHOD_FP8) {
+            /* The scales per head: one fp32 per 32 value columns (the last tile may be short). */
+            const int tiles = (shape.head_v_dim + 31) / 32;
+            fprintf(f,
+                    "  fp8 scales       %d fp32 per head (tiles of 32 value columns, amax/240): "
+                    "8 + 32*%d/(%d*%d) = %.7f bits per value\n",
+                    tiles, tiles, shape.head_k_dim, shape.head_v_dim,
+                    8.0 + 32.0 * tiles / ((double)shape.head_k_dim * shape.head_v_dim));
+        }
     }
     stepq_map_close(map);
     return stepq_tool_out_commit(&out, "inspect") < 0 ? 1 : 0;

@@ -9,6 +9,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "plugin/vocab.h"
 #include "stepq/map.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
@@ -108,8 +109,12 @@ static void mkmap_usage(FILE *f)
     for (size_t i = 0; i < N_PRESETS; i++)
         fprintf(f, " %s", presets[i].key);
     fprintf(f, "\n"
-               "  --method   fp32 bf16 fp16 uniform dsq spatial temporal stepq\n"
-               "  --bits     budget bits per value, one of 2,3,4,5,6,8 (quantized methods)\n"
+               "  --method   fp32 bf16 fp16 uniform dsq spatial temporal stepq fp8\n"
+               "             (fp8: e4m3 codes, one fp32 scale amax/240 per head and 32\n"
+               "             value channels, SGLang's proposed float8 pool; SGLang's int8\n"
+               "             cached-state store is uniform --bits 8 up to its fp32 scales)\n"
+               "  --bits     budget bits per value, one of 2,3,4,5,6,8 (uniform .. stepq;\n"
+               "             fp32 bf16 fp16 fp8 have one fixed width)\n"
                "  --pivots   fp16 pivot units (temporal, stepq), spread evenly; the other\n"
                "             units get a fixed {lower, B, higher} mix summing exactly to\n"
                "             the budget: a synthetic layout example, not a calibration\n"
@@ -295,9 +300,15 @@ int stepq_tool_mkmap(int argc, char **argv)
         fprintf(stderr, "stepq mkmap: %s\n", stepq_last_error());
         return 2;
     }
-    const int dense = stepq_method_is_dense(method);
+    /* fp32 / bf16 / fp16 / fp8: one fixed format, nothing per unit to choose. */
+    const int fixed = !stepq__method_has_units(method);
     const int mixed = method == STEPQ_METHOD_TEMPORAL || method == STEPQ_METHOD_STEPQ;
-    if (!dense && !bits) {
+    if (fixed && bits && bits != (int)stepq__method_fixed_bits(method)) {
+        fprintf(stderr, "stepq mkmap: method %s stores %g bits per value, not --bits %d\n",
+                method_name, stepq__method_fixed_bits(method), bits);
+        return 2;
+    }
+    if (!fixed && !bits) {
         fprintf(stderr, "stepq mkmap: method %s needs --bits\n", method_name);
         return 2;
     }
@@ -327,7 +338,7 @@ int stepq_tool_mkmap(int argc, char **argv)
     memcpy(s.conv_shape, p->conv_shape, sizeof(s.conv_shape));
     s.conv_dtype = STEPQ_DTYPE_BF16;
 
-    double budget = dense ? (method == STEPQ_METHOD_FP32 ? 32.0 : 16.0) : bits;
+    double budget = fixed ? stepq__method_fixed_bits(method) : bits;
     stepq_map_t *map = NULL;
     int st = stepq_map_create(&s, method, budget, &map);
     if (st < 0)
@@ -346,7 +357,11 @@ int stepq_tool_mkmap(int argc, char **argv)
                  "%d-bit budget (pivots replace 8-bit units); row impact 1. Use stepq calibrate "
                  "for a real map.",
                  pivots, bits);
-    } else if (dense) {
+    } else if (method == STEPQ_METHOD_FP8) {
+        snprintf(notes, sizeof(notes),
+                 "e4m3 state, one fp32 scale amax/240 per (head, 32 value channels) (baseline: "
+                 "SGLang's proposed float8 state pool); no calibration needed.");
+    } else if (fixed) {
         snprintf(notes, sizeof(notes), "Unquantized %s state (baseline).", method_name);
     } else {
         snprintf(notes, sizeof(notes),

@@ -21,5 +21,7 @@ for shape in qwen3.8-27b qwen3-next-80b-a3b kimi-linear-48b-a3b tiny-gdn; do
 done
 mk qwen3.8-27b.dsq-6 --shape qwen3.8-27b --method dsq --bits 6
 mk kimi-linear-48b-a3b.dsq-4 --shape kimi-linear-48b-a3b --method dsq --bits 4
+mk qwen3-next-80b-a3b.fp8 --shape qwen3-next-80b-a3b --method fp8
+mk kimi-linear-48b-a3b.fp8 --shape kimi-linear-48b-a3b --method fp8
 # 32 fp16 pivot heads (1.39% of 2304) and a {4,6,8} mix: the paper's serving layout size.
 mk qwen3.8-27b.stepq-6-layout --shape qwen3.8-27b --method stepq --bits 6 --pivots 32

@@ -10,6 +10,7 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#include <cuda_fp8.h>
 #include <stdint.h>
 
 extern "C" {
@@ -27,6 +28,7 @@ struct sq_head_desc {
     uint32_t block_off;   /* head_offset in the page */
     uint32_t block_bytes; /* multiple of 16 */
     uint32_t row_scale_off, col_scale_off;
+    uint32_t tile_scale_off; /* fp8: the ceil(d_v/32) fp32 tile scales; 0 otherwise */
     uint8_t method, quantized, has_col, dual;
     uint8_t any_int, ubits;  /* ubits: the one integer width of every row, else 0 */
     uint8_t needs_zero, pad; /* the block has bytes no field covers (zeroed by the tile kernel) */
@@ -121,6 +123,24 @@ __device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
 __device__ __forceinline__ float sq_bf2f(uint16_t h)
 {
     return __uint_as_float((uint32_t)h << 16);
+}
+
+/*
+ * stepq__e4m3_from_float on a quotient x / s of finite values: clamped to +-240 first
+ * (STEPQ__FP8_AMAX: the same code as clamping after rounding), then the hardware's
+ * round-to-nearest-even conversion (cvt.rn.satfinite.e4m3x2.f32), which keeps the sign
+ * of a zero result as the reference does. fminf / fmaxf keep -0 (no NaN reaches here).
+ */
+__device__ __forceinline__ uint8_t sq_e4m3(float y)
+{
+    y = fminf(fmaxf(y, -STEPQ__FP8_AMAX), STEPQ__FP8_AMAX);
+    return (uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
+}
+
+/* stepq__e4m3_to_float: exact through half (e4m3's range and steps fit fp16). */
+__device__ __forceinline__ float sq_e4m3_f(uint8_t c)
+{
+    return __half2float(__half(__nv_cvt_fp8_to_halfraw((__nv_fp8_storage_t)c, __NV_E4M3)));
 }
 
 /*

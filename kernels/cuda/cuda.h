@@ -67,7 +67,7 @@ int stepq__cuda_device_count(void);
  * handle or call, instead of the micro-tiled ones (tile_kernel.cuh,
  * unpack_kernel.cuh). For the tests and the benchmark's "(old)" rows, which
  * compare the two; launches that use the column kernels anyway (the dense
- * fp32 step, two-stage stage 1, layers with dense-method pages) are the same
+ * fp32 step, two-stage stage 1, layers with dense-method or fp8 pages) are the same
  * either way. The choice belongs to the handle (or the call), not to the
  * process: handles of either kind may be used side by side.
  */

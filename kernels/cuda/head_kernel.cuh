@@ -3,7 +3,7 @@
  * composable phases so that every kernel of kernels/cuda/cuda.h is one
  * instantiation of the same code (and all of them are checked against the
  * same C reference):
- *   source: packed page (decode) | dense tensor (fp32/bf16, [K,V] or [V,K])
+ *   source: packed page (decode; fp8 pages too) | dense tensor (fp32/bf16, [K,V] or [V,K])
  *   update: the GDN/KDA recurrence step, or nothing (pack / unpack)
  *   sink:   packed page (fit + encode) | dense tensor
  *
@@ -151,6 +151,20 @@ __device__ __forceinline__ void sq_store_tile(const float (&x)[SQ_NR], void *p, 
     }
 }
 
+/*
+ * fp8 pages (kernels/format.h): the thread's 64 e4m3 codes of column j, each times the
+ * fp32 scale of j's tile of 32 columns, x = float(c) * s as the reference (one rounding).
+ * A warp reads 32 contiguous code bytes per row.
+ */
+__device__ __forceinline__ void sq_load_fp8(float (&x)[SQ_NR], const uint8_t *blk, uint32_t so,
+                                            int half, int j)
+{
+    const float s = ((const float *)(blk + so))[j / STEPQ__FP8_TILE];
+#pragma unroll
+    for (int r = 0; r < SQ_NR; r++)
+        x[r] = __fmul_rn(sq_e4m3_f(blk[(size_t)(half * SQ_NR + r) * SQ_D + j]), s);
+}
+
 struct __align__(16) sq_smem
 {
     float q[SQ_D], k[SQ_D], v[SQ_D], dec[SQ_D];
@@ -163,6 +177,7 @@ struct __align__(16) sq_smem
     float lut[SQ_LUT];
     float fit[2][2][SQ_D]; /* refit sums [num|den][half][column] */
     double l2[4][2];
+    float fp8max[2][SQ_D / STEPQ__FP8_TILE]; /* fp8 tile amax partials [half][tile] */
     float beta, dec0;
 };
 
@@ -192,7 +207,9 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
     uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
     uint8_t *buf = sq_dyn;
     const int method = packed ? hd->method : 0;
-    const bool quant = packed && hd->quantized;
+    /* fp8 pages move like the dense methods' (no staging), with their own decode and fit */
+    const bool fp8 = packed && method == STEPQ_METHOD_FP8;
+    const bool quant = packed && hd->quantized && !fp8;
     unsigned fl = 0; /* health bits raised by this thread */
     if (packed && t < SQ_D) {
         sm.bits[t] = hd->bits[t];
@@ -208,6 +225,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
     if (SRC == SQ_SRC_PACKED) {
         if (quant) {
             sq_stage_block(buf, blk, hd->block_bytes);
+        } else if (fp8) {
+            sq_load_fp8(x, blk, hd->tile_scale_off, half, j);
         } else if (method == STEPQ_METHOD_FP32) {
             sq_load_tile<SQ_F32>(x, blk, 0, false, false, half, j);
         } else if (method == STEPQ_METHOD_BF16) {
@@ -420,6 +439,37 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             sq_store_tile<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl);
         else
             sq_store_tile<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl);
+    } else if (fp8) {
+        /*
+         * fp8 fit (kernels/quant.h): a tile is 32 columns of both halves, i.e. warp wih of
+         * each half (thread t: column t % 128). s = amax / 240 and x / s are correctly
+         * rounded divisions as in the reference; s = 0 keeps codes 0 (+0, as the reference
+         * leaves its cleared block). Every thread writes the codes it read, and the scales
+         * are written after the block's last read of them (the update's barriers, or none
+         * read at all in a pack).
+         */
+        float m = 0.0f;
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++)
+            m = fmaxf(m, fabsf(x[r]));
+#pragma unroll
+        for (int o = 16; o; o >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+        if (lane == 0)
+            sm.fp8max[half][wih] = m;
+        __syncthreads();
+        const float sc = __fdiv_rn(fmaxf(sm.fp8max[0][wih], sm.fp8max[1][wih]), STEPQ__FP8_AMAX);
+#pragma unroll
+        for (int r = 0; r < SQ_NR; r++)
+            blk[(size_t)(half * SQ_NR + r) * SQ_D + j] =
+                sc > 0.0f ? sq_e4m3(__fdiv_rn(x[r], sc)) : (uint8_t)0;
+        if (t < SQ_D / STEPQ__FP8_TILE)
+            ((float *)(blk + hd->tile_scale_off))[t] =
+                __fdiv_rn(fmaxf(sm.fp8max[0][t], sm.fp8max[1][t]), STEPQ__FP8_AMAX);
+        /* alignment padding after the scales (a block_align above 16), written as 0 */
+        for (uint32_t n = hd->tile_scale_off + 4 * (SQ_D / STEPQ__FP8_TILE) + t;
+             n < hd->block_bytes; n += SQ_THREADS)
+            blk[n] = 0;
     } else if (!quant) {
         if (method == STEPQ_METHOD_FP32)
             sq_store_tile<SQ_F32>(x, blk, 0, false, false, half, j, &fl);

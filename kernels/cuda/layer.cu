@@ -29,7 +29,7 @@ struct stepq__cuda_layer {
     int n_heads;
     size_t max_block; /* largest block_bytes */
     int offsets16;    /* all head offsets multiples of 16 */
-    int all_quant;    /* every head quantized: the tile kernel handles the layer */
+    int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
     int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
     /* two-stage variant */
@@ -100,6 +100,7 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         h->block_bytes = (uint32_t)hl->block_bytes;
         h->row_scale_off = (uint32_t)hl->row_scale_offset;
         h->col_scale_off = (uint32_t)hl->col_scale_offset;
+        h->tile_scale_off = (uint32_t)hl->tile_scale_offset;
         h->method = (uint8_t)hl->method;
         h->quantized = (uint8_t)hl->quantized;
         h->has_col = (uint8_t)hl->has_col;
@@ -191,7 +192,8 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
-        L->all_quant &= pl->heads[hv].quantized;
+        /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
+        L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
     }
     free(h);

@@ -29,7 +29,7 @@ def main():
     traces = [tr + "-000.safetensors", tr + "-001.safetensors"]
     maps = {}
     for m, b in [("fp32", 4), ("uniform", 4), ("dsq", 4), ("spatial", 4), ("temporal", 4), ("stepq", 4),
-                 ("stepq", 6)]:
+                 ("stepq", 6), ("fp8", 4)]:
         out = os.path.join(d, "%s@%d.json" % (m, b))
         rep = os.path.join(d, "%s@%d.rep.json" % (m, b))
         run([exe, "calibrate", "--trace"] + traces + ["--method", m, "--budget", str(b), "--out", out,
@@ -52,13 +52,16 @@ def main():
         assert m["provenance"]["tool"] == "stepq calibrate" and "stats" in m["layers"][0]["heads"][0]
     m = json.load(open(maps["uniform@4"]))
     assert all(h["bits"] == 4 for L in m["layers"] for h in L["heads"])
+    # fp8 has one format: no layers, budget_bits 8 whatever --budget said, as for fp32.
+    m = json.load(open(maps["fp8@4"]))
+    assert m["method"] == "fp8" and m["budget_bits"] == 8 and "layers" not in m, m
     # Half-lives: synth spreads them log-uniformly over [2, 2000]; the gates' mean recovers them.
     rep = json.load(open(os.path.join(d, "stepq@4.rep.json")))
     hl = sorted(u["half_life"] for u in rep["units"])
     assert abs(math.log(hl[0] / 2.0)) < 0.15 and abs(math.log(hl[-1] / 2000.0)) < 0.15, hl
     # Eval.
     ej = os.path.join(d, "eval.json")
-    order = ["fp32@4", "uniform@4", "dsq@4", "spatial@4", "temporal@4", "stepq@4", "stepq@6"]
+    order = ["fp32@4", "uniform@4", "dsq@4", "spatial@4", "temporal@4", "stepq@4", "stepq@6", "fp8@4"]
     p = run([exe, "eval", "--map"] + [maps[k] for k in order] + ["--trace"] + traces +
             ["--json", ej, "--threads", "2"])
     e = json.load(open(ej))
@@ -66,6 +69,8 @@ def main():
     assert r["fp32@4"]["readout_rel"]["mean"] == 0.0  # names are the map files' names
     assert r["stepq@4"]["readout_rel_head"]["mean"] < r["uniform@4"]["readout_rel_head"]["mean"], p.stdout
     assert r["stepq@6"]["readout_rel_head"]["mean"] < r["stepq@4"]["readout_rel_head"]["mean"], p.stdout
+    # fp8 (e4m3: 3 mantissa bits, ~2^-5 relative per value) sits between the 4-bit maps and exact.
+    assert 0 < r["fp8@4"]["readout_rel_head"]["mean"] < r["uniform@4"]["readout_rel_head"]["mean"], p.stdout
     # Long-lived heads accumulate more error under uniform@6 (the paper's premise) on these traces.
     assert e["spearman_uniform6_halflife"]["pooled"] > 0.5, e["spearman_uniform6_halflife"]
     assert e["injection"]["int6_ratio"] > 1.0, e["injection"]

@@ -29,6 +29,11 @@
  * the refit's first-order bound (compare_quant derives it), plus one fp16 ulp.
  */
 #define TOL_COL_TIE_FACTOR 1.5
+/*
+ * fp8 tile scales after a decode step: amax / 240 of states that differ by the update's
+ * roundings, a few 2^-24 of the tile's largest magnitude; 1e-5 leaves a margin of ~100.
+ */
+#define TOL_FP8_SCALE_REL 1e-5
 
 double ca_nmse(const float *a, const float *ref, size_t n)
 {
@@ -285,6 +290,49 @@ static int compare_quant(const struct stepq__head_layout *hl, const float *w, co
     return 0;
 }
 
+/* An e4m3 code's place in value order: sign-magnitude (+0 and -0 are both 0). */
+static int e4m3_ordinal(uint8_t c)
+{
+    return c & 0x80 ? -(int)(c & 0x7f) : (int)(c & 0x7f);
+}
+
+/*
+ * One fp8 block of slot s, head h: a (GPU) vs b (reference). A pack (`exact`: the source
+ * is the same fp32 or bf16 tensor) must give the same bytes: the tile maxima are exact,
+ * both divisions are correctly rounded and both conversions round to nearest even from
+ * the same clamped quotient. After a decode step the states differ in the last bits
+ * (fp32 against double dot products), so a tile scale may move by TOL_FP8_SCALE_REL and
+ * a code only to a neighbour, at a rounding boundary (counted against
+ * TOL_STEP_CODE_FLIPS with the integer codes).
+ */
+static int compare_fp8(const struct stepq__head_layout *hl, const uint8_t *a, const uint8_t *b,
+                       int exact, int s, int h, struct flips *f)
+{
+    for (size_t o = 0; exact && o < hl->block_bytes; o++)
+        CA_CHECK(a[o] == b[o], "slot %d head %d fp8 pack byte %zu (%s): 0x%02x vs reference 0x%02x",
+                 s, h, o, o < hl->codes_bytes ? "a code" : "a tile scale or padding", a[o], b[o]);
+    for (int t = 0; t < stepq__fp8_tiles(D); t++) {
+        float sa, sb;
+        memcpy(&sa, a + hl->tile_scale_offset + 4 * (size_t)t, 4);
+        memcpy(&sb, b + hl->tile_scale_offset + 4 * (size_t)t, 4);
+        CA_CHECK(fabs((double)sa - sb) <= TOL_FP8_SCALE_REL * fabs((double)sb),
+                 "slot %d head %d fp8 tile scale %d: %.9g vs reference %.9g", s, h, t, sa, sb);
+    }
+    for (int e = 0; e < D * D; e++) {
+        if (a[e] == b[e])
+            continue;
+        f->diff++;
+        CA_CHECK(abs(e4m3_ordinal(a[e]) - e4m3_ordinal(b[e])) <= 1,
+                 "slot %d head %d fp8 code (%d,%d): 0x%02x vs reference 0x%02x (not neighbours)", s,
+                 h, e / D, e % D, a[e], b[e]);
+    }
+    for (size_t o = hl->tile_scale_offset + 4 * (size_t)stepq__fp8_tiles(D); o < hl->block_bytes;
+         o++)
+        CA_CHECK(a[o] == 0 && b[o] == 0, "slot %d head %d fp8 padding byte %zu: 0x%02x / 0x%02x", s,
+                 h, o, a[o], b[o]);
+    return 0;
+}
+
 /* Where byte o of a page lies: the index of the tested block holding it, or -1. */
 static int block_of(const struct stepq__packed_layer *pl, size_t o)
 {
@@ -358,6 +406,11 @@ int ca_compare_pages(const struct fx_pools *fx, const uint8_t *got, const uint8_
             }
             if (!hl->quantized) {
                 if (compare_dense16(hl, a, b, s, h))
+                    return 1;
+                continue;
+            }
+            if (hl->method == STEPQ_METHOD_FP8) {
+                if (compare_fp8(hl, a, b, ps != NULL, s, h, &f))
                     return 1;
                 continue;
             }
@@ -480,7 +533,7 @@ int ca_expect_refused(stepq_pool_t *pool, int got, int want, const char *needle,
 int ca_transfer_check(const struct fx_transfer *p, const char *verb, const char *prep)
 {
     char w[32] = "";
-    if (!stepq_method_is_dense(p->method)) {
+    if (stepq__method_has_units(p->method)) {
         if (p->bits)
             snprintf(w, sizeof(w), "@%d", p->bits);
         else

@@ -43,10 +43,10 @@ struct params {
     enum via via;
 };
 
-/* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method. */
+/* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
 static const char *width_name(stepq_arch arch, stepq_method m, int bits, char *buf, size_t n)
 {
-    if (stepq_method_is_dense(m))
+    if (!stepq__method_has_units(m))
         snprintf(buf, n, "%s", "");
     else if (bits)
         snprintf(buf, n, "@%d", bits);
@@ -616,11 +616,57 @@ out:
 }
 
 /*
+ * stepq_pool_supports on a CUDA pool of an fp8 map of 128x128 heads (GDN and KDA): every
+ * layer runs the decode step (fp32 and bf16 inputs), pack and unpack (both layouts, fp32
+ * and bf16), as a server asks at load time.
+ */
+static int run_fp8_supports(void)
+{
+    stepq_map_t *map = NULL;
+    stepq_pool_t *pool = NULL;
+    int rc = 0;
+    for (int arch = 0; arch < 2 && !rc; arch++) {
+        const struct fx_map_spec spec = {
+            .arch = (stepq_arch)arch, .method = STEPQ_METHOD_FP8, .H = 2, .HV = 4, .n_layers = 2
+        };
+        CA_OK(fx_map_create(&spec, checkasm_rng(), &map));
+        CA_OK(fx_pool_open(map, STEPQ_POOL_BACKEND_CUDA, 2, NULL, &pool));
+        for (int dt = 0; dt < 2 && !rc; dt++) {
+            stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+            a.dtype = dt ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32;
+            int st = stepq_pool_supports(pool, STEPQ_OP_DECODE_STEP, -1, &a);
+            if (st < 0)
+                rc = checkasm_fail(__FILE__, __LINE__, "%s decode %s: %s", arch ? "kda" : "gdn",
+                                   stepq_dtype_name(a.dtype), stepq_pool_last_error(pool));
+            for (int lay = 0; lay < 2 && !rc; lay++) {
+                stepq_prefill_args p = STEPQ_PREFILL_ARGS_INITIALIZER;
+                p.dtype = a.dtype;
+                p.layout = lay ? STEPQ_STATE_LAYOUT_VK : STEPQ_STATE_LAYOUT_KV;
+                if ((st = stepq_pool_supports(pool, STEPQ_OP_PREFILL_PACK, 1, &p)) < 0 ||
+                    (st = stepq_pool_supports(pool, STEPQ_OP_PREFILL_UNPACK, 0, &p)) < 0)
+                    rc = checkasm_fail(__FILE__, __LINE__, "%s pack/unpack %s %s: %s",
+                                       arch ? "kda" : "gdn", stepq_dtype_name(p.dtype),
+                                       lay ? "[V,K]" : "[K,V]", stepq_pool_last_error(pool));
+            }
+        }
+        stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+        stepq_map_close(map);
+        pool = NULL;
+        map = NULL;
+    }
+out:
+    if (pool)
+        stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+    stepq_map_close(map);
+    return rc;
+}
+
+/*
  * A CUDA pool whose map has 64x64 heads opens (its slots and copies work) but
  * refuses every step, pack and unpack with STEPQ_ENOTSUP naming the kernels'
  * 128, as stepq_pool_supports says beforehand.
  */
-static int run_small_heads(void)
+static int run_small_heads(stepq_method method)
 {
     static const int ids[1] = { 0 };
     stepq_model_shape s;
@@ -637,7 +683,8 @@ static int run_small_heads(void)
     s.num_v_heads = 2;
     s.head_k_dim = 64;
     s.head_v_dim = 64;
-    CA_OK(stepq_map_create(&s, STEPQ_METHOD_UNIFORM, 6, &map));
+    CA_OK(stepq_map_create(
+        &s, method, stepq__method_has_units(method) ? 6 : stepq__method_fixed_bits(method), &map));
     CA_OK(fx_pool_open(map, STEPQ_POOL_BACKEND_CUDA, 2, NULL, &pool));
     CA_OK(fx_buf_alloc(&dslots, sizeof(int32_t), 1));
     CA_OK(fx_buf_alloc(&dense, 4 * 2 * 64 * 64, 1));
@@ -684,7 +731,7 @@ void checkasm_check_decode(void)
 
     /* GDN with GVA (HV = 2H), every method and bit width. */
     for (int m = 0; m < STEPQ_METHOD_COUNT; m++) {
-        if (stepq_method_is_dense((stepq_method)m)) {
+        if (!stepq__method_has_units((stepq_method)m)) {
             one((struct params){ .arch = G, .method = m, .H = 2, .HV = 4, .batch = B });
             continue;
         }
@@ -788,10 +835,36 @@ void checkasm_check_decode(void)
                          .view = 1,
                          .via = VIA_COLUMN });
 
+    /*
+     * fp8 (the column kernel: its pages move like the dense methods'): GDN and KDA, batches
+     * of 1, B and 40, in-kernel gate, bf16 strided inputs, NaN inputs, huge states, and the
+     * two-stage variant (stage 2 is the fp8 pack of the updated state).
+     */
+    const stepq_method F8 = STEPQ_METHOD_FP8;
+    one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = 1 });
+    one((struct params){ .arch = K, .method = F8, .H = 2, .HV = 2, .batch = B, .gate = 1 });
+    one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .view = 1 });
+    one((struct params){
+        .arch = K, .method = F8, .H = 2, .HV = 2, .batch = B, .nonfinite = 1, .view = 1 });
+    one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .huge = 1 });
+    one((struct params){
+        .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .gate = 1, .via = VIA_TWO_STAGE });
+    if (!small) {
+        one((struct params){ .arch = G, .method = F8, .H = 4, .HV = 8, .batch = 40, .gate = 1 });
+        one((struct params){ .arch = K, .method = F8, .H = 4, .HV = 8, .batch = 40 });
+        one((struct params){ .arch = K, .method = F8, .H = 2, .HV = 2, .batch = 1, .view = 1 });
+        one((struct params){
+            .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .wild_ids = 1, .gate = 1 });
+    }
+
     if (checkasm_check("decode invalid arguments (public API, host and CUDA pools)"))
         checkasm_report(run_bad_public());
     if (checkasm_check("decode invalid arguments (packed step entry)"))
         checkasm_report(run_bad_entry());
     if (checkasm_check("decode, pack, unpack on a CUDA pool of 64x64 heads: STEPQ_ENOTSUP"))
-        checkasm_report(run_small_heads());
+        checkasm_report(run_small_heads(STEPQ_METHOD_UNIFORM));
+    if (checkasm_check("supports: decode, pack, unpack on a CUDA pool of an fp8 map"))
+        checkasm_report(run_fp8_supports());
+    if (checkasm_check("decode, pack, unpack on a CUDA pool of 64x64 fp8 heads: STEPQ_ENOTSUP"))
+        checkasm_report(run_small_heads(STEPQ_METHOD_FP8));
 }

@@ -175,10 +175,8 @@ static double default_budget(const struct fx_map_spec *s)
 {
     if (s->budget > 0)
         return s->budget;
-    if (s->method == STEPQ_METHOD_FP32)
-        return 32;
-    if (stepq_method_is_dense(s->method))
-        return 16;
+    if (!stepq__method_has_units(s->method)) /* fp32 / bf16 / fp16 / fp8: the format's width */
+        return stepq__method_fixed_bits(s->method);
     return s->bits ? s->bits : 6;
 }
 
@@ -217,7 +215,7 @@ int fx_map_create(const struct fx_map_spec *spec, struct fx_rng *rng, stepq_map_
     if ((ret = stepq_map_create(&s, spec->method, default_budget(spec), &map)) < 0)
         return ret;
     const int units = stepq_map_units_per_layer(map);
-    for (int l = 0; l < spec->n_layers && !stepq_method_is_dense(spec->method); l++) {
+    for (int l = 0; l < spec->n_layers && stepq__method_has_units(spec->method); l++) {
         if (!spec->unit_bits && spec->bits)
             break; /* stepq_map_create's one width */
         for (int u = 0; u < units; u++) {
@@ -761,6 +759,20 @@ void fx_transfer_cases(int small, void (*one)(struct fx_transfer))
                                   .dtype = STEPQ_DTYPE_BF16 });
     /* an fp32 layer: the column kernel, which the pool's handle picks for dense pages */
     one((struct fx_transfer){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
+    /*
+     * fp8 (the column kernel too): both layouts, fp32 and bf16, GDN and KDA, at several
+     * batch sizes; the small mode keeps one size per layout and dtype.
+     */
+    static const int fp8_n[] = { 2, 1, 5, 17 };
+    for (int lay = 0; lay < 2; lay++)
+        for (int dt = 0; dt < 2; dt++)
+            for (int k = 0; k < (small ? 1 : 4); k++)
+                one((struct fx_transfer){ .arch = (lay + dt + k) & 1 ? K : G,
+                                          .method = STEPQ_METHOD_FP8,
+                                          .HV = 2 + 2 * (k & 1),
+                                          .n = fp8_n[k],
+                                          .layout = lay,
+                                          .dtype = dt });
     /* ids outside 0..slots on the CUDA pool are skipped like -1 (documented) */
     one((struct fx_transfer){ .arch = G, .method = SQ, .HV = 4, .n = 10, .wild_ids = 1 });
     /* the thread-per-column kernel on an explicit handle */

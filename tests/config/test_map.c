@@ -67,6 +67,86 @@ static void qwen27_fp32_state_and_conv_bytes_match_the_paper(void **state)
     stepq_map_close(map);
 }
 
+/*
+ * fp8: one e4m3 byte per value and one fp32 scale per (head, 32 value columns), no units;
+ * 128 x 128 heads give 8 + 32 * 4 / (128 * 128) = 8 + 1/128 bits per value.
+ */
+static void fp8_counts_codes_and_tile_scales_and_has_no_units(void **state)
+{
+    stepq_model_shape s = fx_shape_qwen27();
+    stepq_map_t *map = create_ok(&s, STEPQ_METHOD_FP8, 8);
+    stepq_map_memory m = memory_of(map);
+
+    assert_false(stepq_method_is_dense(STEPQ_METHOD_FP8));
+    assert_false(stepq_method_has_col_scales(STEPQ_METHOD_FP8));
+    assert_int_equal(m.code_bytes, 2304ull * 128 * 128);
+    assert_int_equal(m.scale_bytes, 2304ull * 4 * 4);
+    assert_int_equal(m.state_bytes_compact, 37785600);
+    assert_int_equal(m.dense_bytes + m.pivot_bytes + m.n_pivots, 0);
+    assert_true(m.bits_per_value == 8.0078125);
+    assert_int_equal(stepq_map_unit_bits(map, 0, 0), STEPQ_BITS_DENSE);
+    assert_null(stepq_map_layer_bits(map, 0));
+    assert_int_equal(stepq_map_set_unit_bits(map, 0, 0, 8), STEPQ_EINVAL);
+    stepq_unit_stats us = STEPQ_UNIT_STATS_INITIALIZER;
+    assert_int_equal(stepq_map_set_unit_stats(map, 0, 0, &us), STEPQ_EINVAL);
+    assert_int_equal(stepq_map_validate(map), STEPQ_OK);
+    stepq_map_close(map);
+
+    /* The budget is the format's width; nothing else is accepted. */
+    static const double bad[] = { 6, 4, 16, 8.5, 32 };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        map = NULL;
+        assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_FP8, bad[i], &map), STEPQ_ERANGE);
+        assert_null(map);
+        assert_non_null(strstr(stepq_last_error(), "budget_bits"));
+    }
+
+    /* d_v not a multiple of 32 ends in a short tile: d_v 4 and 40 have 1 and 2 tiles. */
+    stepq_model_shape k = fx_shape_small(STEPQ_ARCH_KDA);
+    map = create_ok(&k, STEPQ_METHOD_FP8, 8);
+    m = memory_of(map);
+    assert_int_equal(m.code_bytes, 3ull * 4 * 8 * 4);
+    assert_int_equal(m.scale_bytes, 3ull * 4 * 4);
+    stepq_map_close(map);
+    k.head_v_dim = 40;
+    map = create_ok(&k, STEPQ_METHOD_FP8, 8);
+    m = memory_of(map);
+    assert_int_equal(m.scale_bytes, 3ull * 4 * 2 * 4);
+    stepq_map_close(map);
+}
+
+/* An fp8 map in JSON has no layers: a layers array is refused, the plain map loads. */
+static void fp8_json_has_no_layers(void **state)
+{
+    static const char head[] =
+        "{\"format\": \"stepq-precision-map\", \"schema_version\": 1, \"model\": {\"arch\": "
+        "\"gdn\", \"recurrent_layers\": [0], \"num_k_heads\": 1, \"num_v_heads\": 1, "
+        "\"head_k_dim\": 4, \"head_v_dim\": 4}, \"method\": \"fp8\", \"budget_bits\": ";
+    char buf[512];
+    stepq_map_t *m = NULL;
+
+    snprintf(buf, sizeof(buf), "%s8}", head);
+    assert_int_equal(stepq_map_load_buffer(buf, strlen(buf), NULL, &m), STEPQ_OK);
+    assert_int_equal(stepq_map_method(m), STEPQ_METHOD_FP8);
+    char *text;
+    size_t len;
+    assert_int_equal(stepq_map_write_buffer(m, &text, &len), STEPQ_OK);
+    assert_null(strstr(text, "\"layers\""));
+    assert_non_null(strstr(text, "\"method\": \"fp8\""));
+    stepq_free(text);
+    stepq_map_close(m);
+
+    m = NULL;
+    snprintf(buf, sizeof(buf), "%s8, \"layers\": [{\"layer\": 0, \"heads\": [{\"bits\": 8}]}]}",
+             head);
+    assert_int_equal(stepq_map_load_buffer(buf, strlen(buf), NULL, &m), STEPQ_ESCHEMA);
+    assert_null(m);
+    assert_non_null(strstr(stepq_last_error(), "layers"));
+    snprintf(buf, sizeof(buf), "%s6}", head);
+    assert_int_equal(stepq_map_load_buffer(buf, strlen(buf), NULL, &m), STEPQ_ERANGE);
+    assert_non_null(strstr(stepq_last_error(), "budget_bits"));
+}
+
 static void qwen27_dsq6_counts_codes_row_and_column_scales(void **state)
 {
     stepq_model_shape s = fx_shape_qwen27();
@@ -563,9 +643,11 @@ static void write_then_load_gives_the_same_map_for_every_method(void **state)
 {
     for (int arch = 0; arch < 2; arch++) {
         for (int method = 0; method < STEPQ_METHOD_COUNT; method++) {
-            double budget = method == 0 ? 32 : method < 3 ? 16 : 6;
+            /* fp32 / bf16 / fp16 / fp8 have one fixed width and no units. */
+            const int units = stepq__method_has_units((stepq_method)method);
+            double budget = units ? 6 : stepq__method_fixed_bits((stepq_method)method);
             stepq_map_t *m;
-            if (stepq_method_is_dense((stepq_method)method)) {
+            if (!units) {
                 stepq_model_shape s = fx_shape_small((stepq_arch)arch);
                 m = create_ok(&s, (stepq_method)method, budget);
                 assert_int_equal(stepq_map_set_provenance(m, "notes", "dense"), STEPQ_OK);
@@ -862,6 +944,8 @@ int main(int argc, char **argv)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(qwen27_fp32_state_and_conv_bytes_match_the_paper),
         cmocka_unit_test(qwen27_dsq6_counts_codes_row_and_column_scales),
+        cmocka_unit_test(fp8_counts_codes_and_tile_scales_and_has_no_units),
+        cmocka_unit_test(fp8_json_has_no_layers),
         cmocka_unit_test(qwen27_uniform6_has_row_scales_only),
         cmocka_unit_test(qwen27_stepq6_with_32_pivots_is_the_paper_layout),
         cmocka_unit_test(kimi_fp32_and_dsq4_match_the_paper),

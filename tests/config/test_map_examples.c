@@ -62,6 +62,11 @@ static const struct expect table[] = {
       81920ull * (16 * 8 + 2), 1474560, 0 },
     { "kimi-linear-48b-a3b.dsq-4.json", "Kimi-Linear-48B-A3B", STEPQ_METHOD_DSQ, 41943040, 5570560,
       1474560, 0 },
+    /* fp8: 1 B per value + 4 fp32 tile scales (16 B) per 128x128 head. */
+    { "qwen3-next-80b-a3b.fp8.json", "Qwen3-Next-80B-A3B", STEPQ_METHOD_FP8, 75497472,
+      1152ull * (16384 + 16), 1769472, 0 },
+    { "kimi-linear-48b-a3b.fp8.json", "Kimi-Linear-48B-A3B", STEPQ_METHOD_FP8, 41943040,
+      640ull * (16384 + 16), 1474560, 0 },
     { "tiny-gdn.fp32.json", "tiny-gdn", STEPQ_METHOD_FP32, 3145728, 3145728, 6ull * 2048 * 3 * 2,
       0 },
     { "tiny-gdn.uniform-4.json", "tiny-gdn", STEPQ_METHOD_UNIFORM, 3145728,

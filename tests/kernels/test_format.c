@@ -1,7 +1,8 @@
 /*
- * The packed head format: block layouts and sizes, fp16/bf16 conversion,
- * bit-stream packing.
+ * The packed head format: block layouts and sizes, fp16/bf16 and e4m3
+ * conversion, bit-stream packing.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -158,6 +159,99 @@ static void dense_blocks_hold_the_dtype_row_major(void **state)
     assert_int_equal(hl.compact_bytes, 24);
     assert_int_equal(hl.block_bytes, 32);
     stepq__head_layout_free(&hl);
+}
+
+/* fp8: one byte per value, ceil(d_v / 32) fp32 tile scales aligned after the codes. */
+static void fp8_block_is_one_byte_per_value_plus_tile_scales(void **state)
+{
+    (void)state;
+    struct stepq__head_layout hl;
+    assert_int_equal(
+        stepq__head_layout_init(&hl, STEPQ_METHOD_FP8, STEPQ_ARCH_GDN, 128, 128, NULL, 0),
+        STEPQ_OK);
+    assert_int_equal(hl.quantized, 1);
+    assert_int_equal(hl.has_col, 0);
+    assert_int_equal(hl.codes_bytes, 16384);
+    assert_int_equal(hl.tile_scale_offset, 16384);
+    assert_int_equal(hl.block_bytes, 16400);
+    assert_int_equal(hl.compact_bytes, 16400);
+    assert_int_equal(hl.row_bits[0], 0);
+    assert_int_equal(hl.row_bitoff[1], 128 * 8);
+    stepq__head_layout_free(&hl);
+
+    /* d_v = 40: two tiles (32 + a short one of 8); KDA heads are laid out alike. */
+    assert_int_equal(stepq__head_layout_init(&hl, STEPQ_METHOD_FP8, STEPQ_ARCH_KDA, 3, 40, NULL, 0),
+                     STEPQ_OK);
+    assert_int_equal(hl.codes_bytes, 120);
+    assert_int_equal(hl.tile_scale_offset, 128);
+    assert_int_equal(hl.block_bytes, 144);
+    assert_int_equal(hl.compact_bytes, 128);
+    assert_int_equal(stepq__fp8_tiles(40), 2);
+    assert_int_equal(stepq__fp8_tiles(32), 1);
+    assert_int_equal(stepq__fp8_tiles(1), 1);
+    stepq__head_layout_free(&hl);
+}
+
+/* The value of an e4m3 code from its fields (independent of the library's bit tricks). */
+static double e4m3_value(int c)
+{
+    int e = (c >> 3) & 15, m = c & 7;
+    double v = e ? ldexp(1.0 + m / 8.0, e - 7) : ldexp(m, -9);
+    return c & 0x80 ? -v : v;
+}
+
+static void e4m3_decodes_every_code_and_encodes_every_code_up_to_240_back(void **state)
+{
+    (void)state;
+    for (int c = 0; c < 256; c++) {
+        float f = stepq__e4m3_to_float((uint8_t)c);
+        if ((c & 0x7f) == 0x7f) { /* the two NaN codes */
+            assert_true(f != f);
+            continue;
+        }
+        assert_true((double)f == e4m3_value(c));
+        assert_int_equal(signbit(f) != 0, (c & 0x80) != 0);
+        /* Codes above 240 (256 .. 448) saturate to 240; every other code is its own image. */
+        int want = fabsf(f) > 240.0f ? (c & 0x80) | 0x77 : c;
+        assert_int_equal(stepq__e4m3_from_float(f), want);
+    }
+    assert_int_equal(stepq__e4m3_from_float(240.0f), 0x77);
+    assert_int_equal(stepq__e4m3_from_float(-240.0f), 0xf7);
+}
+
+/*
+ * Between two neighbouring codes: the midpoint goes to the code with the even mantissa,
+ * one float ulp either side to the nearer code. Covers subnormals (2^-9 steps), the
+ * subnormal/normal boundary and every binade up to 240.
+ */
+static void e4m3_rounds_to_nearest_even_and_saturates(void **state)
+{
+    (void)state;
+    for (int c = 0; c < 0x77; c++) {
+        for (int sg = 0; sg < 2; sg++) {
+            int lo = c | (sg << 7), hi = (c + 1) | (sg << 7);
+            float a = stepq__e4m3_to_float((uint8_t)lo), b = stepq__e4m3_to_float((uint8_t)hi);
+            float mid = (float)(((double)a + (double)b) / 2.0); /* exact in float */
+            assert_true((double)mid == ((double)a + (double)b) / 2.0);
+            int even = (c & 1) ? hi : lo;
+            assert_int_equal(stepq__e4m3_from_float(mid), even);
+            assert_int_equal(stepq__e4m3_from_float(nextafterf(mid, a)), lo);
+            assert_int_equal(stepq__e4m3_from_float(nextafterf(mid, b)), hi);
+        }
+    }
+    /* Beyond 240, infinities, NaN and values that round to zero (which keep their sign). */
+    assert_int_equal(stepq__e4m3_from_float(nextafterf(240.0f, 1e9f)), 0x77);
+    assert_int_equal(stepq__e4m3_from_float(248.0f), 0x77);
+    assert_int_equal(stepq__e4m3_from_float(1e30f), 0x77);
+    assert_int_equal(stepq__e4m3_from_float(INFINITY), 0x77);
+    assert_int_equal(stepq__e4m3_from_float(-INFINITY), 0xf7);
+    assert_int_equal(stepq__e4m3_from_float(NAN), 0x00);
+    assert_int_equal(stepq__e4m3_from_float(0.0f), 0x00);
+    assert_int_equal(stepq__e4m3_from_float(-0.0f), 0x80);
+    assert_int_equal(stepq__e4m3_from_float(1e-30f), 0x00);
+    assert_int_equal(stepq__e4m3_from_float(-1e-30f), 0x80);
+    assert_int_equal(stepq__e4m3_from_float(0x1p-10f), 0x00);                   /* tie to 0 */
+    assert_int_equal(stepq__e4m3_from_float(nextafterf(0x1p-10f, 1.0f)), 0x01); /* above it */
 }
 
 static void layout_rejects_bad_bits_methods_and_alignment(void **state)
@@ -337,6 +431,9 @@ int main(void)
         cmocka_unit_test(kda_rows_with_mixed_bits_are_byte_aligned_streams),
         cmocka_unit_test(kda_head_of_only_pivots_has_no_compact_column_vector),
         cmocka_unit_test(dense_blocks_hold_the_dtype_row_major),
+        cmocka_unit_test(fp8_block_is_one_byte_per_value_plus_tile_scales),
+        cmocka_unit_test(e4m3_decodes_every_code_and_encodes_every_code_up_to_240_back),
+        cmocka_unit_test(e4m3_rounds_to_nearest_even_and_saturates),
         cmocka_unit_test(layout_rejects_bad_bits_methods_and_alignment),
         cmocka_unit_test(fp16_round_trips_every_finite_half),
         cmocka_unit_test(fp16_rounds_to_nearest_even_and_overflows_to_inf),

@@ -2,6 +2,7 @@
  * Quantization methods (kernels/format.h, kernels/quant.h) on one head: hand-computed
  * golden values for tiny heads, then the properties every method must keep.
  */
+#include <math.h>
 #include <setjmp.h>
 #include <stdarg.h>
 #include <stddef.h>
@@ -585,6 +586,135 @@ static void quantize_rejects_bad_row_impact_and_leaves_block(void **state)
     stepq__head_layout_free(&h.hl);
 }
 
+/*
+ * fp8 round trip, per element: e4m3 keeps 3 mantissa bits, so a normal code is within half
+ * an ulp, 2^-4 of the value; a subnormal code (|x / s| < 2^-6) within half its step 2^-9,
+ * i.e. 2^-10 s. The division x / s and the product code * s each round once more (2^-24).
+ */
+#define FP8_REL_BOUND   0x1p-4  /* half an ulp of a 3-bit mantissa, relative */
+#define FP8_SUB_BOUND   0x1p-10 /* half the subnormal step 2^-9, in units of the tile scale */
+#define FP8_ROUND_SLACK 0x1p-20 /* the division and the product: 2 float roundings, with room */
+
+static float fp8_scale(const struct head *h, int t)
+{
+    float s;
+    memcpy(&s, h->blk + h->hl.tile_scale_offset + 4 * (size_t)t, sizeof(s));
+    return s;
+}
+
+/*
+ * fp8, GDN 2x3 (one short tile of 3 columns), X = [[2.4, -1.2, 0.3], [0, 0.7, -2]]:
+ * s = 2.4 / 240 (float). X / s = 240, -120, 30, 0, 70.0000004, -200.000005 (float 200):
+ * e4m3 240 = 0x77, -120 = 0xef, 30 = 0x5f, 0 = 0x00, 70 -> 72 = 0x69 (nearer), -200 is
+ * the tie between 192 (mantissa 4, even) and 208: -192 = 0xf4.
+ */
+static void fp8_2x3_golden_with_a_tie(void **state)
+{
+    (void)state;
+    struct head h;
+    const float x[6] = { 2.4f, -1.2f, 0.3f, 0.0f, 0.7f, -2.0f };
+    static const uint8_t want[6] = { 0x77, 0xef, 0x5f, 0x00, 0x69, 0xf4 };
+
+    head_init(&h, STEPQ_METHOD_FP8, STEPQ_ARCH_GDN, 2, 3, NULL);
+    assert_int_equal(h.hl.tile_scale_offset, 16);
+    quantize(&h, x, NULL);
+    assert_memory_equal(h.blk, want, 6);
+    const float s = 2.4f / 240.0f;
+    assert_true(fp8_scale(&h, 0) == s);
+    static const float code[6] = { 240, -120, 30, 0, 72, -192 };
+    for (int e = 0; e < 6; e++)
+        assert_true(h.xh[e] == code[e] * s);
+    /* padding after the codes and after the scale is written as 0 */
+    for (size_t b = 6; b < 16; b++)
+        assert_int_equal(h.blk[b], 0);
+    for (size_t b = 20; b < h.hl.block_bytes; b++)
+        assert_int_equal(h.blk[b], 0);
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * Tiles are 32 columns over every row: an all-zero tile has scale 0 and decodes to 0, one
+ * whose amax / 240 underflows to 0 too (no division by 0, no NaN), one with a subnormal
+ * scale stays finite and within the subnormal bound; the other tiles are not affected.
+ */
+static void fp8_zero_tiny_and_short_tiles(void **state)
+{
+    (void)state;
+    enum { DK = 3, DV = 72 }; /* tiles of 32, 32 and 8 columns */
+    struct head h;
+    float x[DK * DV];
+    uint64_t rng = 5;
+
+    head_init(&h, STEPQ_METHOD_FP8, STEPQ_ARCH_KDA, DK, DV, NULL);
+    for (int i = 0; i < DK; i++)
+        for (int j = 0; j < DV; j++)
+            x[i * DV + j] = j < 32 ? 0.0f : j < 64 ? 1e-44f * (float)(j & 1) : rng_sym(&rng);
+    quantize(&h, x, NULL);
+    assert_true(fp8_scale(&h, 0) == 0.0f);
+    assert_true(fp8_scale(&h, 1) == 0.0f); /* 1e-44 / 240 underflows */
+    assert_true(fp8_scale(&h, 2) > 0.0f);
+    for (int i = 0; i < DK; i++)
+        for (int j = 0; j < 64; j++) {
+            assert_int_equal(h.blk[i * DV + j], 0);
+            assert_true(h.xh[i * DV + j] == 0.0f);
+        }
+
+    /* A subnormal scale: amax 1e-40 gives s = 1e-40 / 240 ~ 4.2e-43, 300 ulps of the
+     * smallest subnormal: x / s may pass 240 and saturates, the result stays finite. */
+    for (int i = 0; i < DK; i++)
+        for (int j = 0; j < 32; j++)
+            x[i * DV + j] = 1e-40f * rng_sym(&rng);
+    x[5] = 1e-40f;
+    quantize(&h, x, NULL);
+    float s = fp8_scale(&h, 0);
+    assert_true(s > 0.0f && s < 0x1p-126f);
+    for (int i = 0; i < DK; i++)
+        for (int j = 0; j < 32; j++) {
+            assert_true((h.blk[i * DV + j] & 0x7f) <= 0x77);
+            assert_true(isfinite(h.xh[i * DV + j]));
+            /* The usual bound, plus what the subnormal s costs: clamping x / s at 240 loses
+             * up to 240 rounding steps of s (2^-150 each), the product one more. */
+            double bound =
+                FP8_REL_BOUND * fabsf(x[i * DV + j]) + FP8_SUB_BOUND * s + 241 * 0x1p-150;
+            assert_true(fabs((double)h.xh[i * DV + j] - x[i * DV + j]) <= bound);
+        }
+    stepq__head_layout_free(&h.hl);
+}
+
+static void fp8_error_is_within_half_an_e4m3_ulp(void **state)
+{
+    (void)state;
+    enum { DK = 32, DV = 64 }; /* two tiles; 2064 B fit the test's block */
+    uint64_t rng = 808;
+    static float x[DK * DV];
+    struct head h;
+    double worst = 0.0;
+
+    head_init(&h, STEPQ_METHOD_FP8, STEPQ_ARCH_GDN, DK, DV, NULL);
+    for (int rep = 0; rep < 8; rep++) {
+        random_head(&rng, x, DK, DV); /* rows spread over 4 decades: subnormal codes too */
+        quantize(&h, x, NULL);
+        for (int e = 0; e < DK * DV; e++) {
+            double s = fp8_scale(&h, (e % DV) / 32);
+            double bound = (FP8_REL_BOUND * fabs(x[e]) + FP8_SUB_BOUND * s) * (1 + FP8_ROUND_SLACK);
+            double err = fabs((double)h.xh[e] - x[e]);
+            assert_true(err <= bound);
+            worst = fmax(worst, err / bound);
+        }
+        /* The tile's largest element maps to 240 = code 0x77 exactly. */
+        for (int t = 0; t < DV / 32; t++) {
+            float m = 0.0f;
+            for (int e = 0; e < DK * DV; e++)
+                if ((e % DV) / 32 == t)
+                    m = fmaxf(m, fabsf(x[e]));
+            assert_true(fp8_scale(&h, t) == m / 240.0f);
+        }
+    }
+    /* The bound is reached to within a few percent: it is the format's, not a loose one. */
+    assert_true(worst > 0.9);
+    stepq__head_layout_free(&h.hl);
+}
+
 /* NaN/Inf elements are stored as 0 (flag STATE); every stored scale stays finite. */
 static void non_finite_elements_are_packed_as_zero(void **state)
 {
@@ -592,7 +722,8 @@ static void non_finite_elements_are_packed_as_zero(void **state)
     static const stepq_method methods[] = { STEPQ_METHOD_FP32,     STEPQ_METHOD_BF16,
                                             STEPQ_METHOD_FP16,     STEPQ_METHOD_UNIFORM,
                                             STEPQ_METHOD_DSQ,      STEPQ_METHOD_SPATIAL,
-                                            STEPQ_METHOD_TEMPORAL, STEPQ_METHOD_STEPQ };
+                                            STEPQ_METHOD_TEMPORAL, STEPQ_METHOD_STEPQ,
+                                            STEPQ_METHOD_FP8 };
     enum { DK = 4, DV = 6 };
     uint64_t rng = 11;
     float x[DK * DV], clean[DK * DV];
@@ -660,6 +791,9 @@ int main(void)
         cmocka_unit_test(quantize_rejects_bad_row_impact_and_leaves_block),
         cmocka_unit_test(non_finite_elements_are_packed_as_zero),
         cmocka_unit_test(huge_values_saturate_scales_and_are_flagged),
+        cmocka_unit_test(fp8_2x3_golden_with_a_tie),
+        cmocka_unit_test(fp8_zero_tiny_and_short_tiles),
+        cmocka_unit_test(fp8_error_is_within_half_an_e4m3_ulp),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -21,7 +21,8 @@
 static const stepq_method all_methods[] = { STEPQ_METHOD_FP32,     STEPQ_METHOD_BF16,
                                             STEPQ_METHOD_FP16,     STEPQ_METHOD_UNIFORM,
                                             STEPQ_METHOD_DSQ,      STEPQ_METHOD_SPATIAL,
-                                            STEPQ_METHOD_TEMPORAL, STEPQ_METHOD_STEPQ };
+                                            STEPQ_METHOD_TEMPORAL, STEPQ_METHOD_STEPQ,
+                                            STEPQ_METHOD_FP8 };
 #define N_METHODS (sizeof(all_methods) / sizeof(all_methods[0]))
 
 /* A pool of n_slots pages for one layer of HV heads, with per-head formats. */

@@ -290,6 +290,32 @@ static void sizes_that_would_wrap_are_refused(void **state)
     stepq_map_close(map);
 }
 
+/*
+ * fp8 pages: each 128x128 head block is 16384 code bytes + 4 fp32 tile scales = 16400 B,
+ * with no alignment padding at the default 16-byte alignment; a 256-byte block alignment
+ * pads every block to 16640 and the compact count stays.
+ */
+static void fp8_blocks_are_codes_plus_tile_scales(void **state)
+{
+    stepq_model_shape s = fx_shape_qwen_next();
+    stepq_map_t *map = NULL;
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_pool_plan_info p;
+
+    assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_FP8, 8, &map), STEPQ_OK);
+    cfg.map = map;
+    cfg.num_slots = 2;
+    assert_int_equal(stepq_pool_plan(&cfg, &p), STEPQ_OK);
+    assert_int_equal(p.state_bytes, 36ull * 32 * 16400);
+    assert_int_equal(p.state_bytes_compact, 36ull * 32 * 16400);
+    assert_int_equal(p.align_bytes, 0);
+    cfg.block_align = 256;
+    assert_int_equal(stepq_pool_plan(&cfg, &p), STEPQ_OK);
+    assert_int_equal(p.state_bytes, 36ull * 32 * 16640);
+    assert_int_equal(p.state_bytes_compact, 36ull * 32 * 16400);
+    stepq_map_close(map);
+}
+
 static void plan_and_open_agree_and_fingerprints_are_stable(void **state)
 {
     stepq_map_t *map = qwen_stepq6();
@@ -335,6 +361,7 @@ int main(void)
         cmocka_unit_test(kda_blocks_mix_row_widths_within_a_head),
         cmocka_unit_test(plan_and_open_agree_and_fingerprints_are_stable),
         cmocka_unit_test(sizes_that_would_wrap_are_refused),
+        cmocka_unit_test(fp8_blocks_are_codes_plus_tile_scales),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);

@@ -41,7 +41,8 @@ static stepq_map_t *make_map(stepq_arch arch, stepq_method m)
 {
     stepq_model_shape sh = fx_shape_small(arch);
     stepq_map_t *map = NULL;
-    double budget = m == STEPQ_METHOD_FP32 ? 32 : 6;
+    /* fp32 / fp8 have one fixed width; the quantized methods run at 6 bits. */
+    double budget = stepq__method_has_units(m) ? 6 : stepq__method_fixed_bits(m);
 
     assert_int_equal(stepq_map_create(&sh, m, budget, &map), STEPQ_OK);
     if (m == STEPQ_METHOD_STEPQ)
@@ -278,6 +279,125 @@ static void test_step_gdn_fp32_in_kernel_gate(void **state)
 {
     step_matches_reference(STEPQ_ARCH_GDN, STEPQ_METHOD_FP32,
                            STEPQ_STEP_GATE_IN_KERNEL | STEPQ_STEP_BETA_SIGMOID);
+}
+
+static void test_step_gdn_fp8(void **state)
+{
+    step_matches_reference(STEPQ_ARCH_GDN, STEPQ_METHOD_FP8, 0);
+}
+static void test_step_kda_fp8_in_kernel_gate(void **state)
+{
+    step_matches_reference(STEPQ_ARCH_KDA, STEPQ_METHOD_FP8,
+                           STEPQ_STEP_GATE_IN_KERNEL | STEPQ_STEP_BETA_SIGMOID);
+}
+
+/*
+ * The README example's check on an fp8 pool: states packed at prefill, TOKENS decode steps
+ * on every layer re-quantizing after each token, against the same steps on an fp32 pool
+ * (exact states); relative Frobenius error of the unpacked states and of the readouts.
+ * The bound is the steady state of an error re-rounded every token and decayed by the
+ * retention r in between: e = d / sqrt(1 - r^2), d the RMS of one rounding (an error
+ * uniform within e4m3's half ulp, 2^-4 relative, has RMS 2^-4 / sqrt(3)) and r the
+ * slowest retention of fill_inputs' gates, exp(-0.05). (The README example's states,
+ * all at retention exp(-0.05), measure 0.082 against this 0.117; these 0.034.)
+ */
+#define FP8_TOKENS       32
+#define FP8_ROUNDING_RMS (0x1p-4 / 1.7320508075688772) /* 2^-4 / sqrt(3), relative */
+#define FP8_SLOWEST_GATE (-0.05)                       /* fill_inputs: g in [-0.55, -0.05] */
+#define FP8_TRACK_BOUND  (FP8_ROUNDING_RMS / sqrt(1 - exp(2 * FP8_SLOWEST_GATE)))
+
+static void test_fp8_tracks_an_fp32_pool(void **state)
+{
+    for (int arch = 0; arch < 2; arch++) {
+        struct fixture f, r;
+        fixture_open(&f, (stepq_arch)arch, STEPQ_METHOD_FP8);
+        fixture_open(&r, (stepq_arch)arch, STEPQ_METHOD_FP32);
+        const size_t n_state = (size_t)BATCH * f.HV * f.K * f.V;
+        const size_t n_out = (size_t)BATCH * f.HV * f.V;
+        float *o8 = falloc(n_out), *s8 = falloc(n_state);
+        stepq_prefill_args p8 = prefill_args(&f, f.ids, BATCH, f.dense);
+        stepq_prefill_args p32 = prefill_args(&r, r.ids, BATCH, f.dense);
+        for (int layer = 0; layer < f.L; layer++) {
+            assert_int_equal(stepq_pool_prefill_pack(f.pool, layer, &p8, NULL), STEPQ_OK);
+            assert_int_equal(stepq_pool_prefill_pack(r.pool, layer, &p32, NULL), STEPQ_OK);
+        }
+        double o_err = 0, o_norm = 0;
+        for (int t = 0; t < FP8_TOKENS; t++)
+            for (int layer = 0; layer < f.L; layer++) {
+                fill_inputs(&f, 1000 + 7 * t + layer);
+                stepq_step_args a = step_args(&f, f.ids, BATCH);
+                assert_int_equal(stepq_pool_decode_step(f.pool, layer, &a, NULL), STEPQ_OK);
+                memcpy(o8, f.o, sizeof(float) * n_out);
+                /* the fp32 pool reads f's inputs and writes its output to r.o */
+                a.slot_ids = r.ids;
+                a.o = r.o;
+                assert_int_equal(stepq_pool_decode_step(r.pool, layer, &a, NULL), STEPQ_OK);
+                for (size_t i = 0; i < n_out; i++) {
+                    o_err += (double)(o8[i] - r.o[i]) * (o8[i] - r.o[i]);
+                    o_norm += (double)r.o[i] * r.o[i];
+                }
+            }
+        for (int layer = 0; layer < f.L; layer++) {
+            stepq_prefill_args u8 = prefill_args(&f, f.ids, BATCH, s8);
+            stepq_prefill_args u32 = prefill_args(&r, r.ids, BATCH, r.dense);
+            assert_int_equal(stepq_pool_prefill_unpack(f.pool, layer, &u8, NULL), STEPQ_OK);
+            assert_int_equal(stepq_pool_prefill_unpack(r.pool, layer, &u32, NULL), STEPQ_OK);
+            double err = 0, norm = 0;
+            for (size_t i = 0; i < n_state; i++) {
+                err += (double)(s8[i] - r.dense[i]) * (s8[i] - r.dense[i]);
+                norm += (double)r.dense[i] * r.dense[i];
+            }
+            print_message("fp8 %s layer %d: state error %.5f\n", arch ? "kda" : "gdn", layer,
+                          sqrt(err / norm));
+            assert_true(err > 0 && sqrt(err / norm) <= FP8_TRACK_BOUND);
+        }
+        print_message("fp8 %s: readout error %.5f over %d tokens x %d layers (bound %.4f)\n",
+                      arch ? "kda" : "gdn", sqrt(o_err / o_norm), FP8_TOKENS, f.L, FP8_TRACK_BOUND);
+        assert_true(o_err > 0 && sqrt(o_err / o_norm) <= FP8_TRACK_BOUND);
+        uint32_t h[BATCH];
+        assert_int_equal(stepq_pool_health_read(f.pool, f.ids, BATCH, h), STEPQ_OK);
+        for (int b = 0; b < BATCH; b++)
+            assert_int_equal(h[b], 0);
+        free(o8);
+        free(s8);
+        fixture_close(&r);
+        fixture_close(&f);
+    }
+}
+
+/*
+ * Non-finite state values given to an fp8 pack are stored as 0 and flag the slot
+ * (STEPQ_HEALTH_STATE), as for every method; the page decodes finite and the other
+ * elements are what a clean pack stores.
+ */
+static void test_fp8_pack_of_non_finite_states_is_finite_and_flagged(void **state)
+{
+    struct fixture f;
+    fixture_open(&f, STEPQ_ARCH_GDN, STEPQ_METHOD_FP8);
+    const size_t n_state = (size_t)BATCH * f.HV * f.K * f.V;
+    float *clean = falloc(n_state), *back = falloc(n_state);
+    memcpy(clean, f.dense, sizeof(float) * n_state);
+    f.dense[3] = NAN;
+    f.dense[f.K * f.V + 5] = INFINITY;
+    clean[3] = clean[f.K * f.V + 5] = 0.0f;
+    stepq_prefill_args p = prefill_args(&f, f.ids, 1, clean);
+    assert_int_equal(stepq_pool_prefill_pack(f.pool, 0, &p, NULL), STEPQ_OK);
+    uint8_t *want = snapshot(&f);
+    p.states = f.dense;
+    assert_int_equal(stepq_pool_prefill_pack(f.pool, 0, &p, NULL), STEPQ_OK);
+    assert_unchanged(&f, want);
+    uint32_t h = 0;
+    assert_int_equal(stepq_pool_health_read(f.pool, f.ids, 1, &h), STEPQ_OK);
+    assert_int_equal(h, STEPQ_HEALTH_STATE);
+    p.states = back;
+    assert_int_equal(stepq_pool_prefill_unpack(f.pool, 0, &p, NULL), STEPQ_OK);
+    for (size_t i = 0; i < (size_t)f.HV * f.K * f.V; i++)
+        assert_true(isfinite(back[i]));
+    assert_true(back[3] == 0.0f);
+    free(want);
+    free(clean);
+    free(back);
+    fixture_close(&f);
 }
 
 /*
@@ -521,10 +641,10 @@ static void expect(struct fixture *f, const uint8_t *before, int got, int status
     assert_unchanged(f, before);
 }
 
-static void test_step_bad_arguments_change_nothing(void **state)
+static void bad_arguments_change_nothing(stepq_method method)
 {
     struct fixture f;
-    fixture_open(&f, STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ);
+    fixture_open(&f, STEPQ_ARCH_GDN, method);
     stepq_prefill_args pp = prefill_args(&f, f.ids, BATCH, f.dense);
     for (int layer = 0; layer < f.L; layer++)
         assert_int_equal(stepq_pool_prefill_pack(f.pool, layer, &pp, NULL), STEPQ_OK);
@@ -617,6 +737,15 @@ static void test_step_bad_arguments_change_nothing(void **state)
     fixture_close(&f);
 }
 
+static void test_step_bad_arguments_change_nothing(void **state)
+{
+    bad_arguments_change_nothing(STEPQ_METHOD_STEPQ);
+}
+static void test_fp8_bad_arguments_change_nothing(void **state)
+{
+    bad_arguments_change_nothing(STEPQ_METHOD_FP8);
+}
+
 /*
  * The versioned-struct rule: an older caller's smaller struct is accepted and
  * its missing fields take the defaults; a newer (larger) one is refused.
@@ -672,6 +801,11 @@ int main(void)
         cmocka_unit_test(test_step_bf16_strided_equals_fp32),
         cmocka_unit_test(test_supports_host_and_conv_view),
         cmocka_unit_test(test_step_bad_arguments_change_nothing),
+        cmocka_unit_test(test_step_gdn_fp8),
+        cmocka_unit_test(test_step_kda_fp8_in_kernel_gate),
+        cmocka_unit_test(test_fp8_tracks_an_fp32_pool),
+        cmocka_unit_test(test_fp8_pack_of_non_finite_states_is_finite_and_flagged),
+        cmocka_unit_test(test_fp8_bad_arguments_change_nothing),
         cmocka_unit_test(test_config_import_older_caller_gets_defaults),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);

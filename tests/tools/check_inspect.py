@@ -21,6 +21,10 @@ expect = [
     ("qwen3.8-27b.stepq-6-layout.json", "state_bytes_allocated", 30015488),
     ("kimi-linear-48b-a3b.fp32.json", "state_bytes_fp32", 41943040),
     ("kimi-linear-48b-a3b.dsq-4.json", "state_bytes_compact", 5570560),
+    # fp8: 1 B per value + 4 fp32 tile scales per 128x128 head, no alignment padding
+    ("qwen3-next-80b-a3b.fp8.json", "state_bytes_compact", 1152 * (16384 + 16)),
+    ("qwen3-next-80b-a3b.fp8.json", "state_bytes_allocated", 1152 * (16384 + 16)),
+    ("kimi-linear-48b-a3b.fp8.json", "state_bytes_compact", 640 * (16384 + 16)),
 ]
 failed = 0
 cache = {}
@@ -38,6 +42,12 @@ for name, key, want in expect:
 d = cache["qwen3.8-27b.stepq-6-layout.json"]
 if abs(d["ratio_vs_fp32"] - 150994944 / 29999104) > 1e-5 or abs(d["bits_per_value"] - 29999104 * 8 / (150994944 / 4)) > 1e-5:
     print("FAIL ratio/bits inconsistent:", d)
+    failed += 1
+
+# fp8's bits per value: 8 + 32 * 4 / (128 * 128) = 8.0078125 (printed to 6 decimals).
+d = cache["qwen3-next-80b-a3b.fp8.json"]
+if abs(d["bits_per_value"] - (8 + 1 / 128)) > 1e-6 or d["method"] != "fp8" or d["pivots"] != 0:
+    print("FAIL fp8 bits per value:", d)
     failed += 1
 
 # Every calibrated map in the repository loads and is within its nominal budget

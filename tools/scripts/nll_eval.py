@@ -211,8 +211,12 @@ def self_test(a):
             assert shim.lib.stepq_shim_layer_index(h, non[0]) < 0
         # Uniform widths: compact bits = b + row scales (+ column scales).
         col = m["method"] in ("dsq", "spatial", "stepq")
-        widths = {hd["bits"] for ly in m["layers"] for hd in ly["heads"]}
-        if len(widths) == 1 and 16 not in widths:
+        widths = {hd["bits"] for ly in m.get("layers", []) for hd in ly["heads"]}
+        if m["method"] == "fp8":
+            # e4m3 bytes + one fp32 scale per (head, 32 value columns).
+            want = 8 + 32.0 * -(-shape[2] // 32) / (shape[1] * shape[2])
+            assert abs(bpv - want) < 1e-9, (name, bpv, want)
+        elif len(widths) == 1 and 16 not in widths:
             b = widths.pop()
             want = b + 16.0 / shape[2] + (16.0 / shape[1] if col else 0.0)
             assert abs(bpv - want) < 1e-9, (name, bpv, want)

@@ -58,7 +58,7 @@ capture() { # split segments seg_len prefix
 calib() {
     capture valid "$VALID_STREAMS" "$SEQ" "$SCRATCH/valid"
     local T=("$SCRATCH"/valid-*.safetensors)
-    for m in fp32 bf16; do
+    for m in fp32 bf16 fp8; do
         "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget 4 --out "$OUT/maps/$m.json" \
             --model-name "$NAME" 2>&1 | tee -a "$OUT/study.log"
     done
@@ -88,7 +88,7 @@ calib() {
         "temporal@6=$OUT/reports/temporal@6.json" --markdown "$OUT/bits-pivots.md" >/dev/null
 }
 
-MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8"
+MAPS_ORDER="fp32 bf16 uniform@4 dsq@4 spatial@4 temporal@4 stepq@4 stepq-nopiv@4 stepq-paper@4 uniform@6 dsq@6 spatial@6 temporal@6 stepq@6 stepq-nopiv@6 stepq-paper@6 uniform@8 fp8"
 [ "$VARIANTS" = 1 ] || MAPS_ORDER=$(echo "$MAPS_ORDER" | tr ' ' '\n' | grep -v -e -nopiv -e -paper | tr '\n' ' ')
 
 need_maps() {

@@ -49,17 +49,21 @@ typedef struct stepq_map stepq_map_t;
 /*
  * Storage methods (the block formats are in the kernels' format.h):
  * XX(NAME, value, "name", dense, column scales, row impact, per-unit bits
- *    and pivots, description)
+ *    and pivots, per-unit entries in the map's `layers`, description)
+ * Values are never renumbered: a new method takes the next value.
  */
-#define STEPQ_METHOD_MAP(XX)                                                                   \
-    XX(FP32, 0, "fp32", 1, 0, 0, 0, "unquantized fp32 state")                                  \
-    XX(BF16, 1, "bf16", 1, 0, 0, 0, "unquantized bf16 state")                                  \
-    XX(FP16, 2, "fp16", 1, 0, 0, 0, "unquantized fp16 state")                                  \
-    XX(UNIFORM, 3, "uniform", 0, 0, 0, 0, "row absmax scales, one bit width (paper baseline)") \
-    XX(DSQ, 4, "dsq", 0, 1, 0, 0, "row + column scales, no row impact, one bit width")         \
-    XX(SPATIAL, 5, "spatial", 0, 1, 1, 0, "key-row-aware dual-axis fit, one bit width")        \
-    XX(TEMPORAL, 6, "temporal", 0, 0, 0, 1, "per-unit bits + fp16 pivots, row absmax scales")  \
-    XX(STEPQ, 7, "stepq", 0, 1, 1, 1, "per-unit bits + pivots + key-row-aware dual-axis fit")
+#define STEPQ_METHOD_MAP(XX)                                                                      \
+    XX(FP32, 0, "fp32", 1, 0, 0, 0, 0, "unquantized fp32 state")                                  \
+    XX(BF16, 1, "bf16", 1, 0, 0, 0, 0, "unquantized bf16 state")                                  \
+    XX(FP16, 2, "fp16", 1, 0, 0, 0, 0, "unquantized fp16 state")                                  \
+    XX(UNIFORM, 3, "uniform", 0, 0, 0, 0, 1, "row absmax scales, one bit width (paper baseline)") \
+    XX(DSQ, 4, "dsq", 0, 1, 0, 0, 1, "row + column scales, no row impact, one bit width")         \
+    XX(SPATIAL, 5, "spatial", 0, 1, 1, 0, 1, "key-row-aware dual-axis fit, one bit width")        \
+    XX(TEMPORAL, 6, "temporal", 0, 0, 0, 1, 1, "per-unit bits + fp16 pivots, row absmax scales")  \
+    XX(STEPQ, 7, "stepq", 0, 1, 1, 1, 1, "per-unit bits + pivots + key-row-aware dual-axis fit")  \
+    XX(FP8, 8, "fp8", 0, 0, 0, 0, 0,                                                              \
+       "e4m3 codes, one fp32 scale amax/240 per (head, 32 value channels) over all key rows "     \
+       "(SGLang's proposed float8 state pool)")
 
 /* Element types of dense tensors: XX(NAME, value, "name", bytes) */
 #define STEPQ_DTYPE_MAP(XX) \
@@ -76,7 +80,8 @@ typedef enum stepq_arch {
 
 /** Storage method of a map (STEPQ_METHOD_MAP). */
 typedef enum stepq_method {
-#define STEPQ__XX(name, value, text, dense, col, w, mixed, desc) STEPQ_METHOD_##name = (value),
+#define STEPQ__XX(name, value, text, dense, col, w, mixed, units, desc) \
+    STEPQ_METHOD_##name = (value),
     STEPQ_METHOD_MAP(STEPQ__XX)
 #undef STEPQ__XX
         STEPQ_METHOD_COUNT
@@ -99,7 +104,8 @@ typedef enum stepq_dtype {
 
 /** Unit bit widths: integer formats 2..8, STEPQ_BITS_PIVOT for an fp16 pivot unit. */
 #define STEPQ_BITS_PIVOT 16
-/** Unit "bits" value reported for every unit of an unquantized (fp32/bf16/fp16) map. */
+/** Unit "bits" value reported for every unit of a map without per-unit widths
+ * (fp32/bf16/fp16, and fp8, whose one format is fixed). */
 #define STEPQ_BITS_DENSE 0
 
 /** Maximum rank of the conv-state shape. */
@@ -174,7 +180,7 @@ STEPQ_API const char *stepq_map_last_error(const stepq_map_t *map);
 
 /**
  * Creates a map for a shape and method. budget_bits is the nominal bits per
- * value: exactly 32 (fp32) or 16 (bf16, fp16); one of 2,3,4,5,6,8 for
+ * value: exactly 32 (fp32), 16 (bf16, fp16) or 8 (fp8); one of 2,3,4,5,6,8 for
  * uniform / dsq / spatial; a number in [2, 8] for temporal / stepq. Every
  * unit of a quantized map starts at the largest width <= budget_bits, with
  * no pivots, unit row-impact factors (all 1, spatial / stepq) and no
@@ -190,7 +196,7 @@ STEPQ_API int stepq_map_create(const stepq_model_shape *shape, stepq_method meth
  * Sets the bit width of one unit (2,3,4,5,6,8; STEPQ_BITS_PIVOT makes it a
  * pivot). Widths the method cannot store are refused at once with
  * STEPQ_EINVAL (pivots outside temporal / stepq, a width other than the
- * budget for uniform / dsq / spatial, any width for dense maps); the budget
+ * budget for uniform / dsq / spatial, any width for dense and fp8 maps); the budget
  * rule, which depends on all units, is checked by stepq_map_validate().
  */
 STEPQ_API int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int bits);
@@ -291,7 +297,7 @@ STEPQ_API const uint8_t *stepq_map_layer_bits(const stepq_map_t *map, int layer)
 /**
  * The bit width of every key row of value head `head` of layer `layer`:
  * row_bits[0..d_k) (d_k = n, which must equal head_k_dim). KDA: each row's
- * unit; GDN: the head's one width on every row; dense methods:
+ * unit; GDN: the head's one width on every row; dense methods and fp8:
  * STEPQ_BITS_DENSE everywhere. The one place a head's row widths are read
  * from a map (the pool's layout and the calibration tools use it).
  */
@@ -351,8 +357,8 @@ typedef struct stepq_map_memory {
     uint64_t n_values;            /**< n_layers * HV * d_k * d_v */
     uint64_t n_units;             /**< n_layers * units per layer */
     uint64_t n_pivots;            /**< pivot units */
-    uint64_t code_bytes;          /**< integer code bytes (part of compact) */
-    uint64_t scale_bytes;         /**< fp16 row + column scale bytes (part of compact) */
+    uint64_t code_bytes;          /**< integer (fp8: e4m3) code bytes (part of compact) */
+    uint64_t scale_bytes;         /**< fp16 row + column scale bytes, fp8's fp32 tile scales */
     uint64_t pivot_bytes;         /**< fp16 pivot bytes (part of compact) */
     uint64_t dense_bytes;         /**< unquantized state bytes (dense methods) */
     double bits_per_value;        /**< state_bytes_compact * 8 / n_values */
@@ -364,7 +370,8 @@ typedef struct stepq_map_memory {
  * accounting"): per non-pivot unit ceil(n*b/8) code bytes and 2 B per key
  * row of row scales, 2*d_v B of column scales per head with a non-pivot unit
  * (dsq, spatial, stepq), 2 B per pivot value; dense methods count their
- * dtype. Alignment and reserved slots are the pool's (stepq/pool.h).
+ * dtype; fp8 counts 1 B per value and 4 B per (head, 32-column tile).
+ * Alignment and reserved slots are the pool's (stepq/pool.h).
  */
 STEPQ_API int stepq_map_memory_info(const stepq_map_t *map, stepq_map_memory *out);
 
