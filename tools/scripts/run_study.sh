@@ -121,7 +121,8 @@ evalstage() { # which: 4 (fp32, bf16 and the 4-bit maps), 6 (fp32 and the 6-, 8-
     mkdir -p "$OUT/plots-$which"
     log "eval on test ($which)"
     "$STEPQ" eval --map "${M[@]}" --trace "$SCRATCH"/test-*.safetensors --threads "$THREADS" \
-        --json "$OUT/eval-test-$which.json" --plot "$OUT/plots-$which" 2>&1 | tee "$OUT/eval-test-$which.txt"
+        --json "$OUT/eval-test-$which.json" --plot "$OUT/plots-$which" --classes \
+        2>>"$OUT/study.log" | tee "$OUT/eval-test-$which.txt"
 }
 
 nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
