@@ -3,10 +3,11 @@
 determinism (byte-identical maps for 1 and 2 threads), the budget rule,
 half-lives recovered from the gates, stepq beating uniform on the readout,
 eval's fp32 row exactly zero, Spearman and the injection ratio in range, and
-clean errors on a truncated trace. Usage: check_tools.py STEPQ_EXE"""
+clean errors on a truncated trace and on one holding NaN or Inf. Usage: check_tools.py STEPQ_EXE"""
 import json
 import math
 import os
+import struct
 import subprocess
 import sys
 import tempfile
@@ -17,6 +18,22 @@ def run(args, ok=True):
     if ok and p.returncode != 0:
         raise SystemExit("FAIL: %s\n%s%s" % (" ".join(args), p.stdout, p.stderr))
     return p
+
+
+def poke(src, dst, tensor, index, value):
+    """Copies a trace with one element of a tensor (index: a tuple into its shape) set to value."""
+    blob = bytearray(open(src, "rb").read())
+    n = struct.unpack("<Q", blob[:8])[0]
+    t = json.loads(blob[8:8 + n])[tensor]
+    flat = 0
+    for i, d in zip(index, t["shape"]):
+        flat = flat * d + i
+    es = {"F32": 4, "BF16": 2, "F16": 2}[t["dtype"]]
+    at = 8 + n + t["data_offsets"][0] + flat * es
+    enc = {"F32": struct.pack("<f", value), "BF16": struct.pack("<f", value)[2:],
+           "F16": struct.pack("<e", value)}[t["dtype"]]
+    blob[at:at + es] = enc
+    open(dst, "wb").write(bytes(blob))
 
 
 def main():
@@ -109,6 +126,26 @@ def main():
     assert not os.path.exists(os.path.join(d, "x.json"))
     p = run([exe, "calibrate", "--trace", traces[0], "--method", "nope", "--budget", "4", "--out", "x"], ok=False)
     assert p.returncode == 2
+    # Non-finite values: one NaN and one Inf in the second file (its streams are 2.. of the
+    # capture), then an Inf alone; calibrate and eval refuse the set in one line that names
+    # the file, the tensor, its layer and the first bad element, and write nothing.
+    nan_inf = os.path.join(d, "nan-inf.safetensors")
+    poke(traces[1], nan_inf, "layer1.v", (0, 37, 2, 5), float("nan"))
+    poke(nan_inf, nan_inf, "layer1.beta", (0, 40, 1), float("inf"))
+    only_inf = os.path.join(d, "inf.safetensors")
+    poke(traces[1], only_inf, "layer0.g", (0, 3, 1), float("-inf"))
+    for bad, want in ((nan_inf, "tensor 'layer1.v' (layer 1) holds nan at [0, 37, 2, 5] "
+                                "(stream 2, token 37, head 2, element 5)"),
+                      (only_inf, "tensor 'layer0.g' (layer 0) holds -inf at [0, 3, 1] "
+                                 "(stream 2, token 3, head 1)")):
+        out, ej = os.path.join(d, "nonfinite.json"), os.path.join(d, "nonfinite-eval.json")
+        for cmd in (["calibrate", "--trace", traces[0], bad, "--method", "stepq", "--budget", "4",
+                     "--out", out, "--report", ej],
+                    ["eval", "--map", maps["stepq@4"], "--trace", traces[0], bad, "--json", ej]):
+            p = run([exe] + cmd, ok=False)
+            line = "stepq %s: %s: %s: a trace must be finite\n" % (cmd[0], bad, want)
+            assert p.returncode == 1 and p.stderr == line and p.stdout == "", (cmd[0], p.stderr, line)
+            assert not os.path.exists(out) and not os.path.exists(ej), cmd[0]
     subprocess.run(["rm", "-rf", d])
     print("ok")
 

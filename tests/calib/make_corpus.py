@@ -96,6 +96,12 @@ def main():
     cases["bad-030-stream-misses-a-layer"] = build(meta=dict(META, all_layers="0,1"))
     cases["bad-031-scale-not-number"] = build(meta=dict(META, scale="abc"))
     cases["bad-032-qk-heads-bad"] = build(meta=dict(META, qk_heads="K"))
+    # Non-finite values (data: q at 0, k 16, v 32 in BF16, g 48, beta 64 in F16).
+    def put(at, b):
+        return lambda d: d[:at] + b + d[at + len(b):]
+    cases["bad-033-nan-in-f32-q"] = build(data_edit=put(4, struct.pack("<f", float("nan"))))
+    cases["bad-034-nan-in-bf16-v"] = build(data_edit=put(34, b"\xc0\x7f"))
+    cases["bad-035-inf-in-f16-beta"] = build(data_edit=put(66, struct.pack("<e", float("inf"))))
     for name, blob in cases.items():
         with open(os.path.join(HERE, name + ".safetensors"), "wb") as f:
             f.write(blob)

@@ -582,6 +582,60 @@ static int check_shape(const struct stepq__trace_tensor *t, const char *what, in
                         t->name, got, exp);
 }
 
+/* Whether one stored element is NaN or +-Inf (its exponent bits all set). */
+static int elem_nonfinite(const uint8_t *p, stepq__trace_dtype dt)
+{
+    if (dt == STEPQ__TRACE_F32)
+        return (p[3] & 0x7F) == 0x7F && (p[2] & 0x80);
+    if (dt == STEPQ__TRACE_BF16)
+        return (p[1] & 0x7F) == 0x7F && (p[0] & 0x80);
+    return (p[1] & 0x7C) == 0x7C; /* F16 */
+}
+
+static float load_elem(const uint8_t *p, stepq__trace_dtype dt);
+
+/*
+ * Refuses a tensor holding a NaN or an Inf: the replay would carry it into
+ * every state after it, and calibrate and eval would print costs and errors
+ * of nan. Names the file, the tensor, its layer and the first bad element,
+ * by its index in the tensor ([stream in the file, token, head(, element)])
+ * and by stream of the capture (s_off: the file's first), token and head.
+ */
+static int check_finite(const struct stepq__trace_tensor *t, const char *what, int layer, int s_off)
+{
+    static const char *const dims[] = { "stream", "token", "head", "element" };
+    const size_t es = stepq__trace_dtype_size(t->dtype), n = (size_t)(t->end - t->begin) / es;
+    size_t i = 0;
+
+    while (i < n && !elem_nonfinite(t->data + i * es, t->dtype))
+        i++;
+    if (i == n)
+        return STEPQ_OK;
+    /* Shapes were checked: 3 or 4 dimensions [S, T, heads(, width)], none 0 here. */
+    int64_t idx[4] = { 0 };
+    size_t rest = i;
+    for (int d = t->ndim - 1; d >= 0; d--) {
+        idx[d] = (int64_t)(rest % (size_t)t->shape[d]);
+        rest /= (size_t)t->shape[d];
+    }
+    char at[96] = "", named[160] = "";
+    size_t la = 0, ln = 0;
+    for (int d = 0; d < t->ndim; d++) {
+        la +=
+            (size_t)snprintf(at + la, sizeof(at) - la, "%s%lld", d ? ", " : "", (long long)idx[d]);
+        ln += (size_t)snprintf(named + ln, sizeof(named) - ln, "%s%s %lld", d ? ", " : "", dims[d],
+                               (long long)(d == 0 ? s_off + idx[0] : idx[d]));
+    }
+    float v = load_elem(t->data + i * es, t->dtype);
+    return stepq__error(STEPQ_ENONFINITE,
+                        "%s: tensor '%s' (layer %d) holds %s at [%s] (%s): a trace must be finite",
+                        what, t->name, layer,
+                        isnan(v) ? "nan"
+                        : v > 0  ? "inf"
+                                 : "-inf",
+                        at, named);
+}
+
 void stepq__trace_set_close(struct stepq__trace_set *ts)
 {
     if (!ts)
@@ -675,6 +729,9 @@ int stepq__trace_set_from_files(struct stepq__trace_file **files, int n,
                 (rc = check_shape(tt[T_BETA], what, 3, sb)) < 0 ||
                 (ho && (rc = check_shape(tt[T_O], what, 4, sv)) < 0))
                 goto fail;
+            for (int k = 0; k < T_N; k++)
+                if (tt[k] && (rc = check_finite(tt[k], what, lay[l], s_off)) < 0)
+                    goto fail;
             for (int s = 0; s < n_str; s++) {
                 struct slot *sl = &ts->slots[(size_t)(s_off + s) * I->n_layers + li];
                 if (sl->t[T_Q]) {
