@@ -90,7 +90,8 @@ struct stepq__trace_set;
 
 /**
  * Opens n files and checks that they form one trace: same shape metadata,
- * every (stream, layer) present exactly once, tensors of the right shapes.
+ * every (stream, layer) present exactly once, tensors of the right shapes,
+ * every value finite (STEPQ_ENONFINITE names the first NaN or Inf).
  */
 int stepq__trace_set_open(const char *const *paths, int n, struct stepq__trace_set **out);
 /** Same over already parsed files (takes ownership of them, also on failure). */
