@@ -56,7 +56,16 @@ struct slot {
     uint64_t state, compact, conv, pad;
 };
 
-/* S of a map for tp ranks: every rank padded to the largest page, summed. */
+/* a + b, or -1 where the sum does not fit 64 bits. */
+static int add_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return __builtin_add_overflow(a, b, out) ? -1 : 0;
+}
+
+/*
+ * S of a map for tp ranks: every rank padded to the largest page, summed.
+ * 1 (after a message) where a sum passes 2^64 bytes.
+ */
 static int slot_of(const stepq_map_t *map, int tp, int compact_only, struct slot *out)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
@@ -80,15 +89,20 @@ static int slot_of(const stepq_map_t *map, int tp, int compact_only, struct slot
         cfg.tp_rank = r;
         if ((ret = stepq_pool_plan(&cfg, &p)) < 0)
             return ret;
-        out->bytes += p.page_bytes;
-        out->state += p.state_bytes;
-        out->compact += p.state_bytes_compact;
-        out->conv += p.conv_bytes;
-        out->pad += p.pad_bytes;
+        if (add_u64(out->bytes, p.page_bytes, &out->bytes) < 0 ||
+            add_u64(out->state, p.state_bytes, &out->state) < 0 ||
+            add_u64(out->compact, p.state_bytes_compact, &out->compact) < 0 ||
+            add_u64(out->conv, p.conv_bytes, &out->conv) < 0 ||
+            add_u64(out->pad, p.pad_bytes, &out->pad) < 0)
+            goto wraps;
     }
-    if (compact_only)
-        out->bytes = out->compact + out->conv;
+    if (compact_only && add_u64(out->compact, out->conv, &out->bytes) < 0)
+        goto wraps;
     return STEPQ_OK;
+wraps:
+    fprintf(stderr, "stepq capacity: --tp %d: one slot over the ranks is more than 2^64 bytes\n",
+            tp);
+    return 1;
 }
 
 static int parse_u64(const char *s, uint64_t *out)
@@ -100,6 +114,12 @@ static int parse_u64(const char *s, uint64_t *out)
         return -1;
     *out = strtoull(s, &end, 10);
     return errno || *end ? -1 : 0;
+}
+
+/* a * b, or -1 where the product does not fit 64 bits. */
+static int mul_u64(uint64_t a, uint64_t b, uint64_t *out)
+{
+    return __builtin_mul_overflow(a, b, out) ? -1 : 0;
 }
 
 static int parse_batches(const char *s, int *b, int *n)
@@ -317,18 +337,43 @@ int stepq_tool_capacity(int argc, char **argv)
     }
     if ((ret = stepq_map_shape(map, &shape)) < 0 ||
         (ret = stepq_map_create(&shape, STEPQ_METHOD_FP32, 32.0, &fp32)) < 0 ||
-        (ret = slot_of(map, tp, compact, &s_map)) < 0 ||
-        (ret = slot_of(fp32, tp, compact, &s_fp32)) < 0) {
+        (ret = slot_of(map, tp, compact, &s_map)) != 0 ||
+        (ret = slot_of(fp32, tp, compact, &s_fp32)) != 0) {
+        if (ret > 0) { /* slot_of said why */
+            rc = 2;
+            goto out;
+        }
         fprintf(stderr, "stepq capacity: %s: %s (%s)\n", path, stepq_last_error(),
                 stepq_status_name(ret));
         goto out;
     }
 
     for (int i = 0; i < n_b; i++) {
+        uint64_t kv_tok = 0, pool = 0, pool32 = 0;
+        /* per <= 5 and a batch <= 2^24: the slot count cannot wrap; the byte counts can. */
         slots[i] = (uint64_t)per * (uint64_t)batches[i] + 1;
-        kv[i] = kv_per_token * context * (uint64_t)batches[i];
-        state[i] = (double)(slots[i] * s_map.bytes);
-        state32[i] = (double)(slots[i] * s_fp32.bytes);
+        if (mul_u64(kv_per_token, context, &kv_tok) < 0 ||
+            mul_u64(kv_tok, (uint64_t)batches[i], &kv[i]) < 0) {
+            fprintf(stderr,
+                    "stepq capacity: --kv-bytes-per-token %" PRIu64 " x --context %" PRIu64
+                    " x --batch %d is more than 2^64 bytes\n",
+                    kv_per_token, context, batches[i]);
+            rc = 2;
+            goto out;
+        }
+        if (mul_u64(slots[i], s_map.bytes, &pool) < 0 ||
+            mul_u64(slots[i], s_fp32.bytes, &pool32) < 0) {
+            const int map_wraps = mul_u64(slots[i], s_map.bytes, &pool) < 0;
+            fprintf(stderr,
+                    "stepq capacity: --batch %d with --policy %s: %" PRIu64 " slots x %" PRIu64
+                    " B (the %s slot) is more than 2^64 bytes\n",
+                    batches[i], stepq_pool_policy_name(policy), slots[i],
+                    map_wraps ? s_map.bytes : s_fp32.bytes, map_wraps ? "map's" : "fp32");
+            rc = 2;
+            goto out;
+        }
+        state[i] = (double)pool;
+        state32[i] = (double)pool32;
         total[i] = (double)weights + state[i] + (double)kv[i];
         total32[i] = (double)weights + state32[i] + (double)kv[i];
     }

@@ -75,6 +75,30 @@ def numbers(stepq, ex):
     run(stepq, stepq6, "--policy", "radix", expect=2)
     run(stepq, stepq6, "--kv-bytes-per-token", "5", expect=2)
     run(stepq, stepq6, "--batch", "0", expect=2)
+
+    # Byte counts past 2^64 are refused in one line naming the options (they wrapped: the KV
+    # cache of 2^32 B/token x 2^32 tokens printed as 0 GiB), exit 2; 2^63 still counts exactly.
+    c = capacity(stepq, stepq6, "--batch", "1", "--kv-bytes-per-token", str(1 << 32), "--context",
+                 str(1 << 31))
+    check(c["batches"][0]["kv_bytes"] == float(1 << 63), "a KV cache of 2^63 B is counted")
+    for kv, ctx, batch in ((1 << 32, 1 << 32, "1"), (65536, 1 << 32, "1,8,16777216")):
+        p = run(stepq, stepq6, "--batch", batch, "--kv-bytes-per-token", str(kv), "--context",
+                str(ctx), expect=2)
+        want = "stepq capacity: --kv-bytes-per-token %d x --context %d x --batch %s is more than " \
+               "2^64 bytes\n" % (kv, ctx, batch.split(",")[-1])
+        check(p.stderr == want and p.stdout == "", "KV %d x %d x B=%s wraps: refused" % (kv, ctx, batch))
+    with tempfile.TemporaryDirectory() as d:
+        huge = os.path.join(d, "conv-4tib.json")  # one 4 TiB conv state: S = 2^42 B
+        with open(huge, "w") as f:
+            json.dump({"format": "stepq-precision-map", "schema_version": 1,
+                       "model": {"arch": "gdn", "recurrent_layers": [0], "num_k_heads": 1,
+                                 "num_v_heads": 1, "head_k_dim": 4, "head_v_dim": 4,
+                                 "conv_state": {"shape": [1 << 20, 1 << 20], "dtype": "fp32"}},
+                       "method": "fp32", "budget_bits": 32}, f)
+        p = run(stepq, huge, "--batch", "1,8,16777216", expect=2)
+        want = ("stepq capacity: --batch 16777216 with --policy extra_buffer: 83886081 slots x "
+                "4398046511360 B (the map's slot) is more than 2^64 bytes\n")
+        check(p.stderr == want and p.stdout == "", "a state pool past 2^64 B is refused")
     p = run(stepq, os.path.join(ex, "no-such-map.json"), expect=1)
     check("no-such-map" in p.stderr, "a missing map is named in the error")
 
