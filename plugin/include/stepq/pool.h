@@ -12,8 +12,9 @@
  * id list is padding and is skipped.
  *
  * Errors: every failing call leaves the pool exactly as it was (the whole id
- * list is validated before anything changes), returns a negative
- * stepq_status and sets stepq_pool_last_error() and stepq_last_error().
+ * list is validated before anything changes; CUDA failures after that: see
+ * below), returns a negative stepq_status and sets stepq_pool_last_error()
+ * and stepq_last_error().
  *
  * Thread safety: every function taking a pool may be called from several
  * threads at once; each call is atomic with respect to the others (one mutex
@@ -26,11 +27,29 @@
  * It carries a generation, so once its pool is closed it is STEPQ_EBADF
  * forever, even when a later pool reuses the memory or the table entry.
  *
- * A CUDA failure in a data operation (STEPQ_ECUDA) after its checks passed:
- * clear, copy and the host copies of many slots run as several launches or
- * transfers, so the slots listed may be partly done; their pages and health
- * words are then undefined (clear or copy them again), no other slot is
- * touched, and the slots stay allocated as they were.
+ * A CUDA failure (STEPQ_ECUDA) in clear, copy, a host copy or alloc, after
+ * the checks passed: each is several launches or transfers on the stream
+ * (clear, and the health reset of alloc and of copy-in: one kernel per 960
+ * ids; copy: one per 480 pairs; host copies: one cudaMemcpyAsync per run of
+ * consecutive slots at consecutive places), and the call returns at the
+ * first one that fails: the ones before it are enqueued and run, it and the
+ * ones after it do not. Which slots were done is not reported, so:
+ *   - clear: each slot listed is cleared or unchanged;
+ *   - copy: each destination holds its source's page and health word, or is
+ *     unchanged; sources are only read;
+ *   - copy_to_host: no slot changes; the host pages are undefined;
+ *   - copy_from_host: the pages listed are undefined; their health words
+ *     are reset only when every transfer was enqueued, and then only as far
+ *     as the reset's own launches got (the others keep the words of the
+ *     pages they replaced);
+ *   - alloc: nothing is allocated (ids are all -1); free slots it would have
+ *     handed out may have zeroed health words (and pages, with
+ *     STEPQ_POOL_FLAG_CLEAR_ON_ALLOC), which the next alloc resets anyway.
+ * Clear, copy or reload the slots listed again. Slots are never freed or
+ * allocated by a failure, and no slot outside the lists (or, for alloc, the
+ * free slots) is touched. A fault while enqueued work runs (an illegal
+ * address in a kernel) is reported by a later call on the stream, typically
+ * stepq_pool_sync(), and names no operation.
  *
  * Stream semantics (CUDA backend): alloc/free are host bookkeeping and take
  * effect at once; clear, copy, host copies and the health-word reset of
