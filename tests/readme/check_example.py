@@ -38,13 +38,14 @@ def install(build, dest):
     return os.path.dirname(os.path.dirname(headers[0])), os.path.dirname(libs[0])
 
 
-def static_flags(dest, libdir, cuda_root):
+def static_flags(dest, libdir, cuda_root, sanitize):
     """The link of libstepq.a as `pkg-config --static` gives it, from the installed stepq.pc.
 
     A build without CUDA links fully static (-static: every library the
     archive needs must be in Libs.private); with CUDA, libstepq.a is linked
     statically and the CUDA runtime dynamically (the toolkit ships no
-    libcudart.a), from its folder as README says."""
+    libcudart.a), from its folder as README says, and so is a sanitizer
+    build's (the sanitizer runtimes do not link fully static)."""
     pc = os.path.join(libdir, "pkgconfig")
     if not os.path.exists(os.path.join(pc, "stepq.pc")):
         raise SystemExit(f"FAIL: no stepq.pc in {pc}")
@@ -62,20 +63,22 @@ def static_flags(dest, libdir, cuda_root):
     if ("-lcudart" in flags) != (cuda_root is not None):
         raise SystemExit("FAIL: stepq.pc %s -lcudart in a build %s CUDA"
                          % (("names", "without") if cuda_root is None else ("lacks", "with")))
-    if cuda_root is None:
+    if cuda_root is None and not sanitize:
         for lib in ("libc.a", "libm.a"):
             r = subprocess.run([os.environ.get("CC", "cc"), "-print-file-name=" + lib],
                                capture_output=True, text=True)
             if not os.path.isabs(r.stdout.strip()):
                 skip(f"no {lib} for a static link (install libc6-dev)")
         return ["-static"] + flags
+    at = flags.index("-lstepq")  # the archive, not the shared library beside it
+    flags[at:at + 1] = ["-Wl,-Bstatic", "-lstepq", "-Wl,-Bdynamic"]
+    if cuda_root is None:
+        return flags
     libdirs = [d for d in (os.path.join(cuda_root, "lib64"),
                            os.path.join(cuda_root, "targets", "x86_64-linux", "lib"))
                if glob.glob(os.path.join(d, "libcudart.so*"))]
     if not libdirs:
         skip("libcudart not found next to nvcc")
-    at = flags.index("-lstepq")  # the archive, not the shared library beside it
-    flags[at:at + 1] = ["-Wl,-Bstatic", "-lstepq", "-Wl,-Bdynamic"]
     return flags + ["-L" + libdirs[0], "-Wl,-rpath," + libdirs[0]]
 
 
@@ -88,6 +91,8 @@ def main():
     ap.add_argument("--static", choices=["host", "cuda"],
                     help="link libstepq.a through `pkg-config --static` (host backend), in a "
                          "build with or without CUDA; installs into BUILD/readme-static")
+    ap.add_argument("--sanitize", default="none",
+                    help="the build's b_sanitize: the program is compiled with it too")
     args = ap.parse_args()
 
     readme = open(os.path.join(args.source, "README.md"), encoding="utf-8").read()
@@ -123,8 +128,11 @@ def main():
             f.write(blocks[0])
         exe = os.path.join(tmp, "example")
         cmd = [args.cc, "-std=c11", "-pedantic", "-Wall", "-Wextra", "-Werror", "-O2", src]
+        sanitize = args.sanitize not in ("", "none")
+        if sanitize:  # an instrumented library needs the sanitizer runtimes
+            cmd += ["-fsanitize=" + args.sanitize]
         if args.static:
-            cmd += static_flags(dest, libdir, cuda_root) + ["-o", exe]
+            cmd += static_flags(dest, libdir, cuda_root, sanitize) + ["-o", exe]
         else:
             cmd += ["-I" + incdir, "-L" + libdir, "-Wl,-rpath," + libdir, "-lstepq", "-lm", "-o", exe]
             cmd += cuda_flags
