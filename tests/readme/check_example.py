@@ -64,12 +64,20 @@ def static_flags(dest, libdir, cuda_root, sanitize):
         raise SystemExit("FAIL: stepq.pc %s -lcudart in a build %s CUDA"
                          % (("names", "without") if cuda_root is None else ("lacks", "with")))
     if cuda_root is None and not sanitize:
+        # Fully static where every library named has an archive; otherwise (Debian ships
+        # no libcjson.a) libstepq.a is linked statically and the others dynamically.
+        def has_archive(lib):
+            r = subprocess.run([os.environ.get("CC", "cc"), "-print-file-name=" + lib] +
+                               [f for f in flags if f.startswith("-L")], capture_output=True, text=True)
+            return os.path.isabs(r.stdout.strip())
         for lib in ("libc.a", "libm.a"):
-            r = subprocess.run([os.environ.get("CC", "cc"), "-print-file-name=" + lib],
-                               capture_output=True, text=True)
-            if not os.path.isabs(r.stdout.strip()):
+            if not has_archive(lib):
                 skip(f"no {lib} for a static link (install libc6-dev)")
-        return ["-static"] + flags
+        missing = [f[2:] for f in flags if f.startswith("-l") and f != "-lstepq"
+                   and not has_archive("lib" + f[2:] + ".a") and f[2:] not in ("m", "pthread")]
+        if not missing:
+            return ["-static"] + flags
+        print("no archive of %s: libstepq.a static, those dynamic" % ", ".join("lib" + m for m in missing))
     at = flags.index("-lstepq")  # the archive, not the shared library beside it
     flags[at:at + 1] = ["-Wl,-Bstatic", "-lstepq", "-Wl,-Bdynamic"]
     if cuda_root is None:
