@@ -299,11 +299,15 @@ static int parse_method(const char *s, void *out)
  * points past U+10FFFF), no raw control characters inside strings, no \u0000
  * escapes (they would silently truncate a key or a value), no NUL bytes.
  */
-static int lex_check(const unsigned char *s, size_t n)
+static int lex_check(const unsigned char *s, size_t n, size_t max_values)
 {
     size_t line = 1, col = 1;
     bool in_str = false;
     size_t i = 0;
+    /* An upper bound of the values cJSON will allocate a node for: every value but the
+     * last of a container is followed by a comma, and a container is a value with at
+     * most one last value: values <= commas + 2 x containers + 1 (the root). */
+    size_t values = 1;
 
     if (n >= 3 && s[0] == 0xEF && s[1] == 0xBB && s[2] == 0xBF)
         i = 3; /* a UTF-8 byte-order mark is tolerated (cJSON skips it) */
@@ -364,6 +368,13 @@ static int lex_check(const unsigned char *s, size_t n)
             }
         } else if (b == '"') {
             in_str = true;
+        } else if (b == ',' || b == '[' || b == '{') {
+            values += b == ',' ? 1 : 2;
+            if (values > max_values)
+                return stepq__error(STEPQ_ERANGE,
+                                    "line %zu, column %zu: more than %zu JSON values (max_values; "
+                                    "parsing costs about 80 B a value)",
+                                    line, col, max_values);
         } else if (b == '\n') {
             line++;
             col = 0;
@@ -1135,11 +1146,13 @@ done:
     return stepq__map_publish(m, out);
 }
 
-/* The caller's load options (any version) as this library's; max_bytes 0 keeps the default. */
-static int import_load_config(const stepq_map_load_config *cfg, size_t *max_bytes)
+/* The caller's load options (any version) as this library's; a limit of 0 keeps the default. */
+static int import_load_config(const stepq_map_load_config *cfg, size_t *max_bytes,
+                              size_t *max_values)
 {
     static const stepq_map_load_config defaults = STEPQ_MAP_LOAD_CONFIG_INITIALIZER;
-    static const size_t ends[] = { STEPQ__FIELD_END(stepq_map_load_config, max_bytes) };
+    static const size_t ends[] = { STEPQ__FIELD_END(stepq_map_load_config, max_bytes),
+                                   STEPQ__FIELD_END(stepq_map_load_config, max_values) };
     stepq_map_load_config c;
     int st = stepq__config_import(&c, &defaults, sizeof(c), cfg, ends,
                                   STEPQ_MAP_LOAD_CONFIG_VERSION, "stepq_map_load_config");
@@ -1150,13 +1163,15 @@ static int import_load_config(const stepq_map_load_config *cfg, size_t *max_byte
      * the reader's max_bytes + 1 must not wrap. */
     if (c.max_bytes)
         *max_bytes = c.max_bytes < SIZE_MAX / 2 ? c.max_bytes : SIZE_MAX / 2;
+    if (c.max_values)
+        *max_values = c.max_values;
     return STEPQ_OK;
 }
 
 int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_config *cfg,
                           stepq_map_t **out)
 {
-    size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES;
+    size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, max_values = STEPQ__MAP_DEFAULT_MAX_VALUES;
     const char *end = NULL;
     char *copy;
     cJSON *root;
@@ -1168,13 +1183,13 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
     if (!buf && len)
         return stepq__error(STEPQ_EINVAL, "stepq_map_load_buffer: buf is NULL");
     if (cfg) {
-        if ((st = import_load_config(cfg, &max_bytes)) < 0)
+        if ((st = import_load_config(cfg, &max_bytes, &max_values)) < 0)
             return st;
     }
     if (len > max_bytes)
         return stepq__error(STEPQ_ERANGE, "input is %zu bytes, over the limit of %zu (max_bytes)",
                             len, max_bytes);
-    if ((st = lex_check((const unsigned char *)buf, len)) < 0)
+    if ((st = lex_check((const unsigned char *)buf, len, max_values)) < 0)
         return st;
 
     /* cJSON needs a NUL-terminated copy to reject trailing garbage. */
@@ -1222,7 +1237,8 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
 
 int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, stepq_map_t **out)
 {
-    size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, len = 0, cap;
+    size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, max_values = STEPQ__MAP_DEFAULT_MAX_VALUES;
+    size_t len = 0, cap;
     struct stat sb;
     char *buf = NULL;
     int fd, st;
@@ -1233,9 +1249,10 @@ int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, step
     if (!path)
         return stepq__error(STEPQ_EINVAL, "stepq_map_load_file: path is NULL");
     if (cfg) {
-        if ((st = import_load_config(cfg, &max_bytes)) < 0)
+        if ((st = import_load_config(cfg, &max_bytes, &max_values)) < 0)
             return st;
     }
+    (void)max_values; /* checked by stepq_map_load_buffer, which gets the same cfg */
     fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return stepq__error(STEPQ_EIO, "%s: %s", path, strerror(errno));

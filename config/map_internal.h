@@ -39,6 +39,9 @@
 
 /* Default load size limit (stepq_map_load_config.max_bytes == 0). */
 #define STEPQ__MAP_DEFAULT_MAX_BYTES ((size_t)256 << 20)
+/* Default JSON value limit (stepq_map_load_config.max_values == 0): 14x the values of the
+ * largest bundled map, about 340 MB of cJSON tree (64 B a node plus the allocator's). */
+#define STEPQ__MAP_DEFAULT_MAX_VALUES ((size_t)1 << 22)
 
 /* Provenance keys (SCHEMA.md): strings, numbers, and the candidate list. */
 enum stepq__prov_str {

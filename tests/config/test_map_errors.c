@@ -587,6 +587,62 @@ static void size_limit_and_config_header_are_enforced(void **state)
     stepq_map_close(m);
 }
 
+/* A document with an "x-pad" array of n zeros spliced in after its opening brace. */
+static char *with_pad(const char *doc, size_t n)
+{
+    size_t len = strlen(doc);
+    char *out = malloc(len + 16 + 2 * n);
+    size_t o = 0;
+    assert_non_null(out);
+    assert_int_equal(doc[0], '{');
+    o += (size_t)sprintf(out, "{\"x-pad\": [");
+    for (size_t i = 0; i < n; i++) {
+        out[o++] = '0';
+        out[o++] = ',';
+    }
+    if (n)
+        o--;
+    o += (size_t)sprintf(out + o, "], ");
+    memcpy(out + o, doc + 1, len); /* the rest, with its NUL */
+    return out;
+}
+
+/* The values are counted before parsing (the parse tree costs ~80 B a value), so the memory
+ * of a load is bounded by max_values whatever the file holds; the default passes every real
+ * map and an old (version 1) config struct gets it too. */
+static void the_value_count_bounds_a_load(void **state)
+{
+    stepq_map_load_config cfg = STEPQ_MAP_LOAD_CONFIG_INITIALIZER;
+    stepq_map_t *m = NULL;
+    char *doc = with_pad(U6_DOC, 2000);
+
+    assert_int_equal(stepq_map_load_buffer(doc, strlen(doc), NULL, &m), STEPQ_OK);
+    stepq_map_close(m);
+    cfg.max_values = 2000;
+    assert_int_equal(stepq_map_load_buffer(doc, strlen(doc), &cfg, &m), STEPQ_ERANGE);
+    assert_null(m);
+    assert_non_null(strstr(stepq_last_error(), "more than 2000 JSON values (max_values"));
+    free(doc);
+
+    /* 4.2 M zeros (8.4 MB) are over the default: refused at once, before any tree exists;
+     * they would have taken ~340 MB of parse tree. */
+    doc = with_pad(U6_DOC, 4200000);
+    assert_int_equal(stepq_map_load_buffer(doc, strlen(doc), NULL, &m), STEPQ_ERANGE);
+    assert_non_null(strstr(stepq_last_error(), "more than 4194304 JSON values"));
+    /* A version-1 caller (no max_values field) gets the default. */
+    stepq_map_load_config v1 = STEPQ_MAP_LOAD_CONFIG_INITIALIZER;
+    v1.size = offsetof(stepq_map_load_config, max_values);
+    v1.version = 1;
+    v1.max_values = 1; /* beyond its size: must not be read */
+    assert_int_equal(stepq_map_load_buffer(doc, strlen(doc), &v1, &m), STEPQ_ERANGE);
+    assert_non_null(strstr(stepq_last_error(), "more than 4194304 JSON values"));
+    free(doc);
+    doc = with_pad(U6_DOC, 10);
+    assert_int_equal(stepq_map_load_buffer(doc, strlen(doc), &v1, &m), STEPQ_OK);
+    stepq_map_close(m);
+    free(doc);
+}
+
 static void file_errors_name_the_file_and_content_errors_the_path(void **state)
 {
     char dir[] = "/tmp/stepq-test-errors-XXXXXX";
@@ -657,6 +713,7 @@ int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(every_base_document_loads),
+        cmocka_unit_test(the_value_count_bounds_a_load),
         cmocka_unit_test(every_malformed_map_fails_with_its_status_and_path),
         cmocka_unit_test(bits_error_names_layer_and_head_exactly),
         cmocka_unit_test(size_limit_and_config_header_are_enforced),

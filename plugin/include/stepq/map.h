@@ -131,9 +131,15 @@ typedef struct stepq_map_load_config {
     unsigned magic;
     unsigned version;
     size_t max_bytes; /**< refuse files larger than this (0 = 256 MiB default) */
+    /** Refuse input holding more JSON values than this (0 = default, 4,194,304), counted
+     * before parsing. The parse tree costs about 80 bytes a value (cJSON), so this bounds
+     * the memory of a load to about 340 MB plus twice the file's size whatever the file
+     * holds (a file of "x-" arrays of zeros would otherwise cost 40 times its size); the
+     * largest bundled map (Qwen3.8-27B, 975 kB) holds 302,122 values. (version 2) */
+    size_t max_values;
 } stepq_map_load_config;
 
-#define STEPQ_MAP_LOAD_CONFIG_VERSION 1
+#define STEPQ_MAP_LOAD_CONFIG_VERSION 2
 /* One field per line, by name (kept out of clang-format). */
 /* clang-format off */
 #define STEPQ_MAP_LOAD_CONFIG_INITIALIZER         \
@@ -142,6 +148,7 @@ typedef struct stepq_map_load_config {
         .magic = STEPQ_CONFIG_MAGIC,              \
         .version = STEPQ_MAP_LOAD_CONFIG_VERSION, \
         .max_bytes = 0,                           \
+        .max_values = 0,                          \
     }
 /* clang-format on */
 
