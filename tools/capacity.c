@@ -331,8 +331,7 @@ int stepq_tool_capacity(int argc, char **argv)
     per = stepq_pool_policy_slots(policy);
 
     if ((ret = stepq_map_load_file(path, NULL, &map)) < 0) {
-        fprintf(stderr, "stepq capacity: %s: %s (%s)\n", path, stepq_last_error(),
-                stepq_status_name(ret));
+        stepq_tool_path_error("capacity", path, NULL, stepq_last_error(), ret);
         return 1;
     }
     if ((ret = stepq_map_shape(map, &shape)) < 0 ||

@@ -175,7 +175,7 @@ def main():
     p = run(["eval", "--map", m4, badmap, "--trace", trace])
     check(p.returncode == 1 and badmap in p.stderr, "eval names the map that failed", p.stderr)
     for args in (["inspect", badmap], ["inspect", os.path.join(d, "none.json")],
-                 ["simulate", os.path.join(d, "none.json")]):
+                 ["simulate", os.path.join(d, "none.json")], ["capacity", os.path.join(d, "none.json")]):
         p = run(args)
         check(p.returncode == 1 and p.stderr.count(args[1]) == 1,
               " ".join(args[:1]) + ": the path once", p.stderr)
