@@ -313,16 +313,27 @@ int stepq_tool_eval(int argc, char **argv)
             rc = 1;
         }
     }
-    struct stepq__eval c = { ts,    I,    n_maps, maps, pools, nb,   bucket,
-                             t_inj, NULL, NULL,   NULL, NULL,  NULL, NULL };
+    struct stepq__eval c = { .ts = ts,
+                             .I = I,
+                             .n_maps = n_maps,
+                             .maps = maps,
+                             .pools = pools,
+                             .nb = nb,
+                             .bucket = bucket,
+                             .t_inj = t_inj };
     if (!rc) {
         c.acc = calloc((size_t)M * H * S, sizeof(*c.acc));
         c.curve_err = calloc((size_t)M * H * S * nb, sizeof(double));
         c.curve_ref = calloc((size_t)M * H * S * nb, sizeof(double));
         c.lret = calloc((size_t)H, sizeof(double));
         c.inj = calloc((size_t)H * S * 4, sizeof(double));
+        if (I->arch == STEPQ_ARCH_KDA) {
+            c.row_serr = calloc((size_t)H * S * I->K, sizeof(double));
+            c.row_lret = calloc((size_t)H * I->K, sizeof(double));
+        }
         c.rc = calloc((size_t)H, sizeof(int));
-        if (!c.acc || !c.curve_err || !c.curve_ref || !c.lret || !c.inj || !c.rc) {
+        if (!c.acc || !c.curve_err || !c.curve_ref || !c.lret || !c.inj || !c.rc ||
+            (I->arch == STEPQ_ARCH_KDA && (!c.row_serr || !c.row_lret))) {
             fprintf(stderr, "stepq eval: out of memory\n");
             rc = 1;
         }
@@ -488,6 +499,41 @@ int stepq_tool_eval(int argc, char **argv)
         rho_s[s] = stepq__calib_spearman(du, hl, H);
     }
     struct ms rs = mean_se(rho_s, S);
+    /* KDA: the same over key rows (its units), from the per-row statistics of the jobs. */
+    double rho_r = NAN, *rho_rs = NULL;
+    struct ms rrs = { NAN, NAN };
+    const int R = I->arch == STEPQ_ARCH_KDA ? H * I->K : 0;
+    if (R) {
+        double *dr = malloc(sizeof(double) * (size_t)R), *hr = malloc(sizeof(double) * (size_t)R);
+        rho_rs = calloc((size_t)S, sizeof(double));
+        if (!dr || !hr || !rho_rs) {
+            free(dr);
+            free(hr);
+            free(rho_rs);
+            free(du);
+            free(rho_s);
+            fprintf(stderr, "stepq eval: out of memory\n");
+            rc = 1;
+            goto done2;
+        }
+        for (int u = 0; u < R; u++) {
+            double l = c.row_lret[u];
+            int h = u / I->K, i = u % I->K;
+            hr[u] = l < 0 ? 0.69314718055994531 / -l : 1e30;
+            dr[u] = 0;
+            for (int s = 0; s < S; s++)
+                dr[u] += c.row_serr[((size_t)h * S + s) * I->K + i];
+        }
+        rho_r = stepq__calib_spearman(dr, hr, R);
+        for (int s = 0; s < S; s++) {
+            for (int u = 0; u < R; u++)
+                dr[u] = c.row_serr[((size_t)(u / I->K) * S + s) * I->K + u % I->K];
+            rho_rs[s] = stepq__calib_spearman(dr, hr, R);
+        }
+        rrs = mean_se(rho_rs, S);
+        free(dr);
+        free(hr);
+    }
     /* Injection ratios per stream (summed over heads) and pooled. */
     double pooled[4] = { 0 }, *r6 = malloc(sizeof(double) * S), *r8 = malloc(sizeof(double) * S);
     for (int s = 0; s < S; s++) {
@@ -514,6 +560,9 @@ int stepq_tool_eval(int argc, char **argv)
         "Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "
         "units)\n",
         rho, rs.mean, rs.se, H);
+    if (R)
+        tab(tf, "  over key rows (KDA units): pooled %.3f, per stream %.3f +- %.3f (%d rows)\n",
+            rho_r, rrs.mean, rrs.se, R);
     tab(tf,
         "single injection at step %d, oracle / native squared readout error:\n"
         "  INT6 %.2f (per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
@@ -523,6 +572,13 @@ int stepq_tool_eval(int argc, char **argv)
         json_num(jf, rho);
         fputs(", ", jf);
         json_ms(jf, "per_stream", rs, 1);
+        if (R) {
+            fputs(", \"rows\": {\"pooled\": ", jf);
+            json_num(jf, rho_r);
+            fputs(", ", jf);
+            json_ms(jf, "per_stream", rrs, 1);
+            fprintf(jf, ", \"n\": %d}", R);
+        }
         fprintf(jf, "},\n\"injection\": {\"step\": %d, \"int6_ratio\": ", t_inj);
         json_num(jf, pooled[0] > 0 ? pooled[1] / pooled[0] : NAN);
         fputs(", \"int8_ratio\": ", jf);
@@ -640,6 +696,7 @@ int stepq_tool_eval(int argc, char **argv)
     }
     free(du);
     free(rho_s);
+    free(rho_rs);
     free(r6);
     free(r8);
 done2:
@@ -655,6 +712,8 @@ done:
         stepq_map_close(maps[m]);
     }
     free(c.acc);
+    free(c.row_serr);
+    free(c.row_lret);
     free(c.curve_err);
     free(c.curve_ref);
     free(c.lret);

@@ -114,6 +114,14 @@ def main():
     pd = os.path.join(d, "plots-new")
     run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--plot", pd])
     assert any(n.endswith(".spec.json") for n in os.listdir(pd)), os.listdir(pd)
+    # KDA's units are key rows: eval's Spearman is over the 2 x 2 x 16 rows as well as the heads
+    # (on these synthetic traces longer-lived rows accumulate more error); GDN has no row entry.
+    kj = os.path.join(d, "eval-kda.json")
+    p = run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--json", kj])
+    sr = json.load(open(kj))["spearman_uniform6_halflife"]
+    assert sr["rows"]["n"] == 64 and 0.5 < sr["rows"]["pooled"] <= 1.0, sr
+    assert "over key rows (KDA units)" in p.stdout and "(64 rows)" in p.stdout, p.stdout
+    assert "rows" not in e["spearman_uniform6_halflife"], e["spearman_uniform6_halflife"]
     # Errors: a truncated trace and a bad option.
     bad = os.path.join(d, "bad.safetensors")
     with open(traces[0], "rb") as f:

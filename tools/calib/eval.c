@@ -132,6 +132,19 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 e2[m] = e2m;
                 stepq__calib_quant_apply(&qz[m], X);
             }
+            if (kda && c->row_serr) { /* per key row, the internal uniform@6 (method n_maps) */
+                const float *X = Sq + KV * c->n_maps;
+                double *rs = c->row_serr + ((size_t)job * S + s) * K;
+                for (int i = 0; i < K; i++) {
+                    double a = 0.0;
+                    for (int j = 0; j < V; j++) {
+                        double d = (double)X[(size_t)i * V + j] - Sr[(size_t)i * V + j];
+                        a += d * d;
+                    }
+                    rs[i] += a;
+                    c->row_lret[(size_t)job * K + i] += g[i] / ((double)S * T);
+                }
+            }
             state_sums(Sr, Sq, M, KV, &s2, se);
             for (int m = 0; m < M; m++) {
                 struct stepq__eval_acc *a = &c->acc[((size_t)m * H + job) * S + s];

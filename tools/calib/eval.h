@@ -34,6 +34,10 @@ struct stepq__eval {
     double *lret;                  /* [heads] mean g (GDN) / mean over rows (KDA) */
     double *inj;                   /* [heads][S][4]: native6, oracle6, native8, oracle8 */
     int *rc;
+    /* KDA only (NULL otherwise): a unit is a key row, so the lifetime statistics are also
+     * kept per row: the internal uniform@6's state error and the mean log decay. */
+    double *row_serr; /* [heads][S][K] */
+    double *row_lret; /* [heads][K] */
 };
 
 /** One job (stepq__calib_parallel's job function): head `job` of c's traces. */
