@@ -37,8 +37,8 @@
  * for CUDA entries device pointers, and `stream` is the cudaStream_t the
  * work is queued on (ignored by the C entries).
  *
- * Per (request, value head), in this order (DESIGN.md section 1, the order
- * of flash-linear-attention and transformers):
+ * Per (request, value head), in this order (the order of
+ * flash-linear-attention and transformers, which this project adopts):
  *   q <- q * rsqrt(sum q^2 + 1e-6), same for k        (if l2norm)
  *   q <- q * scale                                    (scale <= 0: d_k^-1/2)
  *   S <- exp(g) S        (GDN: scalar; KDA: row i scaled by exp(g_i))

@@ -21,7 +21,7 @@
  *
  * The peer (flash-linear-attention's fp32-state kernels) is timed by
  * tools/bench_peer_fla.py in its own process; --peer reads its JSON. Without
- * it the fp32 rows carry the peer times quoted in issue 5, marked as quoted.
+ * it the fp32 rows carry peer times quoted from an earlier H200 measurement, marked as quoted.
  */
 #include <errno.h>
 #include <math.h>
@@ -131,8 +131,9 @@ static int parse_opts(int argc, char **argv, struct kopts *k)
 #define PEER_MAX_BYTES (1u << 20)
 
 /*
- * Quoted from issue 5 (fla fused_recurrent_gated_delta_rule / fused_recurrent_kda, fp32
- * state, same H200 model), per shape (GDN, KDA) and batch; 0: none quoted. NOT measured here.
+ * Quoted from an earlier measurement on the same H200 model (fla fused_recurrent_gated_delta_rule
+ * / fused_recurrent_kda, fp32 state; tools/scripts/bench_peer_fla.py measures it afresh), per
+ * shape (GDN, KDA) and batch; 0: none quoted. NOT measured here.
  */
 static const double peer_us_quoted[2][N_BATCHES] = { { 82, 75, 113, 158, 245, 431, 797 },
                                                      { 0, 0, 0, 0, 0, 0, 742 } };
@@ -594,7 +595,7 @@ static int usage(FILE *f)
                "  --peer: the JSON of tools/bench_peer_fla.py (flash-linear-attention's fp32\n"
                "  kernels, timed in a separate process): adds 'peer us' and 'vs peer' (peer us /\n"
                "  us) to the step rows at the batches it has. Without it the fp32 rows show the\n"
-               "  times quoted in issue 5 as 'peer us (q)', not measured.\n"
+               "  times of an earlier H200 run as 'peer us (q)', quoted, not measured.\n"
                "  Rows marked (old) run the thread-per-column kernels; 'bf16' and '[V,K]' name\n"
                "  the dense side of a pack or unpack (fp32 [K,V] otherwise). Rows:\n");
     int col = 0;
@@ -703,7 +704,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             stepq_tool_json_str(jf, peer.device);
             fprintf(jf, ", \"copy_gbs\": %.1f, \"applies_to\": \"step rows\"}", peer.copy_gbs);
         } else
-            fprintf(jf, "{\"source\": \"quoted\", \"reference\": \"issue 5\", \"applies_to\": "
+            fprintf(jf, "{\"source\": \"quoted\", \"reference\": \"an earlier H200 measurement\", "
+                        "\"applies_to\": "
                         "\"fp32 rows\"}");
         fprintf(jf, ",\n \"rows\": [");
     }
@@ -887,7 +889,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     fp32_us = us;
                 double gbs = bytes / (us * 1e-6) / 1e9;
                 /* The peer runs a decode step on fp32 states: measured, next to every step
-                 * row; quoted, on the fp32 row as in issue 5. */
+                 * row; quoted, on the fp32 row. */
                 double pus = (measured ? step : ri == 0) ? peer.us[shape][bi] : 0;
                 double quoted = ri == 0 ? peer_us_quoted[shape][bi] : 0;
                 if (rc == 0) {
@@ -941,7 +943,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             "us, on the step rows at the batches the peer file has.\n",
             peer.file);
     else
-        tprintf("peer us (q): quoted from issue 5 (flash-linear-attention "
+        tprintf("peer us (q): quoted from an earlier run (flash-linear-attention "
                 "fused_recurrent_gated_delta_rule /\n"
                 "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
     stepq_tool_progress_end(&prog);
