@@ -166,16 +166,26 @@ const char *stepq_pool_last_error(const stepq_pool_t *h)
      * the pool's text under the same lock, and the copy stays valid for this
      * thread until its next call here. */
     static _Thread_local char text[STEPQ__ERRLEN];
+    struct stepq__handle_entry *e;
     stepq_pool_t *pool;
+    uint32_t gen = 0;
 
+    /* Not stepq__pool_enter(): asking for a closed pool's text is no failure,
+     * so it neither replaces the thread's text (the failure being asked
+     * about) nor reaches the logger. */
     if (!h)
         return "pool is NULL";
-    if (stepq__pool_enter((stepq_pool_t *)h, "stepq_pool_last_error", &pool) < 0)
+    e = stepq__handle_entry_of(h, &gen);
+    if (!e)
         return closed_text;
-    memcpy(text, pool->err, sizeof(text));
-    text[sizeof(text) - 1] = '\0';
-    stepq__pool_leave(pool);
-    return text;
+    pthread_mutex_lock(&e->mu);
+    pool = stepq__handle_live(e, gen, STEPQ__HANDLE_POOL);
+    if (pool) {
+        memcpy(text, pool->err, sizeof(text));
+        text[sizeof(text) - 1] = '\0';
+    }
+    pthread_mutex_unlock(&e->mu);
+    return pool ? text : closed_text;
 }
 
 /* --- open / close --------------------------------------------------------- */

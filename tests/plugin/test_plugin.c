@@ -189,6 +189,10 @@ static void each_failure_is_logged_once_with_its_final_text(void **state)
     assert_logged_once(stepq_map_set_unit_bits(map, 0, 0, 7));
     assert_int_equal(stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
     assert_logged_once(stepq_pool_alloc(pool, 1, ids)); /* stale handle */
+    /* Reading a closed pool's text is no failure: the thread's text stays. */
+    assert_string_equal(stepq_pool_last_error(pool), "pool handle is closed or not valid");
+    assert_string_equal(stepq_last_error(), "stepq_pool_alloc: pool handle is closed or not valid");
+    assert_int_equal(got.n, 0);
     assert_null(stepq_plugin_get(0));
     assert_logged_once(STEPQ_EVERSION);
 

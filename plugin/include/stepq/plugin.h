@@ -83,8 +83,10 @@ typedef void (*stepq_log_fn)(void *user, int level, const char *msg);
  * unknown version is such a failure. Successful calls log nothing.
  *
  * Threads: the callback runs on the thread whose call failed, so it may run
- * on several threads at once and must be thread-safe itself. stepq calls
- * that fail inside the callback are not logged (no recursion).
+ * on several threads at once and must be thread-safe itself. It is never
+ * called with a pool's or the library's lock held, so it may call stepq
+ * (stepq_pool_last_error(), say); stepq calls that fail inside the
+ * callback are not logged (no recursion).
  * stepq_set_logger() may be called from any thread at any time; when it
  * returns, no thread is still inside the previous callback and none will
  * enter it again, so its user data may be freed. It must not be called from
