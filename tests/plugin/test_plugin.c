@@ -102,6 +102,48 @@ static void version_1_is_the_public_api(void **state)
     }
 }
 
+/*
+ * Version 1 as released: its members in this order, one pointer each after
+ * the 16-byte header. A member inserted, removed or moved (instead of
+ * appended in a version 2) fails here.
+ */
+/* clang-format off */
+#define MEMBER(m) { #m, offsetof(stepq_plugin_v1, m), sizeof(((stepq_plugin_v1 *)0)->m) }
+/* clang-format on */
+static const struct {
+    const char *name;
+    size_t offset, size;
+} v1_members[] = {
+    MEMBER(version_number),    MEMBER(version_string),      MEMBER(status_name),
+    MEMBER(strerror),          MEMBER(last_error),          MEMBER(set_logger),
+    MEMBER(map_load_file),     MEMBER(map_load_buffer),     MEMBER(map_close),
+    MEMBER(map_shape),         MEMBER(map_budget_bits),     MEMBER(map_unit_stats),
+    MEMBER(map_fingerprint),   MEMBER(map_last_error),      MEMBER(pool_plan),
+    MEMBER(pool_open),         MEMBER(pool_close),          MEMBER(pool_alloc),
+    MEMBER(pool_free),         MEMBER(pool_clear),          MEMBER(pool_copy),
+    MEMBER(pool_copy_to_host), MEMBER(pool_copy_from_host), MEMBER(pool_sync),
+    MEMBER(pool_buffer_infos), MEMBER(pool_health_words),   MEMBER(pool_health_read),
+    MEMBER(pool_get_stats),    MEMBER(pool_get_layout),     MEMBER(pool_is_allocated),
+    MEMBER(pool_last_error),   MEMBER(pool_supports),       MEMBER(pool_decode_step),
+    MEMBER(pool_prefill_pack), MEMBER(pool_prefill_unpack), MEMBER(pool_conv_state),
+};
+#undef MEMBER
+
+static void version_1_layout_is_frozen(void **state)
+{
+    const size_t n = sizeof(v1_members) / sizeof(v1_members[0]);
+    size_t at = 2 * sizeof(uint32_t) + sizeof(const char *); /* size, version, name */
+
+    assert_int_equal(n, 36);
+    for (size_t i = 0; i < n; i++) {
+        if (v1_members[i].offset != at)
+            fail_msg("%s is at %zu, not %zu", v1_members[i].name, v1_members[i].offset, at);
+        assert_int_equal(v1_members[i].size, sizeof(void (*)(void)));
+        at += v1_members[i].size;
+    }
+    assert_int_equal(sizeof(stepq_plugin_v1), at);
+}
+
 /* --- the logger ------------------------------------------------------------ */
 
 static struct {
@@ -311,6 +353,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(unknown_versions_give_null_and_name_the_provided_ones),
         cmocka_unit_test(version_1_is_the_public_api),
+        cmocka_unit_test(version_1_layout_is_frozen),
         cmocka_unit_test(each_failure_is_logged_once_with_its_final_text),
         cmocka_unit_test(the_callback_is_not_reentered_and_cannot_replace_itself),
         cmocka_unit_test(every_thread_logs_and_a_replaced_logger_is_never_called_again),
