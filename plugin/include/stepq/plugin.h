@@ -36,6 +36,12 @@
  * The tables are static constants: stepq_plugin_get() may be called from
  * any thread, any number of times, and the pointers stay valid until the
  * library is unloaded.
+ *
+ * Unloading: load the library once per process and keep it. It holds state
+ * for the life of the process (the handle table, whose entries are never
+ * freed so that a closed handle stays invalid for good), which a dlclose()
+ * would leak (64 KiB per 1024 maps and pools open at once), and no call may
+ * be running or follow when it is unloaded.
  */
 #ifndef STEPQ_PLUGIN_H
 #define STEPQ_PLUGIN_H
