@@ -106,9 +106,10 @@ STEPQ_API int stepq_set_logger(stepq_log_fn fn, void *user);
 
 /**
  * Version 1 of the plugin table. Each member points at the public function
- * of the same name without the `stepq_` prefix (its documentation is that
- * function's, in stepq/map.h, pool.h, step.h and common.h). Frozen: see the
- * ABI rules above.
+ * of the same name without the `stepq_` prefix (version_number: the header
+ * has a `version`, so stepq_version() is named so here); its documentation
+ * is that function's, in stepq/map.h, pool.h, step.h, common.h and above.
+ * Frozen: see the ABI rules above.
  */
 struct stepq_plugin_v1 {
     uint32_t size;    /**< sizeof(struct stepq_plugin_v1) */
