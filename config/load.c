@@ -1168,8 +1168,8 @@ static int import_load_config(const stepq_map_load_config *cfg, size_t *max_byte
     return STEPQ_OK;
 }
 
-int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_config *cfg,
-                          stepq_map_t **out)
+static int load_buffer(const char *buf, size_t len, const stepq_map_load_config *cfg,
+                       stepq_map_t **out)
 {
     size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, max_values = STEPQ__MAP_DEFAULT_MAX_VALUES;
     const char *end = NULL;
@@ -1235,7 +1235,22 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
     return st;
 }
 
-int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, stepq_map_t **out)
+/*
+ * A load's checks wrap one another's texts (a missing field, then the method
+ * that requires it): the logger gets the final one, once (plugin/err.h).
+ */
+int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_config *cfg,
+                          stepq_map_t **out)
+{
+    int st;
+
+    stepq__log_defer();
+    st = load_buffer(buf, len, cfg, out);
+    stepq__log_flush();
+    return st;
+}
+
+static int load_file(const char *path, const stepq_map_load_config *cfg, stepq_map_t **out)
 {
     size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, max_values = STEPQ__MAP_DEFAULT_MAX_VALUES;
     size_t len = 0, cap;
@@ -1312,9 +1327,19 @@ int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, step
         }
     }
     /* Content errors name the JSON path only; the caller knows the file. */
-    st = stepq_map_load_buffer(buf, len, cfg, out);
+    st = load_buffer(buf, len, cfg, out);
 done:
     free(buf);
     close(fd);
+    return st;
+}
+
+int stepq_map_load_file(const char *path, const stepq_map_load_config *cfg, stepq_map_t **out)
+{
+    int st;
+
+    stepq__log_defer();
+    st = load_file(path, cfg, out);
+    stepq__log_flush();
     return st;
 }

@@ -31,6 +31,23 @@ int stepq__error_obj(char *obj_buf, int status, const char *fmt, ...) STEPQ__PRI
 /** va_list form of stepq__error_obj. */
 int stepq__verror_obj(char *obj_buf, int status, const char *fmt, va_list ap);
 
+/**
+ * Passes msg to the host's logger (stepq_set_logger()) at level (a
+ * stepq_log_level), if one is set. Every error text reaches it through
+ * stepq__verror_obj(); nothing in the library prints.
+ */
+void stepq__log(int level, const char *msg);
+
+/**
+ * Brackets a public call whose failure may set several texts (inner checks,
+ * then outer ones naming the call): errors set on this thread between the
+ * two are not logged as they are set; stepq__log_flush() logs the last one,
+ * once, if any was set. Calls nest; only the outermost flush logs. Every
+ * defer is followed by exactly one flush on the same thread.
+ */
+void stepq__log_defer(void);
+void stepq__log_flush(void);
+
 /** Checks a versioned config struct header; returns STEPQ_EVERSION with a message if wrong. */
 int stepq__check_config(const void *cfg, size_t min_size, unsigned max_version, const char *what);
 

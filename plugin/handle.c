@@ -25,14 +25,14 @@ int stepq__handle_add(void *obj, int kind, void **handle, struct stepq__handle_e
 {
     struct stepq__handle_entry *e;
     uint32_t index;
-    int ret = STEPQ_OK;
+    int ret = STEPQ_OK, full = 0;
 
     pthread_mutex_lock(&table_mu);
     if (n_free > 0) {
         index = free_list[--n_free];
     } else if (n_entries == (uint32_t)MAX_CHUNKS * ENTRIES_PER_CHUNK) {
-        ret = stepq__error_obj(err, STEPQ_ENOMEM, "%u objects are open: the handle table is full",
-                               n_entries);
+        ret = STEPQ_ENOMEM;
+        full = 1;
         goto out;
     } else {
         index = n_entries;
@@ -42,7 +42,7 @@ int stepq__handle_add(void *obj, int kind, void **handle, struct stepq__handle_e
             if (c)
                 memset(c, 0, ENTRIES_PER_CHUNK * sizeof(*c));
             if (!c) {
-                ret = stepq__error_obj(err, STEPQ_ENOMEM, "out of memory (handle table)");
+                ret = STEPQ_ENOMEM;
                 goto out;
             }
             for (uint32_t k = 0; k < ENTRIES_PER_CHUNK; k++) {
@@ -62,6 +62,13 @@ int stepq__handle_add(void *obj, int kind, void **handle, struct stepq__handle_e
     *handle = (void *)(uintptr_t)(((uint64_t)atomic_load(&e->gen) << 32) | ((uint64_t)index + 1));
 out:
     pthread_mutex_unlock(&table_mu);
+    /* The text is set outside the lock: setting it may call the host's
+     * logger, which may open maps and pools itself. */
+    if (full)
+        return stepq__error_obj(err, ret, "%u objects are open: the handle table is full",
+                                (uint32_t)MAX_CHUNKS * ENTRIES_PER_CHUNK);
+    if (ret < 0)
+        return stepq__error_obj(err, ret, "out of memory (handle table)");
     return ret;
 }
 

@@ -9,8 +9,18 @@
 
 #include "plugin/err.h"
 #include "stepq/common.h"
+#include "stepq/plugin.h"
 
 static _Thread_local char last_error[STEPQ__ERRLEN];
+
+/*
+ * One log line per failing call: inside a call that brackets itself with
+ * stepq__log_defer() / stepq__log_flush() (every pool call, map loads), the
+ * texts set by its inner checks, and the outer texts that prefix them, are
+ * logged once, when the call ends, as the final text.
+ */
+static _Thread_local int defer_depth;
+static _Thread_local int defer_pending;
 
 const char *stepq_status_name(int status)
 {
@@ -64,7 +74,24 @@ int stepq__verror_obj(char *obj_buf, int status, const char *fmt, va_list ap)
     memcpy(last_error, tmp, sizeof(tmp));
     if (obj_buf)
         memcpy(obj_buf, tmp, sizeof(tmp));
+    if (defer_depth > 0)
+        defer_pending = 1;
+    else
+        stepq__log(STEPQ_LOG_ERROR, last_error);
     return status;
+}
+
+void stepq__log_defer(void)
+{
+    defer_depth++;
+}
+
+void stepq__log_flush(void)
+{
+    if (defer_depth > 0 && --defer_depth == 0 && defer_pending) {
+        defer_pending = 0;
+        stepq__log(STEPQ_LOG_ERROR, last_error);
+    }
 }
 
 int stepq__error_obj(char *obj_buf, int status, const char *fmt, ...)

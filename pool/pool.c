@@ -138,12 +138,16 @@ int stepq__pool_enter(stepq_pool_t *h, const char *fn, stepq_pool_t **pool)
         pthread_mutex_unlock(&e->mu);
         return stepq__error(STEPQ_EBADF, "%s: %s", fn, closed_text);
     }
+    /* Until the leave, a failure's texts (the check's, then the call's
+     * prefixed one) are logged once, as the final text. */
+    stepq__log_defer();
     return STEPQ_OK;
 }
 
 void stepq__pool_leave(stepq_pool_t *pool)
 {
     pthread_mutex_unlock(&pool->entry->mu);
+    stepq__log_flush();
 }
 
 stepq_pool_t *stepq__pool_resolve(stepq_pool_t *h)
@@ -162,16 +166,26 @@ const char *stepq_pool_last_error(const stepq_pool_t *h)
      * the pool's text under the same lock, and the copy stays valid for this
      * thread until its next call here. */
     static _Thread_local char text[STEPQ__ERRLEN];
+    struct stepq__handle_entry *e;
     stepq_pool_t *pool;
+    uint32_t gen = 0;
 
+    /* Not stepq__pool_enter(): asking for a closed pool's text is no failure,
+     * so it neither replaces the thread's text (the failure being asked
+     * about) nor reaches the logger. */
     if (!h)
         return "pool is NULL";
-    if (stepq__pool_enter((stepq_pool_t *)h, "stepq_pool_last_error", &pool) < 0)
+    e = stepq__handle_entry_of(h, &gen);
+    if (!e)
         return closed_text;
-    memcpy(text, pool->err, sizeof(text));
-    text[sizeof(text) - 1] = '\0';
-    stepq__pool_leave(pool);
-    return text;
+    pthread_mutex_lock(&e->mu);
+    pool = stepq__handle_live(e, gen, STEPQ__HANDLE_POOL);
+    if (pool) {
+        memcpy(text, pool->err, sizeof(text));
+        text[sizeof(text) - 1] = '\0';
+    }
+    pthread_mutex_unlock(&e->mu);
+    return pool ? text : closed_text;
 }
 
 /* --- open / close --------------------------------------------------------- */
@@ -237,12 +251,13 @@ int stepq_pool_plan(const stepq_pool_config *user, stepq_pool_plan_info *out)
     int32_t slots;
     int ret;
 
+    stepq__log_defer();
     ret = check_open_args(user, &cfg, out, "stepq_pool_plan");
     if (ret < 0)
-        return ret;
+        goto done;
     ret = stepq__pool_layout_build(&cfg, &layout, NULL);
     if (ret < 0)
-        return ret;
+        goto done;
     ret = stepq__pool_sizing(&cfg, l->page_bytes, &slots, NULL);
     if (ret < 0)
         goto out;
@@ -258,6 +273,8 @@ int stepq_pool_plan(const stepq_pool_config *user, stepq_pool_plan_info *out)
     out->meta_bytes = meta_bytes_of(&layout, slots, cfg.backend);
 out:
     stepq__pool_layout_free(&layout);
+done:
+    stepq__log_flush();
     return ret;
 }
 
@@ -269,13 +286,15 @@ int stepq_pool_open(const stepq_pool_config *user, stepq_pool_t **out)
 
     if (out)
         *out = NULL;
+    /* Layout and backend failures wrap inner texts: logged once, at the end. */
+    stepq__log_defer();
     ret = check_open_args(user, &cfg, out, "stepq_pool_open");
-    if (ret < 0)
-        return ret;
-    ret = stepq__pool_layout_build(&cfg, &layout, NULL);
-    if (ret < 0)
-        return ret;
-    return stepq__pool_open_layout(&cfg, &layout, out);
+    if (ret >= 0)
+        ret = stepq__pool_layout_build(&cfg, &layout, NULL);
+    if (ret >= 0)
+        ret = stepq__pool_open_layout(&cfg, &layout, out);
+    stepq__log_flush();
+    return ret;
 }
 
 int stepq__pool_open_layout(const stepq_pool_config *cfg, struct stepq__pool_layout *layout,
@@ -408,6 +427,7 @@ int stepq_pool_close(stepq_pool_t *h, unsigned flags)
     free(pool->scratch);
     stepq__pool_layout_free(&pool->layout);
     free(pool);
+    stepq__log_flush(); /* the enter's, as stepq__pool_leave() would */
     return ret;
 }
 

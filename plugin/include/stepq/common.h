@@ -5,7 +5,9 @@
  * Every function of the library reports failure through an enum stepq_status
  * value (0 on success, negative on error) and never aborts or exits the host
  * process. A human-readable detail for the last failure is kept per object
- * (e.g. stepq_map_last_error()) and per thread (stepq_last_error()).
+ * (e.g. stepq_map_last_error()) and per thread (stepq_last_error()), and
+ * goes to the host's logger when one is set (stepq_set_logger(),
+ * stepq/plugin.h): the library itself never prints.
  */
 #ifndef STEPQ_COMMON_H
 #define STEPQ_COMMON_H

@@ -7,6 +7,7 @@
 
 #include "stepq/common.h"
 #include "stepq/map.h"
+#include "stepq/plugin.h"
 #include "stepq/pool.h"
 #include "stepq/step.h"
 #include "stepq/version.h"
