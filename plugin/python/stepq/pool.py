@@ -349,16 +349,18 @@ class StatePool:
 
     def _slot_ids(self, ids, name="cache_indices"):
         """Slot ids for the data path: host int32 memory (host backend), an
-        int32 tensor on the pool's device (CUDA backend). Returns (view, keep):
-        keep holds a converted copy alive."""
+        int32 tensor on the pool's device (CUDA backend), as a View;
+        the view holds a converted copy alive."""
         if self.device == "cpu" and not (hasattr(ids, "__array_interface__") or hasattr(ids, "data_ptr")):
             np = _numpy()
             arr, n = _host_ids(ids, name)
             ids = np.frombuffer(arr, dtype=np.int32) if n else np.zeros(0, np.int32)
         v = T.view(ids, name, self.device, ("int32",))
-        if len(v.shape) != 1 or (v.shape[0] > 1 and v.strides[0] != 1):
-            raise bad_arg("%s: expected a contiguous 1-D int32 tensor, got shape %s strides %s"
-                          % (name, list(v.shape), list(v.strides)), "STEPQ_ESHAPE")
+        if len(v.shape) != 1:
+            raise bad_arg("%s: expected a 1-D int32 tensor, got shape %s"
+                          % (name, list(v.shape)), "STEPQ_ESHAPE")
+        if v.shape[0] > 1 and v.strides[0] != 1:
+            raise bad_arg("%s: must be contiguous (stride %d)" % (name, v.strides[0]))
         return v
 
     def decode(self, layer, q, k, v, a, b, A_log=None, dt_bias=None, cache_indices=None,
