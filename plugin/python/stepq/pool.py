@@ -237,6 +237,19 @@ class StatePool:
             raise bad_arg("src, dst: %d and %d ids; the lists pair up" % (ns, nd), "STEPQ_ESHAPE")
         check(lib.stepq_pool_copy(self.handle, s, d, ns))
 
+    def fork_from(self, src):
+        """Allocates one slot and copies slot src's page into it (radix
+        copy-on-write); the new slot id, or None when the pool is full."""
+        dst = self.alloc(1)
+        if dst is None:
+            return None
+        try:
+            self.copy_from([src], dst)
+        except BaseException:
+            self.free(dst)
+            raise
+        return dst[0]
+
     def get_cpu_copy(self, ids):
         """The pages of ids as a host numpy uint8 array [len(ids), page_bytes]
         (host offload); rows of -1 entries are zero. Synchronises the

@@ -152,6 +152,11 @@ def test_copy_from_duplicates_whole_pages():
         pool.copy_from([a, b], [b, c])  # b both a source and a destination
     with raises(stepq.StepqError, name="STEPQ_EINVAL"):
         pool.copy_from([a, a], [c, c])  # a destination twice
+    d = pool.fork_from(a)
+    assert np.array_equal(pool.get_cpu_copy([d])[0], pages[0])
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.fork_from(pool.size)  # not allocated (5 and 6 are free): the new slot goes back
+    assert pool.available_size() == 2
     with raises(ValueError, match="src, dst"):
         pool.copy_from([a], [b, c])
     assert not pool.get_cpu_copy([c]).any()
