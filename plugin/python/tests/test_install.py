@@ -1,9 +1,11 @@
 """The package as a user gets it: importing needs neither torch nor numpy
 (nor a GPU), the library is found by STEPQ_LIBRARY and refused with a clear
-ImportError when it is not there, and `pip install --target DIR
-plugin/python` gives a package that imports and works from DIR."""
+ImportError when it is not there, `pip install --target DIR plugin/python`
+gives a package that imports and works from DIR, and the example of
+plugin/python/README.md runs as printed."""
 
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -76,6 +78,15 @@ def test_pip_install_target_gives_an_importable_package():
                 % (target, _harness.data("config", "calibrated", "tiny-kda", "fp32.json")))
         r = _python(code, {"PYTHONPATH": target}, cwd=tmp)
         assert r.returncode == 0 and r.stdout.strip() == "ok 1", r.stdout
+
+
+def test_the_readme_example_runs_as_printed():
+    _harness.need_numpy()
+    text = open(os.path.join(_harness.PACKAGE_ROOT, "README.md"), encoding="utf-8").read()
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", text, re.S) if "import stepq" in b]
+    assert len(blocks) == 1, "plugin/python/README.md: %d python blocks import stepq" % len(blocks)
+    r = _python(blocks[0], {"PYTHONPATH": _harness.PACKAGE_ROOT}, cwd=_harness.SOURCE_ROOT)
+    assert r.returncode == 0 and r.stdout.strip() == "STEPQ_EDOUBLEFREE", r.stdout
 
 
 if __name__ == "__main__":
