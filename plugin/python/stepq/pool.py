@@ -467,6 +467,38 @@ class StatePool:
                                          self._stream(stream)))
         return out
 
+    def supports(self, op="decode", layer=-1, *, dtype="fp32", param_dtype="fp32", layout="kv",
+                 gate_in_kernel=True, beta_sigmoid=None, l2norm=True, batch=1):
+        """Whether the pool's backend runs `op` ("decode", "pack", "unpack")
+        on `layer` (-1: every layer) with these dtypes, layout, flags and
+        batch (stepq_pool_supports): (True, "") or (False, the reason, e.g.
+        "cuda backend: head 64x64; ..."). A server asks once at load time.
+        Arguments that are wrong on every backend raise StepqError."""
+        ops = {"decode": _lib.OP_DECODE_STEP, "pack": _lib.OP_PREFILL_PACK,
+               "unpack": _lib.OP_PREFILL_UNPACK}
+        if op not in ops:
+            raise bad_arg("op: %r is not one of %s" % (op, ", ".join(ops)))
+        for name, value in (("dtype", dtype), ("param_dtype", param_dtype)):
+            if value not in _lib.DTYPES:
+                raise bad_arg("%s: %r is not one of %s" % (name, value, ", ".join(_lib.DTYPES)))
+        if op == "decode":
+            if beta_sigmoid is None:
+                beta_sigmoid = gate_in_kernel
+            args = _lib.StepArgs.new(
+                batch=batch, dtype=_lib.DTYPES[dtype], param_dtype=_lib.DTYPES[param_dtype],
+                flags=(_lib.STEP_L2NORM if l2norm else 0)
+                | (_lib.STEP_GATE_IN_KERNEL if gate_in_kernel else 0)
+                | (_lib.STEP_BETA_SIGMOID if beta_sigmoid else 0))
+        else:
+            if layout not in _LAYOUTS:
+                raise bad_arg("layout: %r is not \"kv\" or \"vk\"" % (layout,))
+            args = _lib.PrefillArgs.new(n=batch, dtype=_lib.DTYPES[dtype], layout=_LAYOUTS[layout])
+        st = lib.stepq_pool_supports(self.handle, ops[op], layer, ctypes.byref(args))
+        if st == _lib.STATUS["STEPQ_ENOTSUP"]:
+            return False, _lib.last_error()
+        check(st)
+        return True, ""
+
     def _new_like(self, like, shape, dt):
         if self.device == "cpu" and hasattr(like, "__array_interface__"):
             np = _numpy()
@@ -497,21 +529,22 @@ class StatePool:
             head_v_dim=self.head_v_dim)
         check(fn(self.handle, layer, ctypes.byref(args), self._stream(stream)))
 
-    def new_states(self, n, layout="kv", dtype=None, like=None):
+    def new_states(self, n, layout="kv", dtype=None):
         """A zeroed dense state buffer for n entries of one layer: [n, HV, K, V]
-        ("kv") or [n, HV, V, K] ("vk"): numpy float32 on the host backend, a
-        torch tensor on the pool's device otherwise (dtype a torch dtype,
-        default float32; `like`, a tensor, gives dtype and device)."""
+        ("kv") or [n, HV, V, K] ("vk"). Host backend: a numpy float32 array
+        (dtype None), or a CPU torch tensor of a torch dtype. CUDA backend: a
+        torch tensor on the pool's device (dtype default torch.float32)."""
+        if layout not in _LAYOUTS:
+            raise bad_arg("layout: %r is not \"kv\" ([K][V] heads) or \"vk\" ([V][K])" % (layout,))
         HV, K, V = self.num_v_heads, self.head_k_dim, self.head_v_dim
         shape = (n, HV, K, V) if layout == "kv" else (n, HV, V, K)
-        if like is not None and hasattr(like, "new_zeros"):
-            return like.new_zeros(shape, dtype=dtype) if dtype is not None else like.new_zeros(shape)
-        if self.device == "cpu" and (dtype is None or str(dtype) in ("float32", "<class 'numpy.float32'>")):
+        if self.device == "cpu" and dtype is None:
             np = _numpy()
             return np.zeros(shape, dtype=np.float32)
         torch = _torch()
         if torch is None:
-            raise bad_arg("dtype: a %s state buffer needs torch" % (dtype,))
+            raise bad_arg("dtype: a %s state buffer needs torch (import it first)"
+                          % (dtype or "CUDA",))
         dev = "cpu" if self.device == "cpu" else "cuda:%d" % self.device[1]
         return torch.zeros(shape, dtype=dtype or torch.float32, device=dev)
 
@@ -552,7 +585,7 @@ class StatePool:
         """
         n = len(cache_indices)
         if states is None:
-            states = self.new_states(n, layout, like=cache_indices if self.device != "cpu" else None)
+            states = self.new_states(n, layout)
         unpack_ids = cache_indices
         if has_initial_state is not None:
             unpack_ids = self._mask_ids(cache_indices, has_initial_state, n)
@@ -569,7 +602,7 @@ class StatePool:
             if tuple(mask.shape) != (n,):
                 raise bad_arg("has_initial_state: shape %s, expected [%d]" % (list(mask.shape), n),
                               "STEPQ_ESHAPE")
-            return ids.masked_fill(~mask.to(device=ids.device, dtype=bool), -1)
+            return ids.masked_fill(~mask.to(device=ids.device, dtype=_torch().bool), -1)
         np = _numpy()
         m = np.asarray(mask.tolist() if hasattr(mask, "tolist") else mask, dtype=bool)
         if m.shape != (n,):

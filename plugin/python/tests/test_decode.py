@@ -243,6 +243,23 @@ def test_unpack_and_pack_take_both_layouts_and_strides():
     pool.close(force=True)
 
 
+def test_supports_answers_for_the_host_backend():
+    with _map("kda", "stepq@6.json") as m:
+        pool = stepq.StatePool(m, size=2)
+    assert pool.supports("decode") == (True, "")
+    assert pool.supports("decode", 3, dtype="bf16", param_dtype="bf16", l2norm=False) == (True, "")
+    assert pool.supports("pack", layout="vk", dtype="bf16", batch=64) == (True, "")
+    with _harness.raises(stepq.StepqError, name="STEPQ_ERANGE"):
+        pool.supports("unpack", pool.n_layers)
+    ok, reason = pool.supports("decode", dtype="fp16")
+    assert not ok and "fp16" in reason, reason
+    with _harness.raises(stepq.StepqError, name="STEPQ_EINVAL", match="batch"):
+        pool.supports("decode", batch=70000)
+    with _harness.raises(ValueError, match="op"):
+        pool.supports("verify")
+    pool.close()
+
+
 def test_extend_runs_the_chunk_kernel_between_unpack_and_pack():
     """extend: unpack -> the server's chunk kernel (here the dense recurrence
     over a few tokens) -> pack; entries without an initial state start at 0."""
