@@ -6,6 +6,7 @@ shaped like SGLang's state pool: the slot allocator's ``alloc`` / ``free`` /
 """
 
 import ctypes
+import operator
 import sys
 import threading
 
@@ -40,7 +41,7 @@ def _host_ids(ids, name):
     ids on the host, as SGLang's allocator does."""
     if isinstance(ids, bool):
         raise bad_arg("%s: a slot id or a list of them, not a bool" % name)
-    if isinstance(ids, int):
+    if isinstance(ids, int) or hasattr(ids, "__index__") and not hasattr(ids, "tolist"):
         ids = [ids]
     elif hasattr(ids, "tolist"):
         ids = ids.tolist()
@@ -51,8 +52,12 @@ def _host_ids(ids, name):
     except TypeError:
         raise bad_arg("%s: a slot id or a list of them, not %s" % (name, type(ids).__name__)) from None
     for i, x in enumerate(ids):
-        if isinstance(x, bool) or not isinstance(x, int):
-            raise bad_arg("%s[%d]: %r is not an integer slot id" % (name, i, x))
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            ids[i] = x = operator.index(x)  # ints and numpy integers
+        except TypeError:
+            raise bad_arg("%s[%d]: %r is not an integer slot id" % (name, i, x)) from None
         if not _INT32_MIN <= x <= _INT32_MAX:
             raise bad_arg("%s[%d]: %d is outside int32" % (name, i, x), "STEPQ_ERANGE")
     if len(ids) > _INT32_MAX:
@@ -321,7 +326,8 @@ class StatePool:
         dtype, shape); slot s's state is at base + s * slot_stride. On the
         host backend "array" is also a numpy view [size + 1, *shape] of them
         (bf16 and fp16 as uint16 / float16), written in place by the server's
-        conv kernel."""
+        conv kernel; like every address here it is valid while the pool is
+        open, and the view does not keep the pool open."""
         cv = _lib.ConvView()
         check(lib.stepq_pool_conv_state(self.handle, layer, ctypes.byref(cv), ctypes.sizeof(cv)))
         out = {"base": cv.base or 0, "slot_stride": cv.slot_stride, "bytes": cv.bytes,
@@ -344,8 +350,12 @@ class StatePool:
     # --- the data path --------------------------------------------------
 
     def _layer(self, layer):
-        if isinstance(layer, bool) or not isinstance(layer, int):
-            raise bad_arg("layer: %r is not a recurrent-layer index" % (layer,))
+        try:
+            if isinstance(layer, bool):
+                raise TypeError
+            layer = operator.index(layer)  # ints and numpy integers
+        except TypeError:
+            raise bad_arg("layer: %r is not a recurrent-layer index" % (layer,)) from None
         if not 0 <= layer < self.n_layers:
             raise bad_arg("layer: %d is not in 0..%d (a recurrent-layer index; "
                           "Map.layer_index() maps a model layer id)" % (layer, self.n_layers - 1),
@@ -598,11 +608,14 @@ class StatePool:
         return result
 
     def _mask_ids(self, ids, mask, n):
-        if hasattr(mask, "data_ptr") and hasattr(ids, "data_ptr"):  # torch, on any device
-            if tuple(mask.shape) != (n,):
-                raise bad_arg("has_initial_state: shape %s, expected [%d]" % (list(mask.shape), n),
+        """cache_indices with -1 where has_initial_state is false."""
+        if hasattr(ids, "data_ptr"):  # a torch tensor, on any device: stay there
+            torch = _torch()
+            m = torch.as_tensor(mask, dtype=torch.bool, device=ids.device)
+            if tuple(m.shape) != (n,):
+                raise bad_arg("has_initial_state: shape %s, expected [%d]" % (list(m.shape), n),
                               "STEPQ_ESHAPE")
-            return ids.masked_fill(~mask.to(device=ids.device, dtype=_torch().bool), -1)
+            return ids.masked_fill(~m, -1)
         np = _numpy()
         m = np.asarray(mask.tolist() if hasattr(mask, "tolist") else mask, dtype=bool)
         if m.shape != (n,):
