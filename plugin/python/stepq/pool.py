@@ -324,7 +324,7 @@ class StatePool:
     def conv_state(self, layer):
         """Where layer's conv states live: a dict (base, slot_stride, bytes,
         dtype, shape); slot s's state is at base + s * slot_stride. On the
-        host backend "array" is also a numpy view [size + 1, *shape] of them
+        host backend (with numpy) "array" is also a numpy view [size + 1, *shape] of them
         (bf16 and fp16 as uint16 / float16), written in place by the server's
         conv kernel; like every address here it is valid while the pool is
         open, and the view does not keep the pool open."""
@@ -333,8 +333,11 @@ class StatePool:
         out = {"base": cv.base or 0, "slot_stride": cv.slot_stride, "bytes": cv.bytes,
                "dtype": _lib._text(lib.stepq_dtype_name(cv.dtype)),
                "shape": tuple(cv.shape[i] for i in range(cv.rank))}
-        if self.device == "cpu" and cv.rank and cv.base:
-            np = _numpy()
+        try:
+            np = _numpy() if self.device == "cpu" and cv.rank and cv.base else None
+        except ImportError:
+            np = None  # the addresses alone
+        if np is not None:
             dt = {"fp32": np.float32, "fp16": np.float16, "bf16": np.uint16}[out["dtype"]]
             item = np.dtype(dt).itemsize
             strides, acc = [], item
