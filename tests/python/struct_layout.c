@@ -129,6 +129,29 @@ int main(void)
     FIELD(stepq_pool_stats, health_any);
     FIELD(stepq_pool_stats, health_slots);
 
+    STRUCT(stepq_pool_layout);
+    FIELD(stepq_pool_layout, arch);
+    FIELD(stepq_pool_layout, method);
+    FIELD(stepq_pool_layout, n_layers);
+    FIELD(stepq_pool_layout, n_local_heads);
+    FIELD(stepq_pool_layout, first_head);
+    FIELD(stepq_pool_layout, d_k);
+    FIELD(stepq_pool_layout, d_v);
+    FIELD(stepq_pool_layout, units_per_head);
+    FIELD(stepq_pool_layout, page_bytes);
+    FIELD(stepq_pool_layout, state_bytes);
+    FIELD(stepq_pool_layout, state_bytes_compact);
+    FIELD(stepq_pool_layout, conv_bytes);
+    FIELD(stepq_pool_layout, conv_bytes_per_layer);
+    FIELD(stepq_pool_layout, pad_bytes);
+    FIELD(stepq_pool_layout, block_offset);
+    FIELD(stepq_pool_layout, block_bytes);
+    FIELD(stepq_pool_layout, block_compact);
+    FIELD(stepq_pool_layout, unit_bits);
+    FIELD(stepq_pool_layout, conv_offset);
+    FIELD(stepq_pool_layout, n_blocks);
+    FIELD(stepq_pool_layout, fingerprint);
+
     STRUCT(stepq_step_args);
     FIELD(stepq_step_args, size);
     FIELD(stepq_step_args, magic);

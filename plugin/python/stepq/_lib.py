@@ -223,6 +223,32 @@ class PoolStats(ctypes.Structure):
     ]
 
 
+class PoolLayout(ctypes.Structure):
+    _fields_ = [
+        ("arch", c_enum),
+        ("method", c_enum),
+        ("n_layers", c_int),
+        ("n_local_heads", c_int),
+        ("first_head", c_int),
+        ("d_k", c_int),
+        ("d_v", c_int),
+        ("units_per_head", c_int),
+        ("page_bytes", c_uint64),
+        ("state_bytes", c_uint64),
+        ("state_bytes_compact", c_uint64),
+        ("conv_bytes", c_uint64),
+        ("conv_bytes_per_layer", c_uint64),
+        ("pad_bytes", c_uint64),
+        ("block_offset", ctypes.POINTER(c_uint64)),
+        ("block_bytes", ctypes.POINTER(c_uint32)),
+        ("block_compact", ctypes.POINTER(c_uint32)),
+        ("unit_bits", ctypes.POINTER(ctypes.c_uint8)),
+        ("conv_offset", ctypes.POINTER(c_uint64)),
+        ("n_blocks", c_int),
+        ("fingerprint", c_uint64),
+    ]
+
+
 class StepArgs(_Versioned):
     _fields_ = [
         ("size", c_size_t),
@@ -297,6 +323,7 @@ STRUCTS = {
     "stepq_pool_plan_info": PoolPlanInfo,
     "stepq_pool_buffer_info": PoolBufferInfo,
     "stepq_pool_stats": PoolStats,
+    "stepq_pool_layout": PoolLayout,
     "stepq_step_args": StepArgs,
     "stepq_prefill_args": PrefillArgs,
     "stepq_conv_view": ConvView,
@@ -353,6 +380,7 @@ _SIGNATURES = {
     "stepq_pool_health_read": (c_int, [c_void_p, _i32p, c_int32, _P(c_uint32)]),
     "stepq_pool_get_stats": (c_int, [c_void_p, _P(PoolStats), c_size_t]),
     "stepq_pool_page": (c_int, [c_void_p, c_int32, _P(c_void_p)]),
+    "stepq_pool_get_layout": (c_int, [c_void_p, _P(_P(PoolLayout))]),
     "stepq_pool_is_allocated": (c_int, [c_void_p, c_int32]),
     "stepq_pool_last_error": (c_char_p, [c_void_p]),
     # step.h

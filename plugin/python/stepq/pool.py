@@ -315,6 +315,28 @@ class StatePool:
         """Waits for the pool's stream (host backend: no-op)."""
         check(lib.stepq_pool_sync(self.handle))
 
+    def layout(self):
+        """The page layout (stepq_pool_layout) as a dict: arch, method,
+        n_layers, n_local_heads, first_head, d_k, d_v, units_per_head, the
+        byte counts, n_blocks, fingerprint (equal on both ends of a page
+        transfer: compare it before moving pages between pools) and the
+        per-block lists block_offset, block_bytes, block_compact, conv_offset
+        (block i = layer * n_local_heads + local head)."""
+        lp = ctypes.POINTER(_lib.PoolLayout)()
+        check(lib.stepq_pool_get_layout(self.handle, ctypes.byref(lp)))
+        l = lp.contents
+        out = {name: getattr(l, name) for name, _ in l._fields_
+               if name not in ("block_offset", "block_bytes", "block_compact", "unit_bits",
+                               "conv_offset")}
+        out["arch"] = _lib.ARCHS[l.arch]
+        out["method"] = _lib._text(lib.stepq_method_name(l.method))
+        nb = l.n_blocks
+        out["block_offset"] = l.block_offset[:nb] if nb else []
+        out["block_bytes"] = l.block_bytes[:nb] if nb else []
+        out["block_compact"] = l.block_compact[:nb] if nb else []
+        out["conv_offset"] = l.conv_offset[:l.n_layers] if l.conv_offset else []
+        return out
+
     def page_address(self, slot):
         """Address of a slot's page (slot 0 allowed)."""
         p = ctypes.c_void_p()

@@ -213,6 +213,25 @@ def test_buffer_infos_match_the_pool_byte_accounting():
     pool.close()
 
 
+def test_layout_accounts_for_every_block_and_matches_across_pools():
+    pool, other = _pool(2), _pool(3)
+    l, s = pool.layout(), pool.stats()
+    assert (l["arch"], l["method"], l["n_layers"], l["n_local_heads"]) == ("gdn", "stepq", 6, 8)
+    assert l["n_blocks"] == 48 == len(l["block_offset"]) == len(l["block_bytes"])
+    assert sum(l["block_bytes"]) == l["state_bytes"] == s["state_bytes"]
+    assert sum(l["block_compact"]) == l["state_bytes_compact"] == s["state_bytes_compact"]
+    assert l["conv_bytes"] == 6 * l["conv_bytes_per_layer"] == s["conv_bytes"]
+    ends = [o + b for o, b in zip(l["block_offset"], l["block_bytes"])]
+    assert all(e <= o for e, o in zip(ends, l["block_offset"][1:]))  # blocks do not overlap
+    assert l["conv_offset"][0] >= ends[-1] and len(l["conv_offset"]) == 6
+    assert l["fingerprint"] == other.layout()["fingerprint"]  # same map: pages transfer
+    with stepq.load_map(_harness.data("config", "calibrated", "tiny-gdn", "stepq@4.json")) as m4:
+        p4 = stepq.StatePool(m4, size=1)
+    assert p4.layout()["fingerprint"] != l["fingerprint"]
+    for p in (pool, other, p4):
+        p.close()
+
+
 def test_sizing_by_requests_and_policy():
     with stepq.load_map(GDN6) as m:
         for policy, per in (("no_cache", 1), ("no_buffer", 3), ("lazy", 4), ("extra_buffer", 5)):
