@@ -32,6 +32,11 @@ class Skipped(Exception):
     pass
 
 
+# What skip() raises: pytest's own exception where pytest is importable (even
+# when the module runs as a script), else Skipped.
+SKIP_EXCEPTIONS = (Skipped,) + ((pytest.skip.Exception,) if pytest is not None else ())
+
+
 def skip(reason):
     if pytest is not None:
         pytest.skip(reason)
@@ -74,7 +79,7 @@ def main(namespace):
     for name, fn in tests:
         try:
             fn()
-        except Skipped as e:
+        except SKIP_EXCEPTIONS as e:
             skipped += 1
             print("SKIP %s: %s" % (name, e))
         except Exception:
