@@ -50,6 +50,17 @@ def test_the_loaded_library_is_the_one_stepq_library_names():
     assert stepq.library_path == want
 
 
+def test_without_stepq_library_the_system_loader_finds_it():
+    built = os.environ.get("STEPQ_LIBRARY")
+    if not built:
+        _harness.skip("STEPQ_LIBRARY is not set: no built library to point the loader at")
+    env = {"PYTHONPATH": _harness.PACKAGE_ROOT, "STEPQ_LIBRARY": "",
+           "LD_LIBRARY_PATH": os.path.dirname(os.path.abspath(built))}
+    r = _python("import stepq; print(stepq.library_path, stepq.library_version())", env)
+    assert r.returncode == 0 and r.stdout.split()[0] == "libstepq.so.%d.%d" % (
+        stepq._lib.VERSION_MAJOR, stepq._lib.VERSION_MINOR), r.stdout
+
+
 def test_pip_install_target_gives_an_importable_package():
     # Asked in child processes: importing pip or setuptools here would
     # load distutils into the test process.
