@@ -243,6 +243,34 @@ def test_unpack_and_pack_take_both_layouts_and_strides():
     pool.close(force=True)
 
 
+def test_non_finite_inputs_keep_the_state_and_set_the_health_word():
+    np = _harness.need_numpy()
+    rng = np.random.default_rng(9)
+    with _map("gdn", "stepq@6.json") as m:
+        pool = stepq.StatePool(m, size=4)
+    H, HV, K, V = pool.num_k_heads, pool.num_v_heads, pool.head_k_dim, pool.head_v_dim
+    ids = pool.alloc(2)
+    pool.pack(0, ids, (0.05 * rng.uniform(-1, 1, (2, HV, K, V))).astype(np.float32))
+    before = pool.get_cpu_copy(ids)
+    q = _unit(np, rng, (2, H, K)).astype(np.float32)
+    q[1, 0, 0] = np.nan  # request 1's first q/k head: its value heads keep their state
+    k = _unit(np, rng, (2, H, K)).astype(np.float32)
+    v = rng.uniform(-1, 1, (2, HV, V)).astype(np.float32)
+    out = pool.decode(0, q, k, v, np.full((2, HV), -0.1, np.float32),
+                      np.full((2, HV), 0.5, np.float32), cache_indices=ids, l2norm=False)
+    assert pool.health(ids) == [0, stepq.HEALTH_INPUT]
+    assert pool.stats()["health_slots"] == 1
+    group = HV // H
+    assert not out[1, :group].any() and np.isfinite(out).all()
+    after = pool.unpack(0, ids)
+    pool.load_cpu_copy(before, ids)  # the packed start again, to compare its heads
+    start = pool.unpack(0, ids)
+    assert np.array_equal(after[1, :group], start[1, :group])
+    assert not np.array_equal(after[0], start[0])
+    assert pool.health(ids) == [0, 0]  # a reload resets the words
+    pool.close(force=True)
+
+
 def test_supports_answers_for_the_host_backend():
     with _map("kda", "stepq@6.json") as m:
         pool = stepq.StatePool(m, size=2)

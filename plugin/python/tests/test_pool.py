@@ -210,6 +210,14 @@ def test_buffer_infos_match_the_pool_byte_accounting():
     else:
         assert conv["array"].shape == (pool.size + 1, 2048, 3)
         assert conv["array"].ctypes.data == conv["base"]
+        # The view writes the pages in place: slot 2's conv state, not its packed state.
+        a = pool.alloc(2)
+        conv["array"][a[1], 5, 1] = 0x3F80  # bf16 1.0
+        page = pool.get_cpu_copy([a[1]])[0]
+        off = conv["base"] - ptrs[0] + (5 * 3 + 1) * 2
+        assert page[off:off + 2].tobytes() == b"\x80\x3f" and page.sum() == 0x80 + 0x3F
+        assert not pool.get_cpu_copy([a[0]]).any()
+        pool.free(a)
     pool.close()
 
 
