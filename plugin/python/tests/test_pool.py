@@ -1,0 +1,342 @@
+"""The slot lifecycle through StatePool on the host backend: the checks the
+C tests make (tests/pool/test_pool.c), from Python: alloc until full gives
+None, all or nothing, double free and stale ids are StepqErrors naming the
+status with nothing changed, clear, copy_from, the host copy round trip,
+buffer infos against the pool's byte accounting, close and its errors."""
+
+import sys
+import threading
+
+import _harness
+from _harness import raises
+
+import stepq
+
+GDN6 = _harness.data("config", "calibrated", "tiny-gdn", "stepq@6.json")
+
+
+def _pool(size=6, **kw):
+    with stepq.load_map(GDN6) as m:
+        return stepq.StatePool(m, size=size, **kw)  # the pool copied the layout
+
+
+def _fill(pool, ids, seed):
+    """Packs random dense states into every layer of ids; returns them."""
+    np = _harness.need_numpy()
+    rng = np.random.default_rng(seed)
+    states = []
+    for layer in range(pool.n_layers):
+        s = pool.new_states(len(ids))
+        s[:] = 0.05 * rng.standard_normal(s.shape)
+        pool.pack(layer, ids, s)
+        states.append(s)
+    return states
+
+
+def test_alloc_hands_out_every_slot_once_then_none():
+    pool = _pool(6)
+    assert pool.size == 6 and pool.available_size() == 6
+    got = pool.alloc(4) + pool.alloc(2)
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]  # never the sentinel 0
+    assert pool.available_size() == 0
+    assert pool.alloc(1) is None
+    assert pool.alloc(0) == []
+    pool.close(force=True)
+
+
+def test_alloc_is_all_or_nothing():
+    pool = _pool(6)
+    a = pool.alloc(4)
+    assert pool.alloc(3) is None
+    assert pool.available_size() == 2  # nothing was taken by the refused alloc
+    assert len(pool.alloc(2)) == 2
+    with raises(ValueError, name="STEPQ_EINVAL", match="need_size"):
+        pool.alloc(-1)
+    pool.free(a)
+    pool.close(force=True)
+
+
+def test_double_free_raises_the_status_name_and_changes_nothing():
+    pool = _pool(6)
+    ids = pool.alloc(3)
+    pool.free(ids[0])
+    with raises(stepq.StepqError, name="STEPQ_EDOUBLEFREE", match="not allocated"):
+        pool.free(ids[0])
+    # Listed twice in one call: refused whole, the other id stays allocated.
+    with raises(stepq.StepqError, name="STEPQ_EDOUBLEFREE"):
+        pool.free([ids[1], ids[1]])
+    assert pool.is_allocated(ids[1]) and pool.available_size() == 4
+    # A list with one bad id frees none of it.
+    with raises(stepq.StepqError, name="STEPQ_EDOUBLEFREE"):
+        pool.free([ids[1], ids[0]])
+    assert pool.is_allocated(ids[1])
+    try:
+        pool.free(ids[0])
+    except stepq.StepqError as e:  # the exception carries status, name and message
+        assert e.status == -1006 and e.name == "STEPQ_EDOUBLEFREE" and e.message
+        assert str(e).startswith("STEPQ_EDOUBLEFREE: ")
+    else:
+        raise AssertionError("a double free was accepted")
+    pool.free(ids[1:])
+    assert pool.available_size() == 6
+    pool.close()
+
+
+def test_free_refuses_the_sentinel_and_ids_out_of_range_but_skips_padding():
+    pool = _pool(6)
+    ids = pool.alloc(2)
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.free([ids[0], 0])
+    with raises(stepq.StepqError, name="STEPQ_ERANGE"):
+        pool.free([7])
+    with raises(stepq.StepqError, name="STEPQ_ERANGE"):
+        pool.free(1 << 40)  # refused in Python: no int32
+    assert pool.available_size() == 4
+    np = _harness.need_numpy()
+    pool.free([-1, np.int32(ids[0]), -1, np.int64(ids[1])])  # numpy integers are ids too
+    assert pool.available_size() == 6
+    pool.close()
+
+
+def test_freed_slots_are_stale_for_every_operation():
+    np = _harness.need_numpy()
+    pool = _pool(6)
+    a, b = pool.alloc(2)
+    pool.free(b)
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.clear_slots([b])
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.copy_from([a], [b])
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.load_cpu_copy(np.zeros((1, pool.page_bytes), np.uint8), [b])
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.pack(0, [b], pool.new_states(1))
+    pool.free(a)
+    pool.close()
+
+
+def test_clear_frees_every_slot():
+    pool = _pool(6)
+    ids = pool.alloc(5)
+    pool.clear()
+    assert pool.available_size() == 6 and pool.stats()["in_use"] == 0
+    with raises(stepq.StepqError, name="STEPQ_EDOUBLEFREE"):
+        pool.free(ids[0])
+    assert sorted(pool.alloc(6)) == [1, 2, 3, 4, 5, 6]
+    pool.close(force=True)
+
+
+def test_clear_slots_zeroes_only_the_listed_pages():
+    np = _harness.need_numpy()
+    pool = _pool(6)
+    a, b = pool.alloc(2)
+    _fill(pool, [a, b], 1)
+    before = pool.get_cpu_copy([a, b])
+    assert before[0].any() and before[1].any()
+    pool.clear_slots([a, -1])
+    after = pool.get_cpu_copy([a, b])
+    assert not after[0].any()
+    assert np.array_equal(after[1], before[1])
+    pool.close(force=True)
+
+
+def test_copy_from_duplicates_whole_pages():
+    np = _harness.need_numpy()
+    pool = _pool(6)
+    a, b, c = pool.alloc(3)
+    _fill(pool, [a], 2)
+    pool.copy_from([a, -1], [b, c])  # the padded pair is skipped
+    pages = pool.get_cpu_copy([a, b, c])
+    assert np.array_equal(pages[0], pages[1]) and not pages[2].any()
+    assert np.array_equal(pool.unpack(0, [a]), pool.unpack(0, [b]))
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.copy_from([a, b], [b, c])  # b both a source and a destination
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.copy_from([a, a], [c, c])  # a destination twice
+    d = pool.fork_from(a)
+    assert np.array_equal(pool.get_cpu_copy([d])[0], pages[0])
+    with raises(stepq.StepqError, name="STEPQ_EINVAL"):
+        pool.fork_from(pool.size)  # not allocated (5 and 6 are free): the new slot goes back
+    assert pool.available_size() == 2
+    with raises(ValueError, match="src, dst"):
+        pool.copy_from([a], [b, c])
+    assert not pool.get_cpu_copy([c]).any()
+    pool.close(force=True)
+
+
+def test_cpu_copy_round_trip_restores_pages_and_states():
+    np = _harness.need_numpy()
+    pool = _pool(6)
+    a, b = pool.alloc(2)
+    _fill(pool, [a, b], 3)
+    saved = pool.get_cpu_copy([a, -1, b])
+    assert saved.shape == (3, pool.page_bytes) and saved.dtype == np.uint8
+    assert not saved[1].any()  # a -1 place is left as it was: zero
+    states = pool.unpack(2, [a, b])
+    pool.clear_slots([a, b])
+    pool.load_cpu_copy(saved[[0, 2]], [a, b])
+    assert np.array_equal(pool.get_cpu_copy([a, b]), saved[[0, 2]])
+    assert np.array_equal(pool.unpack(2, [a, b]), states)
+    # Reload into the other slot: the page moves with its bytes.
+    pool.load_cpu_copy(saved[[2, 0]], [a, b])
+    assert np.array_equal(pool.unpack(2, [b, a]), states)
+    with raises(ValueError, name="STEPQ_ESHAPE", match="cpu_copy"):
+        pool.load_cpu_copy(saved, [a, b])
+    with raises(ValueError, name="STEPQ_EINVAL", match="cpu_copy"):
+        pool.load_cpu_copy(saved[:2].view(np.int32), [a, b])
+    pool.close(force=True)
+
+
+def test_buffer_infos_match_the_pool_byte_accounting():
+    pool = _pool(6)
+    ptrs, lens, items = pool.get_contiguous_buf_infos()
+    s = pool.stats()
+    assert [i["name"] for i in pool.buffer_infos()] == ["pages", "health"]
+    assert items[0] == s["page_bytes"] == pool.page_bytes
+    assert s["page_bytes"] == s["state_bytes"] + s["conv_bytes"] + s["pad_bytes"]
+    assert lens[0] == s["pool_bytes"] == (pool.size + 1) * items[0]
+    assert items[1] == 4 and lens[1] == (pool.size + 1) * 4
+    for slot in (0, 1, pool.size):
+        assert pool.page_address(slot) == ptrs[0] + slot * items[0]
+    with raises(stepq.StepqError, name="STEPQ_ERANGE"):
+        pool.page_address(pool.size + 1)
+    conv = pool.conv_state(0)
+    assert conv["slot_stride"] == items[0] and conv["shape"] == (2048, 3)
+    assert ptrs[0] <= conv["base"] < ptrs[0] + items[0]
+    try:
+        import numpy  # noqa: F401
+    except ImportError:
+        assert "array" not in conv
+    else:
+        assert conv["array"].shape == (pool.size + 1, 2048, 3)
+        assert conv["array"].ctypes.data == conv["base"]
+        # The view writes the pages in place: slot 2's conv state, not its packed state.
+        a = pool.alloc(2)
+        conv["array"][a[1], 5, 1] = 0x3F80  # bf16 1.0
+        page = pool.get_cpu_copy([a[1]])[0]
+        off = conv["base"] - ptrs[0] + (5 * 3 + 1) * 2
+        assert page[off:off + 2].tobytes() == b"\x80\x3f" and page.sum() == 0x80 + 0x3F
+        assert not pool.get_cpu_copy([a[0]]).any()
+        pool.free(a)
+    pool.close()
+
+
+def test_layout_accounts_for_every_block_and_matches_across_pools():
+    pool, other = _pool(2), _pool(3)
+    l, s = pool.layout(), pool.stats()
+    assert (l["arch"], l["method"], l["n_layers"], l["n_local_heads"]) == ("gdn", "stepq", 6, 8)
+    assert l["n_blocks"] == 48 == len(l["block_offset"]) == len(l["block_bytes"])
+    assert sum(l["block_bytes"]) == l["state_bytes"] == s["state_bytes"]
+    assert sum(l["block_compact"]) == l["state_bytes_compact"] == s["state_bytes_compact"]
+    assert l["conv_bytes"] == 6 * l["conv_bytes_per_layer"] == s["conv_bytes"]
+    ends = [o + b for o, b in zip(l["block_offset"], l["block_bytes"])]
+    assert all(e <= o for e, o in zip(ends, l["block_offset"][1:]))  # blocks do not overlap
+    assert l["conv_offset"][0] >= ends[-1] and len(l["conv_offset"]) == 6
+    assert l["fingerprint"] == other.layout()["fingerprint"]  # same map: pages transfer
+    with stepq.load_map(_harness.data("config", "calibrated", "tiny-gdn", "stepq@4.json")) as m4:
+        p4 = stepq.StatePool(m4, size=1)
+    assert p4.layout()["fingerprint"] != l["fingerprint"]
+    for p in (pool, other, p4):
+        p.close()
+
+
+def test_sizing_by_requests_and_policy():
+    with stepq.load_map(GDN6) as m:
+        for policy, per in (("no_cache", 1), ("no_buffer", 3), ("lazy", 4), ("extra_buffer", 5)):
+            p = stepq.StatePool(m, max_running_requests=2, policy=policy)
+            assert p.size == 2 * per, (policy, p.size)
+            p.close()
+        page = stepq.StatePool(m, size=1).page_bytes
+        p = stepq.StatePool(m, memory_budget_bytes=4 * page)
+        assert p.size == 3  # (slots + 1) pages fit the budget
+        p.close()
+        with raises(ValueError, match="exactly one"):
+            stepq.StatePool(m, size=2, max_running_requests=2)
+        with raises(ValueError, match="policy"):
+            stepq.StatePool(m, size=2, policy="radix")
+        with raises(ValueError, match="device"):
+            stepq.StatePool(m, size=2, device="gpu")
+        with raises(stepq.StepqError, name="STEPQ_ENOSPC"):
+            stepq.StatePool(m, memory_budget_bytes=page)
+
+
+def test_cuda_pool_fails_cleanly_without_cuda():
+    with stepq.load_map(GDN6) as m:
+        try:
+            p = stepq.StatePool(m, size=2, device="cuda")
+        except stepq.StepqError as e:
+            # A build without CUDA, or no device: a status, not a crash.
+            assert e.name in ("STEPQ_ENOTSUP", "STEPQ_ENODEV", "STEPQ_ECUDA"), e
+        else:
+            p.close()
+            _harness.skip("a CUDA device is present")
+
+
+def test_close_is_busy_with_slots_in_use_and_then_closed_for_good():
+    pool = _pool(6)
+    ids = pool.alloc(2)
+    with raises(stepq.StepqError, name="STEPQ_EBUSY"):
+        pool.close()
+    pool.free(ids)  # still open
+    pool.alloc(1)
+    pool.close(force=True)
+    for call in (lambda: pool.alloc(1), lambda: pool.free([1]), pool.available_size,
+                 lambda: pool.clear_slots([1]), pool.get_contiguous_buf_infos):
+        with raises(stepq.StepqError, name="STEPQ_EBADF"):
+            call()
+    pool.close()  # a second close is a no-op
+
+
+def test_load_map_errors_name_the_status_and_the_path():
+    with raises(stepq.StepqError, name="STEPQ_EIO"):
+        stepq.load_map(_harness.data("config", "no-such-map.json"))
+    with raises(stepq.StepqError, name="STEPQ_EPARSE"):
+        stepq.load_map_buffer("{")
+    text = open(GDN6).read().replace('"num_v_heads": 8', '"num_v_heads": 7')
+    with raises(stepq.StepqError, match="num_v_heads"):
+        stepq.load_map_buffer(text)
+    with stepq.load_map(GDN6) as m:
+        assert (m.arch, m.method, m.n_layers, m.num_k_heads, m.num_v_heads) == ("gdn", "stepq", 6, 4, 8)
+        assert m.layer_ids == (0, 1, 2, 4, 5, 6) and m.layer_index(4) == 3
+        with raises(stepq.StepqError, name="STEPQ_ENOENT"):
+            m.layer_index(3)
+        again = stepq.load_map_buffer(m.to_json())
+        assert again.fingerprint() == m.fingerprint()
+        again.close()
+    with raises(stepq.StepqError, name="STEPQ_EBADF"):
+        m.layer_index(0)
+
+
+def test_concurrent_alloc_and_free_never_share_a_slot():
+    pool = _pool(16)
+    held, errors = [], []
+    lock = threading.Lock()
+
+    def worker():
+        try:
+            for _ in range(300):
+                ids = pool.alloc(2)
+                if ids is None:
+                    continue
+                with lock:
+                    assert not set(ids) & set(held), ids
+                    held.extend(ids)
+                with lock:
+                    for i in ids:
+                        held.remove(i)
+                pool.free(ids)
+        except Exception as e:  # reported by the main thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=worker) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert pool.available_size() == 16
+    pool.close()
+
+
+if __name__ == "__main__":
+    sys.exit(_harness.main(dict(globals())))
