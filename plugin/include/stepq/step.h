@@ -161,9 +161,10 @@ typedef struct stepq_step_args {
  * @param stream cudaStream_t to enqueue on (CUDA backend; NULL = the pool's
  *               configured stream); must belong to the pool's device.
  *               Ignored by the host backend.
- * @return STEPQ_OK; STEPQ_EINVAL (NULL tensor, bad slot id or list, stride
- *         too small, misaligned pointer, unknown flags, stream of another
- *         device), STEPQ_ERANGE (layer), STEPQ_ESHAPE (declared shape),
+ * @return STEPQ_OK; STEPQ_EINVAL (NULL tensor, a slot id not allocated or
+ *         repeated, stride too small, misaligned pointer, unknown flags,
+ *         stream of another device), STEPQ_ERANGE (layer, or a slot id out
+ *         of range: below -1 or above the pool's slots), STEPQ_ESHAPE (declared shape),
  *         STEPQ_ENOTSUP (see stepq_pool_supports()), STEPQ_EVERSION,
  *         STEPQ_EBADF, STEPQ_ECUDA. Nothing is written on failure.
  *         Non-finite inputs are not an error: that head keeps its state,
