@@ -9,6 +9,7 @@
 #include "stepq/map.h"
 #include "stepq/pool.h"
 #include "stepq/step.h"
+#include "stepq/tp.h"
 #include "stepq/version.h"
 
 #endif /* STEPQ_STEPQ_H */
