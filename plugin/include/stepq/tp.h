@@ -60,7 +60,7 @@ typedef struct stepq_tp_shard_info {
  *                  working when fields are appended
  * @return STEPQ_OK; STEPQ_EINVAL for a NULL argument, a bad tp_size or
  *         tp_rank, or counts that do not divide, the message naming both
- *         numbers ("num_v_heads 48 does not split over tp_size 5").
+ *         numbers ("num_k_heads 16 does not split over tp_size 3 ...").
  */
 STEPQ_API int stepq_tp_shard(const stepq_model_shape *shape, int tp_size, int tp_rank,
                              stepq_tp_shard_info *out, size_t out_size);
