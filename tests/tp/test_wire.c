@@ -91,6 +91,17 @@ static void ranks_share_the_group_and_differ_in_the_page(void **state)
     assert_int_equal(stepq_tp_fingerprint(&cfg, &f, sizeof(f)), STEPQ_OK);
     assert_true(f.map == r0.map);
     assert_true(f.group != r0.group);
+    /* The default alignment named explicitly is the same geometry. */
+    cfg.min_page_bytes = 0;
+    cfg.page_align = 256;
+    cfg.block_align = 16;
+    assert_int_equal(stepq_tp_fingerprint(&cfg, &f, sizeof(f)), STEPQ_OK);
+    assert_true(f.group == r0.group && f.page == r0.page);
+    cfg.page_align = 1 << 20;
+    assert_int_equal(stepq_tp_fingerprint(&cfg, &f, sizeof(f)), STEPQ_OK);
+    assert_true(f.group != r0.group);
+    cfg.page_align = 0;
+    cfg.block_align = 0;
     /* Slot counts are sizing, not content. */
     cfg.min_page_bytes = 0;
     cfg.num_slots = 400;
