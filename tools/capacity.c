@@ -28,6 +28,7 @@
 
 #include "stepq/map.h"
 #include "stepq/pool.h"
+#include "stepq/tp.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
 
@@ -46,7 +47,9 @@ static void capacity_usage(FILE *f)
                "State pool memory against batch size B: (policy_slots x B + 1) x S, S the\n"
                "per-replica slot (the pool page of MAP summed over --tp ranks, conv state\n"
                "included). Policies: no_cache 1, no_buffer 3, lazy 4, extra_buffer 5 slots per\n"
-               "request. --plot draws the map and FP32 curves with the weights as a line\n"
+               "request. --tp N also prints the page of each GPU (every rank padded to the\n"
+               "largest) and its TP padding per GPU and per replica. --plot draws the map\n"
+               "and FP32 curves with the weights as a line\n"
                "(needs python3 with matplotlib; STEPQ_PYTHON / STEPQ_PLOT_SCRIPT override).\n"
                "--json: the numbers as JSON; -o: what goes to stdout into FILE.\n");
 }
@@ -54,6 +57,10 @@ static void capacity_usage(FILE *f)
 struct slot {
     uint64_t bytes; /* S */
     uint64_t state, compact, conv, pad;
+    /* Per GPU: every rank's page (the largest rank's) and each rank's TP padding in it. */
+    uint64_t page, tp_pad;
+    int largest_rank;
+    uint64_t *rank_tp_pad; /* [tp] */
 };
 
 /* a + b, or -1 where the sum does not fit 64 bits. */
@@ -63,39 +70,48 @@ static int add_u64(uint64_t a, uint64_t b, uint64_t *out)
 }
 
 /*
- * S of a map for tp ranks: every rank padded to the largest page, summed.
- * 1 (after a message) where a sum passes 2^64 bytes.
+ * S of a map for tp ranks: every rank padded to the largest page
+ * (stepq_tp_plan), summed. 1 (after a message) where a sum passes 2^64
+ * bytes or tp does not split the map; otherwise 0 or a negative status.
  */
 static int slot_of(const stepq_map_t *map, int tp, int compact_only, struct slot *out)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
-    stepq_pool_plan_info p;
-    uint64_t max_page = 0;
+    stepq_tp_plan_info p;
+    stepq_model_shape shape;
+    stepq_tp_shard_info sh;
     int ret;
 
     memset(out, 0, sizeof(*out));
     cfg.map = map;
     cfg.tp_size = tp;
     cfg.num_slots = 1;
-    for (int r = 0; r < tp; r++) {
-        cfg.tp_rank = r;
-        if ((ret = stepq_pool_plan(&cfg, &p)) < 0)
-            return ret;
-        if (p.page_bytes > max_page)
-            max_page = p.page_bytes;
+    if ((ret = stepq_map_shape(map, &shape)) < 0)
+        return ret;
+    if (stepq_tp_shard(&shape, tp, 0, &sh, sizeof(sh)) < 0) {
+        fprintf(stderr, "stepq capacity: --tp %d: %s\n", tp, stepq_last_error());
+        return 1;
     }
-    cfg.min_page_bytes = max_page;
+    out->rank_tp_pad = calloc((size_t)tp, sizeof(*out->rank_tp_pad));
+    if (!out->rank_tp_pad)
+        return STEPQ_ENOMEM;
     for (int r = 0; r < tp; r++) {
         cfg.tp_rank = r;
-        if ((ret = stepq_pool_plan(&cfg, &p)) < 0)
-            return ret;
-        if (add_u64(out->bytes, p.page_bytes, &out->bytes) < 0 ||
-            add_u64(out->state, p.state_bytes, &out->state) < 0 ||
-            add_u64(out->compact, p.state_bytes_compact, &out->compact) < 0 ||
-            add_u64(out->conv, p.conv_bytes, &out->conv) < 0 ||
-            add_u64(out->pad, p.pad_bytes, &out->pad) < 0)
+        ret = stepq_tp_plan(&cfg, &p, sizeof(p));
+        if (ret == STEPQ_ERANGE)
             goto wraps;
+        if (ret < 0)
+            return ret;
+        out->rank_tp_pad[r] = p.tp_pad_bytes;
     }
+    out->bytes = p.replica_page_bytes;
+    out->state = p.replica_state_bytes;
+    out->compact = p.replica_state_bytes_compact;
+    out->conv = p.replica_conv_bytes;
+    out->pad = p.replica_pad_bytes;
+    out->tp_pad = p.replica_tp_pad_bytes;
+    out->page = p.page_bytes;
+    out->largest_rank = p.largest_rank;
     if (compact_only && add_u64(out->compact, out->conv, &out->bytes) < 0)
         goto wraps;
     return STEPQ_OK;
@@ -231,12 +247,13 @@ int stepq_tool_capacity(int argc, char **argv)
     struct stepq_tool_out out;
     FILE *f = NULL;
     int batches[MAX_BATCHES] = { 1, 8, 64, 512 }, n_b = 4, json = 0, tp = 1, compact = 0;
+    int tp_given = 0; /* --tp adds the per-GPU page and its TP padding to the output */
     uint64_t weights = 0, kv_per_token = 0, context = 0;
     int have_kv = 0, have_ctx = 0, per, ret, rc = 1;
     stepq_pool_policy policy;
     stepq_map_t *map = NULL, *fp32 = NULL;
     stepq_model_shape shape;
-    struct slot s_map, s_fp32;
+    struct slot s_map = { 0 }, s_fp32 = { 0 };
     double state[MAX_BATCHES], state32[MAX_BATCHES], total[MAX_BATCHES], total32[MAX_BATCHES];
     uint64_t slots[MAX_BATCHES], kv[MAX_BATCHES];
     char label[256];
@@ -283,6 +300,7 @@ int stepq_tool_capacity(int argc, char **argv)
                 return 2;
             }
             tp = (int)t;
+            tp_given = 1;
         } else if (!strcmp(a, "--weights-bytes")) {
             if (parse_u64(v, &weights)) {
                 fprintf(stderr, "stepq capacity: --weights-bytes '%s': want bytes\n", v);
@@ -397,6 +415,16 @@ int stepq_tool_capacity(int argc, char **argv)
         cJSON_AddNumberToObject(root, "slot_conv_bytes", (double)s_map.conv);
         cJSON_AddNumberToObject(root, "slot_pad_bytes", (double)s_map.pad);
         cJSON_AddNumberToObject(root, "fp32_slot_bytes", (double)s_fp32.bytes);
+        if (tp_given) {
+            cJSON *pads = cJSON_CreateArray();
+
+            cJSON_AddNumberToObject(root, "tp_page_bytes_per_gpu", (double)s_map.page);
+            cJSON_AddNumberToObject(root, "tp_largest_rank", s_map.largest_rank);
+            for (int r = 0; r < tp; r++)
+                cJSON_AddItemToArray(pads, cJSON_CreateNumber((double)s_map.rank_tp_pad[r]));
+            cJSON_AddItemToObject(root, "tp_pad_bytes_per_gpu", pads);
+            cJSON_AddNumberToObject(root, "tp_pad_bytes_per_replica", (double)s_map.tp_pad);
+        }
         cJSON_AddNumberToObject(root, "weights_bytes", (double)weights);
         cJSON_AddNumberToObject(root, "kv_bytes_per_token", (double)kv_per_token);
         cJSON_AddNumberToObject(root, "context", (double)context);
@@ -427,6 +455,17 @@ int stepq_tool_capacity(int argc, char **argv)
                 ") + conv %" PRIu64 " B + padding %" PRIu64 " B%s\n",
                 s_map.bytes, (double)s_map.bytes / MIB, s_map.state, s_map.compact, s_map.conv,
                 s_map.pad, compact ? " [--slot compact: compact + conv]" : "");
+        if (tp_given) {
+            fprintf(f,
+                    "per GPU page %" PRIu64 " B (%.4f MiB) on each of %d GPUs, rank %d's (the "
+                    "largest); S = %d pages\n",
+                    s_map.page, (double)s_map.page / MIB, tp, s_map.largest_rank, tp);
+            fprintf(f, "TP pad  per GPU");
+            for (int r = 0; r < tp; r++)
+                fprintf(f, "%s %" PRIu64, r ? " /" : "", s_map.rank_tp_pad[r]);
+            fprintf(f, " B (ranks 0..%d); per replica %" PRIu64 " B of S's padding\n", tp - 1,
+                    s_map.tp_pad);
+        }
         fprintf(f, "fp32 S  %" PRIu64 " B (%.4f MiB), %.2fx the map's slot\n", s_fp32.bytes,
                 (double)s_fp32.bytes / MIB, (double)s_fp32.bytes / (double)s_map.bytes);
         if (weights || have_kv)
@@ -485,6 +524,8 @@ int stepq_tool_capacity(int argc, char **argv)
     if (stepq_tool_out_commit(&out, "capacity") < 0)
         rc = 1;
 out:
+    free(s_map.rank_tp_pad);
+    free(s_fp32.rank_tp_pad);
     stepq_map_close(fp32);
     stepq_map_close(map);
     return rc;

@@ -33,6 +33,18 @@ def check(cond, what):
     print("ok:", what)
 
 
+def toy_map():
+    """Two 128x128 value heads at stepq@6: head 0 at 4 bits, head 1 an fp16 pivot."""
+    return {"format": "stepq-precision-map", "schema_version": 1,
+            "model": {"arch": "gdn", "recurrent_layers": [0], "num_k_heads": 2,
+                      "num_v_heads": 2, "head_k_dim": 128, "head_v_dim": 128,
+                      "conv_state": {"shape": [64, 3], "dtype": "bf16"}},
+            "method": "stepq", "budget_bits": 6,
+            "layers": [{"layer": 0, "pivots": [1],
+                        "heads": [{"bits": 4, "row_impact": [1] * 128},
+                                  {"bits": 16, "row_impact": [1] * 128}]}]}
+
+
 def numbers(stepq, ex):
     stepq6 = os.path.join(ex, "qwen3.8-27b.stepq-6-layout.json")
     fp32 = os.path.join(ex, "qwen3.8-27b.fp32.json")
@@ -71,6 +83,28 @@ def numbers(stepq, ex):
     check(c4["slot_bytes"] >= c1["slot_bytes"] and c4["slot_bytes"] % 4 == 0,
           "TP 4 pads every rank to the largest page (S grows, 4 equal pages)")
     check(c4["slot_state_bytes"] == c1["slot_state_bytes"], "TP 4 holds the same head blocks")
+    check(c4["tp_page_bytes_per_gpu"] * 4 == c4["slot_bytes"], "--tp 4: S is 4 per-GPU pages")
+    pads = c4["tp_pad_bytes_per_gpu"]
+    check(len(pads) == 4 and pads[c4["tp_largest_rank"]] == 0 and
+          sum(pads) == c4["tp_pad_bytes_per_replica"] <= c4["slot_pad_bytes"],
+          "--tp 4: TP padding per GPU sums to the replica's, 0 on the largest rank")
+    check(not any(k.startswith("tp_") for k in c1), "no TP fields without --tp")
+    p = run(stepq, stepq6, "--tp", "3", expect=2)
+    check(p.stderr.strip() == "stepq capacity: --tp 3: num_k_heads 16 does not split over "
+          "tp_size 3 (every rank holds num_k_heads / tp_size whole q/k heads)",
+          "--tp 3 on 16 q/k heads: one line naming both numbers")
+    with tempfile.TemporaryDirectory() as d:
+        toy = os.path.join(d, "toy.json")
+        with open(toy, "w") as f:
+            json.dump(toy_map(), f)
+        c = capacity(stepq, toy, "--batch", "1", "--tp", "2")
+        # tests/tp/test_shard.c computes these pages by hand: 8960 and 33536 B.
+        check(c["tp_page_bytes_per_gpu"] == 33536 and c["slot_bytes"] == 2 * 33536 and
+              c["tp_pad_bytes_per_gpu"] == [24576, 0] and c["tp_pad_bytes_per_replica"] == 24576,
+              "the hand-computed toy: 33536 B per GPU, 24576 B of TP padding on rank 0")
+        p = run(stepq, toy, "--batch", "1", "--tp", "2")
+        check("TP pad  per GPU 24576 / 0 B (ranks 0..1); per replica 24576 B" in p.stdout,
+              "the text labels the padding per GPU and per replica")
 
     run(stepq, stepq6, "--policy", "radix", expect=2)
     run(stepq, stepq6, "--kv-bytes-per-token", "5", expect=2)

@@ -17,6 +17,7 @@ CASES = [  # (command, a real value option, a typo)
     (["bench", "kernels"], "--batch", "--batches"),
     (["mkmap"], "--shape", "--shap"),
     (["inspect", "x.json"], "-o", "--o"),
+    (["inspect", "x.json"], "--tp", "--tpp"),
 ]
 
 

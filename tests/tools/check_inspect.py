@@ -76,5 +76,40 @@ missing = subprocess.run([stepq, "inspect", "/nonexistent/map.json"], capture_ou
 if missing.returncode != 1 or not missing.stderr:
     print("FAIL missing file: rc", missing.returncode)
     failed += 1
-print(f"{len(expect) + len(calibrated) + 3 - failed} passed, {failed} failed")
+# --tp N: each GPU's heads and page, padded to the largest, and the padding per GPU and replica.
+tp_checks = 0
+m27 = os.path.join(ex, "qwen3.8-27b.stepq-6-layout.json")
+whole = json.loads(subprocess.run([stepq, "inspect", m27, "--json"], capture_output=True,
+                                  text=True, check=True).stdout)
+for tp in (1, 2, 4, 8):
+    d = json.loads(subprocess.run([stepq, "inspect", m27, "--json", "--tp", str(tp)],
+                                  capture_output=True, text=True, check=True).stdout)
+    t, ranks = d["tp"], d["tp"]["ranks"]
+    ok = (t["size"] == tp and len(ranks) == tp and
+          [r["first_v_head"] for r in ranks] == [48 // tp * r for r in range(tp)] and
+          all(r["v_heads"] == 48 // tp and r["k_heads"] == 16 // tp for r in ranks) and
+          sum(r["state_bytes"] for r in ranks) == whole["state_bytes_allocated"] and
+          all(r["conv_bytes"] == 2949120 // tp for r in ranks) and
+          all(r["own_page_bytes"] + r["tp_pad_bytes"] == t["page_bytes_per_gpu"] for r in ranks) and
+          ranks[t["largest_rank"]]["tp_pad_bytes"] == 0 and
+          sum(r["tp_pad_bytes"] for r in ranks) == t["tp_pad_bytes_per_replica"] and
+          t["page_bytes_per_replica"] == tp * t["page_bytes_per_gpu"] and
+          {k: v for k, v in d.items() if k != "tp"} == whole)
+    failed += not ok
+    tp_checks += 1
+    print(f"{'ok  ' if ok else 'FAIL'} inspect --tp {tp}: page {t['page_bytes_per_gpu']} B per GPU, "
+          f"TP padding {t['tp_pad_bytes_per_replica']} B per replica")
+text = subprocess.run([stepq, "inspect", m27, "--tp", "4"], capture_output=True, text=True).stdout
+ok = ("TP padding B per GPU" in text and "page per GPU" in text and
+      "page per replica     33619968 B" in text and "(TP padding 655360 B, 4 GPUs)" in text)
+failed += not ok
+tp_checks += 1
+print(f"{'ok  ' if ok else 'FAIL'} inspect --tp 4 text labels the padding per GPU and per replica")
+bad = subprocess.run([stepq, "inspect", m27, "--tp", "5"], capture_output=True, text=True)
+ok = (bad.returncode == 2 and bad.stdout == "" and len(bad.stderr.splitlines()) == 1 and
+      "--tp 5" in bad.stderr and "num_k_heads 16" in bad.stderr and "tp_size 5" in bad.stderr)
+failed += not ok
+tp_checks += 1
+print(f"{'ok  ' if ok else 'FAIL'} inspect --tp 5 -> {bad.stderr.strip()}")
+print(f"{len(expect) + len(calibrated) + 3 + tp_checks - failed} passed, {failed} failed")
 sys.exit(1 if failed else 0)

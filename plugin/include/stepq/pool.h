@@ -123,8 +123,9 @@ typedef struct stepq_pool_config {
     int tp_size;                /**< tensor-parallel degree; 0 or 1 = no split */
     /**
      * Minimum page size in bytes (0 = none). The TP layer passes the largest
-     * page of all ranks so every rank's pool has the same page count for a
-     * budget and slot ids agree; the page is then padded up to it.
+     * page of all ranks (stepq_tp_plan(), stepq/tp.h) so every rank's pool has
+     * the same page count for a budget and slot ids agree; the page is then
+     * padded up to it.
      */
     uint64_t min_page_bytes;
     uint64_t page_align;          /**< page stride alignment, a power of two >= 16 (0 = 256) */

@@ -10,6 +10,7 @@
 #include "stepq/plugin.h"
 #include "stepq/pool.h"
 #include "stepq/step.h"
+#include "stepq/tp.h"
 #include "stepq/version.h"
 
 #endif /* STEPQ_STEPQ_H */
