@@ -568,19 +568,6 @@ static int peer_load(struct peer *p, const char *file)
 /* The tables go to tout: stdout, -o FILE, or nowhere with --json alone. */
 static FILE *tout;
 
-static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
-static void tprintf(const char *fmt, ...)
-{
-    va_list ap;
-
-    if (!tout)
-        return;
-    va_start(ap, fmt);
-    vfprintf(tout, fmt, ap);
-    va_end(ap);
-}
-
 static int usage(FILE *f)
 {
     fprintf(f, "usage: stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--peer FILE]\n"
@@ -679,19 +666,22 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         jf = mf;
     else
         tout = mf;
-    tprintf("device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n", prop.name,
-            prop.multiProcessorCount, copy_gbs);
-    tprintf("timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
-            FX_TIME_WARMUP, FX_TIME_RUNS);
+    stepq_tool_printf(tout, "device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n",
+                      prop.name, prop.multiProcessorCount, copy_gbs);
+    stepq_tool_printf(
+        tout, "timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
+        FX_TIME_WARMUP, FX_TIME_RUNS);
     if (measured) {
-        tprintf(
+        stepq_tool_printf(
+            tout,
             "peer: flash-linear-attention fp32 kernels from %s, measured in a separate process\n"
             "      (tools/bench_peer_fla.py) on %s with its own copy bandwidth %.0f GB/s\n",
             peer.file, peer.device, peer.copy_gbs);
         if (strcmp(peer.device, prop.name))
-            tprintf("      NOTE: the peer's device is not this one (%s)\n", prop.name);
+            stepq_tool_printf(tout, "      NOTE: the peer's device is not this one (%s)\n",
+                              prop.name);
     }
-    tprintf("\n");
+    stepq_tool_printf(tout, "\n");
 
     if (jf) {
         fprintf(jf, "{\"device\": ");
@@ -776,13 +766,13 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         stepq_map_t *maps[N_METHODS] = { 0 };
         stepq_pool_t *pools[N_METHODS] = { 0 };
         size_t blocks[N_METHODS] = { 0 };
-        tprintf("%s\n", shape_name[shape]);
-        tprintf("%-26s %5s %10s %12s %9s %7s %8s", "method", "B", "us", "bytes", "GB/s", "copy%",
-                "vs fp32");
+        stepq_tool_printf(tout, "%s\n", shape_name[shape]);
+        stepq_tool_printf(tout, "%-26s %5s %10s %12s %9s %7s %8s", "method", "B", "us", "bytes",
+                          "GB/s", "copy%", "vs fp32");
         if (measured)
-            tprintf(" %9s %8s\n", "peer us", "vs peer");
+            stepq_tool_printf(tout, " %9s %8s\n", "peer us", "vs peer");
         else
-            tprintf(" %12s\n", "peer us (q)");
+            stepq_tool_printf(tout, " %12s\n", "peer us (q)");
         for (int bi = 0; bi < N_BATCHES && rc == 0; bi++) {
             int B = batches[bi];
             if (quick && B != 1 && B != 64 && B != 512)
@@ -900,12 +890,12 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         snprintf(pc, sizeof(pc), "%.0f", pus);
                         snprintf(vp, sizeof(vp), "%.2fx", pus / us);
                     }
-                    tprintf("%-26s %5d %10.1f %12zu %9.0f %6.1f%% %8s", rw->label, B, us, bytes,
-                            gbs, 100.0 * gbs / copy_gbs, sp);
+                    stepq_tool_printf(tout, "%-26s %5d %10.1f %12zu %9.0f %6.1f%% %8s", rw->label,
+                                      B, us, bytes, gbs, 100.0 * gbs / copy_gbs, sp);
                     if (measured)
-                        tprintf(" %9s %8s\n", pc, vp);
+                        stepq_tool_printf(tout, " %9s %8s\n", pc, vp);
                     else
-                        tprintf(" %12s\n", pus > 0 ? pc : "");
+                        stepq_tool_printf(tout, " %12s\n", pus > 0 ? pc : "");
                     if (jf) {
                         fprintf(jf,
                                 "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
@@ -934,18 +924,20 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 stepq_pool_close(pools[mi], STEPQ_POOL_CLOSE_FORCE);
             stepq_map_close(maps[mi]);
         }
-        tprintf("\n");
+        stepq_tool_printf(tout, "\n");
     }
     if (measured)
-        tprintf(
+        stepq_tool_printf(
+            tout,
             "peer us: flash-linear-attention fused_recurrent_gated_delta_rule /\n"
             "fused_recurrent_kda (fp32 state) from %s, a separate process; vs peer = peer us /\n"
             "us, on the step rows at the batches the peer file has.\n",
             peer.file);
     else
-        tprintf("peer us (q): quoted from an earlier run (flash-linear-attention "
-                "fused_recurrent_gated_delta_rule /\n"
-                "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
+        stepq_tool_printf(
+            tout, "peer us (q): quoted from an earlier run (flash-linear-attention "
+                  "fused_recurrent_gated_delta_rule /\n"
+                  "fused_recurrent_kda, fp32 state, same H200 model), not measured by this run.\n");
     stepq_tool_progress_end(&prog);
     if (jf)
         fprintf(jf, "\n]}\n");

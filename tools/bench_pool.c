@@ -52,19 +52,6 @@ static FILE *out;
 static cJSON *jroot;
 static struct stepq_tool_progress prog; /* one step per measurement */
 
-static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
-static void tprintf(const char *fmt, ...)
-{
-    va_list ap;
-
-    if (!out)
-        return;
-    va_start(ap, fmt);
-    vfprintf(out, fmt, ap);
-    va_end(ap);
-}
-
 static double now_s(void)
 {
     struct timespec t;
@@ -181,10 +168,10 @@ static int bench_rate(double seconds)
     }
     for (int i = 0; i < 8; i++)
         shared[i] = own[0];
-    tprintf("alloc/free on the host (one alloc + one free = 2 calls; %d cores)\n",
-            (int)sysconf(_SC_NPROCESSORS_ONLN));
-    tprintf("%8s %8s %16s %16s %10s\n", "threads", "slots", "calls/s shared", "calls/s own",
-            "own/1 thr");
+    stepq_tool_printf(out, "alloc/free on the host (one alloc + one free = 2 calls; %d cores)\n",
+                      (int)sysconf(_SC_NPROCESSORS_ONLN));
+    stepq_tool_printf(out, "%8s %8s %16s %16s %10s\n", "threads", "slots", "calls/s shared",
+                      "calls/s own", "own/1 thr");
     for (size_t b = 0; b < sizeof(batches) / sizeof(batches[0]); b++) {
         double one = 0;
         for (size_t t = 0; t < sizeof(threads) / sizeof(threads[0]); t++) {
@@ -204,8 +191,8 @@ static int bench_rate(double seconds)
                 cJSON_AddNumberToObject(r, "calls_per_s_pool_per_thread", co);
                 cJSON_AddItemToArray(cJSON_GetObjectItem(jroot, "alloc_free"), r);
             }
-            tprintf("%8d %8" PRId32 " %16.3e %16.3e %9.2fx\n", threads[t], batches[b], cs, co,
-                    co / one);
+            stepq_tool_printf(out, "%8d %8" PRId32 " %16.3e %16.3e %9.2fx\n", threads[t],
+                              batches[b], cs, co, co / one);
             stepq_tool_progress_add(&prog, 1);
         }
     }
@@ -229,7 +216,7 @@ static int bench_rate(double seconds)
             cJSON_AddNumberToObject(r, "calls_per_s", cs);
             cJSON_AddItemToObject(jroot, "alloc_free_many_pools", r);
         }
-        tprintf("%8d %8d %16.3e   (with %d other pools open)\n", 1, 1, cs, N_OTHER);
+        stepq_tool_printf(out, "%8d %8d %16.3e   (with %d other pools open)\n", 1, 1, cs, N_OTHER);
         stepq_tool_progress_add(&prog, 1);
     }
 out:
@@ -260,10 +247,10 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
         free(ids);
         return 1;
     }
-    tprintf("\n%s backend, page %" PRIu64 " B (%.4f MiB)\n", name, st.page_bytes,
-            (double)st.page_bytes / 1048576.0);
-    tprintf("%8s %14s %12s %14s %12s\n", "slots", "copy us/call", "copy GB/s", "clear us/call",
-            "clear GB/s");
+    stepq_tool_printf(out, "\n%s backend, page %" PRIu64 " B (%.4f MiB)\n", name, st.page_bytes,
+                      (double)st.page_bytes / 1048576.0);
+    stepq_tool_printf(out, "%8s %14s %12s %14s %12s\n", "slots", "copy us/call", "copy GB/s",
+                      "clear us/call", "clear GB/s");
     for (int i = 0; i < n_sizes; i++) {
         int32_t n = sizes[i];
         double t_copy = 0, t_clear = 0;
@@ -310,9 +297,9 @@ static int bench_moves(const char *name, stepq_pool_t *pool, const int *sizes, i
                                     (double)n * (double)st.page_bytes / t_clear / 1e9);
             cJSON_AddItemToArray(arr, r);
         }
-        tprintf("%8" PRId32 " %14.1f %12.1f %14.1f %12.1f\n", n, t_copy * 1e6,
-                2.0 * n * (double)st.page_bytes / t_copy / 1e9, t_clear * 1e6,
-                (double)n * (double)st.page_bytes / t_clear / 1e9);
+        stepq_tool_printf(out, "%8" PRId32 " %14.1f %12.1f %14.1f %12.1f\n", n, t_copy * 1e6,
+                          2.0 * n * (double)st.page_bytes / t_copy / 1e9, t_clear * 1e6,
+                          (double)n * (double)st.page_bytes / t_clear / 1e9);
     }
     stepq_pool_free(pool, ids, st.capacity);
     free(ids);

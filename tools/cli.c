@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <math.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
@@ -386,4 +387,15 @@ void stepq_tool_json_str(FILE *f, const char *s)
             fputc(*c, f);
     }
     fputc('"', f);
+}
+
+void stepq_tool_printf(FILE *f, const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!f)
+        return;
+    va_start(ap, fmt);
+    vfprintf(f, fmt, ap);
+    va_end(ap);
 }

@@ -112,4 +112,7 @@ int stepq_tool_threads(const char *tool, int want, int n_jobs, const char *jobs_
 /** s as a JSON string, quotes included. */
 void stepq_tool_json_str(FILE *f, const char *s);
 
+/** fprintf to f, or nothing when f is NULL (a table that --json switched off). */
+void stepq_tool_printf(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
 #endif /* STEPQ_TOOLS_CLI_H */

@@ -125,20 +125,6 @@ static void usage(FILE *f)
                "Progress on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
-/* The table goes to f, or nowhere when f is NULL (--json on stdout). */
-static void tab(FILE *f, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
-
-static void tab(FILE *f, const char *fmt, ...)
-{
-    va_list ap;
-
-    if (!f)
-        return;
-    va_start(ap, fmt);
-    vfprintf(f, fmt, ap);
-    va_end(ap);
-}
-
 /* Jobs through the progress report: one head replayed is one unit of work. */
 struct eval_run {
     struct stepq__eval *c;
@@ -374,13 +360,14 @@ int stepq_tool_eval(int argc, char **argv)
     for (int r = 0; r < H; r++)
         cls[order[r]] = r * 3 / H;
 
-    tab(tf, "stepq eval: %d streams x %d tokens, %d layers x %d heads; mean +- s.e. over streams\n",
+    stepq_tool_printf(
+        tf, "stepq eval: %d streams x %d tokens, %d layers x %d heads; mean +- s.e. over streams\n",
         S, I->T, I->n_layers, I->HV);
-    tab(tf, "%-22s %6s %-16s %-16s %-16s %s", "map", "bits", "global", "head", "first 256",
-        classes ? "last 256        " : "last 256");
+    stepq_tool_printf(tf, "%-22s %6s %-16s %-16s %-16s %s", "map", "bits", "global", "head",
+                      "first 256", classes ? "last 256        " : "last 256");
     if (classes)
-        tab(tf, " %-16s %-16s %s", "state short", "state middle", "state long");
-    tab(tf, "\n");
+        stepq_tool_printf(tf, " %-16s %-16s %s", "state short", "state middle", "state long");
+    stepq_tool_printf(tf, "\n");
     if (jf)
         fprintf(jf,
                 "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
@@ -427,13 +414,13 @@ int stepq_tool_eval(int argc, char **argv)
         } else {
             snprintf(name, sizeof(name), "uniform@6 (internal)");
         }
-        tab(tf, "%-22s %6.3f", name, bpv);
+        stepq_tool_printf(tf, "%-22s %6.3f", name, bpv);
         for (int k = 0; k < (classes ? 7 : 4); k++) {
             char cell[64];
             snprintf(cell, sizeof(cell), "%.3e+-%.0e", v[k].mean, v[k].se);
-            tab(tf, " %-16s", cell);
+            stepq_tool_printf(tf, " %-16s", cell);
         }
-        tab(tf, "\n");
+        stepq_tool_printf(tf, "\n");
         if (jf) {
             fputs("  {\"name\": ", jf);
             stepq_tool_json_str(jf, name);
@@ -547,7 +534,8 @@ int stepq_tool_eval(int argc, char **argv)
         r8[s] = a[2] > 0 ? a[3] / a[2] : NAN;
     }
     struct ms i6 = mean_se(r6, S), i8 = mean_se(r8, S);
-    tab(tf,
+    stepq_tool_printf(
+        tf,
         "global: sum |o^ - o|^2 / sum |o|^2 over every head and step (o^ read with the map's\n"
         "  state); head: the mean over heads of that ratio per head; first / last 256: the\n"
         "  global ratio over the first / last %d steps%s; bits: per value, scales and\n"
@@ -556,14 +544,17 @@ int stepq_tool_eval(int argc, char **argv)
         classes ? "; state short / middle / long: sum |S^ - S|^2 / sum |S|^2 of the third of\n"
                   "  the heads with the shortest / middle / longest gate half-lives"
                 : "");
-    tab(tf,
+    stepq_tool_printf(
+        tf,
         "Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "
         "units)\n",
         rho, rs.mean, rs.se, H);
     if (R)
-        tab(tf, "  over key rows (KDA units): pooled %.3f, per stream %.3f +- %.3f (%d rows)\n",
+        stepq_tool_printf(
+            tf, "  over key rows (KDA units): pooled %.3f, per stream %.3f +- %.3f (%d rows)\n",
             rho_r, rrs.mean, rrs.se, R);
-    tab(tf,
+    stepq_tool_printf(
+        tf,
         "single injection at step %d, oracle / native squared readout error:\n"
         "  INT6 %.2f (per stream %.2f +- %.2f), INT8 %.2f (per stream %.2f +- %.2f)\n",
         t_inj, pooled[1] / pooled[0], i6.mean, i6.se, pooled[3] / pooled[2], i8.mean, i8.se);
