@@ -1,0 +1,1224 @@
+/*
+ * stepq bench decode MAP|PRESET: the decode throughput of the recurrent-state
+ * path, as a server runs it, for the fp32 state, the bf16 state and the map's
+ * method side by side.
+ *
+ * Everything goes through the public API: pools opened from the map and from
+ * dense fp32 / bf16 maps of the same shape (stepq_map_create), B slots
+ * allocated, synthetic prompt states packed with stepq_pool_prefill_pack,
+ * then T tokens x every timed layer of stepq_pool_decode_step. Per run the
+ * decode time is the sum of the intervals between the starts of consecutive
+ * tokens (the gaps between steps included) and an end mark after the last:
+ * CUDA events on the pool's stream on the CUDA backend, CLOCK_MONOTONIC on
+ * the host backend. One warm-up and 3 timed runs, the median reported;
+ * tokens/s = B x T request-token transitions / decode time.
+ *
+ * Inputs are made before the timing, so that the timed loop holds only the
+ * steps: a bank of N_BANK sets of unit-norm q / k, v and beta (token t, layer
+ * l reads set (t + l) mod N_BANK), and per layer one gate tensor drawn from
+ * the map's per-unit log retention (calibrated maps), or for maps without
+ * statistics from half-lives log-uniform in [HALF_LIFE_MIN, HALF_LIFE_MAX]
+ * tokens per unit.
+ *
+ * It measures the recurrent-state path only: no attention or MLP layers, no
+ * conv state update, no sampling. Multi-process tensor parallelism (NCCL) is
+ * a later task: --tp N times one rank's share of the heads in this process.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "stepq_config.h"
+#include "stepq/stepq.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+#include "tools/mkmap.h"
+
+#if STEPQ_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define TOOL        "bench decode"
+#define MAX_BATCHES 16
+#define MAX_RUNS    100
+/* Distinct q/k/v/beta sets the tokens cycle through: enough that consecutive
+ * layers and tokens never read the same inputs, few enough to stay small. */
+#define N_BANK 4
+/* Dense prompt states made per layer; slots take them in turn (pack in chunks). */
+#define N_PATTERN 2
+/* Outer products summed into a synthetic prompt state (of the prompt's P). */
+#define PROMPT_RANK 16
+/* The gate fallback of maps without statistics: half-lives in tokens. */
+#define HALF_LIFE_MIN 2.0
+#define HALF_LIFE_MAX 2048.0
+/* The stepq layout map a preset gets: the bundled qwen3.8-27b one (32 pivots of 2304 units). */
+#define PRESET_BITS       6
+#define PRESET_PIVOT_UNIT 72
+#define GIB               (1024.0 * 1024.0 * 1024.0)
+#define MIB               (1024.0 * 1024.0)
+
+/* The paper's protocol (its Appendix F). */
+static const int paper_batches[] = { 32, 64, 128, 256, 512 };
+#define PAPER_TOKENS 1024
+#define PAPER_PROMPT 128
+/* The host backend's default: a reduced run that finishes in seconds. */
+static const int host_batches[] = { 1, 4 };
+#define HOST_TOKENS 16
+#define HOST_LAYERS 2
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: stepq bench decode MAP|PRESET [--backend host|cuda] [--tp N] [--rank R]\n"
+               "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
+               "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
+               "                          [--budget-gib G] [--policy extra_buffer] [--json]\n"
+               "                          [-o FILE]\n"
+               "Decode throughput of the recurrent-state path through the public API: per\n"
+               "token, every recurrent layer's stepq_pool_decode_step on B slots whose prompt\n"
+               "states were packed with stepq_pool_prefill_pack; tokens/s and ms per step for\n"
+               "the fp32 state, the bf16 state and MAP's method side by side, the state bytes\n"
+               "per request and the largest batch that fits --budget-gib (default 80) under\n"
+               "the reservation policy (default extra_buffer: 5 slots per request + 1).\n"
+               "It measures the recurrent-state path only, not attention or MLP layers.\n"
+               "PRESET (");
+    stepq_tool_preset_list(f);
+    fprintf(f, "): the shape with the stepq@6\n"
+               "layout map `stepq mkmap --shape PRESET --method stepq --bits 6` makes.\n"
+               "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
+               "generated tokens, every layer, 1 warm-up + 3 runs, median; decode time = sum\n"
+               "of the intervals between consecutive token starts (gaps included): CUDA\n"
+               "events on the CUDA backend (the default where a device exists), the\n"
+               "monotonic clock on the host backend (the C reference), whose default is a\n"
+               "reduced run (2 layers, batches 1,4, 16 tokens; --full for the protocol).\n"
+               "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
+               "the rank with the largest page) in this one process: multi-process NCCL\n"
+               "tensor parallelism is a later task. --layers: the first N recurrent layers.\n"
+               "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
+               "per run on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
+}
+
+struct opts {
+    const char *target, *out_path, *policy_name;
+    int backend; /* -1: cuda where a device exists, else host */
+    int tp, rank;
+    int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
+    int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
+    int runs, warmup, full, json, budget_given;
+    double budget_gib;
+};
+
+static int parse_batches(const char *v, struct opts *o)
+{
+    const char *s = v;
+    o->n_b = 0;
+    while (*s) {
+        char *end;
+        long x = strtol(s, &end, 10);
+        if (end == s || x < 1 || x > 65535 || (*end && *end != ',') || o->n_b == MAX_BATCHES) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --batch '%s': want up to %d batch sizes in [1, 65535], "
+                    "e.g. 32,64,128\n",
+                    v, MAX_BATCHES);
+            return -1;
+        }
+        o->batches[o->n_b++] = (int)x;
+        s = *end ? end + 1 : end;
+    }
+    if (!o->n_b) {
+        fprintf(stderr, "stepq " TOOL ": --batch '': want batch sizes, e.g. 32,64,128\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* Returns 0, 1 for --help, or 2 after one line naming the option. */
+static int parse_opts(int argc, char **argv, struct opts *o)
+{
+    long long n;
+
+    memset(o, 0, sizeof(*o));
+    o->backend = -1;
+    o->tp = 1;
+    o->rank = -1;
+    o->runs = 3;
+    o->warmup = 1;
+    o->budget_gib = 80;
+    o->policy_name = "extra_buffer";
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 1;
+        } else if (!strcmp(a, "--json")) {
+            o->json = 1;
+            continue;
+        } else if (!strcmp(a, "--full")) {
+            o->full = 1;
+            continue;
+        } else if (a[0] != '-') {
+            if (o->target) {
+                fprintf(stderr, "stepq " TOOL ": a second MAP or PRESET '%s'\n", a);
+                return 2;
+            }
+            o->target = a;
+            continue;
+        }
+        if (!v) {
+            static const char *const value_opts[] = { "--backend", "--batch",  "--budget-gib",
+                                                      "--layers",  "--policy", "--prompt",
+                                                      "--rank",    "--runs",   "--tokens",
+                                                      "--tp",      "--warmup", "-o",
+                                                      NULL };
+            return stepq_tool_missing_value(TOOL, a, value_opts);
+        }
+        i++;
+        if (!strcmp(a, "-o")) {
+            o->out_path = v;
+        } else if (!strcmp(a, "--backend")) {
+            o->backend = !strcmp(v, "host")   ? STEPQ_POOL_BACKEND_HOST
+                         : !strcmp(v, "cuda") ? STEPQ_POOL_BACKEND_CUDA
+                                              : -2;
+            if (o->backend == -2) {
+                fprintf(stderr, "stepq " TOOL ": --backend '%s': want host or cuda\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--batch")) {
+            if (parse_batches(v, o) < 0)
+                return 2;
+        } else if (!strcmp(a, "--tp")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1024, &n) < 0)
+                return 2;
+            o->tp = (int)n;
+        } else if (!strcmp(a, "--rank")) {
+            if (stepq_tool_int(TOOL, a, v, 0, 1023, &n) < 0)
+                return 2;
+            o->rank = (int)n;
+        } else if (!strcmp(a, "--tokens")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1 << 20, &n) < 0)
+                return 2;
+            o->tokens = (int)n;
+        } else if (!strcmp(a, "--prompt")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1 << 20, &n) < 0)
+                return 2;
+            o->prompt = (int)n;
+        } else if (!strcmp(a, "--layers")) {
+            if (!strcmp(v, "all"))
+                o->layers = -1;
+            else if (stepq_tool_int(TOOL, a, v, 1, 1 << 16, &n) < 0)
+                return 2;
+            else
+                o->layers = (int)n;
+        } else if (!strcmp(a, "--runs")) {
+            if (stepq_tool_int(TOOL, a, v, 1, MAX_RUNS, &n) < 0)
+                return 2;
+            o->runs = (int)n;
+        } else if (!strcmp(a, "--warmup")) {
+            if (stepq_tool_int(TOOL, a, v, 0, MAX_RUNS, &n) < 0)
+                return 2;
+            o->warmup = (int)n;
+        } else if (!strcmp(a, "--budget-gib")) {
+            if (stepq_tool_real(TOOL, a, v, 0, 1 << 20, STEPQ_TOOL_OPEN_LO, &o->budget_gib) < 0)
+                return 2;
+            o->budget_given = 1;
+        } else if (!strcmp(a, "--policy")) {
+            o->policy_name = v;
+        } else {
+            fprintf(stderr, "stepq " TOOL ": unknown option '%s' (see stepq " TOOL " --help)\n", a);
+            return 2;
+        }
+    }
+    if (!o->target) {
+        usage(stderr);
+        return 2;
+    }
+    return 0;
+}
+
+/* --- deterministic inputs ------------------------------------------------------ */
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* In [0, 1). */
+static double unit_rand(uint64_t *s)
+{
+    return (double)(splitmix64(s) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static void unit_vector(uint64_t *s, float *x, int n)
+{
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        x[i] = (float)(2 * unit_rand(s) - 1);
+        sum += (double)x[i] * x[i];
+    }
+    for (int i = 0; i < n; i++)
+        x[i] = (float)(x[i] / sqrt(sum));
+}
+
+/*
+ * The log retention (g, <= 0) of every unit of the timed layers: the map's
+ * statistics where it has them, else the fallback half-lives. *from_map says
+ * which. log_ret[l * upl + u].
+ */
+static double *unit_log_retention(const stepq_map_t *map, int layers, int *from_map)
+{
+    const int upl = stepq_map_units_per_layer(map);
+    double *lr = malloc(sizeof(double) * (size_t)layers * (size_t)upl);
+    stepq_unit_stats us = STEPQ_UNIT_STATS_INITIALIZER;
+    uint64_t seed = 0x68616c666c696665ull; /* "halflife" */
+
+    if (!lr)
+        return NULL;
+    *from_map = stepq_map_unit_stats(map, 0, 0, &us) == STEPQ_OK;
+    for (int l = 0; l < layers; l++)
+        for (int u = 0; u < upl; u++) {
+            double g;
+            if (*from_map && stepq_map_unit_stats(map, l, u, &us) == STEPQ_OK) {
+                g = us.log_retention;
+            } else {
+                double hl = HALF_LIFE_MIN * pow(HALF_LIFE_MAX / HALF_LIFE_MIN, unit_rand(&seed));
+                g = log(0.5) / hl;
+            }
+            lr[(size_t)l * upl + u] = g;
+        }
+    return lr;
+}
+
+/* Host copies of what the steps read; the CUDA backend copies them to the device once. */
+struct inputs {
+    int B, H, HV, K, V, gn; /* gn: gates per head (1 GDN, K KDA) */
+    int layers;             /* of g and pattern */
+    float *q[N_BANK], *k[N_BANK], *v[N_BANK], *beta[N_BANK];
+    float **g;       /* [layers][B][HV][gn] */
+    float **pattern; /* [layers][N_PATTERN][HV][K][V]: synthetic prompt states */
+    size_t n_q, n_v, n_g, n_pat;
+};
+
+static void inputs_free(struct inputs *in)
+{
+    const int layers = in->layers;
+    for (int i = 0; i < N_BANK; i++) {
+        free(in->q[i]);
+        free(in->k[i]);
+        free(in->v[i]);
+        free(in->beta[i]);
+    }
+    for (int l = 0; in->g && l < layers; l++)
+        free(in->g[l]);
+    for (int l = 0; in->pattern && l < layers; l++)
+        free(in->pattern[l]);
+    free(in->g);
+    free(in->pattern);
+    memset(in, 0, sizeof(*in));
+}
+
+/*
+ * The prompt state of one head: sum over PROMPT_RANK of the prompt's P tokens
+ * (ages a P / PROMPT_RANK) of beta k v^T decayed by the head's gate (KDA: each
+ * key row by its own), scaled by sqrt(P / PROMPT_RANK) for the tokens left
+ * out: the magnitude a prompt of P tokens gives a head of that half-life.
+ */
+static void prompt_state(uint64_t *s, float *S, int K, int V, const double *g, int gn, int P)
+{
+    float k[1024], v[1024];
+    const double w0 = 0.5 * sqrt((double)P / PROMPT_RANK);
+
+    memset(S, 0, sizeof(float) * (size_t)K * V);
+    for (int a = 0; a < PROMPT_RANK; a++) {
+        const double age = (double)a * P / PROMPT_RANK;
+        unit_vector(s, k, K);
+        for (int j = 0; j < V; j++)
+            v[j] = (float)(2 * unit_rand(s) - 1);
+        for (int i = 0; i < K; i++) {
+            const float w = (float)(w0 * exp(g[gn > 1 ? i : 0] * age)) * k[i];
+            for (int j = 0; j < V; j++)
+                S[(size_t)i * V + j] += w * v[j];
+        }
+    }
+}
+
+/*
+ * Makes every input of batch B for this rank's heads (first_head on), from a
+ * seed that depends on nothing else, so that two runs read the same numbers.
+ * The prompt states do not depend on B (made once, by the first call).
+ */
+static int inputs_make(struct inputs *in, const stepq_model_shape *sh, int tp, int first_head,
+                       int B, int layers, int prompt, const double *log_ret)
+{
+    const int H = sh->num_k_heads / tp, HV = sh->num_v_heads / tp, K = sh->head_k_dim;
+    const int V = sh->head_v_dim, gn = sh->arch == STEPQ_ARCH_KDA ? K : 1;
+    const int upl = sh->arch == STEPQ_ARCH_KDA ? sh->num_v_heads * K : sh->num_v_heads;
+    uint64_t seed = 0x7374657071ull + (uint64_t)B;
+
+    for (int i = 0; i < N_BANK; i++) {
+        free(in->q[i]);
+        free(in->k[i]);
+        free(in->v[i]);
+        free(in->beta[i]);
+    }
+    for (int l = 0; in->g && l < layers; l++)
+        free(in->g[l]);
+    in->B = B, in->H = H, in->HV = HV, in->K = K, in->V = V, in->gn = gn;
+    in->n_q = (size_t)B * H * K;
+    in->n_v = (size_t)B * HV * V;
+    in->n_g = (size_t)B * HV * gn;
+    in->n_pat = (size_t)N_PATTERN * HV * K * V;
+    for (int i = 0; i < N_BANK; i++) {
+        in->q[i] = malloc(sizeof(float) * in->n_q);
+        in->k[i] = malloc(sizeof(float) * in->n_q);
+        in->v[i] = malloc(sizeof(float) * in->n_v);
+        in->beta[i] = malloc(sizeof(float) * (size_t)B * HV);
+        if (!in->q[i] || !in->k[i] || !in->v[i] || !in->beta[i])
+            return STEPQ_ENOMEM;
+        for (size_t h = 0; h < (size_t)B * H; h++) {
+            unit_vector(&seed, in->q[i] + h * K, K);
+            unit_vector(&seed, in->k[i] + h * K, K);
+        }
+        for (size_t e = 0; e < in->n_v; e++)
+            in->v[i][e] = (float)(2 * unit_rand(&seed) - 1);
+        for (size_t e = 0; e < (size_t)B * HV; e++)
+            in->beta[i][e] = (float)(0.2 + 0.6 * unit_rand(&seed));
+    }
+    if (!in->g && !(in->g = calloc((size_t)layers, sizeof(*in->g))))
+        return STEPQ_ENOMEM;
+    in->layers = layers;
+    for (int l = 0; l < layers; l++) {
+        if (!(in->g[l] = malloc(sizeof(float) * in->n_g)))
+            return STEPQ_ENOMEM;
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < HV; h++)
+                for (int i = 0; i < gn; i++) {
+                    const int unit = (first_head + h) * gn + i;
+                    /* each request's gate within +-50% of the unit's mean, as a token's would be */
+                    in->g[l][((size_t)b * HV + h) * gn + i] =
+                        (float)(log_ret[(size_t)l * upl + unit] * (0.5 + unit_rand(&seed)));
+                }
+    }
+    if (in->pattern)
+        return STEPQ_OK;
+    if (!(in->pattern = calloc((size_t)layers, sizeof(*in->pattern))))
+        return STEPQ_ENOMEM;
+    uint64_t ps = 0x70726f6d7074ull; /* "prompt" */
+    for (int l = 0; l < layers; l++) {
+        if (!(in->pattern[l] = malloc(sizeof(float) * in->n_pat)))
+            return STEPQ_ENOMEM;
+        for (int e = 0; e < N_PATTERN; e++)
+            for (int h = 0; h < HV; h++)
+                prompt_state(&ps, in->pattern[l] + ((size_t)e * HV + h) * K * V, K, V,
+                             log_ret + (size_t)l * upl + (size_t)(first_head + h) * gn, gn, prompt);
+    }
+    return STEPQ_OK;
+}
+
+/* --- the backends' buffers and clocks ------------------------------------------ */
+
+/*
+ * Where the steps read their tensors: the host copies themselves on the host
+ * backend, device copies on the CUDA backend.
+ */
+struct dev {
+    int cuda;
+    void *stream; /* cudaStream_t */
+    const float *q[N_BANK], *k[N_BANK], *v[N_BANK], *beta[N_BANK];
+    const float **g, **pattern;
+    float *o;
+    int32_t *ids;
+    int layers;
+};
+
+static double now_s(void)
+{
+    struct timespec t;
+
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+#if STEPQ_HAVE_CUDA
+static int cu_fail(cudaError_t e, const char *what)
+{
+    fprintf(stderr, "stepq " TOOL ": %s: %s\n", what, cudaGetErrorString(e));
+    cudaGetLastError();
+    return STEPQ_ECUDA;
+}
+
+static int cu_copy(const float **dst, const float *src, size_t n)
+{
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, n * sizeof(float));
+    if (e != cudaSuccess)
+        return cu_fail(e, "cudaMalloc");
+    *dst = p;
+    e = cudaMemcpy(p, src, n * sizeof(float), cudaMemcpyHostToDevice);
+    return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "cudaMemcpy");
+}
+#endif
+
+static void dev_release(struct dev *d)
+{
+#if STEPQ_HAVE_CUDA
+    if (d->cuda) {
+        for (int i = 0; i < N_BANK; i++) {
+            cudaFree((void *)d->q[i]);
+            cudaFree((void *)d->k[i]);
+            cudaFree((void *)d->v[i]);
+            cudaFree((void *)d->beta[i]);
+        }
+        for (int l = 0; d->g && l < d->layers; l++)
+            cudaFree((void *)d->g[l]);
+        for (int l = 0; d->pattern && l < d->layers; l++)
+            cudaFree((void *)d->pattern[l]);
+        cudaFree(d->o);
+        cudaFree(d->ids);
+    }
+#endif
+    if (!d->cuda)
+        free(d->o);
+    free(d->g);
+    free(d->pattern);
+    void *stream = d->stream;
+    int cuda = d->cuda;
+    memset(d, 0, sizeof(*d));
+    d->stream = stream;
+    d->cuda = cuda;
+}
+
+/* Points d at the inputs of one batch (copies them to the device on CUDA). */
+static int dev_load(struct dev *d, const struct inputs *in, int layers)
+{
+    dev_release(d);
+    d->layers = layers;
+    d->g = calloc((size_t)layers, sizeof(*d->g));
+    d->pattern = calloc((size_t)layers, sizeof(*d->pattern));
+    if (!d->g || !d->pattern)
+        return STEPQ_ENOMEM;
+    if (!d->cuda) {
+        for (int i = 0; i < N_BANK; i++) {
+            d->q[i] = in->q[i], d->k[i] = in->k[i], d->v[i] = in->v[i];
+            d->beta[i] = in->beta[i];
+        }
+        for (int l = 0; l < layers; l++)
+            d->g[l] = in->g[l], d->pattern[l] = in->pattern[l];
+        d->o = malloc(sizeof(float) * in->n_v);
+        return d->o ? STEPQ_OK : STEPQ_ENOMEM;
+    }
+#if STEPQ_HAVE_CUDA
+    int ret = STEPQ_OK;
+    for (int i = 0; i < N_BANK && ret == STEPQ_OK; i++)
+        if ((ret = cu_copy(&d->q[i], in->q[i], in->n_q)) < 0 ||
+            (ret = cu_copy(&d->k[i], in->k[i], in->n_q)) < 0 ||
+            (ret = cu_copy(&d->v[i], in->v[i], in->n_v)) < 0 ||
+            (ret = cu_copy(&d->beta[i], in->beta[i], (size_t)in->B * in->HV)) < 0)
+            return ret;
+    for (int l = 0; l < layers; l++)
+        if ((ret = cu_copy(&d->g[l], in->g[l], in->n_g)) < 0 ||
+            (ret = cu_copy(&d->pattern[l], in->pattern[l], in->n_pat)) < 0)
+            return ret;
+    cudaError_t e = cudaMalloc((void **)&d->o, sizeof(float) * in->n_v);
+    if (e != cudaSuccess)
+        return cu_fail(e, "cudaMalloc");
+    e = cudaMalloc((void **)&d->ids, sizeof(int32_t) * (size_t)in->B);
+    return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "cudaMalloc");
+#else
+    return STEPQ_ENOTSUP;
+#endif
+}
+
+/* --- one timed configuration ----------------------------------------------------- */
+
+/* The three states compared. */
+struct variant {
+    char label[64];
+    stepq_map_t *map; /* owned */
+    stepq_pool_plan_info plan;
+    uint64_t state_bytes; /* the recurrent state of one request on this rank, as allocated */
+    int32_t max_batch;    /* under the policy in the budget; -1: none */
+};
+
+struct result {
+    int ran;
+    double run_s[MAX_RUNS];
+    double median_s;
+    double checksum; /* sum of |o| over the last token's last layer */
+    uint32_t health;
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+struct bench {
+    struct opts *o;
+    stepq_pool_config base; /* map, backend, tp, rank, min_page_bytes, stream */
+    const struct inputs *in;
+    struct dev *d;
+    int layers, tokens;
+    struct stepq_tool_progress *prog;
+};
+
+/* Prefill: the synthetic prompt states packed into every slot of every timed layer. */
+static int pack_prompt(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B)
+{
+    for (int l = 0; l < bn->layers; l++)
+        for (int c = 0; c < B; c += N_PATTERN) {
+            stepq_prefill_args pf = STEPQ_PREFILL_ARGS_INITIALIZER;
+            pf.n = B - c < N_PATTERN ? B - c : N_PATTERN;
+            pf.slot_ids = ids + c;
+            pf.states = (void *)bn->d->pattern[l];
+            pf.layout = STEPQ_STATE_LAYOUT_KV;
+            int ret = stepq_pool_prefill_pack(pool, l, &pf, NULL);
+            if (ret < 0)
+                return ret;
+        }
+    return STEPQ_OK;
+}
+
+/* One run: T tokens x every timed layer; *seconds the sum of the token intervals. */
+static int run_tokens(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                      void *marks, double *seconds)
+{
+    const struct dev *d = bn->d;
+    stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+    double *stamps = marks;
+    int ret = STEPQ_OK;
+
+    a.batch = B;
+    a.slot_ids = ids;
+    a.o = d->o;
+    a.flags = STEPQ_STEP_L2NORM; /* as servers call it (the keys are unit-norm already) */
+    for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
+#if STEPQ_HAVE_CUDA
+        if (d->cuda) {
+            cudaError_t e = cudaEventRecord(((cudaEvent_t *)marks)[t], (cudaStream_t)d->stream);
+            if (e != cudaSuccess)
+                return cu_fail(e, "cudaEventRecord");
+        } else
+#endif
+            stamps[t] = now_s();
+        for (int l = 0; l < bn->layers && ret == STEPQ_OK; l++) {
+            const int s = (t + l) % N_BANK;
+            a.q = d->q[s], a.k = d->k[s], a.v = d->v[s], a.beta = d->beta[s];
+            a.g = d->g[l];
+            ret = stepq_pool_decode_step(pool, l, &a, NULL);
+        }
+    }
+    if (ret < 0)
+        return ret;
+    *seconds = 0;
+#if STEPQ_HAVE_CUDA
+    if (d->cuda) {
+        cudaEvent_t *ev = marks;
+        cudaError_t e = cudaEventRecord(ev[bn->tokens], (cudaStream_t)d->stream);
+        if (e == cudaSuccess)
+            e = cudaEventSynchronize(ev[bn->tokens]);
+        for (int t = 0; t < bn->tokens && e == cudaSuccess; t++) {
+            float ms = 0;
+            e = cudaEventElapsedTime(&ms, ev[t], ev[t + 1]);
+            *seconds += ms * 1e-3;
+        }
+        return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "CUDA events");
+    }
+#endif
+    stamps[bn->tokens] = now_s();
+    for (int t = 0; t < bn->tokens; t++)
+        *seconds += stamps[t + 1] - stamps[t];
+    return STEPQ_OK;
+}
+
+/* Opens the variant's pool of B slots, runs warm-up + runs, and fills *r. */
+static int run_variant(const struct bench *bn, const struct variant *va, int B, struct result *r)
+{
+    stepq_pool_config cfg = bn->base;
+    stepq_pool_t *pool = NULL;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)B);
+    void *marks = NULL;
+    const int n_marks = bn->tokens + 1;
+    int ret;
+
+    memset(r, 0, sizeof(*r));
+    cfg.map = va->map;
+    cfg.num_slots = B;
+    if (!ids)
+        return STEPQ_ENOMEM;
+    if ((ret = stepq_pool_open(&cfg, &pool)) < 0 || (ret = stepq_pool_alloc(pool, B, ids)) < 0) {
+        fprintf(stderr, "stepq " TOOL ": %s pool of %d slots: %s\n", va->label, B,
+                stepq_last_error());
+        goto out;
+    }
+    const int32_t *step_ids = ids;
+#if STEPQ_HAVE_CUDA
+    if (bn->d->cuda) {
+        cudaError_t e =
+            cudaMemcpy(bn->d->ids, ids, sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice);
+        if (e != cudaSuccess) {
+            ret = cu_fail(e, "cudaMemcpy");
+            goto out;
+        }
+        step_ids = bn->d->ids;
+        cudaEvent_t *ev = calloc((size_t)n_marks, sizeof(cudaEvent_t));
+        marks = ev;
+        for (int i = 0; ev && i < n_marks; i++)
+            if ((e = cudaEventCreate(&ev[i])) != cudaSuccess) {
+                ret = cu_fail(e, "cudaEventCreate");
+                goto out;
+            }
+    } else
+#endif
+        marks = malloc(sizeof(double) * (size_t)n_marks);
+    if (!marks) {
+        ret = STEPQ_ENOMEM;
+        goto out;
+    }
+    const int n_runs = bn->o->warmup + bn->o->runs;
+    for (int run = 0; run < n_runs; run++) {
+        double sec = 0;
+        /* Every run starts from the same prompt states: the runs time the same work. */
+        if ((ret = pack_prompt(bn, pool, step_ids, B)) < 0 || (ret = stepq_pool_sync(pool)) < 0 ||
+            (ret = run_tokens(bn, pool, step_ids, B, marks, &sec)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, stepq_last_error());
+            goto out;
+        }
+        if (run >= bn->o->warmup)
+            r->run_s[run - bn->o->warmup] = sec;
+        stepq_tool_progress_add(bn->prog, 1);
+    }
+    {
+        double sorted[MAX_RUNS];
+        const int n = bn->o->runs;
+        memcpy(sorted, r->run_s, sizeof(double) * (size_t)n);
+        qsort(sorted, (size_t)n, sizeof(double), cmp_double);
+        r->median_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    }
+    /* What the last step wrote, and the slots' health: the work was done, and done the same. */
+    {
+        const size_t n_o = (size_t)B * bn->in->HV * bn->in->V;
+        float *o = bn->d->cuda ? malloc(sizeof(float) * n_o) : bn->d->o;
+        stepq_pool_stats st;
+        if (!o) {
+            ret = STEPQ_ENOMEM;
+            goto out;
+        }
+#if STEPQ_HAVE_CUDA
+        if (bn->d->cuda) {
+            cudaError_t e = cudaMemcpy(o, bn->d->o, sizeof(float) * n_o, cudaMemcpyDeviceToHost);
+            if (e != cudaSuccess) {
+                free(o);
+                ret = cu_fail(e, "cudaMemcpy");
+                goto out;
+            }
+        }
+#endif
+        for (size_t i = 0; i < n_o; i++)
+            r->checksum += fabs((double)o[i]);
+        if (bn->d->cuda)
+            free(o);
+        if ((ret = stepq_pool_get_stats(pool, &st, sizeof(st))) < 0)
+            goto out;
+        r->health = st.health_any;
+    }
+    r->ran = 1;
+out:
+#if STEPQ_HAVE_CUDA
+    if (bn->d->cuda && marks)
+        for (int i = 0; i < n_marks; i++)
+            if (((cudaEvent_t *)marks)[i])
+                cudaEventDestroy(((cudaEvent_t *)marks)[i]);
+#endif
+    free(marks);
+    if (pool && stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE) < 0 && ret >= 0)
+        ret = STEPQ_ECUDA;
+    free(ids);
+    return ret;
+}
+
+/* --- setup and report --------------------------------------------------------------- */
+
+/* The table goes to tout: the output, or nowhere with --json. */
+static FILE *tout;
+
+static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void tprintf(const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!tout)
+        return;
+    va_start(ap, fmt);
+    vfprintf(tout, fmt, ap);
+    va_end(ap);
+}
+
+/* The map of the target: a map file, or a preset's stepq@6 layout map. 0, or an exit status. */
+static int load_target(const char *target, stepq_map_t **map, int *is_preset)
+{
+    int ret;
+
+    *is_preset = 0;
+    if (!strchr(target, '/') && !strstr(target, ".json")) {
+        if (!stepq_tool_preset_find(target)) {
+            fprintf(stderr, "stepq " TOOL ": unknown preset '%s' (presets: ", target);
+            stepq_tool_preset_list(stderr);
+            fprintf(stderr, "; or a map file)\n");
+            return 2;
+        }
+        *is_preset = 1;
+        stepq_map_t *probe = NULL;
+        /* the preset's unit count sets its pivots: 1 in PRESET_PIVOT_UNIT, as the bundled map */
+        if ((ret = stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_UNIFORM, PRESET_BITS, 0, NULL,
+                                          &probe)) != 0)
+            return ret;
+        stepq_model_shape sh;
+        stepq_map_shape(probe, &sh);
+        const long long units = (long long)sh.n_layers * stepq_map_units_per_layer(probe);
+        stepq_map_close(probe);
+        const long long pivots = (units + PRESET_PIVOT_UNIT / 2) / PRESET_PIVOT_UNIT;
+        return stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_STEPQ, PRESET_BITS, pivots, NULL,
+                                      map);
+    }
+    if ((ret = stepq_map_load_file(target, NULL, map)) < 0) {
+        stepq_tool_path_error(TOOL, target, NULL, stepq_last_error(), ret);
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether the CUDA backend has a device, through the public API: a pool opens on it. */
+static int cuda_available(const stepq_map_t *map, char *why, size_t len)
+{
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_pool_t *pool = NULL;
+
+    cfg.map = map;
+    cfg.backend = STEPQ_POOL_BACKEND_CUDA;
+    cfg.num_slots = 1;
+    cfg.min_page_bytes = 0;
+    int ret = stepq_pool_open(&cfg, &pool);
+    if (ret < 0)
+        snprintf(why, len, "%s", stepq_last_error());
+    stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+    return ret >= 0;
+}
+
+static uint64_t host_memory(void)
+{
+    long np = sysconf(_SC_PHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+    return np > 0 && ps > 0 ? (uint64_t)np * (uint64_t)ps : 0;
+}
+
+int stepq_tool_bench_decode(int argc, char **argv)
+{
+    struct opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+
+    stepq_pool_policy policy;
+    if (stepq_pool_policy_from_name(o.policy_name, &policy) < 0) {
+        fprintf(stderr, "stepq " TOOL ": --policy: %s\n", stepq_last_error());
+        return 2;
+    }
+    const int per = stepq_pool_policy_slots(policy);
+
+    struct variant va[3];
+    memset(va, 0, sizeof(va));
+    int is_preset = 0;
+    if ((rc = load_target(o.target, &va[2].map, &is_preset)) != 0)
+        return rc;
+    stepq_map_t *map = va[2].map;
+    stepq_model_shape sh;
+    stepq_map_shape(map, &sh);
+    const char *model = stepq_map_model_name(map)[0] ? stepq_map_model_name(map) : "model";
+    struct stepq_tool_out of;
+    struct inputs in;
+    struct dev d;
+    double *log_ret = NULL;
+    struct result(*res)[3] = NULL;
+    memset(&in, 0, sizeof(in));
+    memset(&d, 0, sizeof(d));
+    of.f = NULL;
+    rc = 2;
+
+    /* The head split of one rank. */
+    if (sh.num_k_heads % o.tp || sh.num_v_heads % o.tp) {
+        fprintf(stderr,
+                "stepq " TOOL ": --tp %d: %s's %d q/k heads and %d value heads do not split "
+                "%d ways\n",
+                o.tp, model, sh.num_k_heads, sh.num_v_heads, o.tp);
+        goto out;
+    }
+    if (o.rank >= o.tp) {
+        fprintf(stderr, "stepq " TOOL ": --rank %d: want a rank below --tp %d\n", o.rank, o.tp);
+        goto out;
+    }
+
+    /* Backend: cuda where a device exists, else the host with a reduced default. */
+    char why[512] = "";
+    const int have_cuda = cuda_available(map, why, sizeof(why));
+    if (o.backend == STEPQ_POOL_BACKEND_CUDA && !have_cuda) {
+        fprintf(stderr, "stepq " TOOL ": --backend cuda: no CUDA device to run on (%s)\n", why);
+        rc = 1;
+        goto out;
+    }
+    if (o.backend < 0)
+        o.backend = have_cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
+    const int cuda = o.backend == STEPQ_POOL_BACKEND_CUDA;
+    const int reduce = !cuda && !o.full;
+    if (!o.n_b) {
+        const int *b = reduce ? host_batches : paper_batches;
+        o.n_b = reduce ? 2 : 5;
+        memcpy(o.batches, b, sizeof(int) * (size_t)o.n_b);
+    }
+    if (!o.tokens)
+        o.tokens = reduce ? HOST_TOKENS : PAPER_TOKENS;
+    if (!o.prompt)
+        o.prompt = PAPER_PROMPT;
+    if (o.layers > sh.n_layers) {
+        fprintf(stderr, "stepq " TOOL ": --layers %d: %s has %d recurrent layers\n", o.layers,
+                model, sh.n_layers);
+        goto out;
+    }
+    const int layers = o.layers > 0                ? o.layers
+                       : o.layers < 0 || !reduce   ? sh.n_layers
+                       : sh.n_layers < HOST_LAYERS ? sh.n_layers
+                                                   : HOST_LAYERS;
+    const int reduced = layers < sh.n_layers || o.tokens < PAPER_TOKENS;
+
+    /* The dense maps of the same shape, and every variant's page on this rank. */
+    int ret;
+    if ((ret = stepq_map_create(&sh, STEPQ_METHOD_FP32, 32, &va[0].map)) < 0 ||
+        (ret = stepq_map_create(&sh, STEPQ_METHOD_BF16, 16, &va[1].map)) < 0) {
+        fprintf(stderr, "stepq " TOOL ": dense maps: %s\n", stepq_last_error());
+        rc = 1;
+        goto out;
+    }
+    snprintf(va[0].label, sizeof(va[0].label), "fp32");
+    snprintf(va[1].label, sizeof(va[1].label), "bf16");
+    if (stepq_method_is_dense(stepq_map_method(map)) || stepq_map_method(map) == STEPQ_METHOD_FP8)
+        snprintf(va[2].label, sizeof(va[2].label), "%s (map)",
+                 stepq_method_name(stepq_map_method(map)));
+    else
+        snprintf(va[2].label, sizeof(va[2].label), "%s@%g",
+                 stepq_method_name(stepq_map_method(map)), stepq_map_budget_bits(map));
+    stepq_pool_config base = STEPQ_POOL_CONFIG_INITIALIZER;
+    base.backend = cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
+    base.tp_size = o.tp;
+    base.policy = policy;
+    /* The rank timed: the one with the largest page of the map (the slowest), unless named. */
+    {
+        uint64_t best = 0;
+        int best_rank = 0;
+        for (int r = 0; r < o.tp; r++) {
+            stepq_pool_config c = base;
+            stepq_pool_plan_info p;
+            c.map = map;
+            c.tp_rank = r;
+            c.num_slots = 1;
+            if ((ret = stepq_pool_plan(&c, &p)) < 0) {
+                fprintf(stderr, "stepq " TOOL ": --tp %d: %s\n", o.tp, stepq_last_error());
+                goto out;
+            }
+            if (p.page_bytes > best)
+                best = p.page_bytes, best_rank = r;
+        }
+        if (o.rank < 0)
+            o.rank = best_rank;
+    }
+    base.tp_rank = o.rank;
+    const double budget = o.budget_gib * GIB;
+    for (int v = 0; v < 3; v++) {
+        stepq_pool_config c = base;
+        uint64_t max_page = 0;
+        c.map = va[v].map;
+        c.num_slots = 1;
+        /* every rank's page padded to the largest, as the TP layer will */
+        for (int r = 0; r < o.tp; r++) {
+            stepq_pool_plan_info p;
+            c.tp_rank = r;
+            if ((ret = stepq_pool_plan(&c, &p)) < 0) {
+                fprintf(stderr, "stepq " TOOL ": %s: %s\n", va[v].label, stepq_last_error());
+                goto out;
+            }
+            if (p.page_bytes > max_page)
+                max_page = p.page_bytes;
+        }
+        c.tp_rank = o.rank;
+        c.min_page_bytes = max_page;
+        if ((ret = stepq_pool_plan(&c, &va[v].plan)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s: %s\n", va[v].label, stepq_last_error());
+            goto out;
+        }
+        va[v].state_bytes = va[v].plan.state_bytes;
+        /* The largest batch under the policy: the pool's own sizing for the budget. */
+        stepq_pool_plan_info fit;
+        c.num_slots = 0;
+        c.memory_budget_bytes = (uint64_t)budget;
+        ret = stepq_pool_plan(&c, &fit);
+        va[v].max_batch = ret >= 0 ? fit.slots / per : 0;
+    }
+    base.min_page_bytes = va[2].plan.page_bytes;
+
+    /* Every batch must fit: the map's pool of B slots in the budget and on this machine. */
+    const uint64_t host_mem = host_memory();
+    for (int i = 0; i < o.n_b; i++) {
+        const double need = (double)(o.batches[i] + 1) * (double)va[2].plan.page_bytes;
+        if (need > budget) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB on "
+                    "rank %d, more than --budget-gib %g\n",
+                    o.batches[i], va[2].label, o.batches[i], need / GIB, o.rank, o.budget_gib);
+            goto out;
+        }
+        if (!cuda && host_mem && need > 0.75 * (double)host_mem) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB, "
+                    "more than 3/4 of this machine's %.1f GiB\n",
+                    o.batches[i], va[2].label, o.batches[i], need / GIB, (double)host_mem / GIB);
+            goto out;
+        }
+    }
+
+    /* Setup: gates and inputs. */
+    int from_map = 0;
+    rc = 1;
+    if (!(log_ret = unit_log_retention(map, layers, &from_map)) ||
+        !(res = calloc((size_t)o.n_b, sizeof(*res)))) {
+        fprintf(stderr, "stepq " TOOL ": out of memory\n");
+        goto out;
+    }
+    d.cuda = cuda;
+#if STEPQ_HAVE_CUDA
+    if (cuda) {
+        cudaStream_t s;
+        cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        if (e != cudaSuccess) {
+            cu_fail(e, "cudaStreamCreate");
+            goto out;
+        }
+        d.stream = s;
+        base.stream = s;
+    }
+#endif
+    if (!(of.f = stepq_tool_out_open(&of, TOOL, o.out_path)))
+        goto out;
+    tout = o.json ? NULL : of.f;
+
+    char device[256] = "C reference, one CPU thread";
+#if STEPQ_HAVE_CUDA
+    if (cuda) {
+        struct cudaDeviceProp prop;
+        int dev = 0;
+        cudaGetDevice(&dev);
+        if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
+            snprintf(device, sizeof(device), "%s, %d SMs", prop.name, prop.multiProcessorCount);
+    }
+#endif
+    const int Hl = sh.num_k_heads / o.tp, HVl = sh.num_v_heads / o.tp;
+    char batches_txt[256] = "";
+    for (int i = 0, n = 0; i < o.n_b; i++)
+        n += snprintf(batches_txt + n, sizeof(batches_txt) - (size_t)n, "%s%d", i ? "," : "",
+                      o.batches[i]);
+    tprintf("stepq bench decode: %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d), %s %s\n", model,
+            stepq_arch_name(sh.arch), sh.n_layers, sh.num_k_heads, sh.num_v_heads, sh.head_k_dim,
+            sh.head_v_dim, is_preset ? "preset" : "map", o.target);
+    tprintf("measures the recurrent-state path only: prefill pack, then every timed layer's\n"
+            "stepq_pool_decode_step per token; no attention, MLP, conv or sampling work\n");
+    tprintf("backend %s (%s), timing %s; tp %d, rank %d: %d q/k + %d value heads\n",
+            cuda ? "cuda" : "host", device, cuda ? "CUDA events" : "CLOCK_MONOTONIC", o.tp, o.rank,
+            Hl, HVl);
+    tprintf("%s: %d of %d layers, batches %s, %d-token prompt, %d generated tokens; "
+            "%d warm-up + %d runs, median\n",
+            reduced ? "REDUCED RUN" : "run", layers, sh.n_layers, batches_txt, o.prompt, o.tokens,
+            o.warmup, o.runs);
+    if (reduced && !cuda)
+        tprintf("  (the host default, seconds on 2 cores; the paper's protocol: --full, hours on\n"
+                "  the host, or a CUDA build on a GPU: stepq bench decode %s --backend cuda)\n",
+                o.target);
+    else if (reduced)
+        tprintf("  (the paper's protocol: no --layers, --tokens %d)\n", PAPER_TOKENS);
+    if (from_map)
+        tprintf("gates: the map's per-unit log retention, +-50%% per request\n");
+    else
+        tprintf("gates: the map has no statistics: half-lives log-uniform in [%g, %g] tokens per "
+                "unit, +-50%% per request\n",
+                HALF_LIFE_MIN, HALF_LIFE_MAX);
+    tprintf("\nmemory per request on rank %d (all %d layers) and the largest batch in "
+            "--budget-gib %g\nunder %s (%d slots per request + 1 sentinel):\n",
+            o.rank, sh.n_layers, o.budget_gib, stepq_pool_policy_name(policy), per);
+    tprintf("  %-14s %14s %12s %14s %10s\n", "state", "state B", "state MiB", "slot B",
+            "max batch");
+    for (int v = 0; v < 3; v++)
+        tprintf("  %-14s %14" PRIu64 " %12.4f %14" PRIu64 " %10" PRId32 "\n", va[v].label,
+                va[v].state_bytes, (double)va[v].state_bytes / MIB, va[v].plan.page_bytes,
+                va[v].max_batch);
+
+    /* The runs. */
+    struct stepq_tool_progress prog;
+    stepq_tool_progress_begin(&prog, TOOL, "runs", (int64_t)o.n_b * 3 * (o.warmup + o.runs));
+    struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog };
+    int failed = 0;
+    for (int i = 0; i < o.n_b && !failed; i++) {
+        const int B = o.batches[i];
+        if ((ret = inputs_make(&in, &sh, o.tp, o.rank * HVl, B, layers, o.prompt, log_ret)) < 0 ||
+            (ret = dev_load(&d, &in, layers)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": inputs for batch %d: %s\n", B,
+                    ret == STEPQ_ENOMEM ? "out of memory" : stepq_strerror(ret));
+            failed = 1;
+            break;
+        }
+        for (int v = 0; v < 3 && !failed; v++) {
+            const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
+            if (need > budget || (!cuda && host_mem && need > 0.75 * (double)host_mem)) {
+                stepq_tool_progress_add(&prog, o.warmup + o.runs);
+                continue; /* over the budget: not run, said in the table */
+            }
+            failed = run_variant(&bn, &va[v], B, &res[i][v]) < 0;
+        }
+    }
+    stepq_tool_progress_end(&prog);
+    if (failed) {
+        stepq_tool_out_discard(&of);
+        goto out;
+    }
+
+    tprintf("\n%6s  %-14s %12s %10s %8s %12s %12s %8s\n", "batch", "state", "tokens/s", "ms/step",
+            "vs fp32", "state MiB", "pool GiB", "fits");
+    cJSON *root = o.json ? cJSON_CreateObject() : NULL, *jb = NULL;
+    if (root) {
+        cJSON_AddStringToObject(root, "measures",
+                                "recurrent-state path only (prefill pack + every timed layer's "
+                                "decode step); no attention or MLP layers");
+        cJSON_AddStringToObject(root, is_preset ? "preset" : "map", o.target);
+        cJSON_AddStringToObject(root, "model", model);
+        cJSON_AddStringToObject(root, "arch", stepq_arch_name(sh.arch));
+        cJSON_AddStringToObject(root, "backend", cuda ? "cuda" : "host");
+        cJSON_AddStringToObject(root, "device", device);
+        cJSON_AddStringToObject(root, "timing", cuda ? "cuda events" : "clock_monotonic");
+        cJSON_AddBoolToObject(root, "reduced", reduced);
+        cJSON_AddNumberToObject(root, "tp", o.tp);
+        cJSON_AddNumberToObject(root, "rank", o.rank);
+        cJSON_AddNumberToObject(root, "num_k_heads_rank", Hl);
+        cJSON_AddNumberToObject(root, "num_v_heads_rank", HVl);
+        cJSON_AddNumberToObject(root, "layers", sh.n_layers);
+        cJSON_AddNumberToObject(root, "layers_timed", layers);
+        cJSON_AddNumberToObject(root, "prompt_tokens", o.prompt);
+        cJSON_AddNumberToObject(root, "generated_tokens", o.tokens);
+        cJSON_AddNumberToObject(root, "warmup", o.warmup);
+        cJSON_AddNumberToObject(root, "runs", o.runs);
+        cJSON_AddStringToObject(root, "gates", from_map ? "map statistics" : "fallback half-lives");
+        cJSON_AddStringToObject(root, "policy", stepq_pool_policy_name(policy));
+        cJSON_AddNumberToObject(root, "policy_slots", per);
+        cJSON_AddNumberToObject(root, "budget_bytes", budget);
+        cJSON *jv = cJSON_AddArrayToObject(root, "states");
+        for (int v = 0; v < 3; v++) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddStringToObject(e, "label", va[v].label);
+            cJSON_AddStringToObject(e, "method", stepq_method_name(stepq_map_method(va[v].map)));
+            cJSON_AddNumberToObject(e, "bits", stepq_map_budget_bits(va[v].map));
+            cJSON_AddNumberToObject(e, "state_bytes_per_request", (double)va[v].state_bytes);
+            cJSON_AddNumberToObject(e, "state_bytes_compact_per_request",
+                                    (double)va[v].plan.state_bytes_compact);
+            cJSON_AddNumberToObject(e, "conv_bytes_per_request", (double)va[v].plan.conv_bytes);
+            cJSON_AddNumberToObject(e, "slot_bytes", (double)va[v].plan.page_bytes);
+            cJSON_AddNumberToObject(e, "max_batch", va[v].max_batch);
+            cJSON_AddItemToArray(jv, e);
+        }
+        jb = cJSON_AddArrayToObject(root, "batches");
+    }
+    for (int i = 0; i < o.n_b; i++) {
+        const int B = o.batches[i];
+        const double fp32_tps = res[i][0].ran ? (double)B * o.tokens / res[i][0].median_s : 0;
+        cJSON *jr = NULL;
+        if (jb) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddNumberToObject(e, "batch", B);
+            jr = cJSON_AddArrayToObject(e, "rows");
+            cJSON_AddItemToArray(jb, e);
+        }
+        for (int v = 0; v < 3; v++) {
+            const struct result *r = &res[i][v];
+            const double tps = r->ran ? (double)B * o.tokens / r->median_s : 0;
+            const double state = (double)B * (double)va[v].state_bytes;
+            const double pool = ((double)per * B + 1) * (double)va[v].plan.page_bytes;
+            const int fits = B <= va[v].max_batch;
+            if (r->ran) {
+                char vs[16] = "-";
+                if (fp32_tps > 0)
+                    snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
+                tprintf("%6d  %-14s %12.1f %10.3f %8s %12.2f %12.2f %8s%s\n", B, va[v].label, tps,
+                        1e3 * r->median_s / o.tokens, vs, state / MIB, pool / GIB,
+                        fits ? "yes" : "no", r->health ? "  (health words set)" : "");
+            } else
+                tprintf("%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B, va[v].label,
+                        "over budget", "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
+            if (jr) {
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "label", va[v].label);
+                cJSON_AddBoolToObject(e, "ran", r->ran);
+                if (r->ran) {
+                    cJSON_AddNumberToObject(e, "tokens_per_s", tps);
+                    cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * r->median_s / o.tokens);
+                    cJSON_AddNumberToObject(e, "decode_s", r->median_s);
+                    cJSON *rs = cJSON_AddArrayToObject(e, "run_s");
+                    for (int k = 0; k < o.runs; k++)
+                        cJSON_AddItemToArray(rs, cJSON_CreateNumber(r->run_s[k]));
+                    cJSON_AddNumberToObject(e, "speedup_vs_fp32",
+                                            fp32_tps > 0 ? tps / fp32_tps : 0);
+                    cJSON_AddNumberToObject(e, "output_checksum", r->checksum);
+                    cJSON_AddNumberToObject(e, "health", r->health);
+                }
+                cJSON_AddNumberToObject(e, "transitions", (double)B * o.tokens);
+                cJSON_AddNumberToObject(e, "state_bytes", state);
+                cJSON_AddNumberToObject(e, "running_pool_bytes",
+                                        (double)(B + 1) * (double)va[v].plan.page_bytes);
+                cJSON_AddNumberToObject(e, "reserved_pool_bytes", pool);
+                cJSON_AddBoolToObject(e, "fits_budget", fits);
+                cJSON_AddItemToArray(jr, e);
+            }
+        }
+    }
+    tprintf("\ntokens/s = batch x generated tokens / decode time (the median run) over the %d "
+            "timed\nlayer(s); ms/step: one token of all of them. state MiB: batch x the state "
+            "of all %d\nlayers; pool GiB: (%d x batch + 1) slots; fits: within --budget-gib "
+            "%g.\n",
+            layers, sh.n_layers, per, o.budget_gib);
+    rc = 0;
+    if (root) {
+        char *text = cJSON_Print(root);
+        if (text)
+            fprintf(of.f, "%s\n", text);
+        else
+            rc = 1;
+        free(text);
+        cJSON_Delete(root);
+    }
+    if (stepq_tool_out_commit(&of, TOOL) < 0)
+        rc = 1;
+out:
+    dev_release(&d);
+#if STEPQ_HAVE_CUDA
+    if (d.stream)
+        cudaStreamDestroy((cudaStream_t)d.stream);
+#endif
+    inputs_free(&in);
+    free(res);
+    free(log_ret);
+    for (int v = 0; v < 3; v++)
+        stepq_map_close(va[v].map);
+    return rc;
+}
