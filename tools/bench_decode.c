@@ -1018,7 +1018,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     tout = o.json ? NULL : of.f;
 
-    char device[256] = "C reference, one CPU thread";
+    char device[320] = "C reference, one CPU thread";
 #if STEPQ_HAVE_CUDA
     if (cuda) {
         struct cudaDeviceProp prop;
@@ -1033,30 +1033,33 @@ int stepq_tool_bench_decode(int argc, char **argv)
     for (int i = 0, n = 0; i < o.n_b; i++)
         n += snprintf(batches_txt + n, sizeof(batches_txt) - (size_t)n, "%s%d", i ? "," : "",
                       o.batches[i]);
-    tprintf("stepq bench decode: %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d), %s %s\n", model,
+    tprintf("%-8s %s%s\n", is_preset ? "preset" : "map", o.target,
+            is_preset ? " (its stepq@6 layout map, as stepq mkmap makes it)" : "");
+    tprintf("%-8s %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d)\n", "model", model,
             stepq_arch_name(sh.arch), sh.n_layers, sh.num_k_heads, sh.num_v_heads, sh.head_k_dim,
-            sh.head_v_dim, is_preset ? "preset" : "map", o.target);
-    tprintf("measures the recurrent-state path only: prefill pack, then every timed layer's\n"
-            "stepq_pool_decode_step per token; no attention, MLP, conv or sampling work\n");
-    tprintf("backend %s (%s), timing %s; tp %d, rank %d: %d q/k + %d value heads\n",
-            cuda ? "cuda" : "host", device, cuda ? "CUDA events" : "CLOCK_MONOTONIC", o.tp, o.rank,
-            Hl, HVl);
-    tprintf("%s: %d of %d layers, batches %s, %d-token prompt, %d generated tokens; "
-            "%d warm-up + %d runs, median\n",
-            reduced ? "REDUCED RUN" : "run", layers, sh.n_layers, batches_txt, o.prompt, o.tokens,
-            o.warmup, o.runs);
+            sh.head_v_dim);
+    tprintf("%-8s the recurrent-state path only: prefill pack, then per token every timed\n"
+            "%-8s layer's stepq_pool_decode_step; no attention, MLP, conv or sampling work\n",
+            "measures", "");
+    tprintf("%-8s %s (%s), %s\n", "backend", cuda ? "cuda" : "host", device,
+            cuda ? "CUDA events" : "CLOCK_MONOTONIC");
+    tprintf("%-8s tp %d, rank %d: %d q/k + %d value heads\n", "heads", o.tp, o.rank, Hl, HVl);
+    tprintf("%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
+            "%-8s %d warm-up + %d runs, median\n",
+            "run", reduced ? "REDUCED: " : "", layers, sh.n_layers, batches_txt, o.tokens, o.prompt,
+            "", o.warmup, o.runs);
     if (reduced && !cuda)
-        tprintf("  (the host default, seconds on 2 cores; the paper's protocol: --full, hours on\n"
-                "  the host, or a CUDA build on a GPU: stepq bench decode %s --backend cuda)\n",
-                o.target);
+        tprintf("%-8s the host default (seconds on 2 cores); the paper's protocol: --full\n"
+                "%-8s (hours on the host), or a CUDA build on a GPU (--backend cuda)\n",
+                "", "");
     else if (reduced)
-        tprintf("  (the paper's protocol: no --layers, --tokens %d)\n", PAPER_TOKENS);
+        tprintf("%-8s the paper's protocol: every layer, --tokens %d\n", "", PAPER_TOKENS);
     if (from_map)
-        tprintf("gates: the map's per-unit log retention, +-50%% per request\n");
+        tprintf("%-8s the map's per-unit log retention, +-50%% per request\n", "gates");
     else
-        tprintf("gates: the map has no statistics: half-lives log-uniform in [%g, %g] tokens per "
-                "unit, +-50%% per request\n",
-                HALF_LIFE_MIN, HALF_LIFE_MAX);
+        tprintf("%-8s none in the map: half-lives log-uniform in [%g, %g] tokens per unit,\n"
+                "%-8s +-50%% per request\n",
+                "gates", HALF_LIFE_MIN, HALF_LIFE_MAX, "");
     tprintf("\nmemory per request on rank %d (all %d layers) and the largest batch in "
             "--budget-gib %g\nunder %s (%d slots per request + 1 sentinel):\n",
             o.rank, sh.n_layers, o.budget_gib, stepq_pool_policy_name(policy), per);
