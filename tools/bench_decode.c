@@ -548,8 +548,16 @@ struct variant {
     int32_t max_batch;    /* under the policy in the budget; -1: none */
 };
 
+/* Why a pool is not run: over --budget-gib, or over what the machine has. */
+enum { OVER_BUDGET = 1, OVER_MEMORY = 2 };
+
+static int over(double need, double budget, double machine)
+{
+    return need > budget ? OVER_BUDGET : machine > 0 && need > machine ? OVER_MEMORY : 0;
+}
+
 struct result {
-    int ran;
+    int ran, over;
     double run_s[MAX_RUNS];
     double median_s;
     double checksum; /* sum of |o| over the last token's last layer */
@@ -815,10 +823,26 @@ static int cuda_available(const stepq_map_t *map, char *why, size_t len)
     return ret >= 0;
 }
 
-static uint64_t host_memory(void)
+/*
+ * The most a pool of the run may take on this machine (0: unknown): 3/4 of
+ * the host's memory, or 9/10 of the device's free memory now (the inputs and
+ * the kernels' own buffers take the rest).
+ */
+static double machine_bytes(int cuda)
 {
+#if STEPQ_HAVE_CUDA
+    if (cuda) {
+        size_t free_b = 0, total_b = 0;
+        if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        return 0.9 * (double)free_b;
+    }
+#endif
+    (void)cuda;
     long np = sysconf(_SC_PHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
-    return np > 0 && ps > 0 ? (uint64_t)np * (uint64_t)ps : 0;
+    return np > 0 && ps > 0 ? 0.75 * (double)np * (double)ps : 0;
 }
 
 int stepq_tool_bench_decode(int argc, char **argv)
@@ -974,21 +998,22 @@ int stepq_tool_bench_decode(int argc, char **argv)
     base.min_page_bytes = va[2].plan.page_bytes;
 
     /* Every batch must fit: the map's pool of B slots in the budget and on this machine. */
-    const uint64_t host_mem = host_memory();
+    const double machine = machine_bytes(cuda);
     for (int i = 0; i < o.n_b; i++) {
         const double need = (double)(o.batches[i] + 1) * (double)va[2].plan.page_bytes;
-        if (need > budget) {
+        const int reason = over(need, budget, machine);
+        if (reason == OVER_BUDGET)
             fprintf(stderr,
                     "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB on "
                     "rank %d, more than --budget-gib %g\n",
                     o.batches[i], va[2].label, o.batches[i], need / GIB, o.rank, o.budget_gib);
-            goto out;
-        }
-        if (!cuda && host_mem && need > 0.75 * (double)host_mem) {
+        else if (reason)
             fprintf(stderr,
                     "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB, "
-                    "more than 3/4 of this machine's %.1f GiB\n",
-                    o.batches[i], va[2].label, o.batches[i], need / GIB, (double)host_mem / GIB);
+                    "more than the %.2f GiB %s\n",
+                    o.batches[i], va[2].label, o.batches[i], need / GIB, machine / GIB,
+                    cuda ? "free on the device (9/10 of it)" : "of 3/4 of this machine's memory");
+        if (reason) {
             goto out;
         }
     }
@@ -1086,9 +1111,9 @@ int stepq_tool_bench_decode(int argc, char **argv)
         }
         for (int v = 0; v < 3 && !failed; v++) {
             const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
-            if (need > budget || (!cuda && host_mem && need > 0.75 * (double)host_mem)) {
+            if ((res[i][v].over = over(need, budget, machine))) {
                 stepq_tool_progress_add(&prog, o.warmup + o.runs);
-                continue; /* over the budget: not run, said in the table */
+                continue; /* not run, said in the table */
             }
             failed = run_variant(&bn, &va[v], B, &res[i][v]) < 0;
         }
@@ -1168,11 +1193,17 @@ int stepq_tool_bench_decode(int argc, char **argv)
                         fits ? "yes" : "no", r->health ? "  (health words set)" : "");
             } else
                 tprintf("%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B, va[v].label,
-                        "over budget", "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
+                        r->over == OVER_BUDGET ? "over budget" : "over memory", "-", "-",
+                        state / MIB, pool / GIB, fits ? "yes" : "no");
             if (jr) {
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddStringToObject(e, "label", va[v].label);
                 cJSON_AddBoolToObject(e, "ran", r->ran);
+                if (!r->ran)
+                    cJSON_AddStringToObject(e, "not_run",
+                                            r->over == OVER_BUDGET
+                                                ? "pool over --budget-gib"
+                                                : "pool over the machine's memory");
                 if (r->ran) {
                     cJSON_AddNumberToObject(e, "tokens_per_s", tps);
                     cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * r->median_s / o.tokens);
