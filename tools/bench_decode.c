@@ -78,8 +78,8 @@ static void usage(FILE *f)
     fprintf(f, "usage: stepq bench decode MAP|PRESET [--backend host|cuda] [--tp N] [--rank R]\n"
                "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
                "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
-               "                          [--budget-gib G] [--policy extra_buffer] [--json]\n"
-               "                          [-o FILE]\n"
+               "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
+               "                          [--json] [-o FILE]\n"
                "Decode throughput of the recurrent-state path through the public API: per\n"
                "token, every recurrent layer's stepq_pool_decode_step on B slots whose prompt\n"
                "states were packed with stepq_pool_prefill_pack; tokens/s and ms per step for\n"
@@ -90,7 +90,8 @@ static void usage(FILE *f)
                "PRESET (");
     stepq_tool_preset_list(f);
     fprintf(f, "): the shape with the stepq@6\n"
-               "layout map `stepq mkmap --shape PRESET --method stepq --bits 6` makes.\n"
+               "layout map `stepq mkmap --shape PRESET --method stepq --bits 6 --pivots P`\n"
+               "makes, P one unit in 72 (the bundled Qwen3.8-27B map's 32 of 2304).\n"
                "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
                "generated tokens, every layer, 1 warm-up + 3 runs, median; decode time = sum\n"
                "of the intervals between consecutive token starts (gaps included): CUDA\n"
@@ -100,6 +101,8 @@ static void usage(FILE *f)
                "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
                "the rank with the largest page) in this one process: multi-process NCCL\n"
                "tensor parallelism is a later task. --layers: the first N recurrent layers.\n"
+               "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
+               "as servers decode; without it the steps are launched one call at a time.\n"
                "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
                "per run on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
 }
@@ -110,7 +113,7 @@ struct opts {
     int tp, rank;
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
     int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
-    int runs, warmup, full, json, budget_given;
+    int runs, warmup, full, json, budget_given, graph;
     double budget_gib;
 };
 
@@ -161,6 +164,9 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             continue;
         } else if (!strcmp(a, "--full")) {
             o->full = 1;
+            continue;
+        } else if (!strcmp(a, "--graph")) {
+            o->graph = 1;
             continue;
         } else if (a[0] != '-') {
             if (o->target) {
@@ -596,57 +602,131 @@ static int pack_prompt(const struct bench *bn, stepq_pool_t *pool, const int32_t
     return STEPQ_OK;
 }
 
-/* One run: T tokens x every timed layer; *seconds the sum of the token intervals. */
-static int run_tokens(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
-                      void *marks, double *seconds)
+/* Token t: every timed layer's decode step, layer l on input set (t + l) mod N_BANK. */
+static int token_steps(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B, int t)
 {
     const struct dev *d = bn->d;
     stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
-    double *stamps = marks;
     int ret = STEPQ_OK;
 
     a.batch = B;
     a.slot_ids = ids;
     a.o = d->o;
     a.flags = STEPQ_STEP_L2NORM; /* as servers call it (the keys are unit-norm already) */
+    for (int l = 0; l < bn->layers && ret == STEPQ_OK; l++) {
+        const int s = (t + l) % N_BANK;
+        a.q = d->q[s], a.k = d->k[s], a.v = d->v[s], a.beta = d->beta[s];
+        a.g = d->g[l];
+        ret = stepq_pool_decode_step(pool, l, &a, NULL);
+    }
+    return ret;
+}
+
+/*
+ * One run of T tokens x every timed layer on the host backend; *seconds the
+ * sum of the intervals between consecutive token starts and an end mark.
+ */
+static int run_tokens_host(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                           double *stamps, double *seconds)
+{
+    int ret = STEPQ_OK;
+
     for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
-#if STEPQ_HAVE_CUDA
-        if (d->cuda) {
-            cudaError_t e = cudaEventRecord(((cudaEvent_t *)marks)[t], (cudaStream_t)d->stream);
-            if (e != cudaSuccess)
-                return cu_fail(e, "cudaEventRecord");
-        } else
-#endif
-            stamps[t] = now_s();
-        for (int l = 0; l < bn->layers && ret == STEPQ_OK; l++) {
-            const int s = (t + l) % N_BANK;
-            a.q = d->q[s], a.k = d->k[s], a.v = d->v[s], a.beta = d->beta[s];
-            a.g = d->g[l];
-            ret = stepq_pool_decode_step(pool, l, &a, NULL);
-        }
+        stamps[t] = now_s();
+        ret = token_steps(bn, pool, ids, B, t);
     }
     if (ret < 0)
         return ret;
-    *seconds = 0;
-#if STEPQ_HAVE_CUDA
-    if (d->cuda) {
-        cudaEvent_t *ev = marks;
-        cudaError_t e = cudaEventRecord(ev[bn->tokens], (cudaStream_t)d->stream);
-        if (e == cudaSuccess)
-            e = cudaEventSynchronize(ev[bn->tokens]);
-        for (int t = 0; t < bn->tokens && e == cudaSuccess; t++) {
-            float ms = 0;
-            e = cudaEventElapsedTime(&ms, ev[t], ev[t + 1]);
-            *seconds += ms * 1e-3;
-        }
-        return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "CUDA events");
-    }
-#endif
     stamps[bn->tokens] = now_s();
+    *seconds = 0;
     for (int t = 0; t < bn->tokens; t++)
         *seconds += stamps[t + 1] - stamps[t];
     return STEPQ_OK;
 }
+
+#if STEPQ_HAVE_CUDA
+/*
+ * The same on the CUDA backend: an event recorded on the pool's stream at
+ * each token's start and after the last, the intervals summed (stream
+ * order, so the gaps between steps count). With graphs (--graph), token t
+ * replays graph t mod N_BANK instead of calling the steps.
+ */
+static int run_tokens_cuda(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                           cudaEvent_t *ev, const cudaGraphExec_t *graphs, double *seconds)
+{
+    cudaStream_t s = (cudaStream_t)bn->d->stream;
+    cudaError_t e = cudaSuccess;
+    int ret = STEPQ_OK;
+
+    for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
+        if ((e = cudaEventRecord(ev[t], s)) != cudaSuccess)
+            return cu_fail(e, "cudaEventRecord");
+        if (!graphs)
+            ret = token_steps(bn, pool, ids, B, t);
+        else if ((e = cudaGraphLaunch(graphs[t % N_BANK], s)) != cudaSuccess)
+            return cu_fail(e, "cudaGraphLaunch");
+    }
+    if (ret < 0)
+        return ret;
+    *seconds = 0;
+    e = cudaEventRecord(ev[bn->tokens], s);
+    if (e == cudaSuccess)
+        e = cudaEventSynchronize(ev[bn->tokens]);
+    for (int t = 0; t < bn->tokens && e == cudaSuccess; t++) {
+        float ms = 0;
+        e = cudaEventElapsedTime(&ms, ev[t], ev[t + 1]);
+        *seconds += ms * 1e-3;
+    }
+    return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "CUDA events");
+}
+#endif
+
+/* One run on the pool's backend: marks are the host stamps or the CUDA events. */
+static int run_tokens(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                      void *marks, void *graphs, double *seconds)
+{
+#if STEPQ_HAVE_CUDA
+    if (bn->d->cuda)
+        return run_tokens_cuda(bn, pool, ids, B, marks, graphs, seconds);
+#endif
+    (void)graphs;
+    return run_tokens_host(bn, pool, ids, B, marks, seconds);
+}
+
+#if STEPQ_HAVE_CUDA
+/*
+ * --graph: token t's steps depend on t only through t mod N_BANK, so N_BANK
+ * graphs of one token each (every timed layer's decode step, captured on the
+ * pool's stream) replay the whole run; the pages, slot ids and inputs are read
+ * at replay. *out: N_BANK cudaGraphExec_t.
+ */
+static int capture(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                   void **out)
+{
+    cudaStream_t s = (cudaStream_t)bn->d->stream;
+    cudaGraphExec_t *exec = calloc(N_BANK, sizeof(cudaGraphExec_t));
+    int ret = STEPQ_OK;
+
+    *out = exec;
+    if (!exec)
+        return STEPQ_ENOMEM;
+    for (int i = 0; i < N_BANK && ret == STEPQ_OK; i++) {
+        cudaGraph_t g = NULL;
+        cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+        if (e != cudaSuccess)
+            return cu_fail(e, "cudaStreamBeginCapture");
+        ret = token_steps(bn, pool, ids, B, i);
+        e = cudaStreamEndCapture(s, &g);
+        if (ret == STEPQ_OK && e != cudaSuccess)
+            ret = cu_fail(e, "cudaStreamEndCapture");
+        if (ret == STEPQ_OK && (e = cudaGraphInstantiate(&exec[i], g, 0)) != cudaSuccess)
+            ret = cu_fail(e, "cudaGraphInstantiate");
+        if (g)
+            cudaGraphDestroy(g);
+    }
+    return ret;
+}
+#endif
 
 /* Opens the variant's pool of B slots, runs warm-up + runs, and fills *r. */
 static int run_variant(const struct bench *bn, const struct variant *va, int B, struct result *r)
@@ -654,7 +734,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
     stepq_pool_config cfg = bn->base;
     stepq_pool_t *pool = NULL;
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)B);
-    void *marks = NULL;
+    void *marks = NULL, *graphs = NULL;
     const int n_marks = bn->tokens + 1;
     int ret;
 
@@ -685,6 +765,11 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
                 ret = cu_fail(e, "cudaEventCreate");
                 goto out;
             }
+        if (bn->o->graph && (ret = capture(bn, pool, step_ids, B, &graphs)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: graph capture: %s\n", va->label, B,
+                    stepq_last_error());
+            goto out;
+        }
     } else
 #endif
         marks = malloc(sizeof(double) * (size_t)n_marks);
@@ -697,7 +782,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         double sec = 0;
         /* Every run starts from the same prompt states: the runs time the same work. */
         if ((ret = pack_prompt(bn, pool, step_ids, B)) < 0 || (ret = stepq_pool_sync(pool)) < 0 ||
-            (ret = run_tokens(bn, pool, step_ids, B, marks, &sec)) < 0) {
+            (ret = run_tokens(bn, pool, step_ids, B, marks, graphs, &sec)) < 0) {
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, stepq_last_error());
             goto out;
         }
@@ -746,6 +831,10 @@ out:
         for (int i = 0; i < n_marks; i++)
             if (((cudaEvent_t *)marks)[i])
                 cudaEventDestroy(((cudaEvent_t *)marks)[i]);
+    for (int i = 0; graphs && i < N_BANK; i++)
+        if (((cudaGraphExec_t *)graphs)[i])
+            cudaGraphExecDestroy(((cudaGraphExec_t *)graphs)[i]);
+    free(graphs);
 #endif
     free(marks);
     if (pool && stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE) < 0 && ret >= 0)
@@ -902,6 +991,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
     if (o.backend < 0)
         o.backend = have_cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
     const int cuda = o.backend == STEPQ_POOL_BACKEND_CUDA;
+    if (o.graph && !cuda) {
+        fprintf(stderr, "stepq " TOOL ": --graph: CUDA graphs need the CUDA backend\n");
+        goto out;
+    }
     const int reduce = !cuda && !o.full;
     if (!o.n_b) {
         const int *b = reduce ? host_batches : paper_batches;
@@ -1067,7 +1160,9 @@ int stepq_tool_bench_decode(int argc, char **argv)
             "%-8s layer's stepq_pool_decode_step; no attention, MLP, conv or sampling work\n",
             "measures", "");
     tprintf("%-8s %s (%s), %s\n", "backend", cuda ? "cuda" : "host", device,
-            cuda ? "CUDA events" : "CLOCK_MONOTONIC");
+            !cuda     ? "CLOCK_MONOTONIC"
+            : o.graph ? "CUDA events, a CUDA graph per token"
+                      : "CUDA events");
     tprintf("%-8s tp %d, rank %d: %d q/k + %d value heads\n", "heads", o.tp, o.rank, Hl, HVl);
     tprintf("%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
             "%-8s %d warm-up + %d runs, median\n",
@@ -1138,6 +1233,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddStringToObject(root, "device", device);
         cJSON_AddStringToObject(root, "timing", cuda ? "cuda events" : "clock_monotonic");
         cJSON_AddBoolToObject(root, "reduced", reduced);
+        cJSON_AddBoolToObject(root, "graphs", o.graph);
         cJSON_AddNumberToObject(root, "tp", o.tp);
         cJSON_AddNumberToObject(root, "rank", o.rank);
         cJSON_AddNumberToObject(root, "num_k_heads_rank", Hl);
