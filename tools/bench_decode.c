@@ -554,8 +554,9 @@ struct variant {
     int32_t max_batch;    /* under the policy in the budget; -1: none */
 };
 
-/* Why a pool is not run: over --budget-gib, or over what the machine has. */
-enum { OVER_BUDGET = 1, OVER_MEMORY = 2 };
+/* Why a pool is not run: over --budget-gib, over what the machine has, or its backend lacks a step.
+ */
+enum { OVER_BUDGET = 1, OVER_MEMORY = 2, UNSUPPORTED = 3 };
 
 static int over(double need, double budget, double machine)
 {
@@ -749,6 +750,23 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         goto out;
     }
     const int32_t *step_ids = ids;
+    /* A backend without this pool's steps (stepq_pool_supports): the row says so, nothing fails. */
+    {
+        stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+        stepq_prefill_args pf = STEPQ_PREFILL_ARGS_INITIALIZER;
+        a.batch = B;
+        a.flags = STEPQ_STEP_L2NORM;
+        pf.n = N_PATTERN;
+        if (stepq_pool_supports(pool, STEPQ_OP_DECODE_STEP, -1, &a) < 0 ||
+            stepq_pool_supports(pool, STEPQ_OP_PREFILL_PACK, -1, &pf) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: not run: %s\n", va->label, B,
+                    stepq_pool_last_error(pool));
+            r->over = UNSUPPORTED;
+            stepq_tool_progress_add(bn->prog, bn->o->warmup + bn->o->runs);
+            ret = STEPQ_OK;
+            goto out;
+        }
+    }
 #if STEPQ_HAVE_CUDA
     if (bn->d->cuda) {
         cudaError_t e =
@@ -1289,8 +1307,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
                         fits ? "yes" : "no", r->health ? "  (health words set)" : "");
             } else
                 tprintf("%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B, va[v].label,
-                        r->over == OVER_BUDGET ? "over budget" : "over memory", "-", "-",
-                        state / MIB, pool / GIB, fits ? "yes" : "no");
+                        r->over == OVER_BUDGET   ? "over budget"
+                        : r->over == OVER_MEMORY ? "over memory"
+                                                 : "unsupported",
+                        "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
             if (jr) {
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddStringToObject(e, "label", va[v].label);
