@@ -64,7 +64,7 @@
 #define GIB               (1024.0 * 1024.0 * 1024.0)
 #define MIB               (1024.0 * 1024.0)
 
-/* The paper's protocol (its Appendix F). */
+/* The paper's protocol. */
 static const int paper_batches[] = { 32, 64, 128, 256, 512 };
 #define PAPER_TOKENS 1024
 #define PAPER_PROMPT 128

@@ -9,7 +9,8 @@
     preset, a --tp the heads do not split into, a batch over --budget-gib, --backend cuda
     without a device (skipped where a device exists);
   - the default host run is a reduced one and says so, and says it measures the
-    recurrent-state path only.
+    recurrent-state path only;
+  - README's first command ends in the main job that .ci/run runs, and it is this command.
 Usage: check_bench_decode.py STEPQ_EXE SOURCE_ROOT"""
 import json
 import os
@@ -103,6 +104,14 @@ def main():
     check(p.returncode == 0 and "REDUCED" in out and "recurrent-state path only" in out and
           "--full" in out and "stepq@6" in out and "tokens/s" in out,
           "bench decode table: reduced, says what it measures", out + p.stderr)
+
+    # README command 1's main job is the line .ci/run runs.
+    readme = open(os.path.join(ROOT, "README.md")).read()
+    first = readme.split("```sh\n", 1)[1].split("\n", 1)[0]
+    job = first.rsplit(" && ", 1)[-1]
+    ci = open(os.path.join(ROOT, ".ci", "run")).read().splitlines()
+    check(job.startswith("./build/tools/stepq bench decode ") and job in ci,
+          "README command 1's main job is .ci/run's", job)
 
     # Refusals before any work: one line, non-zero exit, nothing on stdout.
     cases = [
