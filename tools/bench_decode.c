@@ -742,6 +742,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
     memset(r, 0, sizeof(*r));
     cfg.map = va->map;
     cfg.num_slots = B;
+    cfg.min_page_bytes = va->plan.page_bytes; /* every rank's page padded to the largest */
     if (!ids)
         return STEPQ_ENOMEM;
     if ((ret = stepq_pool_open(&cfg, &pool)) < 0 || (ret = stepq_pool_alloc(pool, B, ids)) < 0) {
@@ -1106,7 +1107,6 @@ int stepq_tool_bench_decode(int argc, char **argv)
         ret = stepq_pool_plan(&c, &fit);
         va[v].max_batch = ret >= 0 ? fit.slots / per : 0;
     }
-    base.min_page_bytes = va[2].plan.page_bytes;
 
     /* Every batch must fit: the map's pool of B slots in the budget and on this machine. */
     const double machine = machine_bytes(cuda);
