@@ -1003,10 +1003,11 @@ int stepq_tool_bench_decode(int argc, char **argv)
     char why[512] = "";
     const int have_cuda = cuda_available(map, why, sizeof(why));
     if (o.backend == STEPQ_POOL_BACKEND_CUDA && !have_cuda) {
-        fprintf(stderr, "stepq " TOOL ": --backend cuda: no CUDA device to run on (%s)\n", why);
+        fprintf(stderr, "stepq " TOOL ": --backend cuda: cannot open a CUDA pool: %s\n", why);
         rc = 1;
         goto out;
     }
+    const int fell_back = o.backend < 0 && !have_cuda;
     if (o.backend < 0)
         o.backend = have_cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
     const int cuda = o.backend == STEPQ_POOL_BACKEND_CUDA;
@@ -1124,12 +1125,13 @@ int stepq_tool_bench_decode(int argc, char **argv)
                     "more than the %.2f GiB %s\n",
                     o.batches[i], va[2].label, o.batches[i], need / GIB, machine / GIB,
                     cuda ? "free on the device (9/10 of it)" : "of 3/4 of this machine's memory");
-        if (reason) {
+        if (reason)
             goto out;
-        }
     }
 
     /* Setup: gates and inputs. */
+    if (fell_back)
+        fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
     int from_map = 0;
     rc = 1;
     if (!(log_ret = unit_log_retention(map, layers, &from_map)) ||
