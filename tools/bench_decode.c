@@ -87,11 +87,11 @@ static void usage(FILE *f)
                "per request and the largest batch that fits --budget-gib (default 80) under\n"
                "the reservation policy (default extra_buffer: 5 slots per request + 1).\n"
                "It measures the recurrent-state path only, not attention or MLP layers.\n"
-               "PRESET (");
+               "PRESET: a shape with the stepq@6 layout map `stepq mkmap --shape PRESET\n"
+               "--method stepq --bits 6 --pivots P` makes, P one unit in 72 (the bundled\n"
+               "Qwen3.8-27B map's 32 of 2304); one of\n  ");
     stepq_tool_preset_list(f);
-    fprintf(f, "): the shape with the stepq@6\n"
-               "layout map `stepq mkmap --shape PRESET --method stepq --bits 6 --pivots P`\n"
-               "makes, P one unit in 72 (the bundled Qwen3.8-27B map's 32 of 2304).\n"
+    fprintf(f, ".\n"
                "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
                "generated tokens, every layer, 1 warm-up + 3 runs, median; decode time = sum\n"
                "of the intervals between consecutive token starts (gaps included): CUDA\n"
