@@ -98,6 +98,13 @@ def main():
     sums = [r["output_checksum"] for b in rows.values() for r in b.values()]
     check(all(x > 0 for x in sums), "bench decode: the outputs are not zero", str(sums))
 
+    # The preset builds the bundled map: the same bytes and the same outputs.
+    q = run(["qwen3.8-27b"] + SMALL + ["--json"])
+    pd = json.loads(q.stdout) if q.returncode == 0 else {}
+    check(pd.get("preset") == "qwen3.8-27b" and pd.get("states") == d["states"] and
+          untimed(pd.get("batches")) == untimed(d["batches"]),
+          "bench decode qwen3.8-27b: the preset is the bundled stepq@6 layout map", q.stderr)
+
     # The table of the default host run: reduced, and what it measures.
     p = run([MAP, "--backend", "host", "--tokens", "2", "--batch", "1"])
     out = p.stdout
