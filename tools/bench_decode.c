@@ -453,10 +453,22 @@ static double now_s(void)
     return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
 }
 
+/* The text of this tool's own failing CUDA call (cu_fail), "" when the library's failed. */
+static char cu_msg[256];
+
+/* What failed: this tool's CUDA call, or the library's last error; read once. */
+static const char *fail_text(void)
+{
+    static char text[sizeof(cu_msg)];
+    snprintf(text, sizeof(text), "%s", cu_msg[0] ? cu_msg : stepq_last_error());
+    cu_msg[0] = 0;
+    return text;
+}
+
 #if STEPQ_HAVE_CUDA
 static int cu_fail(cudaError_t e, const char *what)
 {
-    fprintf(stderr, "stepq " TOOL ": %s: %s\n", what, cudaGetErrorString(e));
+    snprintf(cu_msg, sizeof(cu_msg), "%s: %s", what, cudaGetErrorString(e));
     cudaGetLastError();
     return STEPQ_ECUDA;
 }
@@ -786,7 +798,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
             }
         if (bn->o->graph && (ret = capture(bn, pool, step_ids, B, &graphs)) < 0) {
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: graph capture: %s\n", va->label, B,
-                    stepq_last_error());
+                    fail_text());
             goto out;
         }
     } else
@@ -802,7 +814,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         /* Every run starts from the same prompt states: the runs time the same work. */
         if ((ret = pack_prompt(bn, pool, step_ids, B)) < 0 || (ret = stepq_pool_sync(pool)) < 0 ||
             (ret = run_tokens(bn, pool, step_ids, B, marks, graphs, &sec)) < 0) {
-            fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, stepq_last_error());
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, fail_text());
             goto out;
         }
         if (run >= bn->o->warmup)
@@ -845,6 +857,8 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
     }
     r->ran = 1;
 out:
+    if (ret < 0 && cu_msg[0]) /* a CUDA call of this tool, not said yet */
+        fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, fail_text());
 #if STEPQ_HAVE_CUDA
     if (bn->d->cuda && marks)
         for (int i = 0; i < n_marks; i++)
@@ -856,8 +870,11 @@ out:
     free(graphs);
 #endif
     free(marks);
-    if (pool && stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE) < 0 && ret >= 0)
+    if (pool && stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE) < 0 && ret >= 0) {
+        fprintf(stderr, "stepq " TOOL ": %s pool, batch %d: close: %s\n", va->label, B,
+                stepq_last_error());
         ret = STEPQ_ECUDA;
+    }
     free(ids);
     return ret;
 }
@@ -1146,6 +1163,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
         if (e != cudaSuccess) {
             cu_fail(e, "cudaStreamCreate");
+            fprintf(stderr, "stepq " TOOL ": %s\n", fail_text());
             goto out;
         }
         d.stream = s;
@@ -1220,7 +1238,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         if ((ret = inputs_make(&in, &sh, o.tp, o.rank * HVl, B, layers, o.prompt, log_ret)) < 0 ||
             (ret = dev_load(&d, &in, layers)) < 0) {
             fprintf(stderr, "stepq " TOOL ": inputs for batch %d: %s\n", B,
-                    ret == STEPQ_ENOMEM ? "out of memory" : stepq_strerror(ret));
+                    ret == STEPQ_ENOMEM ? "out of memory" : fail_text());
             failed = 1;
             break;
         }
