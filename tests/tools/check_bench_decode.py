@@ -97,6 +97,22 @@ def main():
           "bench decode: two runs give the same numbers but the timings", q.stderr)
     sums = [r["output_checksum"] for b in rows.values() for r in b.values()]
     check(all(x > 0 for x in sums), "bench decode: the outputs are not zero", str(sums))
+    # The three pools ran the same tokens: their last outputs' sums of |o| agree to the
+    # states' rounding (bf16: 2^-8 relative per value, averaged out; stepq@6: 3 steps of 31).
+    for b, r in rows.items():
+        f, h, m = (r[k]["output_checksum"] for k in ("fp32", "bf16", "stepq@6"))
+        check(abs(h / f - 1) < 1e-3 and abs(m / f - 1) < 3.0 / 31,
+              "bench decode B=%d: fp32, bf16 and stepq@6 decode the same tokens" % b,
+              "%g %g %g" % (f, h, m))
+    # KDA (per-row gates and units) on one rank of a TP split.
+    p = run(["kimi-linear-48b-a3b", "--tp", "4"] + SMALL + ["--json"])
+    try:
+        k = json.loads(p.stdout)
+        ok = (p.returncode == 0 and k["arch"] == "kda" and k["num_v_heads_rank"] == 8 and
+              all(r["ran"] and r["output_checksum"] > 0 for b in k["batches"] for r in b["rows"]))
+    except (ValueError, KeyError):
+        ok = False
+    check(ok, "bench decode kimi-linear-48b-a3b --tp 4: the KDA rows", p.stdout[:300] + p.stderr)
 
     # The preset builds the bundled map: the same bytes and the same outputs.
     q = run(["qwen3.8-27b"] + SMALL + ["--json"])
