@@ -79,7 +79,7 @@ static void usage(FILE *f)
                "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
                "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
                "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
-               "                          [--json] [-o FILE]\n"
+               "                          [--dtype bf16|fp32] [--json] [-o FILE]\n"
                "Decode throughput of the recurrent-state path through the public API: per\n"
                "token, every recurrent layer's stepq_pool_decode_step on B slots whose prompt\n"
                "states were packed with stepq_pool_prefill_pack; tokens/s and ms per step for\n"
@@ -101,6 +101,7 @@ static void usage(FILE *f)
                "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
                "the rank with the largest page) in this one process: multi-process NCCL\n"
                "tensor parallelism is a later task. --layers: the first N recurrent layers.\n"
+               "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
                "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
                "as servers decode; without it the steps are launched one call at a time.\n"
                "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
@@ -114,6 +115,7 @@ struct opts {
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
     int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
     int runs, warmup, full, json, budget_given, graph;
+    stepq_dtype dtype; /* of the server's tensors */
     double budget_gib;
 };
 
@@ -154,6 +156,7 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     o->warmup = 1;
     o->budget_gib = 80;
     o->policy_name = "extra_buffer";
+    o->dtype = STEPQ_DTYPE_BF16;
     for (int i = 1; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
@@ -235,6 +238,12 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             o->budget_given = 1;
         } else if (!strcmp(a, "--policy")) {
             o->policy_name = v;
+        } else if (!strcmp(a, "--dtype")) {
+            if (strcmp(v, "fp32") && strcmp(v, "bf16")) {
+                fprintf(stderr, "stepq " TOOL ": --dtype '%s': want bf16 or fp32\n", v);
+                return 2;
+            }
+            o->dtype = !strcmp(v, "fp32") ? STEPQ_DTYPE_FP32 : STEPQ_DTYPE_BF16;
         } else {
             fprintf(stderr, "stepq " TOOL ": unknown option '%s' (see stepq " TOOL " --help)\n", a);
             return 2;
@@ -432,15 +441,17 @@ static int inputs_make(struct inputs *in, const stepq_model_shape *sh, int tp, i
 /* --- the backends' buffers and clocks ------------------------------------------ */
 
 /*
- * Where the steps read their tensors: the host copies themselves on the host
- * backend, device copies on the CUDA backend.
+ * Where the steps read their tensors: copies in the server's dtype (--dtype)
+ * in host memory on the host backend, in device memory on the CUDA backend,
+ * all owned here. The prompt states stay fp32 (a chunk kernel's final states).
  */
 struct dev {
     int cuda;
-    void *stream; /* cudaStream_t */
-    const float *q[N_BANK], *k[N_BANK], *v[N_BANK], *beta[N_BANK];
-    const float **g, **pattern;
-    float *o;
+    void *stream;      /* cudaStream_t */
+    stepq_dtype dtype; /* of q, k, v, g, beta and o */
+    const void *q[N_BANK], *k[N_BANK], *v[N_BANK], *beta[N_BANK];
+    const void **g, **pattern;
+    void *o;
     int32_t *ids;
     int layers;
 };
@@ -473,86 +484,124 @@ static int cu_fail(cudaError_t e, const char *what)
     return STEPQ_ECUDA;
 }
 
-static int cu_copy(const float **dst, const float *src, size_t n)
-{
-    void *p = NULL;
-    cudaError_t e = cudaMalloc(&p, n * sizeof(float));
-    if (e != cudaSuccess)
-        return cu_fail(e, "cudaMalloc");
-    *dst = p;
-    e = cudaMemcpy(p, src, n * sizeof(float), cudaMemcpyHostToDevice);
-    return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "cudaMemcpy");
-}
 #endif
 
-static void dev_release(struct dev *d)
+/* bf16 of x, rounded to nearest even (NaN kept a NaN). */
+static uint16_t bf16_of(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)(u >> 16 | 0x40);
+    return (uint16_t)((u + 0x7fffu + (u >> 16 & 1)) >> 16);
+}
+
+static float float_of_bf16(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof(x));
+    return x;
+}
+
+static void dev_free(const struct dev *d, const void *p)
 {
 #if STEPQ_HAVE_CUDA
     if (d->cuda) {
-        for (int i = 0; i < N_BANK; i++) {
-            cudaFree((void *)d->q[i]);
-            cudaFree((void *)d->k[i]);
-            cudaFree((void *)d->v[i]);
-            cudaFree((void *)d->beta[i]);
-        }
-        for (int l = 0; d->g && l < d->layers; l++)
-            cudaFree((void *)d->g[l]);
-        for (int l = 0; d->pattern && l < d->layers; l++)
-            cudaFree((void *)d->pattern[l]);
-        cudaFree(d->o);
-        cudaFree(d->ids);
+        cudaFree((void *)p);
+        return;
     }
 #endif
-    if (!d->cuda)
-        free(d->o);
-    free(d->g);
-    free(d->pattern);
-    void *stream = d->stream;
-    int cuda = d->cuda;
-    memset(d, 0, sizeof(*d));
-    d->stream = stream;
-    d->cuda = cuda;
+    free((void *)p);
 }
 
-/* Points d at the inputs of one batch (copies them to the device on CUDA). */
+/* Backend memory for n elements of dtype (*dst), holding src (NULL: left as it is). */
+static int dev_put(const struct dev *d, const void **dst, const float *src, size_t n,
+                   stepq_dtype dtype)
+{
+    const size_t es = stepq_dtype_size(dtype);
+    void *h = malloc(n * es);
+
+    *dst = NULL;
+    if (!h)
+        return STEPQ_ENOMEM;
+    for (size_t i = 0; src && es == 2 && i < n; i++)
+        ((uint16_t *)h)[i] = bf16_of(src[i]);
+    if (src && es == 4)
+        memcpy(h, src, n * es);
+    if (!d->cuda) {
+        *dst = h;
+        return STEPQ_OK;
+    }
+#if STEPQ_HAVE_CUDA
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, n * es);
+    if (e != cudaSuccess) {
+        free(h);
+        return cu_fail(e, "cudaMalloc");
+    }
+    *dst = p;
+    if (src && (e = cudaMemcpy(p, h, n * es, cudaMemcpyHostToDevice)) != cudaSuccess) {
+        free(h);
+        return cu_fail(e, "cudaMemcpy");
+    }
+    free(h);
+    return STEPQ_OK;
+#else
+    free(h);
+    return STEPQ_ENOTSUP;
+#endif
+}
+
+static void dev_release(struct dev *d)
+{
+    for (int i = 0; i < N_BANK; i++) {
+        dev_free(d, d->q[i]);
+        dev_free(d, d->k[i]);
+        dev_free(d, d->v[i]);
+        dev_free(d, d->beta[i]);
+    }
+    for (int l = 0; d->g && l < d->layers; l++)
+        dev_free(d, d->g[l]);
+    for (int l = 0; d->pattern && l < d->layers; l++)
+        dev_free(d, d->pattern[l]);
+    dev_free(d, d->o);
+    dev_free(d, d->ids);
+    free(d->g);
+    free(d->pattern);
+    const struct dev keep = { .cuda = d->cuda, .stream = d->stream, .dtype = d->dtype };
+    *d = keep;
+}
+
+/* Copies the inputs of one batch where the steps read them, in d->dtype. */
 static int dev_load(struct dev *d, const struct inputs *in, int layers)
 {
+    const stepq_dtype dt = d->dtype;
+    const void *ids = NULL;
+    int ret = STEPQ_OK;
+
     dev_release(d);
     d->layers = layers;
     d->g = calloc((size_t)layers, sizeof(*d->g));
     d->pattern = calloc((size_t)layers, sizeof(*d->pattern));
     if (!d->g || !d->pattern)
         return STEPQ_ENOMEM;
-    if (!d->cuda) {
-        for (int i = 0; i < N_BANK; i++) {
-            d->q[i] = in->q[i], d->k[i] = in->k[i], d->v[i] = in->v[i];
-            d->beta[i] = in->beta[i];
-        }
-        for (int l = 0; l < layers; l++)
-            d->g[l] = in->g[l], d->pattern[l] = in->pattern[l];
-        d->o = malloc(sizeof(float) * in->n_v);
-        return d->o ? STEPQ_OK : STEPQ_ENOMEM;
-    }
-#if STEPQ_HAVE_CUDA
-    int ret = STEPQ_OK;
     for (int i = 0; i < N_BANK && ret == STEPQ_OK; i++)
-        if ((ret = cu_copy(&d->q[i], in->q[i], in->n_q)) < 0 ||
-            (ret = cu_copy(&d->k[i], in->k[i], in->n_q)) < 0 ||
-            (ret = cu_copy(&d->v[i], in->v[i], in->n_v)) < 0 ||
-            (ret = cu_copy(&d->beta[i], in->beta[i], (size_t)in->B * in->HV)) < 0)
+        if ((ret = dev_put(d, &d->q[i], in->q[i], in->n_q, dt)) < 0 ||
+            (ret = dev_put(d, &d->k[i], in->k[i], in->n_q, dt)) < 0 ||
+            (ret = dev_put(d, &d->v[i], in->v[i], in->n_v, dt)) < 0 ||
+            (ret = dev_put(d, &d->beta[i], in->beta[i], (size_t)in->B * in->HV, dt)) < 0)
             return ret;
     for (int l = 0; l < layers; l++)
-        if ((ret = cu_copy(&d->g[l], in->g[l], in->n_g)) < 0 ||
-            (ret = cu_copy(&d->pattern[l], in->pattern[l], in->n_pat)) < 0)
+        if ((ret = dev_put(d, &d->g[l], in->g[l], in->n_g, dt)) < 0 ||
+            (ret = dev_put(d, &d->pattern[l], in->pattern[l], in->n_pat, STEPQ_DTYPE_FP32)) < 0)
             return ret;
-    cudaError_t e = cudaMalloc((void **)&d->o, sizeof(float) * in->n_v);
-    if (e != cudaSuccess)
-        return cu_fail(e, "cudaMalloc");
-    e = cudaMalloc((void **)&d->ids, sizeof(int32_t) * (size_t)in->B);
-    return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "cudaMalloc");
-#else
-    return STEPQ_ENOTSUP;
-#endif
+    if ((ret = dev_put(d, (const void **)&d->o, NULL, in->n_v, dt)) < 0)
+        return ret;
+    /* the slot ids: int32, as many bytes as B floats */
+    ret = dev_put(d, &ids, NULL, (size_t)in->B, STEPQ_DTYPE_FP32);
+    d->ids = (int32_t *)ids;
+    return ret;
 }
 
 /* --- one timed configuration ----------------------------------------------------- */
@@ -625,6 +674,7 @@ static int token_steps(const struct bench *bn, stepq_pool_t *pool, const int32_t
     a.batch = B;
     a.slot_ids = ids;
     a.o = d->o;
+    a.dtype = d->dtype;
     a.flags = STEPQ_STEP_L2NORM; /* as servers call it (the keys are unit-norm already) */
     for (int l = 0; l < bn->layers && ret == STEPQ_OK; l++) {
         const int s = (t + l) % N_BANK;
@@ -768,6 +818,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
         stepq_prefill_args pf = STEPQ_PREFILL_ARGS_INITIALIZER;
         a.batch = B;
+        a.dtype = bn->d->dtype;
         a.flags = STEPQ_STEP_L2NORM;
         pf.n = N_PATTERN;
         if (stepq_pool_supports(pool, STEPQ_OP_DECODE_STEP, -1, &a) < 0 ||
@@ -831,7 +882,8 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
     /* What the last step wrote, and the slots' health: the work was done, and done the same. */
     {
         const size_t n_o = (size_t)B * bn->in->HV * bn->in->V;
-        float *o = bn->d->cuda ? malloc(sizeof(float) * n_o) : bn->d->o;
+        const size_t bytes = n_o * stepq_dtype_size(bn->d->dtype);
+        void *o = bn->d->cuda ? malloc(bytes) : bn->d->o;
         stepq_pool_stats st;
         if (!o) {
             ret = STEPQ_ENOMEM;
@@ -839,7 +891,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         }
 #if STEPQ_HAVE_CUDA
         if (bn->d->cuda) {
-            cudaError_t e = cudaMemcpy(o, bn->d->o, sizeof(float) * n_o, cudaMemcpyDeviceToHost);
+            cudaError_t e = cudaMemcpy(o, bn->d->o, bytes, cudaMemcpyDeviceToHost);
             if (e != cudaSuccess) {
                 free(o);
                 ret = cu_fail(e, "cudaMemcpy");
@@ -848,7 +900,9 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         }
 #endif
         for (size_t i = 0; i < n_o; i++)
-            r->checksum += fabs((double)o[i]);
+            r->checksum += fabs(bn->d->dtype == STEPQ_DTYPE_BF16
+                                    ? (double)float_of_bf16(((const uint16_t *)o)[i])
+                                    : (double)((const float *)o)[i]);
         if (bn->d->cuda)
             free(o);
         if ((ret = stepq_pool_get_stats(pool, &st, sizeof(st))) < 0)
@@ -1157,6 +1211,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     }
     d.cuda = cuda;
+    d.dtype = o.dtype;
 #if STEPQ_HAVE_CUDA
     if (cuda) {
         cudaStream_t s;
@@ -1202,6 +1257,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
             : o.graph ? "CUDA events, a CUDA graph per token"
                       : "CUDA events");
     tprintf("%-8s tp %d, rank %d: %d q/k + %d value heads\n", "heads", o.tp, o.rank, Hl, HVl);
+    tprintf("%-8s %s q, k, v, g, beta and o (as a server holds them), fp32 prompt states\n",
+            "tensors", stepq_dtype_name(o.dtype));
     tprintf("%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
             "%-8s %d warm-up + %d runs, median\n",
             "run", reduced ? "REDUCED: " : "", layers, sh.n_layers, batches_txt, o.tokens, o.prompt,
@@ -1272,6 +1329,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddStringToObject(root, "timing", cuda ? "cuda events" : "clock_monotonic");
         cJSON_AddBoolToObject(root, "reduced", reduced);
         cJSON_AddBoolToObject(root, "graphs", o.graph);
+        cJSON_AddStringToObject(root, "dtype", stepq_dtype_name(o.dtype));
         cJSON_AddNumberToObject(root, "tp", o.tp);
         cJSON_AddNumberToObject(root, "rank", o.rank);
         cJSON_AddNumberToObject(root, "num_k_heads_rank", Hl);
