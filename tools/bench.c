@@ -13,6 +13,9 @@ static const struct stepq_tool_command benches[] = {
     { "kernels",
       "CUDA decode step, pack and unpack of one layer: us, GB/s, copy-bandwidth fraction",
       stepq_tool_bench_kernels },
+    { "decode",
+      "decode throughput of the recurrent-state path, every layer: fp32 vs bf16 vs the map",
+      stepq_tool_bench_decode },
     { "pool", "pool alloc/free ops/s; copy and clear GB/s for 1..512 slots (CUDA, host)",
       stepq_tool_bench_pool },
 };

@@ -19,6 +19,7 @@ int stepq_tool_mkmap(int argc, char **argv);
 int stepq_tool_bench(int argc, char **argv);
 int stepq_tool_bench_reference(int argc, char **argv);
 int stepq_tool_bench_kernels(int argc, char **argv);
+int stepq_tool_bench_decode(int argc, char **argv);
 int stepq_tool_capacity(int argc, char **argv);
 int stepq_tool_simulate(int argc, char **argv);
 int stepq_tool_bench_pool(int argc, char **argv);

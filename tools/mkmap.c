@@ -13,6 +13,7 @@
 #include "stepq/map.h"
 #include "tools/cli.h"
 #include "tools/commands.h"
+#include "tools/mkmap.h"
 
 /*
  * Shape presets. Layer ids are 0-based model layer indices. Sources (public
@@ -122,9 +123,10 @@ static void mkmap_usage(FILE *f)
                "  --name     model name to record (default: the preset's)\n");
 }
 
-static int die(const char *what, int st)
+static int die(const char *tool, const char *what, int st)
 {
-    fprintf(stderr, "stepq mkmap: %s: %s (%s)\n", what, stepq_last_error(), stepq_status_name(st));
+    fprintf(stderr, "stepq %s: %s: %s (%s)\n", tool, what, stepq_last_error(),
+            stepq_status_name(st));
     return 1;
 }
 
@@ -147,7 +149,8 @@ static int is_width(int b)
  * up and n_lo one width down, chosen so that the non-pivot units use exactly
  * B*N - 8*N_piv bits (pivots replace 8-bit units). Returns 0 or prints why not.
  */
-static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], int *n_cand)
+static int make_layout(const char *tool, stepq_map_t *map, int bits, int64_t pivots, int cand[3],
+                       int *n_cand)
 {
     stepq_model_shape s;
     stepq_map_shape(map, &s);
@@ -156,8 +159,8 @@ static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], 
     int lo = 0, hi = 0;
 
     if (pivots < 0 || pivots > U) {
-        fprintf(stderr, "stepq mkmap: --pivots %lld is out of range 0..%lld\n", (long long)pivots,
-                (long long)U);
+        fprintf(stderr, "stepq %s: --pivots %lld is out of range 0..%lld\n", tool,
+                (long long)pivots, (long long)U);
         return -1;
     }
     /* Two widths apart where possible ({4, 6, 8} around 6), else the neighbour. */
@@ -185,8 +188,8 @@ static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], 
         }
     }
     if (n_hi < 0) {
-        fprintf(stderr, "stepq mkmap: %lld pivots do not fit a %d-bit budget\n", (long long)pivots,
-                bits);
+        fprintf(stderr, "stepq %s: %lld pivots do not fit a %d-bit budget\n", tool,
+                (long long)pivots, bits);
         return -1;
     }
 
@@ -195,7 +198,7 @@ static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], 
     if (!width || !order) {
         free(width);
         free(order);
-        fprintf(stderr, "stepq mkmap: out of memory\n");
+        fprintf(stderr, "stepq %s: out of memory\n", tool);
         return -1;
     }
     memset(width, bits, (size_t)U);
@@ -223,7 +226,7 @@ static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], 
     free(width);
     free(order);
     if (st < 0)
-        return die("set_unit_bits", st);
+        return die(tool, "set_unit_bits", st);
 
     *n_cand = 0;
     if (n_lo)
@@ -231,6 +234,99 @@ static int make_layout(stepq_map_t *map, int bits, int64_t pivots, int cand[3], 
     cand[(*n_cand)++] = bits;
     if (n_hi)
         cand[(*n_cand)++] = hi;
+    return 0;
+}
+
+static const struct preset *find_preset(const char *key)
+{
+    for (size_t i = 0; i < N_PRESETS; i++)
+        if (!strcmp(key, presets[i].key))
+            return &presets[i];
+    return NULL;
+}
+
+int stepq_tool_preset_find(const char *key)
+{
+    return find_preset(key) != NULL;
+}
+
+void stepq_tool_preset_list(FILE *f)
+{
+    for (size_t i = 0; i < N_PRESETS; i++)
+        fprintf(f, "%s%s", i ? ", " : "", presets[i].key);
+}
+
+int stepq_tool_mkmap_build(const char *tool, const char *shape_key, stepq_method method, int bits,
+                           long long pivots, const char *name, stepq_map_t **out)
+{
+    const struct preset *p = find_preset(shape_key);
+    const int fixed = !stepq__method_has_units(method);
+    const int mixed = method == STEPQ_METHOD_TEMPORAL || method == STEPQ_METHOD_STEPQ;
+    const char *method_name = stepq_method_name(method);
+
+    *out = NULL;
+    if (!p) {
+        fprintf(stderr, "stepq %s: unknown shape '%s'\n", tool, shape_key);
+        return 2;
+    }
+    int ids[64];
+    stepq_model_shape s = { 0 };
+    s.arch = p->arch;
+    if (p->full_every) {
+        for (int l = 0; l < p->model_layers; l++)
+            if (l % p->full_every != p->full_every - 1)
+                ids[s.n_layers++] = l;
+    } else {
+        memcpy(ids, p->ids, sizeof(int) * (size_t)p->n_ids);
+        s.n_layers = p->n_ids;
+    }
+    s.layer_ids = ids;
+    s.num_k_heads = p->num_k_heads;
+    s.num_v_heads = p->num_v_heads;
+    s.head_k_dim = p->head_k_dim;
+    s.head_v_dim = p->head_v_dim;
+    s.conv_rank = p->conv_rank;
+    memcpy(s.conv_shape, p->conv_shape, sizeof(s.conv_shape));
+    s.conv_dtype = STEPQ_DTYPE_BF16;
+
+    double budget = fixed ? stepq__method_fixed_bits(method) : bits;
+    stepq_map_t *map = NULL;
+    int st = stepq_map_create(&s, method, budget, &map);
+    if (st < 0)
+        return die(tool, "create", st);
+
+    char notes[512];
+    int cand[3], n_cand = 0;
+    if (mixed) {
+        if (make_layout(tool, map, bits, pivots, cand, &n_cand) < 0) {
+            stepq_map_close(map);
+            return 1;
+        }
+        snprintf(notes, sizeof(notes),
+                 "Synthetic layout example, not calibrated: %lld fp16 pivot unit(s) spread evenly; "
+                 "the other units at a fixed pseudo-random mix of widths summing exactly to the "
+                 "%d-bit budget (pivots replace 8-bit units); row impact 1. Use stepq calibrate "
+                 "for a real map.",
+                 pivots, bits);
+    } else if (method == STEPQ_METHOD_FP8) {
+        snprintf(notes, sizeof(notes),
+                 "e4m3 state, one fp32 scale amax/240 per (head, 32 value channels) (baseline: "
+                 "SGLang's proposed float8 state pool); no calibration needed.");
+    } else if (fixed) {
+        snprintf(notes, sizeof(notes), "Unquantized %s state (baseline).", method_name);
+    } else {
+        snprintf(notes, sizeof(notes),
+                 "Every unit at %d bits; no calibration needed for method %s%s.", bits, method_name,
+                 method == STEPQ_METHOD_SPATIAL ? " (row impact 1: not calibrated)" : "");
+    }
+    if ((st = stepq_map_set_model_name(map, name ? name : p->model_name)) < 0 ||
+        (st = stepq_map_set_provenance(map, "tool", "stepq mkmap")) < 0 ||
+        (st = stepq_map_set_provenance(map, "notes", notes)) < 0 ||
+        (n_cand && (st = stepq_map_set_provenance_candidates(map, cand, n_cand)) < 0)) {
+        stepq_map_close(map);
+        return die(tool, "provenance", st);
+    }
+    *out = map;
     return 0;
 }
 
@@ -287,10 +383,7 @@ int stepq_tool_mkmap(int argc, char **argv)
         mkmap_usage(stderr);
         return 2;
     }
-    const struct preset *p = NULL;
-    for (size_t i = 0; i < N_PRESETS; i++)
-        if (!strcmp(shape_key, presets[i].key))
-            p = &presets[i];
+    const struct preset *p = find_preset(shape_key);
     if (!p) {
         fprintf(stderr, "stepq mkmap: unknown shape '%s' (stepq mkmap --help lists them)\n",
                 shape_key);
@@ -318,63 +411,10 @@ int stepq_tool_mkmap(int argc, char **argv)
         return 2;
     }
 
-    int ids[64];
-    stepq_model_shape s = { 0 };
-    s.arch = p->arch;
-    if (p->full_every) {
-        for (int l = 0; l < p->model_layers; l++)
-            if (l % p->full_every != p->full_every - 1)
-                ids[s.n_layers++] = l;
-    } else {
-        memcpy(ids, p->ids, sizeof(int) * (size_t)p->n_ids);
-        s.n_layers = p->n_ids;
-    }
-    s.layer_ids = ids;
-    s.num_k_heads = p->num_k_heads;
-    s.num_v_heads = p->num_v_heads;
-    s.head_k_dim = p->head_k_dim;
-    s.head_v_dim = p->head_v_dim;
-    s.conv_rank = p->conv_rank;
-    memcpy(s.conv_shape, p->conv_shape, sizeof(s.conv_shape));
-    s.conv_dtype = STEPQ_DTYPE_BF16;
-
-    double budget = fixed ? stepq__method_fixed_bits(method) : bits;
     stepq_map_t *map = NULL;
-    int st = stepq_map_create(&s, method, budget, &map);
-    if (st < 0)
-        return die("create", st);
-
-    char notes[512];
-    int cand[3], n_cand = 0;
-    if (mixed) {
-        if (make_layout(map, bits, pivots, cand, &n_cand) < 0) {
-            stepq_map_close(map);
-            return 1;
-        }
-        snprintf(notes, sizeof(notes),
-                 "Synthetic layout example, not calibrated: %lld fp16 pivot unit(s) spread evenly; "
-                 "the other units at a fixed pseudo-random mix of widths summing exactly to the "
-                 "%d-bit budget (pivots replace 8-bit units); row impact 1. Use stepq calibrate "
-                 "for a real map.",
-                 pivots, bits);
-    } else if (method == STEPQ_METHOD_FP8) {
-        snprintf(notes, sizeof(notes),
-                 "e4m3 state, one fp32 scale amax/240 per (head, 32 value channels) (baseline: "
-                 "SGLang's proposed float8 state pool); no calibration needed.");
-    } else if (fixed) {
-        snprintf(notes, sizeof(notes), "Unquantized %s state (baseline).", method_name);
-    } else {
-        snprintf(notes, sizeof(notes),
-                 "Every unit at %d bits; no calibration needed for method %s%s.", bits, method_name,
-                 method == STEPQ_METHOD_SPATIAL ? " (row impact 1: not calibrated)" : "");
-    }
-    if ((st = stepq_map_set_model_name(map, name ? name : p->model_name)) < 0 ||
-        (st = stepq_map_set_provenance(map, "tool", "stepq mkmap")) < 0 ||
-        (st = stepq_map_set_provenance(map, "notes", notes)) < 0 ||
-        (n_cand && (st = stepq_map_set_provenance_candidates(map, cand, n_cand)) < 0)) {
-        stepq_map_close(map);
-        return die("provenance", st);
-    }
+    int st = stepq_tool_mkmap_build("mkmap", shape_key, method, bits, pivots, name, &map);
+    if (st)
+        return st;
 
     /* Written whole or not at all; a write error names the file (not its temporary name). */
     char *buf;
@@ -383,7 +423,7 @@ int stepq_tool_mkmap(int argc, char **argv)
     FILE *f;
     if ((st = stepq_map_write_buffer(map, &buf, &len)) < 0) {
         stepq_map_close(map);
-        return die("write", st);
+        return die("mkmap", "write", st);
     }
     st = !(f = stepq_tool_out_open(&o, "mkmap", out)) || fwrite(buf, 1, len, f) != len ||
          stepq_tool_out_commit(&o, "mkmap") < 0;

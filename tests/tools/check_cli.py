@@ -15,6 +15,7 @@ CASES = [  # (command, a real value option, a typo)
     (["bench", "pool"], "--slots", "--slot"),
     (["bench", "reference"], "--min-ms", "--min-m"),
     (["bench", "kernels"], "--batch", "--batches"),
+    (["bench", "decode"], "--tp", "--tpp"),
     (["mkmap"], "--shape", "--shap"),
     (["inspect", "x.json"], "-o", "--o"),
     (["inspect", "x.json"], "--tp", "--tpp"),

@@ -71,6 +71,8 @@ def main():
          "--min-ms", "1"],
         ["bench", "pool", "--backend", "host", "--page-bytes", "4096", "--slots", "1",
          "--min-ms", "1"],
+        ["bench", "decode", MAP27, "--backend", "host", "--batch", "1", "--tokens", "2",
+         "--layers", "1"],
     ]
     for args in reports:
         p = run(args + ["--json"])
@@ -205,6 +207,9 @@ def main():
         (["bench", "pool"], ["--min-ms"], ["nan", "inf", "0", "-5", "1x"]),
         (["bench", "pool"], ["--slots"], ["nan", "0", "1,x", "", "1,,2", ",".join(["1"] * 17)]),
         (["bench", "kernels"], ["--batch"], ["nan", "0", "8x", ""]),
+        (["bench", "decode", MAP27], ["--tp", "--rank", "--tokens", "--prompt", "--runs",
+                                      "--warmup", "--budget-gib", "--batch", "--layers"],
+         ["nan", "-1", "1x", ""]),
     ]
     for base, opts, values in numbers:
         for opt in opts:

@@ -1,0 +1,1452 @@
+/*
+ * stepq bench decode MAP|PRESET: the decode throughput of the recurrent-state
+ * path, as a server runs it, for the fp32 state, the bf16 state and the map's
+ * method side by side.
+ *
+ * Everything goes through the public API: pools opened from the map and from
+ * dense fp32 / bf16 maps of the same shape (stepq_map_create), B slots
+ * allocated, synthetic prompt states packed with stepq_pool_prefill_pack,
+ * then T tokens x every timed layer of stepq_pool_decode_step. Per run the
+ * decode time is the sum of the intervals between the starts of consecutive
+ * tokens (the gaps between steps included) and an end mark after the last:
+ * CUDA events on the pool's stream on the CUDA backend, CLOCK_MONOTONIC on
+ * the host backend. One warm-up and 3 timed runs, the median reported;
+ * tokens/s = B x T request-token transitions / decode time.
+ *
+ * Inputs are made before the timing, so that the timed loop holds only the
+ * steps: a bank of N_BANK sets of unit-norm q / k, v and beta (token t, layer
+ * l reads set (t + l) mod N_BANK), and per layer one gate tensor drawn from
+ * the map's per-unit log retention (calibrated maps), or for maps without
+ * statistics from half-lives log-uniform in [HALF_LIFE_MIN, HALF_LIFE_MAX]
+ * tokens per unit.
+ *
+ * It measures the recurrent-state path only: no attention or MLP layers, no
+ * conv state update, no sampling. Multi-process tensor parallelism (NCCL) is
+ * a later task: --tp N times one rank's share of the heads in this process.
+ */
+#include <inttypes.h>
+#include <math.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <cjson/cJSON.h>
+
+#include "stepq_config.h"
+#include "stepq/stepq.h"
+#include "tools/cli.h"
+#include "tools/commands.h"
+#include "tools/mkmap.h"
+
+#if STEPQ_HAVE_CUDA
+#include <cuda_runtime_api.h>
+#endif
+
+#define TOOL        "bench decode"
+#define MAX_BATCHES 16
+#define MAX_RUNS    100
+/* Distinct q/k/v/beta sets the tokens cycle through: enough that consecutive
+ * layers and tokens never read the same inputs, few enough to stay small. */
+#define N_BANK 4
+/* Dense prompt states made per layer; slots take them in turn (pack in chunks). */
+#define N_PATTERN 2
+/* Outer products summed into a synthetic prompt state (of the prompt's P). */
+#define PROMPT_RANK 16
+/* The gate fallback of maps without statistics: half-lives in tokens. */
+#define HALF_LIFE_MIN 2.0
+#define HALF_LIFE_MAX 2048.0
+/* The stepq layout map a preset gets: the bundled qwen3.8-27b one (32 pivots of 2304 units). */
+#define PRESET_BITS       6
+#define PRESET_PIVOT_UNIT 72
+#define GIB               (1024.0 * 1024.0 * 1024.0)
+#define MIB               (1024.0 * 1024.0)
+
+/* The paper's protocol. */
+static const int paper_batches[] = { 32, 64, 128, 256, 512 };
+#define PAPER_TOKENS 1024
+#define PAPER_PROMPT 128
+/* The host backend's default: a reduced run that finishes in seconds. */
+static const int host_batches[] = { 1, 4 };
+#define HOST_TOKENS 16
+#define HOST_LAYERS 2
+
+static void usage(FILE *f)
+{
+    fprintf(f, "usage: stepq bench decode MAP|PRESET [--backend host|cuda] [--tp N] [--rank R]\n"
+               "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
+               "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
+               "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
+               "                          [--dtype bf16|fp32] [--json] [-o FILE]\n"
+               "Decode throughput of the recurrent-state path through the public API: per\n"
+               "token, every recurrent layer's stepq_pool_decode_step on B slots whose prompt\n"
+               "states were packed with stepq_pool_prefill_pack; tokens/s and ms per step for\n"
+               "the fp32 state, the bf16 state and MAP's method side by side, the state bytes\n"
+               "per request and the largest batch that fits --budget-gib (default 80) under\n"
+               "the reservation policy (default extra_buffer: 5 slots per request + 1).\n"
+               "It measures the recurrent-state path only, not attention or MLP layers.\n"
+               "PRESET: a shape with the stepq@6 layout map `stepq mkmap --shape PRESET\n"
+               "--method stepq --bits 6 --pivots P` makes, P one unit in 72 (the bundled\n"
+               "Qwen3.8-27B map's 32 of 2304); one of\n  ");
+    stepq_tool_preset_list(f);
+    fprintf(f, ".\n"
+               "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
+               "generated tokens, every layer, 1 warm-up + 3 runs, median; decode time = sum\n"
+               "of the intervals between consecutive token starts (gaps included): CUDA\n"
+               "events on the CUDA backend (the default where a device exists), the\n"
+               "monotonic clock on the host backend (the C reference), whose default is a\n"
+               "reduced run (2 layers, batches 1,4, 16 tokens; --full for the protocol).\n"
+               "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
+               "the rank with the largest page) in this one process: multi-process NCCL\n"
+               "tensor parallelism is a later task. --layers: the first N recurrent layers.\n"
+               "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
+               "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
+               "as servers decode; without it the steps are launched one call at a time.\n"
+               "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
+               "per run on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
+}
+
+struct opts {
+    const char *target, *out_path, *policy_name;
+    int backend; /* -1: cuda where a device exists, else host */
+    int tp, rank;
+    int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
+    int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
+    int runs, warmup, full, json, budget_given, graph;
+    stepq_dtype dtype; /* of the server's tensors */
+    double budget_gib;
+};
+
+static int parse_batches(const char *v, struct opts *o)
+{
+    const char *s = v;
+    o->n_b = 0;
+    while (*s) {
+        char *end;
+        long x = strtol(s, &end, 10);
+        if (end == s || x < 1 || x > 65535 || (*end && *end != ',') || o->n_b == MAX_BATCHES) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --batch '%s': want up to %d batch sizes in [1, 65535], "
+                    "e.g. 32,64,128\n",
+                    v, MAX_BATCHES);
+            return -1;
+        }
+        o->batches[o->n_b++] = (int)x;
+        s = *end ? end + 1 : end;
+    }
+    if (!o->n_b) {
+        fprintf(stderr, "stepq " TOOL ": --batch '': want batch sizes, e.g. 32,64,128\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* Returns 0, 1 for --help, or 2 after one line naming the option. */
+static int parse_opts(int argc, char **argv, struct opts *o)
+{
+    long long n;
+
+    memset(o, 0, sizeof(*o));
+    o->backend = -1;
+    o->tp = 1;
+    o->rank = -1;
+    o->runs = 3;
+    o->warmup = 1;
+    o->budget_gib = 80;
+    o->policy_name = "extra_buffer";
+    o->dtype = STEPQ_DTYPE_BF16;
+    for (int i = 1; i < argc; i++) {
+        const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
+            usage(stdout);
+            return 1;
+        } else if (!strcmp(a, "--json")) {
+            o->json = 1;
+            continue;
+        } else if (!strcmp(a, "--full")) {
+            o->full = 1;
+            continue;
+        } else if (!strcmp(a, "--graph")) {
+            o->graph = 1;
+            continue;
+        } else if (a[0] != '-') {
+            if (o->target) {
+                fprintf(stderr, "stepq " TOOL ": a second MAP or PRESET '%s'\n", a);
+                return 2;
+            }
+            o->target = a;
+            continue;
+        }
+        if (!v) {
+            static const char *const value_opts[] = { "--backend", "--batch",  "--budget-gib",
+                                                      "--layers",  "--policy", "--prompt",
+                                                      "--rank",    "--runs",   "--tokens",
+                                                      "--tp",      "--warmup", "-o",
+                                                      NULL };
+            return stepq_tool_missing_value(TOOL, a, value_opts);
+        }
+        i++;
+        if (!strcmp(a, "-o")) {
+            o->out_path = v;
+        } else if (!strcmp(a, "--backend")) {
+            o->backend = !strcmp(v, "host")   ? STEPQ_POOL_BACKEND_HOST
+                         : !strcmp(v, "cuda") ? STEPQ_POOL_BACKEND_CUDA
+                                              : -2;
+            if (o->backend == -2) {
+                fprintf(stderr, "stepq " TOOL ": --backend '%s': want host or cuda\n", v);
+                return 2;
+            }
+        } else if (!strcmp(a, "--batch")) {
+            if (parse_batches(v, o) < 0)
+                return 2;
+        } else if (!strcmp(a, "--tp")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1024, &n) < 0)
+                return 2;
+            o->tp = (int)n;
+        } else if (!strcmp(a, "--rank")) {
+            if (stepq_tool_int(TOOL, a, v, 0, 1023, &n) < 0)
+                return 2;
+            o->rank = (int)n;
+        } else if (!strcmp(a, "--tokens")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1 << 20, &n) < 0)
+                return 2;
+            o->tokens = (int)n;
+        } else if (!strcmp(a, "--prompt")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1 << 20, &n) < 0)
+                return 2;
+            o->prompt = (int)n;
+        } else if (!strcmp(a, "--layers")) {
+            if (!strcmp(v, "all"))
+                o->layers = -1;
+            else if (stepq_tool_int(TOOL, a, v, 1, 1 << 16, &n) < 0)
+                return 2;
+            else
+                o->layers = (int)n;
+        } else if (!strcmp(a, "--runs")) {
+            if (stepq_tool_int(TOOL, a, v, 1, MAX_RUNS, &n) < 0)
+                return 2;
+            o->runs = (int)n;
+        } else if (!strcmp(a, "--warmup")) {
+            if (stepq_tool_int(TOOL, a, v, 0, MAX_RUNS, &n) < 0)
+                return 2;
+            o->warmup = (int)n;
+        } else if (!strcmp(a, "--budget-gib")) {
+            if (stepq_tool_real(TOOL, a, v, 0, 1 << 20, STEPQ_TOOL_OPEN_LO, &o->budget_gib) < 0)
+                return 2;
+            o->budget_given = 1;
+        } else if (!strcmp(a, "--policy")) {
+            o->policy_name = v;
+        } else if (!strcmp(a, "--dtype")) {
+            if (strcmp(v, "fp32") && strcmp(v, "bf16")) {
+                fprintf(stderr, "stepq " TOOL ": --dtype '%s': want bf16 or fp32\n", v);
+                return 2;
+            }
+            o->dtype = !strcmp(v, "fp32") ? STEPQ_DTYPE_FP32 : STEPQ_DTYPE_BF16;
+        } else {
+            fprintf(stderr, "stepq " TOOL ": unknown option '%s' (see stepq " TOOL " --help)\n", a);
+            return 2;
+        }
+    }
+    if (!o->target) {
+        usage(stderr);
+        return 2;
+    }
+    return 0;
+}
+
+/* --- deterministic inputs ------------------------------------------------------ */
+
+static uint64_t splitmix64(uint64_t *s)
+{
+    uint64_t z = (*s += 0x9e3779b97f4a7c15ull);
+    z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
+    z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
+    return z ^ (z >> 31);
+}
+
+/* In [0, 1). */
+static double unit_rand(uint64_t *s)
+{
+    return (double)(splitmix64(s) >> 11) * (1.0 / 9007199254740992.0);
+}
+
+static void unit_vector(uint64_t *s, float *x, int n)
+{
+    double sum = 0;
+    for (int i = 0; i < n; i++) {
+        x[i] = (float)(2 * unit_rand(s) - 1);
+        sum += (double)x[i] * x[i];
+    }
+    for (int i = 0; i < n; i++)
+        x[i] = (float)(x[i] / sqrt(sum));
+}
+
+/*
+ * The log retention (g, <= 0) of every unit of the timed layers: the map's
+ * statistics where it has them, else the fallback half-lives. *from_map says
+ * which. log_ret[l * upl + u].
+ */
+static double *unit_log_retention(const stepq_map_t *map, int layers, int *from_map)
+{
+    const int upl = stepq_map_units_per_layer(map);
+    double *lr = malloc(sizeof(double) * (size_t)layers * (size_t)upl);
+    stepq_unit_stats us = STEPQ_UNIT_STATS_INITIALIZER;
+    uint64_t seed = 0x68616c666c696665ull; /* "halflife" */
+
+    if (!lr)
+        return NULL;
+    *from_map = stepq_map_unit_stats(map, 0, 0, &us) == STEPQ_OK;
+    for (int l = 0; l < layers; l++)
+        for (int u = 0; u < upl; u++) {
+            double g;
+            if (*from_map && stepq_map_unit_stats(map, l, u, &us) == STEPQ_OK) {
+                g = us.log_retention;
+            } else {
+                double hl = HALF_LIFE_MIN * pow(HALF_LIFE_MAX / HALF_LIFE_MIN, unit_rand(&seed));
+                g = log(0.5) / hl;
+            }
+            lr[(size_t)l * upl + u] = g;
+        }
+    return lr;
+}
+
+/* Host copies of what the steps read; the CUDA backend copies them to the device once. */
+struct inputs {
+    int B, H, HV, K, V, gn; /* gn: gates per head (1 GDN, K KDA) */
+    int layers;             /* of g and pattern */
+    float *q[N_BANK], *k[N_BANK], *v[N_BANK], *beta[N_BANK];
+    float **g;       /* [layers][B][HV][gn] */
+    float **pattern; /* [layers][N_PATTERN][HV][K][V]: synthetic prompt states */
+    size_t n_q, n_v, n_g, n_pat;
+};
+
+static void inputs_free(struct inputs *in)
+{
+    const int layers = in->layers;
+    for (int i = 0; i < N_BANK; i++) {
+        free(in->q[i]);
+        free(in->k[i]);
+        free(in->v[i]);
+        free(in->beta[i]);
+    }
+    for (int l = 0; in->g && l < layers; l++)
+        free(in->g[l]);
+    for (int l = 0; in->pattern && l < layers; l++)
+        free(in->pattern[l]);
+    free(in->g);
+    free(in->pattern);
+    memset(in, 0, sizeof(*in));
+}
+
+/*
+ * The prompt state of one head: sum over PROMPT_RANK of the prompt's P tokens
+ * (ages a P / PROMPT_RANK) of beta k v^T decayed by the head's gate (KDA: each
+ * key row by its own), scaled by sqrt(P / PROMPT_RANK) for the tokens left
+ * out: the magnitude a prompt of P tokens gives a head of that half-life.
+ */
+static void prompt_state(uint64_t *s, float *S, int K, int V, const double *g, int gn, int P)
+{
+    float k[1024], v[1024];
+    const double w0 = 0.5 * sqrt((double)P / PROMPT_RANK);
+
+    memset(S, 0, sizeof(float) * (size_t)K * V);
+    for (int a = 0; a < PROMPT_RANK; a++) {
+        const double age = (double)a * P / PROMPT_RANK;
+        unit_vector(s, k, K);
+        for (int j = 0; j < V; j++)
+            v[j] = (float)(2 * unit_rand(s) - 1);
+        for (int i = 0; i < K; i++) {
+            const float w = (float)(w0 * exp(g[gn > 1 ? i : 0] * age)) * k[i];
+            for (int j = 0; j < V; j++)
+                S[(size_t)i * V + j] += w * v[j];
+        }
+    }
+}
+
+/*
+ * Makes every input of batch B for this rank's heads (first_head on), from a
+ * seed that depends on nothing else, so that two runs read the same numbers.
+ * The prompt states do not depend on B (made once, by the first call).
+ */
+static int inputs_make(struct inputs *in, const stepq_model_shape *sh, int tp, int first_head,
+                       int B, int layers, int prompt, const double *log_ret)
+{
+    const int H = sh->num_k_heads / tp, HV = sh->num_v_heads / tp, K = sh->head_k_dim;
+    const int V = sh->head_v_dim, gn = sh->arch == STEPQ_ARCH_KDA ? K : 1;
+    const int upl = sh->arch == STEPQ_ARCH_KDA ? sh->num_v_heads * K : sh->num_v_heads;
+    uint64_t seed = 0x7374657071ull + (uint64_t)B;
+
+    for (int i = 0; i < N_BANK; i++) {
+        free(in->q[i]);
+        free(in->k[i]);
+        free(in->v[i]);
+        free(in->beta[i]);
+    }
+    for (int l = 0; in->g && l < layers; l++)
+        free(in->g[l]);
+    in->B = B, in->H = H, in->HV = HV, in->K = K, in->V = V, in->gn = gn;
+    in->n_q = (size_t)B * H * K;
+    in->n_v = (size_t)B * HV * V;
+    in->n_g = (size_t)B * HV * gn;
+    in->n_pat = (size_t)N_PATTERN * HV * K * V;
+    for (int i = 0; i < N_BANK; i++) {
+        in->q[i] = malloc(sizeof(float) * in->n_q);
+        in->k[i] = malloc(sizeof(float) * in->n_q);
+        in->v[i] = malloc(sizeof(float) * in->n_v);
+        in->beta[i] = malloc(sizeof(float) * (size_t)B * HV);
+        if (!in->q[i] || !in->k[i] || !in->v[i] || !in->beta[i])
+            return STEPQ_ENOMEM;
+        for (size_t h = 0; h < (size_t)B * H; h++) {
+            unit_vector(&seed, in->q[i] + h * K, K);
+            unit_vector(&seed, in->k[i] + h * K, K);
+        }
+        for (size_t e = 0; e < in->n_v; e++)
+            in->v[i][e] = (float)(2 * unit_rand(&seed) - 1);
+        for (size_t e = 0; e < (size_t)B * HV; e++)
+            in->beta[i][e] = (float)(0.2 + 0.6 * unit_rand(&seed));
+    }
+    if (!in->g && !(in->g = calloc((size_t)layers, sizeof(*in->g))))
+        return STEPQ_ENOMEM;
+    in->layers = layers;
+    for (int l = 0; l < layers; l++) {
+        if (!(in->g[l] = malloc(sizeof(float) * in->n_g)))
+            return STEPQ_ENOMEM;
+        for (int b = 0; b < B; b++)
+            for (int h = 0; h < HV; h++)
+                for (int i = 0; i < gn; i++) {
+                    const int unit = (first_head + h) * gn + i;
+                    /* each request's gate within +-50% of the unit's mean, as a token's would be */
+                    in->g[l][((size_t)b * HV + h) * gn + i] =
+                        (float)(log_ret[(size_t)l * upl + unit] * (0.5 + unit_rand(&seed)));
+                }
+    }
+    if (in->pattern)
+        return STEPQ_OK;
+    if (!(in->pattern = calloc((size_t)layers, sizeof(*in->pattern))))
+        return STEPQ_ENOMEM;
+    uint64_t ps = 0x70726f6d7074ull; /* "prompt" */
+    for (int l = 0; l < layers; l++) {
+        if (!(in->pattern[l] = malloc(sizeof(float) * in->n_pat)))
+            return STEPQ_ENOMEM;
+        for (int e = 0; e < N_PATTERN; e++)
+            for (int h = 0; h < HV; h++)
+                prompt_state(&ps, in->pattern[l] + ((size_t)e * HV + h) * K * V, K, V,
+                             log_ret + (size_t)l * upl + (size_t)(first_head + h) * gn, gn, prompt);
+    }
+    return STEPQ_OK;
+}
+
+/* --- the backends' buffers and clocks ------------------------------------------ */
+
+/*
+ * Where the steps read their tensors: copies in the server's dtype (--dtype)
+ * in host memory on the host backend, in device memory on the CUDA backend,
+ * all owned here. The prompt states stay fp32 (a chunk kernel's final states).
+ */
+struct dev {
+    int cuda;
+    void *stream;      /* cudaStream_t */
+    stepq_dtype dtype; /* of q, k, v, g, beta and o */
+    const void *q[N_BANK], *k[N_BANK], *v[N_BANK], *beta[N_BANK];
+    const void **g, **pattern;
+    void *o;
+    int32_t *ids;
+    int layers;
+};
+
+static double now_s(void)
+{
+    struct timespec t;
+
+    clock_gettime(CLOCK_MONOTONIC, &t);
+    return (double)t.tv_sec + 1e-9 * (double)t.tv_nsec;
+}
+
+/* The text of this tool's own failing CUDA call (cu_fail), "" when the library's failed. */
+static char cu_msg[256];
+
+/* What failed: this tool's CUDA call, or the library's last error; read once. */
+static const char *fail_text(void)
+{
+    static char text[sizeof(cu_msg)];
+    snprintf(text, sizeof(text), "%s", cu_msg[0] ? cu_msg : stepq_last_error());
+    cu_msg[0] = 0;
+    return text;
+}
+
+#if STEPQ_HAVE_CUDA
+static int cu_fail(cudaError_t e, const char *what)
+{
+    snprintf(cu_msg, sizeof(cu_msg), "%s: %s", what, cudaGetErrorString(e));
+    cudaGetLastError();
+    return STEPQ_ECUDA;
+}
+
+#endif
+
+/* bf16 of x, rounded to nearest even (NaN kept a NaN). */
+static uint16_t bf16_of(float x)
+{
+    uint32_t u;
+    memcpy(&u, &x, sizeof(u));
+    if ((u & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)(u >> 16 | 0x40);
+    return (uint16_t)((u + 0x7fffu + (u >> 16 & 1)) >> 16);
+}
+
+static float float_of_bf16(uint16_t h)
+{
+    const uint32_t u = (uint32_t)h << 16;
+    float x;
+    memcpy(&x, &u, sizeof(x));
+    return x;
+}
+
+static void dev_free(const struct dev *d, const void *p)
+{
+#if STEPQ_HAVE_CUDA
+    if (d->cuda) {
+        cudaFree((void *)p);
+        return;
+    }
+#endif
+    free((void *)p);
+}
+
+/* Backend memory for n elements of dtype (*dst), holding src (NULL: left as it is). */
+static int dev_put(const struct dev *d, const void **dst, const float *src, size_t n,
+                   stepq_dtype dtype)
+{
+    const size_t es = stepq_dtype_size(dtype);
+    void *h = malloc(n * es);
+
+    *dst = NULL;
+    if (!h)
+        return STEPQ_ENOMEM;
+    for (size_t i = 0; src && es == 2 && i < n; i++)
+        ((uint16_t *)h)[i] = bf16_of(src[i]);
+    if (src && es == 4)
+        memcpy(h, src, n * es);
+    if (!d->cuda) {
+        *dst = h;
+        return STEPQ_OK;
+    }
+#if STEPQ_HAVE_CUDA
+    void *p = NULL;
+    cudaError_t e = cudaMalloc(&p, n * es);
+    if (e != cudaSuccess) {
+        free(h);
+        return cu_fail(e, "cudaMalloc");
+    }
+    *dst = p;
+    if (src && (e = cudaMemcpy(p, h, n * es, cudaMemcpyHostToDevice)) != cudaSuccess) {
+        free(h);
+        return cu_fail(e, "cudaMemcpy");
+    }
+    free(h);
+    return STEPQ_OK;
+#else
+    free(h);
+    return STEPQ_ENOTSUP;
+#endif
+}
+
+static void dev_release(struct dev *d)
+{
+    for (int i = 0; i < N_BANK; i++) {
+        dev_free(d, d->q[i]);
+        dev_free(d, d->k[i]);
+        dev_free(d, d->v[i]);
+        dev_free(d, d->beta[i]);
+    }
+    for (int l = 0; d->g && l < d->layers; l++)
+        dev_free(d, d->g[l]);
+    for (int l = 0; d->pattern && l < d->layers; l++)
+        dev_free(d, d->pattern[l]);
+    dev_free(d, d->o);
+    dev_free(d, d->ids);
+    free(d->g);
+    free(d->pattern);
+    const struct dev keep = { .cuda = d->cuda, .stream = d->stream, .dtype = d->dtype };
+    *d = keep;
+}
+
+/* Copies the inputs of one batch where the steps read them, in d->dtype. */
+static int dev_load(struct dev *d, const struct inputs *in, int layers)
+{
+    const stepq_dtype dt = d->dtype;
+    const void *ids = NULL;
+    int ret = STEPQ_OK;
+
+    dev_release(d);
+    d->layers = layers;
+    d->g = calloc((size_t)layers, sizeof(*d->g));
+    d->pattern = calloc((size_t)layers, sizeof(*d->pattern));
+    if (!d->g || !d->pattern)
+        return STEPQ_ENOMEM;
+    for (int i = 0; i < N_BANK && ret == STEPQ_OK; i++)
+        if ((ret = dev_put(d, &d->q[i], in->q[i], in->n_q, dt)) < 0 ||
+            (ret = dev_put(d, &d->k[i], in->k[i], in->n_q, dt)) < 0 ||
+            (ret = dev_put(d, &d->v[i], in->v[i], in->n_v, dt)) < 0 ||
+            (ret = dev_put(d, &d->beta[i], in->beta[i], (size_t)in->B * in->HV, dt)) < 0)
+            return ret;
+    for (int l = 0; l < layers; l++)
+        if ((ret = dev_put(d, &d->g[l], in->g[l], in->n_g, dt)) < 0 ||
+            (ret = dev_put(d, &d->pattern[l], in->pattern[l], in->n_pat, STEPQ_DTYPE_FP32)) < 0)
+            return ret;
+    if ((ret = dev_put(d, (const void **)&d->o, NULL, in->n_v, dt)) < 0)
+        return ret;
+    /* the slot ids: int32, as many bytes as B floats */
+    ret = dev_put(d, &ids, NULL, (size_t)in->B, STEPQ_DTYPE_FP32);
+    d->ids = (int32_t *)ids;
+    return ret;
+}
+
+/* --- one timed configuration ----------------------------------------------------- */
+
+/* The three states compared. */
+struct variant {
+    char label[64];
+    stepq_map_t *map; /* owned */
+    stepq_pool_plan_info plan;
+    uint64_t state_bytes; /* the recurrent state of one request on this rank, as allocated */
+    int32_t max_batch;    /* under the policy in the budget; -1: none */
+};
+
+/* Why a pool is not run: over --budget-gib, over what the machine has, or its backend lacks a step.
+ */
+enum { OVER_BUDGET = 1, OVER_MEMORY = 2, UNSUPPORTED = 3 };
+
+static int over(double need, double budget, double machine)
+{
+    return need > budget ? OVER_BUDGET : machine > 0 && need > machine ? OVER_MEMORY : 0;
+}
+
+struct result {
+    int ran, over;
+    double run_s[MAX_RUNS];
+    double median_s;
+    double checksum; /* sum of |o| over the last token's last layer */
+    uint32_t health;
+};
+
+static int cmp_double(const void *a, const void *b)
+{
+    const double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+struct bench {
+    struct opts *o;
+    stepq_pool_config base; /* map, backend, tp, rank, min_page_bytes, stream */
+    const struct inputs *in;
+    struct dev *d;
+    int layers, tokens;
+    struct stepq_tool_progress *prog;
+};
+
+/* Prefill: the synthetic prompt states packed into every slot of every timed layer. */
+static int pack_prompt(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B)
+{
+    for (int l = 0; l < bn->layers; l++)
+        for (int c = 0; c < B; c += N_PATTERN) {
+            stepq_prefill_args pf = STEPQ_PREFILL_ARGS_INITIALIZER;
+            pf.n = B - c < N_PATTERN ? B - c : N_PATTERN;
+            pf.slot_ids = ids + c;
+            pf.states = (void *)bn->d->pattern[l];
+            pf.layout = STEPQ_STATE_LAYOUT_KV;
+            int ret = stepq_pool_prefill_pack(pool, l, &pf, NULL);
+            if (ret < 0)
+                return ret;
+        }
+    return STEPQ_OK;
+}
+
+/* Token t: every timed layer's decode step, layer l on input set (t + l) mod N_BANK. */
+static int token_steps(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B, int t)
+{
+    const struct dev *d = bn->d;
+    stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+    int ret = STEPQ_OK;
+
+    a.batch = B;
+    a.slot_ids = ids;
+    a.o = d->o;
+    a.dtype = d->dtype;
+    a.flags = STEPQ_STEP_L2NORM; /* as servers call it (the keys are unit-norm already) */
+    for (int l = 0; l < bn->layers && ret == STEPQ_OK; l++) {
+        const int s = (t + l) % N_BANK;
+        a.q = d->q[s], a.k = d->k[s], a.v = d->v[s], a.beta = d->beta[s];
+        a.g = d->g[l];
+        ret = stepq_pool_decode_step(pool, l, &a, NULL);
+    }
+    return ret;
+}
+
+/*
+ * One run of T tokens x every timed layer on the host backend; *seconds the
+ * sum of the intervals between consecutive token starts and an end mark.
+ */
+static int run_tokens_host(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                           double *stamps, double *seconds)
+{
+    int ret = STEPQ_OK;
+
+    for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
+        stamps[t] = now_s();
+        ret = token_steps(bn, pool, ids, B, t);
+    }
+    if (ret < 0)
+        return ret;
+    stamps[bn->tokens] = now_s();
+    *seconds = 0;
+    for (int t = 0; t < bn->tokens; t++)
+        *seconds += stamps[t + 1] - stamps[t];
+    return STEPQ_OK;
+}
+
+#if STEPQ_HAVE_CUDA
+/*
+ * The same on the CUDA backend: an event recorded on the pool's stream at
+ * each token's start and after the last, the intervals summed (stream
+ * order, so the gaps between steps count). With graphs (--graph), token t
+ * replays graph t mod N_BANK instead of calling the steps.
+ */
+static int run_tokens_cuda(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                           cudaEvent_t *ev, const cudaGraphExec_t *graphs, double *seconds)
+{
+    cudaStream_t s = (cudaStream_t)bn->d->stream;
+    cudaError_t e = cudaSuccess;
+    int ret = STEPQ_OK;
+
+    for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
+        if ((e = cudaEventRecord(ev[t], s)) != cudaSuccess)
+            return cu_fail(e, "cudaEventRecord");
+        if (!graphs)
+            ret = token_steps(bn, pool, ids, B, t);
+        else if ((e = cudaGraphLaunch(graphs[t % N_BANK], s)) != cudaSuccess)
+            return cu_fail(e, "cudaGraphLaunch");
+    }
+    if (ret < 0)
+        return ret;
+    *seconds = 0;
+    e = cudaEventRecord(ev[bn->tokens], s);
+    if (e == cudaSuccess)
+        e = cudaEventSynchronize(ev[bn->tokens]);
+    for (int t = 0; t < bn->tokens && e == cudaSuccess; t++) {
+        float ms = 0;
+        e = cudaEventElapsedTime(&ms, ev[t], ev[t + 1]);
+        *seconds += ms * 1e-3;
+    }
+    return e == cudaSuccess ? STEPQ_OK : cu_fail(e, "CUDA events");
+}
+#endif
+
+/* One run on the pool's backend: marks are the host stamps or the CUDA events. */
+static int run_tokens(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                      void *marks, void *graphs, double *seconds)
+{
+#if STEPQ_HAVE_CUDA
+    if (bn->d->cuda)
+        return run_tokens_cuda(bn, pool, ids, B, marks, graphs, seconds);
+#endif
+    (void)graphs;
+    return run_tokens_host(bn, pool, ids, B, marks, seconds);
+}
+
+#if STEPQ_HAVE_CUDA
+/*
+ * --graph: token t's steps depend on t only through t mod N_BANK, so N_BANK
+ * graphs of one token each (every timed layer's decode step, captured on the
+ * pool's stream) replay the whole run; the pages, slot ids and inputs are read
+ * at replay. *out: N_BANK cudaGraphExec_t.
+ */
+static int capture(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+                   void **out)
+{
+    cudaStream_t s = (cudaStream_t)bn->d->stream;
+    cudaGraphExec_t *exec = calloc(N_BANK, sizeof(cudaGraphExec_t));
+    int ret = STEPQ_OK;
+
+    *out = exec;
+    if (!exec)
+        return STEPQ_ENOMEM;
+    for (int i = 0; i < N_BANK && ret == STEPQ_OK; i++) {
+        cudaGraph_t g = NULL;
+        cudaError_t e = cudaStreamBeginCapture(s, cudaStreamCaptureModeThreadLocal);
+        if (e != cudaSuccess)
+            return cu_fail(e, "cudaStreamBeginCapture");
+        ret = token_steps(bn, pool, ids, B, i);
+        e = cudaStreamEndCapture(s, &g);
+        if (ret == STEPQ_OK && e != cudaSuccess)
+            ret = cu_fail(e, "cudaStreamEndCapture");
+        if (ret == STEPQ_OK && (e = cudaGraphInstantiate(&exec[i], g, 0)) != cudaSuccess)
+            ret = cu_fail(e, "cudaGraphInstantiate");
+        if (g)
+            cudaGraphDestroy(g);
+    }
+    return ret;
+}
+#endif
+
+/* Opens the variant's pool of B slots, runs warm-up + runs, and fills *r. */
+static int run_variant(const struct bench *bn, const struct variant *va, int B, struct result *r)
+{
+    stepq_pool_config cfg = bn->base;
+    stepq_pool_t *pool = NULL;
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)B);
+    void *marks = NULL, *graphs = NULL;
+    const int n_marks = bn->tokens + 1;
+    int ret;
+
+    memset(r, 0, sizeof(*r));
+    cfg.map = va->map;
+    cfg.num_slots = B;
+    cfg.min_page_bytes = va->plan.page_bytes; /* every rank's page padded to the largest */
+    if (!ids)
+        return STEPQ_ENOMEM;
+    if ((ret = stepq_pool_open(&cfg, &pool)) < 0 || (ret = stepq_pool_alloc(pool, B, ids)) < 0) {
+        fprintf(stderr, "stepq " TOOL ": %s pool of %d slots: %s\n", va->label, B,
+                stepq_last_error());
+        goto out;
+    }
+    const int32_t *step_ids = ids;
+    /* A backend without this pool's steps (stepq_pool_supports): the row says so, nothing fails. */
+    {
+        stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
+        stepq_prefill_args pf = STEPQ_PREFILL_ARGS_INITIALIZER;
+        a.batch = B;
+        a.dtype = bn->d->dtype;
+        a.flags = STEPQ_STEP_L2NORM;
+        pf.n = N_PATTERN;
+        if (stepq_pool_supports(pool, STEPQ_OP_DECODE_STEP, -1, &a) < 0 ||
+            stepq_pool_supports(pool, STEPQ_OP_PREFILL_PACK, -1, &pf) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: not run: %s\n", va->label, B,
+                    stepq_pool_last_error(pool));
+            r->over = UNSUPPORTED;
+            stepq_tool_progress_add(bn->prog, bn->o->warmup + bn->o->runs);
+            ret = STEPQ_OK;
+            goto out;
+        }
+    }
+#if STEPQ_HAVE_CUDA
+    if (bn->d->cuda) {
+        cudaError_t e =
+            cudaMemcpy(bn->d->ids, ids, sizeof(int32_t) * (size_t)B, cudaMemcpyHostToDevice);
+        if (e != cudaSuccess) {
+            ret = cu_fail(e, "cudaMemcpy");
+            goto out;
+        }
+        step_ids = bn->d->ids;
+        cudaEvent_t *ev = calloc((size_t)n_marks, sizeof(cudaEvent_t));
+        marks = ev;
+        for (int i = 0; ev && i < n_marks; i++)
+            if ((e = cudaEventCreate(&ev[i])) != cudaSuccess) {
+                ret = cu_fail(e, "cudaEventCreate");
+                goto out;
+            }
+        if (bn->o->graph && (ret = capture(bn, pool, step_ids, B, &graphs)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: graph capture: %s\n", va->label, B,
+                    fail_text());
+            goto out;
+        }
+    } else
+#endif
+        marks = malloc(sizeof(double) * (size_t)n_marks);
+    if (!marks) {
+        ret = STEPQ_ENOMEM;
+        goto out;
+    }
+    const int n_runs = bn->o->warmup + bn->o->runs;
+    for (int run = 0; run < n_runs; run++) {
+        double sec = 0;
+        /* Every run starts from the same prompt states: the runs time the same work. */
+        if ((ret = pack_prompt(bn, pool, step_ids, B)) < 0 || (ret = stepq_pool_sync(pool)) < 0 ||
+            (ret = run_tokens(bn, pool, step_ids, B, marks, graphs, &sec)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, fail_text());
+            goto out;
+        }
+        if (run >= bn->o->warmup)
+            r->run_s[run - bn->o->warmup] = sec;
+        stepq_tool_progress_add(bn->prog, 1);
+    }
+    {
+        double sorted[MAX_RUNS];
+        const int n = bn->o->runs;
+        memcpy(sorted, r->run_s, sizeof(double) * (size_t)n);
+        qsort(sorted, (size_t)n, sizeof(double), cmp_double);
+        r->median_s = n % 2 ? sorted[n / 2] : 0.5 * (sorted[n / 2 - 1] + sorted[n / 2]);
+    }
+    /* What the last step wrote, and the slots' health: the work was done, and done the same. */
+    {
+        const size_t n_o = (size_t)B * bn->in->HV * bn->in->V;
+        const size_t bytes = n_o * stepq_dtype_size(bn->d->dtype);
+        void *o = bn->d->cuda ? malloc(bytes) : bn->d->o;
+        stepq_pool_stats st;
+        if (!o) {
+            ret = STEPQ_ENOMEM;
+            goto out;
+        }
+#if STEPQ_HAVE_CUDA
+        if (bn->d->cuda) {
+            cudaError_t e = cudaMemcpy(o, bn->d->o, bytes, cudaMemcpyDeviceToHost);
+            if (e != cudaSuccess) {
+                free(o);
+                ret = cu_fail(e, "cudaMemcpy");
+                goto out;
+            }
+        }
+#endif
+        for (size_t i = 0; i < n_o; i++)
+            r->checksum += fabs(bn->d->dtype == STEPQ_DTYPE_BF16
+                                    ? (double)float_of_bf16(((const uint16_t *)o)[i])
+                                    : (double)((const float *)o)[i]);
+        if (bn->d->cuda)
+            free(o);
+        if ((ret = stepq_pool_get_stats(pool, &st, sizeof(st))) < 0)
+            goto out;
+        r->health = st.health_any;
+    }
+    r->ran = 1;
+out:
+    if (ret < 0 && cu_msg[0]) /* a CUDA call of this tool, not said yet */
+        fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, fail_text());
+#if STEPQ_HAVE_CUDA
+    if (bn->d->cuda && marks)
+        for (int i = 0; i < n_marks; i++)
+            if (((cudaEvent_t *)marks)[i])
+                cudaEventDestroy(((cudaEvent_t *)marks)[i]);
+    for (int i = 0; graphs && i < N_BANK; i++)
+        if (((cudaGraphExec_t *)graphs)[i])
+            cudaGraphExecDestroy(((cudaGraphExec_t *)graphs)[i]);
+    free(graphs);
+#endif
+    free(marks);
+    if (pool && stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE) < 0 && ret >= 0) {
+        fprintf(stderr, "stepq " TOOL ": %s pool, batch %d: close: %s\n", va->label, B,
+                stepq_last_error());
+        ret = STEPQ_ECUDA;
+    }
+    free(ids);
+    return ret;
+}
+
+/* --- setup and report --------------------------------------------------------------- */
+
+/* The table goes to tout: the output, or nowhere with --json. */
+static FILE *tout;
+
+static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+static void tprintf(const char *fmt, ...)
+{
+    va_list ap;
+
+    if (!tout)
+        return;
+    va_start(ap, fmt);
+    vfprintf(tout, fmt, ap);
+    va_end(ap);
+}
+
+/* The map of the target: a map file, or a preset's stepq@6 layout map. 0, or an exit status. */
+static int load_target(const char *target, stepq_map_t **map, int *is_preset)
+{
+    int ret;
+
+    *is_preset = 0;
+    if (!strchr(target, '/') && !strstr(target, ".json")) {
+        if (!stepq_tool_preset_find(target)) {
+            fprintf(stderr, "stepq " TOOL ": unknown preset '%s' (presets: ", target);
+            stepq_tool_preset_list(stderr);
+            fprintf(stderr, "; or a map file)\n");
+            return 2;
+        }
+        *is_preset = 1;
+        stepq_map_t *probe = NULL;
+        /* the preset's unit count sets its pivots: 1 in PRESET_PIVOT_UNIT, as the bundled map */
+        if ((ret = stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_UNIFORM, PRESET_BITS, 0, NULL,
+                                          &probe)) != 0)
+            return ret;
+        stepq_model_shape sh;
+        stepq_map_shape(probe, &sh);
+        const long long units = (long long)sh.n_layers * stepq_map_units_per_layer(probe);
+        stepq_map_close(probe);
+        const long long pivots = (units + PRESET_PIVOT_UNIT / 2) / PRESET_PIVOT_UNIT;
+        return stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_STEPQ, PRESET_BITS, pivots, NULL,
+                                      map);
+    }
+    if ((ret = stepq_map_load_file(target, NULL, map)) < 0) {
+        stepq_tool_path_error(TOOL, target, NULL, stepq_last_error(), ret);
+        return 1;
+    }
+    return 0;
+}
+
+/* Whether the CUDA backend has a device, through the public API: a pool opens on it. */
+static int cuda_available(const stepq_map_t *map, char *why, size_t len)
+{
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    stepq_pool_t *pool = NULL;
+
+    cfg.map = map;
+    cfg.backend = STEPQ_POOL_BACKEND_CUDA;
+    cfg.num_slots = 1;
+    cfg.min_page_bytes = 0;
+    int ret = stepq_pool_open(&cfg, &pool);
+    if (ret < 0)
+        snprintf(why, len, "%s", stepq_last_error());
+    stepq_pool_close(pool, STEPQ_POOL_CLOSE_FORCE);
+    return ret >= 0;
+}
+
+/*
+ * The most a pool of the run may take on this machine (0: unknown): 3/4 of
+ * the host's memory, or 9/10 of the device's free memory now (the inputs and
+ * the kernels' own buffers take the rest).
+ */
+static double machine_bytes(int cuda)
+{
+#if STEPQ_HAVE_CUDA
+    if (cuda) {
+        size_t free_b = 0, total_b = 0;
+        if (cudaMemGetInfo(&free_b, &total_b) != cudaSuccess) {
+            cudaGetLastError();
+            return 0;
+        }
+        return 0.9 * (double)free_b;
+    }
+#endif
+    (void)cuda;
+    long np = sysconf(_SC_PHYS_PAGES), ps = sysconf(_SC_PAGESIZE);
+    return np > 0 && ps > 0 ? 0.75 * (double)np * (double)ps : 0;
+}
+
+int stepq_tool_bench_decode(int argc, char **argv)
+{
+    struct opts o;
+    int rc = parse_opts(argc, argv, &o);
+    if (rc)
+        return rc == 1 ? 0 : rc;
+
+    stepq_pool_policy policy;
+    if (stepq_pool_policy_from_name(o.policy_name, &policy) < 0) {
+        fprintf(stderr, "stepq " TOOL ": --policy: %s\n", stepq_last_error());
+        return 2;
+    }
+    const int per = stepq_pool_policy_slots(policy);
+
+    struct variant va[3];
+    memset(va, 0, sizeof(va));
+    int is_preset = 0;
+    if ((rc = load_target(o.target, &va[2].map, &is_preset)) != 0)
+        return rc;
+    stepq_map_t *map = va[2].map;
+    stepq_model_shape sh;
+    stepq_map_shape(map, &sh);
+    const char *model = stepq_map_model_name(map)[0] ? stepq_map_model_name(map) : "model";
+    struct stepq_tool_out of;
+    struct inputs in;
+    struct dev d;
+    double *log_ret = NULL;
+    struct result(*res)[3] = NULL;
+    memset(&in, 0, sizeof(in));
+    memset(&d, 0, sizeof(d));
+    of.f = NULL;
+    rc = 2;
+
+    /* The head split of one rank. */
+    if (sh.num_k_heads % o.tp || sh.num_v_heads % o.tp) {
+        fprintf(stderr,
+                "stepq " TOOL ": --tp %d: %s's %d q/k heads and %d value heads do not split "
+                "%d ways\n",
+                o.tp, model, sh.num_k_heads, sh.num_v_heads, o.tp);
+        goto out;
+    }
+    if (o.rank >= o.tp) {
+        fprintf(stderr, "stepq " TOOL ": --rank %d: want a rank below --tp %d\n", o.rank, o.tp);
+        goto out;
+    }
+
+    /* Backend: cuda where a device exists, else the host with a reduced default. */
+    char why[512] = "";
+    const int have_cuda = cuda_available(map, why, sizeof(why));
+    if (o.backend == STEPQ_POOL_BACKEND_CUDA && !have_cuda) {
+        fprintf(stderr, "stepq " TOOL ": --backend cuda: cannot open a CUDA pool: %s\n", why);
+        rc = 1;
+        goto out;
+    }
+    const int fell_back = o.backend < 0 && !have_cuda;
+    if (o.backend < 0)
+        o.backend = have_cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
+    const int cuda = o.backend == STEPQ_POOL_BACKEND_CUDA;
+    if (o.graph && !cuda) {
+        fprintf(stderr, "stepq " TOOL ": --graph: CUDA graphs need the CUDA backend\n");
+        goto out;
+    }
+    const int reduce = !cuda && !o.full;
+    if (!o.n_b) {
+        const int *b = reduce ? host_batches : paper_batches;
+        o.n_b = reduce ? 2 : 5;
+        memcpy(o.batches, b, sizeof(int) * (size_t)o.n_b);
+    }
+    if (!o.tokens)
+        o.tokens = reduce ? HOST_TOKENS : PAPER_TOKENS;
+    if (!o.prompt)
+        o.prompt = PAPER_PROMPT;
+    if (o.layers > sh.n_layers) {
+        fprintf(stderr, "stepq " TOOL ": --layers %d: %s has %d recurrent layers\n", o.layers,
+                model, sh.n_layers);
+        goto out;
+    }
+    const int layers = o.layers > 0                ? o.layers
+                       : o.layers < 0 || !reduce   ? sh.n_layers
+                       : sh.n_layers < HOST_LAYERS ? sh.n_layers
+                                                   : HOST_LAYERS;
+    const int reduced = layers < sh.n_layers || o.tokens < PAPER_TOKENS;
+
+    /* The dense maps of the same shape, and every variant's page on this rank. */
+    int ret;
+    if ((ret = stepq_map_create(&sh, STEPQ_METHOD_FP32, 32, &va[0].map)) < 0 ||
+        (ret = stepq_map_create(&sh, STEPQ_METHOD_BF16, 16, &va[1].map)) < 0) {
+        fprintf(stderr, "stepq " TOOL ": dense maps: %s\n", stepq_last_error());
+        rc = 1;
+        goto out;
+    }
+    snprintf(va[0].label, sizeof(va[0].label), "fp32");
+    snprintf(va[1].label, sizeof(va[1].label), "bf16");
+    if (stepq_method_is_dense(stepq_map_method(map)) || stepq_map_method(map) == STEPQ_METHOD_FP8)
+        snprintf(va[2].label, sizeof(va[2].label), "%s (map)",
+                 stepq_method_name(stepq_map_method(map)));
+    else
+        snprintf(va[2].label, sizeof(va[2].label), "%s@%g",
+                 stepq_method_name(stepq_map_method(map)), stepq_map_budget_bits(map));
+    stepq_pool_config base = STEPQ_POOL_CONFIG_INITIALIZER;
+    base.backend = cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
+    base.tp_size = o.tp;
+    base.policy = policy;
+    /* The rank timed: the one with the largest page of the map (the slowest), unless named. */
+    {
+        uint64_t best = 0;
+        int best_rank = 0;
+        for (int r = 0; r < o.tp; r++) {
+            stepq_pool_config c = base;
+            stepq_pool_plan_info p;
+            c.map = map;
+            c.tp_rank = r;
+            c.num_slots = 1;
+            if ((ret = stepq_pool_plan(&c, &p)) < 0) {
+                fprintf(stderr, "stepq " TOOL ": --tp %d: %s\n", o.tp, stepq_last_error());
+                goto out;
+            }
+            if (p.page_bytes > best)
+                best = p.page_bytes, best_rank = r;
+        }
+        if (o.rank < 0)
+            o.rank = best_rank;
+    }
+    base.tp_rank = o.rank;
+    const double budget = o.budget_gib * GIB;
+    for (int v = 0; v < 3; v++) {
+        stepq_pool_config c = base;
+        uint64_t max_page = 0;
+        c.map = va[v].map;
+        c.num_slots = 1;
+        /* every rank's page padded to the largest, as the TP layer will */
+        for (int r = 0; r < o.tp; r++) {
+            stepq_pool_plan_info p;
+            c.tp_rank = r;
+            if ((ret = stepq_pool_plan(&c, &p)) < 0) {
+                fprintf(stderr, "stepq " TOOL ": %s: %s\n", va[v].label, stepq_last_error());
+                goto out;
+            }
+            if (p.page_bytes > max_page)
+                max_page = p.page_bytes;
+        }
+        c.tp_rank = o.rank;
+        c.min_page_bytes = max_page;
+        if ((ret = stepq_pool_plan(&c, &va[v].plan)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s: %s\n", va[v].label, stepq_last_error());
+            goto out;
+        }
+        va[v].state_bytes = va[v].plan.state_bytes;
+        /* The largest batch under the policy: the pool's own sizing for the budget. */
+        stepq_pool_plan_info fit;
+        c.num_slots = 0;
+        c.memory_budget_bytes = (uint64_t)budget;
+        ret = stepq_pool_plan(&c, &fit);
+        va[v].max_batch = ret >= 0 ? fit.slots / per : 0;
+    }
+
+    /* Every batch must fit: the map's pool of B slots in the budget and on this machine. */
+    const double machine = machine_bytes(cuda);
+    for (int i = 0; i < o.n_b; i++) {
+        const double need = (double)(o.batches[i] + 1) * (double)va[2].plan.page_bytes;
+        const int reason = over(need, budget, machine);
+        if (reason == OVER_BUDGET)
+            fprintf(stderr,
+                    "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB on "
+                    "rank %d, more than --budget-gib %g\n",
+                    o.batches[i], va[2].label, o.batches[i], need / GIB, o.rank, o.budget_gib);
+        else if (reason)
+            fprintf(stderr,
+                    "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB, "
+                    "more than the %.2f GiB %s\n",
+                    o.batches[i], va[2].label, o.batches[i], need / GIB, machine / GIB,
+                    cuda ? "free on the device (9/10 of it)" : "of 3/4 of this machine's memory");
+        if (reason)
+            goto out;
+    }
+
+    /* Setup: gates and inputs. */
+    if (fell_back)
+        fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
+    int from_map = 0;
+    rc = 1;
+    if (!(log_ret = unit_log_retention(map, layers, &from_map)) ||
+        !(res = calloc((size_t)o.n_b, sizeof(*res)))) {
+        fprintf(stderr, "stepq " TOOL ": out of memory\n");
+        goto out;
+    }
+    d.cuda = cuda;
+    d.dtype = o.dtype;
+#if STEPQ_HAVE_CUDA
+    if (cuda) {
+        cudaStream_t s;
+        cudaError_t e = cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking);
+        if (e != cudaSuccess) {
+            cu_fail(e, "cudaStreamCreate");
+            fprintf(stderr, "stepq " TOOL ": %s\n", fail_text());
+            goto out;
+        }
+        d.stream = s;
+        base.stream = s;
+    }
+#endif
+    if (!(of.f = stepq_tool_out_open(&of, TOOL, o.out_path)))
+        goto out;
+    tout = o.json ? NULL : of.f;
+
+    char device[320] = "C reference, one CPU thread";
+#if STEPQ_HAVE_CUDA
+    if (cuda) {
+        struct cudaDeviceProp prop;
+        int dev = 0;
+        cudaGetDevice(&dev);
+        if (cudaGetDeviceProperties(&prop, dev) == cudaSuccess)
+            snprintf(device, sizeof(device), "%s, %d SMs", prop.name, prop.multiProcessorCount);
+    }
+#endif
+    const int Hl = sh.num_k_heads / o.tp, HVl = sh.num_v_heads / o.tp;
+    char batches_txt[256] = "";
+    for (int i = 0, n = 0; i < o.n_b; i++)
+        n += snprintf(batches_txt + n, sizeof(batches_txt) - (size_t)n, "%s%d", i ? "," : "",
+                      o.batches[i]);
+    tprintf("%-8s %s%s\n", is_preset ? "preset" : "map", o.target,
+            is_preset ? " (its stepq@6 layout map, as stepq mkmap makes it)" : "");
+    tprintf("%-8s %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d)\n", "model", model,
+            stepq_arch_name(sh.arch), sh.n_layers, sh.num_k_heads, sh.num_v_heads, sh.head_k_dim,
+            sh.head_v_dim);
+    tprintf("%-8s the recurrent-state path only: prefill pack, then per token every timed\n"
+            "%-8s layer's stepq_pool_decode_step; no attention, MLP, conv or sampling work\n",
+            "measures", "");
+    tprintf("%-8s %s (%s), %s\n", "backend", cuda ? "cuda" : "host", device,
+            !cuda     ? "CLOCK_MONOTONIC"
+            : o.graph ? "CUDA events, a CUDA graph per token"
+                      : "CUDA events");
+    tprintf("%-8s tp %d, rank %d: %d q/k + %d value heads\n", "heads", o.tp, o.rank, Hl, HVl);
+    tprintf("%-8s %s q, k, v, g, beta and o (as a server holds them), fp32 prompt states\n",
+            "tensors", stepq_dtype_name(o.dtype));
+    tprintf("%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
+            "%-8s %d warm-up + %d runs, median\n",
+            "run", reduced ? "REDUCED: " : "", layers, sh.n_layers, batches_txt, o.tokens, o.prompt,
+            "", o.warmup, o.runs);
+    if (reduced && !cuda)
+        tprintf("%-8s the host default (seconds on 2 cores); the paper's protocol: --full\n"
+                "%-8s (hours on the host), or a CUDA build on a GPU (--backend cuda)\n",
+                "", "");
+    else if (reduced)
+        tprintf("%-8s the paper's protocol: every layer, --tokens %d\n", "", PAPER_TOKENS);
+    if (from_map)
+        tprintf("%-8s the map's per-unit log retention, +-50%% per request\n", "gates");
+    else
+        tprintf("%-8s none in the map: half-lives log-uniform in [%g, %g] tokens per unit,\n"
+                "%-8s +-50%% per request\n",
+                "gates", HALF_LIFE_MIN, HALF_LIFE_MAX, "");
+    tprintf("\nmemory per request on rank %d (all %d layers) and the largest batch in "
+            "--budget-gib %g\nunder %s (%d slots per request + 1 sentinel):\n",
+            o.rank, sh.n_layers, o.budget_gib, stepq_pool_policy_name(policy), per);
+    tprintf("  %-14s %14s %12s %14s %10s\n", "state", "state B", "state MiB", "slot B",
+            "max batch");
+    for (int v = 0; v < 3; v++)
+        tprintf("  %-14s %14" PRIu64 " %12.4f %14" PRIu64 " %10" PRId32 "\n", va[v].label,
+                va[v].state_bytes, (double)va[v].state_bytes / MIB, va[v].plan.page_bytes,
+                va[v].max_batch);
+
+    /* The runs. */
+    struct stepq_tool_progress prog;
+    stepq_tool_progress_begin(&prog, TOOL, "runs", (int64_t)o.n_b * 3 * (o.warmup + o.runs));
+    struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog };
+    int failed = 0;
+    for (int i = 0; i < o.n_b && !failed; i++) {
+        const int B = o.batches[i];
+        if ((ret = inputs_make(&in, &sh, o.tp, o.rank * HVl, B, layers, o.prompt, log_ret)) < 0 ||
+            (ret = dev_load(&d, &in, layers)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": inputs for batch %d: %s\n", B,
+                    ret == STEPQ_ENOMEM ? "out of memory" : fail_text());
+            failed = 1;
+            break;
+        }
+        for (int v = 0; v < 3 && !failed; v++) {
+            const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
+            if ((res[i][v].over = over(need, budget, machine))) {
+                stepq_tool_progress_add(&prog, o.warmup + o.runs);
+                continue; /* not run, said in the table */
+            }
+            failed = run_variant(&bn, &va[v], B, &res[i][v]) < 0;
+        }
+    }
+    stepq_tool_progress_end(&prog);
+    if (failed) {
+        stepq_tool_out_discard(&of);
+        goto out;
+    }
+
+    tprintf("\n%6s  %-14s %12s %10s %8s %12s %12s %8s\n", "batch", "state", "tokens/s", "ms/step",
+            "vs fp32", "state MiB", "pool GiB", "fits");
+    cJSON *root = o.json ? cJSON_CreateObject() : NULL, *jb = NULL;
+    if (root) {
+        cJSON_AddStringToObject(root, "measures",
+                                "recurrent-state path only (prefill pack + every timed layer's "
+                                "decode step); no attention or MLP layers");
+        cJSON_AddStringToObject(root, is_preset ? "preset" : "map", o.target);
+        cJSON_AddStringToObject(root, "model", model);
+        cJSON_AddStringToObject(root, "arch", stepq_arch_name(sh.arch));
+        cJSON_AddStringToObject(root, "backend", cuda ? "cuda" : "host");
+        cJSON_AddStringToObject(root, "device", device);
+        cJSON_AddStringToObject(root, "timing", cuda ? "cuda events" : "clock_monotonic");
+        cJSON_AddBoolToObject(root, "reduced", reduced);
+        cJSON_AddBoolToObject(root, "graphs", o.graph);
+        cJSON_AddStringToObject(root, "dtype", stepq_dtype_name(o.dtype));
+        cJSON_AddNumberToObject(root, "tp", o.tp);
+        cJSON_AddNumberToObject(root, "rank", o.rank);
+        cJSON_AddNumberToObject(root, "num_k_heads_rank", Hl);
+        cJSON_AddNumberToObject(root, "num_v_heads_rank", HVl);
+        cJSON_AddNumberToObject(root, "layers", sh.n_layers);
+        cJSON_AddNumberToObject(root, "layers_timed", layers);
+        cJSON_AddNumberToObject(root, "prompt_tokens", o.prompt);
+        cJSON_AddNumberToObject(root, "generated_tokens", o.tokens);
+        cJSON_AddNumberToObject(root, "warmup", o.warmup);
+        cJSON_AddNumberToObject(root, "runs", o.runs);
+        cJSON_AddStringToObject(root, "gates", from_map ? "map statistics" : "fallback half-lives");
+        cJSON_AddStringToObject(root, "policy", stepq_pool_policy_name(policy));
+        cJSON_AddNumberToObject(root, "policy_slots", per);
+        cJSON_AddNumberToObject(root, "budget_bytes", budget);
+        cJSON *jv = cJSON_AddArrayToObject(root, "states");
+        for (int v = 0; v < 3; v++) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddStringToObject(e, "label", va[v].label);
+            cJSON_AddStringToObject(e, "method", stepq_method_name(stepq_map_method(va[v].map)));
+            cJSON_AddNumberToObject(e, "bits", stepq_map_budget_bits(va[v].map));
+            cJSON_AddNumberToObject(e, "state_bytes_per_request", (double)va[v].state_bytes);
+            cJSON_AddNumberToObject(e, "state_bytes_compact_per_request",
+                                    (double)va[v].plan.state_bytes_compact);
+            cJSON_AddNumberToObject(e, "conv_bytes_per_request", (double)va[v].plan.conv_bytes);
+            cJSON_AddNumberToObject(e, "slot_bytes", (double)va[v].plan.page_bytes);
+            cJSON_AddNumberToObject(e, "max_batch", va[v].max_batch);
+            cJSON_AddItemToArray(jv, e);
+        }
+        jb = cJSON_AddArrayToObject(root, "batches");
+    }
+    for (int i = 0; i < o.n_b; i++) {
+        const int B = o.batches[i];
+        const double fp32_tps = res[i][0].ran ? (double)B * o.tokens / res[i][0].median_s : 0;
+        cJSON *jr = NULL;
+        if (jb) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddNumberToObject(e, "batch", B);
+            jr = cJSON_AddArrayToObject(e, "rows");
+            cJSON_AddItemToArray(jb, e);
+        }
+        for (int v = 0; v < 3; v++) {
+            const struct result *r = &res[i][v];
+            const double tps = r->ran ? (double)B * o.tokens / r->median_s : 0;
+            const double state = (double)B * (double)va[v].state_bytes;
+            const double pool = ((double)per * B + 1) * (double)va[v].plan.page_bytes;
+            const int fits = B <= va[v].max_batch;
+            if (r->ran) {
+                char vs[16] = "-";
+                if (fp32_tps > 0)
+                    snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
+                tprintf("%6d  %-14s %12.1f %10.3f %8s %12.2f %12.2f %8s%s\n", B, va[v].label, tps,
+                        1e3 * r->median_s / o.tokens, vs, state / MIB, pool / GIB,
+                        fits ? "yes" : "no", r->health ? "  (health words set)" : "");
+            } else
+                tprintf("%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B, va[v].label,
+                        r->over == OVER_BUDGET   ? "over budget"
+                        : r->over == OVER_MEMORY ? "over memory"
+                                                 : "unsupported",
+                        "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
+            if (jr) {
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "label", va[v].label);
+                cJSON_AddBoolToObject(e, "ran", r->ran);
+                if (!r->ran)
+                    cJSON_AddStringToObject(e, "not_run",
+                                            r->over == OVER_BUDGET
+                                                ? "pool over --budget-gib"
+                                                : "pool over the machine's memory");
+                if (r->ran) {
+                    cJSON_AddNumberToObject(e, "tokens_per_s", tps);
+                    cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * r->median_s / o.tokens);
+                    cJSON_AddNumberToObject(e, "decode_s", r->median_s);
+                    cJSON *rs = cJSON_AddArrayToObject(e, "run_s");
+                    for (int k = 0; k < o.runs; k++)
+                        cJSON_AddItemToArray(rs, cJSON_CreateNumber(r->run_s[k]));
+                    cJSON_AddNumberToObject(e, "speedup_vs_fp32",
+                                            fp32_tps > 0 ? tps / fp32_tps : 0);
+                    cJSON_AddNumberToObject(e, "output_checksum", r->checksum);
+                    cJSON_AddNumberToObject(e, "health", r->health);
+                }
+                cJSON_AddNumberToObject(e, "transitions", (double)B * o.tokens);
+                cJSON_AddNumberToObject(e, "state_bytes", state);
+                cJSON_AddNumberToObject(e, "running_pool_bytes",
+                                        (double)(B + 1) * (double)va[v].plan.page_bytes);
+                cJSON_AddNumberToObject(e, "reserved_pool_bytes", pool);
+                cJSON_AddBoolToObject(e, "fits_budget", fits);
+                cJSON_AddItemToArray(jr, e);
+            }
+        }
+    }
+    tprintf("\ntokens/s = batch x generated tokens / decode time (the median run) over the %d "
+            "timed\nlayer(s); ms/step: one token of all of them. state MiB: batch x the state "
+            "of all %d\nlayers; pool GiB: (%d x batch + 1) slots; fits: within --budget-gib "
+            "%g.\n",
+            layers, sh.n_layers, per, o.budget_gib);
+    rc = 0;
+    if (root) {
+        char *text = cJSON_Print(root);
+        if (text)
+            fprintf(of.f, "%s\n", text);
+        else
+            rc = 1;
+        free(text);
+        cJSON_Delete(root);
+    }
+    if (stepq_tool_out_commit(&of, TOOL) < 0)
+        rc = 1;
+out:
+    dev_release(&d);
+#if STEPQ_HAVE_CUDA
+    if (d.stream)
+        cudaStreamDestroy((cudaStream_t)d.stream);
+#endif
+    inputs_free(&in);
+    free(res);
+    free(log_ret);
+    for (int v = 0; v < 3; v++)
+        stepq_map_close(va[v].map);
+    return rc;
+}
