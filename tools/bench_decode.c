@@ -26,7 +26,6 @@
  */
 #include <inttypes.h>
 #include <math.h>
-#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -322,9 +321,9 @@ struct inputs {
     size_t n_q, n_v, n_g, n_pat;
 };
 
-static void inputs_free(struct inputs *in)
+/* The per-batch part of the inputs: the token bank and the gates (remade for each batch). */
+static void inputs_free_batch(struct inputs *in, int layers)
 {
-    const int layers = in->layers;
     for (int i = 0; i < N_BANK; i++) {
         free(in->q[i]);
         free(in->k[i]);
@@ -333,6 +332,12 @@ static void inputs_free(struct inputs *in)
     }
     for (int l = 0; in->g && l < layers; l++)
         free(in->g[l]);
+}
+
+static void inputs_free(struct inputs *in)
+{
+    const int layers = in->layers;
+    inputs_free_batch(in, layers);
     for (int l = 0; in->pattern && l < layers; l++)
         free(in->pattern[l]);
     free(in->g);
@@ -378,14 +383,7 @@ static int inputs_make(struct inputs *in, const stepq_model_shape *sh, int tp, i
     const int upl = sh->arch == STEPQ_ARCH_KDA ? sh->num_v_heads * K : sh->num_v_heads;
     uint64_t seed = 0x7374657071ull + (uint64_t)B;
 
-    for (int i = 0; i < N_BANK; i++) {
-        free(in->q[i]);
-        free(in->k[i]);
-        free(in->v[i]);
-        free(in->beta[i]);
-    }
-    for (int l = 0; in->g && l < layers; l++)
-        free(in->g[l]);
+    inputs_free_batch(in, layers);
     in->B = B, in->H = H, in->HV = HV, in->K = K, in->V = V, in->gn = gn;
     in->n_q = (size_t)B * H * K;
     in->n_v = (size_t)B * HV * V;
@@ -938,19 +936,6 @@ out:
 /* The table goes to tout: the output, or nowhere with --json. */
 static FILE *tout;
 
-static void tprintf(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
-
-static void tprintf(const char *fmt, ...)
-{
-    va_list ap;
-
-    if (!tout)
-        return;
-    va_start(ap, fmt);
-    vfprintf(tout, fmt, ap);
-    va_end(ap);
-}
-
 /* The map of the target: a map file, or a preset's stepq@6 layout map. 0, or an exit status. */
 static int load_target(const char *target, stepq_map_t **map, int *is_preset)
 {
@@ -1244,46 +1229,58 @@ int stepq_tool_bench_decode(int argc, char **argv)
     for (int i = 0, n = 0; i < o.n_b; i++)
         n += snprintf(batches_txt + n, sizeof(batches_txt) - (size_t)n, "%s%d", i ? "," : "",
                       o.batches[i]);
-    tprintf("%-8s %s%s\n", is_preset ? "preset" : "map", o.target,
-            is_preset ? " (its stepq@6 layout map, as stepq mkmap makes it)" : "");
-    tprintf("%-8s %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d)\n", "model", model,
-            stepq_arch_name(sh.arch), sh.n_layers, sh.num_k_heads, sh.num_v_heads, sh.head_k_dim,
-            sh.head_v_dim);
-    tprintf("%-8s the recurrent-state path only: prefill pack, then per token every timed\n"
-            "%-8s layer's stepq_pool_decode_step; no attention, MLP, conv or sampling work\n",
-            "measures", "");
-    tprintf("%-8s %s (%s), %s\n", "backend", cuda ? "cuda" : "host", device,
-            !cuda     ? "CLOCK_MONOTONIC"
-            : o.graph ? "CUDA events, a CUDA graph per token"
-                      : "CUDA events");
-    tprintf("%-8s tp %d, rank %d: %d q/k + %d value heads\n", "heads", o.tp, o.rank, Hl, HVl);
-    tprintf("%-8s %s q, k, v, g, beta and o (as a server holds them), fp32 prompt states\n",
-            "tensors", stepq_dtype_name(o.dtype));
-    tprintf("%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
-            "%-8s %d warm-up + %d runs, median\n",
-            "run", reduced ? "REDUCED: " : "", layers, sh.n_layers, batches_txt, o.tokens, o.prompt,
-            "", o.warmup, o.runs);
+    stepq_tool_printf(tout, "%-8s %s%s\n", is_preset ? "preset" : "map", o.target,
+                      is_preset ? " (its stepq@6 layout map, as stepq mkmap makes it)" : "");
+    stepq_tool_printf(tout, "%-8s %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d)\n", "model",
+                      model, stepq_arch_name(sh.arch), sh.n_layers, sh.num_k_heads, sh.num_v_heads,
+                      sh.head_k_dim, sh.head_v_dim);
+    stepq_tool_printf(
+        tout,
+        "%-8s the recurrent-state path only: prefill pack, then per token every timed\n"
+        "%-8s layer's stepq_pool_decode_step; no attention, MLP, conv or sampling work\n",
+        "measures", "");
+    stepq_tool_printf(tout, "%-8s %s (%s), %s\n", "backend", cuda ? "cuda" : "host", device,
+                      !cuda     ? "CLOCK_MONOTONIC"
+                      : o.graph ? "CUDA events, a CUDA graph per token"
+                                : "CUDA events");
+    stepq_tool_printf(tout, "%-8s tp %d, rank %d: %d q/k + %d value heads\n", "heads", o.tp, o.rank,
+                      Hl, HVl);
+    stepq_tool_printf(
+        tout, "%-8s %s q, k, v, g, beta and o (as a server holds them), fp32 prompt states\n",
+        "tensors", stepq_dtype_name(o.dtype));
+    stepq_tool_printf(tout,
+                      "%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
+                      "%-8s %d warm-up + %d runs, median\n",
+                      "run", reduced ? "REDUCED: " : "", layers, sh.n_layers, batches_txt, o.tokens,
+                      o.prompt, "", o.warmup, o.runs);
     if (reduced && !cuda)
-        tprintf("%-8s the host default (seconds on 2 cores); the paper's protocol: --full\n"
-                "%-8s (hours on the host), or a CUDA build on a GPU (--backend cuda)\n",
-                "", "");
+        stepq_tool_printf(
+            tout,
+            "%-8s the host default (seconds on 2 cores); the paper's protocol: --full\n"
+            "%-8s (hours on the host), or a CUDA build on a GPU (--backend cuda)\n",
+            "", "");
     else if (reduced)
-        tprintf("%-8s the paper's protocol: every layer, --tokens %d\n", "", PAPER_TOKENS);
+        stepq_tool_printf(tout, "%-8s the paper's protocol: every layer, --tokens %d\n", "",
+                          PAPER_TOKENS);
     if (from_map)
-        tprintf("%-8s the map's per-unit log retention, +-50%% per request\n", "gates");
+        stepq_tool_printf(tout, "%-8s the map's per-unit log retention, +-50%% per request\n",
+                          "gates");
     else
-        tprintf("%-8s none in the map: half-lives log-uniform in [%g, %g] tokens per unit,\n"
-                "%-8s +-50%% per request\n",
-                "gates", HALF_LIFE_MIN, HALF_LIFE_MAX, "");
-    tprintf("\nmemory per request on rank %d (all %d layers) and the largest batch in "
-            "--budget-gib %g\nunder %s (%d slots per request + 1 sentinel):\n",
-            o.rank, sh.n_layers, o.budget_gib, stepq_pool_policy_name(policy), per);
-    tprintf("  %-14s %14s %12s %14s %10s\n", "state", "state B", "state MiB", "slot B",
-            "max batch");
+        stepq_tool_printf(
+            tout,
+            "%-8s none in the map: half-lives log-uniform in [%g, %g] tokens per unit,\n"
+            "%-8s +-50%% per request\n",
+            "gates", HALF_LIFE_MIN, HALF_LIFE_MAX, "");
+    stepq_tool_printf(tout,
+                      "\nmemory per request on rank %d (all %d layers) and the largest batch in "
+                      "--budget-gib %g\nunder %s (%d slots per request + 1 sentinel):\n",
+                      o.rank, sh.n_layers, o.budget_gib, stepq_pool_policy_name(policy), per);
+    stepq_tool_printf(tout, "  %-14s %14s %12s %14s %10s\n", "state", "state B", "state MiB",
+                      "slot B", "max batch");
     for (int v = 0; v < 3; v++)
-        tprintf("  %-14s %14" PRIu64 " %12.4f %14" PRIu64 " %10" PRId32 "\n", va[v].label,
-                va[v].state_bytes, (double)va[v].state_bytes / MIB, va[v].plan.page_bytes,
-                va[v].max_batch);
+        stepq_tool_printf(tout, "  %-14s %14" PRIu64 " %12.4f %14" PRIu64 " %10" PRId32 "\n",
+                          va[v].label, va[v].state_bytes, (double)va[v].state_bytes / MIB,
+                          va[v].plan.page_bytes, va[v].max_batch);
 
     /* The runs. */
     struct stepq_tool_progress prog;
@@ -1314,8 +1311,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     }
 
-    tprintf("\n%6s  %-14s %12s %10s %8s %12s %12s %8s\n", "batch", "state", "tokens/s", "ms/step",
-            "vs fp32", "state MiB", "pool GiB", "fits");
+    stepq_tool_printf(tout, "\n%6s  %-14s %12s %10s %8s %12s %12s %8s\n", "batch", "state",
+                      "tokens/s", "ms/step", "vs fp32", "state MiB", "pool GiB", "fits");
     cJSON *root = o.json ? cJSON_CreateObject() : NULL, *jb = NULL;
     if (root) {
         cJSON_AddStringToObject(root, "measures",
@@ -1380,15 +1377,17 @@ int stepq_tool_bench_decode(int argc, char **argv)
                 char vs[16] = "-";
                 if (fp32_tps > 0)
                     snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
-                tprintf("%6d  %-14s %12.1f %10.3f %8s %12.2f %12.2f %8s%s\n", B, va[v].label, tps,
-                        1e3 * r->median_s / o.tokens, vs, state / MIB, pool / GIB,
-                        fits ? "yes" : "no", r->health ? "  (health words set)" : "");
+                stepq_tool_printf(tout, "%6d  %-14s %12.1f %10.3f %8s %12.2f %12.2f %8s%s\n", B,
+                                  va[v].label, tps, 1e3 * r->median_s / o.tokens, vs, state / MIB,
+                                  pool / GIB, fits ? "yes" : "no",
+                                  r->health ? "  (health words set)" : "");
             } else
-                tprintf("%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B, va[v].label,
-                        r->over == OVER_BUDGET   ? "over budget"
-                        : r->over == OVER_MEMORY ? "over memory"
-                                                 : "unsupported",
-                        "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
+                stepq_tool_printf(tout, "%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B,
+                                  va[v].label,
+                                  r->over == OVER_BUDGET   ? "over budget"
+                                  : r->over == OVER_MEMORY ? "over memory"
+                                                           : "unsupported",
+                                  "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
             if (jr) {
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddStringToObject(e, "label", va[v].label);
@@ -1420,11 +1419,13 @@ int stepq_tool_bench_decode(int argc, char **argv)
             }
         }
     }
-    tprintf("\ntokens/s = batch x generated tokens / decode time (the median run) over the %d "
-            "timed\nlayer(s); ms/step: one token of all of them. state MiB: batch x the state "
-            "of all %d\nlayers; pool GiB: (%d x batch + 1) slots; fits: within --budget-gib "
-            "%g.\n",
-            layers, sh.n_layers, per, o.budget_gib);
+    stepq_tool_printf(
+        tout,
+        "\ntokens/s = batch x generated tokens / decode time (the median run) over the %d "
+        "timed\nlayer(s); ms/step: one token of all of them. state MiB: batch x the state "
+        "of all %d\nlayers; pool GiB: (%d x batch + 1) slots; fits: within --budget-gib "
+        "%g.\n",
+        layers, sh.n_layers, per, o.budget_gib);
     rc = 0;
     if (root) {
         char *text = cJSON_Print(root);
