@@ -722,7 +722,8 @@ struct side {
     uint8_t *pages;
     uint32_t *health;
     uint64_t page_bytes;
-    int32_t *ids; /* the slots without the -1 entries */
+    int32_t *ids;    /* the slots without the -1 entries */
+    int32_t *sorted; /* receiving: ids in ascending order */
     int32_t n;
 };
 
@@ -773,22 +774,18 @@ static int check_side(struct stepq_tp_comm *c, const stepq_tp_slots *s, int rece
                                 id);
         out->ids[out->n++] = id;
     }
-    if (receiving && out->n > 1) {
-        int32_t *sorted = malloc(sizeof(int32_t) * (size_t)out->n);
-
-        if (!sorted)
+    if (receiving) {
+        out->sorted = malloc(sizeof(int32_t) * ((size_t)out->n + 1));
+        if (!out->sorted)
             return stepq__error(STEPQ_ENOMEM, "%s: out of memory", fn);
-        memcpy(sorted, out->ids, sizeof(int32_t) * (size_t)out->n);
-        qsort(sorted, (size_t)out->n, sizeof(int32_t), cmp_i32);
+        memcpy(out->sorted, out->ids, sizeof(int32_t) * (size_t)out->n);
+        qsort(out->sorted, (size_t)out->n, sizeof(int32_t), cmp_i32);
         for (int32_t i = 1; i < out->n; i++)
-            if (sorted[i] == sorted[i - 1]) {
-                ret = sorted[i];
-                free(sorted);
+            if (out->sorted[i] == out->sorted[i - 1])
                 return stepq__error(STEPQ_EINVAL,
-                                    "%s: slot %d is listed twice (it would receive two pages)", fn,
-                                    ret);
-            }
-        free(sorted);
+                                    "%s: slot %" PRId32
+                                    " is listed twice (it would receive two pages)",
+                                    fn, out->sorted[i]);
     }
     return STEPQ_OK;
 }
@@ -824,137 +821,162 @@ static cudaError_t copy_health(uint32_t *health, const int32_t *ids, int32_t n, 
 }
 
 /*
- * The three phases of stepq/tp.h: headers, replies, then (where accepted)
- * health words and pages. snd / rcv may be NULL. *refused gets the
- * receiver's verdict (0, or the status it refused with) and *peer_refused
- * what the sender's peer replied.
+ * One exchange in its three phases (stepq/tp.h): headers, replies, then,
+ * where the receiver accepted, health words and pages. snd / rcv may be
+ * NULL. refused is the receiver's verdict (0, or the status it refused
+ * with; why its text), peer_refused what the sender's peer replied.
  */
-static int exchange(struct stepq_tp_comm *c, struct side *snd, struct side *rcv,
-                    cudaStream_t stream, uint64_t deadline, int *refused, char *refused_why,
-                    int *peer_refused)
+struct xfer {
+    struct stepq_tp_comm *c;
+    struct side *snd, *rcv;
+    cudaStream_t stream;
+    uint64_t deadline;
+    size_t health_recv; /* staging offset of the received health words */
+    int refused, peer_refused;
+    char why[STEPQ__ERRLEN];
+};
+
+/* 1: the sender's header (and its health words staged); the receiver reads its own. */
+static int xfer_headers(struct xfer *x)
 {
-    const size_t health_recv = ST_HEALTH + 4 * (size_t)(snd ? snd->n : 0);
-    const size_t need = health_recv + 4 * (size_t)(rcv ? rcv->n : 0);
+    struct stepq_tp_comm *c = x->c;
     ncclResult_t first = ncclSuccess;
-    stepq_tp_msg_header h = { 0 };
     cudaError_t e = cudaSuccess;
     int ret;
 
-    *refused = *peer_refused = 0;
-    if ((ret = staging(c, need)) < 0)
-        return ret;
-    if (snd) {
-        h.fingerprint = snd->s->page_fingerprint;
-        h.slot_count = (uint32_t)snd->n;
-        h.page_bytes = snd->page_bytes;
+    if (x->snd) {
+        stepq_tp_msg_header h = { 0 };
+
+        h.fingerprint = x->snd->s->page_fingerprint;
+        h.slot_count = (uint32_t)x->snd->n;
+        h.page_bytes = x->snd->page_bytes;
         if ((ret = stepq_tp_msg_encode(&h, c->host + ST_SEND_HDR, STEPQ_TP_MSG_HEADER_BYTES)) < 0)
             return ret;
         e = cudaMemcpyAsync(c->dev + ST_SEND_HDR, c->host + ST_SEND_HDR, STEPQ_TP_MSG_HEADER_BYTES,
-                            cudaMemcpyHostToDevice, stream);
+                            cudaMemcpyHostToDevice, x->stream);
         if (e == cudaSuccess)
-            e = copy_health(snd->health, snd->ids, snd->n, c->dev + ST_HEALTH, 1, stream);
+            e = copy_health(x->snd->health, x->snd->ids, x->snd->n, c->dev + ST_HEALTH, 1,
+                            x->stream);
         if (e != cudaSuccess)
             return cuda_fail(c, e, "stepq_tp_exchange_slots: staging the header");
     }
-
-    /* 1: headers. */
     (void)ncclGroupStart();
-    if (snd)
+    if (x->snd)
         keep(&first, ncclSend(c->dev + ST_SEND_HDR, STEPQ_TP_MSG_HEADER_BYTES, ncclUint8,
-                              snd->s->peer, c->nccl, stream));
-    if (rcv)
+                              x->snd->s->peer, c->nccl, x->stream));
+    if (x->rcv)
         keep(&first, ncclRecv(c->dev + ST_RECV_HDR, STEPQ_TP_MSG_HEADER_BYTES, ncclUint8,
-                              rcv->s->peer, c->nccl, stream));
-    if ((ret = group_end(c, first, deadline, "stepq_tp_exchange_slots: the header")) < 0)
+                              x->rcv->s->peer, c->nccl, x->stream));
+    if ((ret = group_end(c, first, x->deadline, "stepq_tp_exchange_slots: the header")) < 0)
         return ret;
-    if (rcv) {
-        e = cudaMemcpyAsync(c->host + ST_RECV_HDR, c->dev + ST_RECV_HDR, STEPQ_TP_MSG_HEADER_BYTES,
-                            cudaMemcpyDeviceToHost, stream);
-        if (e != cudaSuccess)
-            return cuda_fail(c, e, "stepq_tp_exchange_slots: reading the header");
-    }
-    if ((ret = wait_stream(c, stream, deadline, "stepq_tp_exchange_slots: the header")) < 0)
-        return ret;
+    if (x->rcv &&
+        (e = cudaMemcpyAsync(c->host + ST_RECV_HDR, c->dev + ST_RECV_HDR, STEPQ_TP_MSG_HEADER_BYTES,
+                             cudaMemcpyDeviceToHost, x->stream)) != cudaSuccess)
+        return cuda_fail(c, e, "stepq_tp_exchange_slots: reading the header");
+    return wait_stream(c, x->stream, x->deadline, "stepq_tp_exchange_slots: the header");
+}
 
-    /* 2: the receiver's verdict, before any page moves. */
-    if (rcv) {
+/* 2: the receiver judges the header and replies, before any page moves. */
+static int xfer_replies(struct xfer *x)
+{
+    struct stepq_tp_comm *c = x->c;
+    ncclResult_t first = ncclSuccess;
+    cudaError_t e;
+    int ret;
+
+    if (x->rcv) {
         stepq_tp_msg_header got;
         int v = stepq_tp_msg_decode(c->host + ST_RECV_HDR, STEPQ_TP_MSG_HEADER_BYTES,
-                                    rcv->s->page_fingerprint, rcv->page_bytes, &got);
+                                    x->rcv->s->page_fingerprint, x->rcv->page_bytes, &got);
 
-        if (v == STEPQ_OK && got.slot_count != (uint32_t)rcv->n)
+        if (v == STEPQ_OK && got.slot_count != (uint32_t)x->rcv->n)
             v = stepq__error(STEPQ_ESHAPE,
                              "page message: %" PRIu32 " pages, this receiver lists %" PRId32
                              " slots",
-                             got.slot_count, rcv->n);
+                             got.slot_count, x->rcv->n);
         if (v < 0) {
-            *refused = v;
-            snprintf(refused_why, STEPQ__ERRLEN, "%s", stepq_last_error());
+            x->refused = v;
+            snprintf(x->why, sizeof(x->why), "%s", stepq_last_error());
         }
         memcpy(c->host + ST_SEND_REPLY, REPLY_MAGIC, 4);
         put(c->host + ST_SEND_REPLY + 4, (uint64_t)(uint32_t)v, 4);
         e = cudaMemcpyAsync(c->dev + ST_SEND_REPLY, c->host + ST_SEND_REPLY, STEPQ_TP_REPLY_BYTES,
-                            cudaMemcpyHostToDevice, stream);
+                            cudaMemcpyHostToDevice, x->stream);
         if (e != cudaSuccess)
             return cuda_fail(c, e, "stepq_tp_exchange_slots: staging the reply");
     }
-    first = ncclSuccess;
     (void)ncclGroupStart();
-    if (rcv)
-        keep(&first, ncclSend(c->dev + ST_SEND_REPLY, STEPQ_TP_REPLY_BYTES, ncclUint8, rcv->s->peer,
-                              c->nccl, stream));
-    if (snd)
-        keep(&first, ncclRecv(c->dev + ST_RECV_REPLY, STEPQ_TP_REPLY_BYTES, ncclUint8, snd->s->peer,
-                              c->nccl, stream));
-    if ((ret = group_end(c, first, deadline, "stepq_tp_exchange_slots: the reply")) < 0)
+    if (x->rcv)
+        keep(&first, ncclSend(c->dev + ST_SEND_REPLY, STEPQ_TP_REPLY_BYTES, ncclUint8,
+                              x->rcv->s->peer, c->nccl, x->stream));
+    if (x->snd)
+        keep(&first, ncclRecv(c->dev + ST_RECV_REPLY, STEPQ_TP_REPLY_BYTES, ncclUint8,
+                              x->snd->s->peer, c->nccl, x->stream));
+    if ((ret = group_end(c, first, x->deadline, "stepq_tp_exchange_slots: the reply")) < 0)
         return ret;
-    if (snd) {
-        e = cudaMemcpyAsync(c->host + ST_RECV_REPLY, c->dev + ST_RECV_REPLY, STEPQ_TP_REPLY_BYTES,
-                            cudaMemcpyDeviceToHost, stream);
-        if (e != cudaSuccess)
-            return cuda_fail(c, e, "stepq_tp_exchange_slots: reading the reply");
-    }
-    if ((ret = wait_stream(c, stream, deadline, "stepq_tp_exchange_slots: the reply")) < 0)
+    if (x->snd &&
+        (e = cudaMemcpyAsync(c->host + ST_RECV_REPLY, c->dev + ST_RECV_REPLY, STEPQ_TP_REPLY_BYTES,
+                             cudaMemcpyDeviceToHost, x->stream)) != cudaSuccess)
+        return cuda_fail(c, e, "stepq_tp_exchange_slots: reading the reply");
+    if ((ret = wait_stream(c, x->stream, x->deadline, "stepq_tp_exchange_slots: the reply")) < 0)
         return ret;
-    if (snd) {
-        if (memcmp(c->host + ST_RECV_REPLY, REPLY_MAGIC, 4))
-            return stepq__error(STEPQ_EPARSE,
-                                "stepq_tp_exchange_slots: rank %d's reply is not \"%s\"",
-                                snd->s->peer, REPLY_MAGIC);
-        *peer_refused = (int)(int32_t)(uint32_t)get(c->host + ST_RECV_REPLY + 4, 4);
-        if (*peer_refused > 0)
-            return stepq__error(STEPQ_EPARSE,
-                                "stepq_tp_exchange_slots: rank %d replied %d, not a status",
-                                snd->s->peer, *peer_refused);
-    }
+    if (!x->snd)
+        return STEPQ_OK;
+    if (memcmp(c->host + ST_RECV_REPLY, REPLY_MAGIC, 4))
+        return stepq__error(STEPQ_EPARSE, "stepq_tp_exchange_slots: rank %d's reply is not \"%s\"",
+                            x->snd->s->peer, REPLY_MAGIC);
+    x->peer_refused = (int)(int32_t)(uint32_t)get(c->host + ST_RECV_REPLY + 4, 4);
+    if (x->peer_refused > 0)
+        return stepq__error(STEPQ_EPARSE,
+                            "stepq_tp_exchange_slots: rank %d replied %d, not a status",
+                            x->snd->s->peer, x->peer_refused);
+    return STEPQ_OK;
+}
 
-    /* 3: health words and pages, where the receiver accepted them. */
-    snd = snd && *peer_refused == 0 && snd->n > 0 ? snd : NULL;
-    rcv = rcv && *refused == 0 && rcv->n > 0 ? rcv : NULL;
+/* 3: health words and pages where the receiver accepted them, then the receiver's health. */
+static int xfer_pages(struct xfer *x)
+{
+    struct stepq_tp_comm *c = x->c;
+    const struct side *snd = x->snd && x->peer_refused == 0 && x->snd->n > 0 ? x->snd : NULL;
+    const struct side *rcv = x->rcv && x->refused == 0 && x->rcv->n > 0 ? x->rcv : NULL;
+    ncclResult_t first = ncclSuccess;
+    cudaError_t e;
+    int ret;
+
     if (!snd && !rcv)
         return STEPQ_OK;
-    first = ncclSuccess;
     (void)ncclGroupStart();
     if (snd) {
         keep(&first, ncclSend(c->dev + ST_HEALTH, 4 * (size_t)snd->n, ncclUint8, snd->s->peer,
-                              c->nccl, stream));
+                              c->nccl, x->stream));
         for (int32_t i = 0; i < snd->n; i++)
             keep(&first, ncclSend(snd->pages + (size_t)snd->ids[i] * snd->page_bytes,
-                                  snd->page_bytes, ncclUint8, snd->s->peer, c->nccl, stream));
+                                  snd->page_bytes, ncclUint8, snd->s->peer, c->nccl, x->stream));
     }
     if (rcv) {
-        keep(&first, ncclRecv(c->dev + health_recv, 4 * (size_t)rcv->n, ncclUint8, rcv->s->peer,
-                              c->nccl, stream));
+        keep(&first, ncclRecv(c->dev + x->health_recv, 4 * (size_t)rcv->n, ncclUint8, rcv->s->peer,
+                              c->nccl, x->stream));
         for (int32_t i = 0; i < rcv->n; i++)
             keep(&first, ncclRecv(rcv->pages + (size_t)rcv->ids[i] * rcv->page_bytes,
-                                  rcv->page_bytes, ncclUint8, rcv->s->peer, c->nccl, stream));
+                                  rcv->page_bytes, ncclUint8, rcv->s->peer, c->nccl, x->stream));
     }
-    if ((ret = group_end(c, first, deadline, "stepq_tp_exchange_slots: the pages")) < 0)
+    if ((ret = group_end(c, first, x->deadline, "stepq_tp_exchange_slots: the pages")) < 0)
         return ret;
-    if (rcv && (e = copy_health(rcv->health, rcv->ids, rcv->n, c->dev + health_recv, 0, stream)) !=
-                   cudaSuccess)
+    if (rcv && (e = copy_health(rcv->health, rcv->ids, rcv->n, c->dev + x->health_recv, 0,
+                                x->stream)) != cudaSuccess)
         return cuda_fail(c, e, "stepq_tp_exchange_slots: writing the health words");
-    return wait_stream(c, stream, deadline, "stepq_tp_exchange_slots: the pages");
+    return wait_stream(c, x->stream, x->deadline, "stepq_tp_exchange_slots: the pages");
+}
+
+static int exchange(struct xfer *x)
+{
+    int ret;
+
+    x->health_recv = ST_HEALTH + 4 * (size_t)(x->snd ? x->snd->n : 0);
+    if ((ret = staging(x->c, x->health_recv + 4 * (size_t)(x->rcv ? x->rcv->n : 0))) < 0 ||
+        (ret = xfer_headers(x)) < 0 || (ret = xfer_replies(x)) < 0)
+        return ret;
+    return xfer_pages(x);
 }
 
 int stepq_tp_exchange_slots(stepq_tp_comm_t *h, const stepq_tp_slots *send,
@@ -962,9 +984,9 @@ int stepq_tp_exchange_slots(stepq_tp_comm_t *h, const stepq_tp_slots *send,
 {
     static const char fn[] = "stepq_tp_exchange_slots";
     struct side snd = { 0 }, rcv = { 0 };
-    char why[STEPQ__ERRLEN];
+    struct xfer x;
     struct stepq_tp_comm *c;
-    int prev = 0, refused = 0, peer_refused = 0, ret;
+    int prev = 0, ret;
     uint64_t deadline;
 
     if ((ret = comm_get(h, fn, &c)) < 0)
@@ -975,24 +997,38 @@ int stepq_tp_exchange_slots(stepq_tp_comm_t *h, const stepq_tp_slots *send,
     if ((send && (ret = check_side(c, send, 0, &snd)) < 0) ||
         (recv && (ret = check_side(c, recv, 1, &rcv)) < 0))
         goto out_free;
+    /* A slot both sent and received would be read while it is written. */
+    for (int32_t i = 0; send && recv && send->pool == recv->pool && i < snd.n; i++)
+        if (bsearch(&snd.ids[i], rcv.sorted, (size_t)rcv.n, sizeof(int32_t), cmp_i32)) {
+            ret = stepq__error(STEPQ_EINVAL, "%s: slot %" PRId32 " is both sent and received", fn,
+                               snd.ids[i]);
+            goto out_free;
+        }
     if (!c->nccl) {
         ret = stepq__error(STEPQ_EINVAL, "%s: the communicator has no NCCL communicator", fn);
         goto out_free;
     }
     if ((ret = device_enter(c, &prev)) < 0)
         goto out_free;
-    ret = exchange(c, send ? &snd : NULL, recv ? &rcv : NULL, (cudaStream_t)stream, deadline,
-                   &refused, why, &peer_refused);
+    memset(&x, 0, sizeof(x));
+    x.c = c;
+    x.snd = send ? &snd : NULL;
+    x.rcv = recv ? &rcv : NULL;
+    x.stream = (cudaStream_t)stream;
+    x.deadline = deadline;
+    ret = exchange(&x);
     device_leave(c, prev);
-    if (ret >= 0 && refused < 0)
-        ret = stepq__error(refused, "%s: refused the pages of rank %d: %s", fn, recv->peer, why);
-    else if (ret >= 0 && peer_refused < 0)
-        ret = stepq__error(peer_refused,
+    if (ret >= 0 && x.refused < 0)
+        ret =
+            stepq__error(x.refused, "%s: refused the pages of rank %d: %s", fn, recv->peer, x.why);
+    else if (ret >= 0 && x.peer_refused < 0)
+        ret = stepq__error(x.peer_refused,
                            "%s: rank %d refused the %" PRId32 " pages: %s (its error says why)", fn,
-                           send->peer, snd.n, stepq_status_name(peer_refused));
+                           send->peer, snd.n, stepq_status_name(x.peer_refused));
 out_free:
     free(snd.ids);
     free(rcv.ids);
+    free(rcv.sorted);
     return ret;
 }
 

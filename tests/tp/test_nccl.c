@@ -296,6 +296,10 @@ static void a_mismatching_receiver_refuses_before_writing_a_page(void **state)
         assert_int_equal(stepq_tp_exchange_slots(comm, &snd, &rcv, NULL), STEPQ_ESHAPE);
         assert_true(has("1 pages, this receiver lists 2 slots"));
         assert_untouched(&a, idr, 3);
+        /* A slot both sent and received is refused before any NCCL call. */
+        rcv.slot_ids = ida;
+        assert_int_equal(stepq_tp_exchange_slots(comm, &snd, &rcv, NULL), STEPQ_EINVAL);
+        assert_true(has("is both sent and received"));
     }
     free(pattern);
     assert_int_equal(stepq_tp_comm_close(comm), STEPQ_OK);
