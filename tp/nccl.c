@@ -490,7 +490,9 @@ int stepq_tp_comm_close(stepq_tp_comm_t *h)
             ret = wait_ready(c, deadline, "stepq_tp_comm_close: ncclCommFinalize");
         else if (r != ncclSuccess)
             ret = nccl_fail(c, r, "stepq_tp_comm_close: ncclCommFinalize");
-        if (c->nccl && ret >= 0 && (r = ncclCommDestroy(c->nccl)) != ncclSuccess)
+        /* Finalized, the destroy only frees local resources (ncclInProgress is not a failure). */
+        if (c->nccl && ret >= 0 && (r = ncclCommDestroy(c->nccl)) != ncclSuccess &&
+            r != ncclInProgress)
             ret = nccl_fail(c, r, "stepq_tp_comm_close: ncclCommDestroy");
         c->nccl = NULL;
         device_leave(c, prev);
@@ -718,7 +720,8 @@ out_free:
 
 /* One side of an exchange, checked. */
 struct side {
-    const stepq_tp_slots *s;
+    stepq_tp_slots args;     /* the caller's, completed with the defaults */
+    const stepq_tp_slots *s; /* &args */
     uint8_t *pages;
     uint32_t *health;
     uint64_t page_bytes;
@@ -734,16 +737,22 @@ static int cmp_i32(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
-static int check_side(struct stepq_tp_comm *c, const stepq_tp_slots *s, int receiving,
+static int check_side(struct stepq_tp_comm *c, const stepq_tp_slots *user, int receiving,
                       struct side *out)
 {
+    static const stepq_tp_slots defaults = STEPQ_TP_SLOTS_INITIALIZER;
+    static const size_t ends[] = { STEPQ__FIELD_END(stepq_tp_slots, n) };
     const char *fn =
         receiving ? "stepq_tp_exchange_slots (recv)" : "stepq_tp_exchange_slots (send)";
+    const stepq_tp_slots *s = &out->args;
     uint64_t slots;
     int ret;
 
     memset(out, 0, sizeof(*out));
     out->s = s;
+    if ((ret = stepq__config_import(&out->args, &defaults, sizeof(out->args), user, ends,
+                                    STEPQ_TP_SLOTS_VERSION, "stepq_tp_slots")) < 0)
+        return ret;
     if (!s->pool)
         return stepq__error(STEPQ_EINVAL, "%s: pool is NULL", fn);
     if (s->peer < 0 || s->peer >= c->size)
@@ -998,7 +1007,7 @@ int stepq_tp_exchange_slots(stepq_tp_comm_t *h, const stepq_tp_slots *send,
         (recv && (ret = check_side(c, recv, 1, &rcv)) < 0))
         goto out_free;
     /* A slot both sent and received would be read while it is written. */
-    for (int32_t i = 0; send && recv && send->pool == recv->pool && i < snd.n; i++)
+    for (int32_t i = 0; send && recv && snd.s->pool == rcv.s->pool && i < snd.n; i++)
         if (bsearch(&snd.ids[i], rcv.sorted, (size_t)rcv.n, sizeof(int32_t), cmp_i32)) {
             ret = stepq__error(STEPQ_EINVAL, "%s: slot %" PRId32 " is both sent and received", fn,
                                snd.ids[i]);
@@ -1020,11 +1029,11 @@ int stepq_tp_exchange_slots(stepq_tp_comm_t *h, const stepq_tp_slots *send,
     device_leave(c, prev);
     if (ret >= 0 && x.refused < 0)
         ret =
-            stepq__error(x.refused, "%s: refused the pages of rank %d: %s", fn, recv->peer, x.why);
+            stepq__error(x.refused, "%s: refused the pages of rank %d: %s", fn, rcv.s->peer, x.why);
     else if (ret >= 0 && x.peer_refused < 0)
         ret = stepq__error(x.peer_refused,
                            "%s: rank %d refused the %" PRId32 " pages: %s (its error says why)", fn,
-                           send->peer, snd.n, stepq_status_name(x.peer_refused));
+                           snd.s->peer, snd.n, stepq_status_name(x.peer_refused));
 out_free:
     free(snd.ids);
     free(rcv.ids);
@@ -1085,15 +1094,25 @@ int stepq_tp_exchange_slots(stepq_tp_comm_t *comm, const stepq_tp_slots *send,
 int stepq_tp_send_slots(stepq_tp_comm_t *comm, stepq_pool_t *pool, uint64_t page_fingerprint,
                         int peer, const int32_t *slot_ids, int32_t n, void *stream)
 {
-    const stepq_tp_slots s = { pool, page_fingerprint, peer, slot_ids, n };
+    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
 
+    s.pool = pool;
+    s.page_fingerprint = page_fingerprint;
+    s.peer = peer;
+    s.slot_ids = slot_ids;
+    s.n = n;
     return stepq_tp_exchange_slots(comm, &s, NULL, stream);
 }
 
 int stepq_tp_recv_slots(stepq_tp_comm_t *comm, stepq_pool_t *pool, uint64_t page_fingerprint,
                         int peer, const int32_t *slot_ids, int32_t n, void *stream)
 {
-    const stepq_tp_slots s = { pool, page_fingerprint, peer, slot_ids, n };
+    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
 
+    s.pool = pool;
+    s.page_fingerprint = page_fingerprint;
+    s.peer = peer;
+    s.slot_ids = slot_ids;
+    s.n = n;
     return stepq_tp_exchange_slots(comm, NULL, &s, stream);
 }

@@ -47,6 +47,19 @@ static int has(const char *needle)
     return 0;
 }
 
+static stepq_tp_slots slots_of(stepq_pool_t *pool, uint64_t fp, int peer, const int32_t *ids,
+                               int32_t n)
+{
+    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
+
+    s.pool = pool;
+    s.page_fingerprint = fp;
+    s.peer = peer;
+    s.slot_ids = ids;
+    s.n = n;
+    return s;
+}
+
 static stepq_map_t *load(const char *rel)
 {
     char path[4096];
@@ -217,8 +230,8 @@ static void pages_and_health_words_move_to_another_pool(void **state)
         /* In the order 2, 0, 1 on the receiver, a -1 padding entry on each side. */
         const int32_t send_ids[4] = { ida[0], -1, ida[1], ida[2] };
         const int32_t recv_ids[4] = { idb[2], idb[0], -1, idb[1] };
-        const stepq_tp_slots snd = { a.pool, a.fp.page, 0, send_ids, 4 };
-        const stepq_tp_slots rcv = { b.pool, b.fp.page, 0, recv_ids, 4 };
+        const stepq_tp_slots snd = slots_of(a.pool, a.fp.page, 0, send_ids, 4);
+        const stepq_tp_slots rcv = slots_of(b.pool, b.fp.page, 0, recv_ids, 4);
         const int32_t order[3] = { idb[2], idb[0], idb[1] };
 
         if (stepq_tp_exchange_slots(comm, &snd, &rcv, NULL) != STEPQ_OK)
@@ -275,8 +288,8 @@ static void a_mismatching_receiver_refuses_before_writing_a_page(void **state)
     load_slots(&c, idc, 3, pattern, seven);
     load_slots(&a, idr, 3, pattern, seven);
     {
-        stepq_tp_slots snd = { a.pool, a.fp.page, 0, ida, 3 };
-        stepq_tp_slots rcv = { c.pool, c.fp.page, 0, idc, 3 };
+        stepq_tp_slots snd = slots_of(a.pool, a.fp.page, 0, ida, 3);
+        stepq_tp_slots rcv = slots_of(c.pool, c.fp.page, 0, idc, 3);
 
         /* Pages of another map. */
         assert_int_equal(stepq_tp_exchange_slots(comm, &snd, &rcv, NULL), STEPQ_ESHAPE);

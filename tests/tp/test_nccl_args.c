@@ -97,6 +97,19 @@ static void wrap_refuses_bad_arguments_before_nccl(void **state)
     assert_int_equal(stepq_tp_comm_wrap(&not_a_comm, 0, 1, NULL, NULL), STEPQ_EINVAL);
 }
 
+static stepq_tp_slots slots_of(stepq_pool_t *pool, uint64_t fp, int peer, const int32_t *ids,
+                               int32_t n)
+{
+    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
+
+    s.pool = pool;
+    s.page_fingerprint = fp;
+    s.peer = peer;
+    s.slot_ids = ids;
+    s.n = n;
+    return s;
+}
+
 static stepq_map_t *load(const char *rel)
 {
     char path[4096];
@@ -143,7 +156,7 @@ static void calls_refuse_bad_arguments_before_nccl(void **state)
     stepq_tp_comm_t *comm = NULL;
     stepq_pool_t *pool = NULL;
     const int32_t ids[2] = { 1, 2 };
-    stepq_tp_slots s = { NULL, 0, 0, ids, 2 };
+    stepq_tp_slots s = slots_of(NULL, 0, 0, ids, 2);
 
     cfg.map = map;
     cfg.num_slots = 4;
@@ -161,6 +174,10 @@ static void calls_refuse_bad_arguments_before_nccl(void **state)
     assert_true(has("both NULL"));
     assert_int_equal(stepq_tp_exchange_slots(comm, &s, NULL, NULL), STEPQ_EINVAL);
     assert_true(has("pool is NULL"));
+    s.magic = 0;
+    assert_int_equal(stepq_tp_exchange_slots(comm, NULL, &s, NULL), STEPQ_EVERSION);
+    assert_true(has("stepq_tp_slots"));
+    s.magic = STEPQ_CONFIG_MAGIC;
     s.pool = pool;
     s.peer = 2;
     assert_int_equal(stepq_tp_exchange_slots(comm, &s, NULL, NULL), STEPQ_EINVAL);

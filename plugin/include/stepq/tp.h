@@ -384,14 +384,33 @@ STEPQ_API int stepq_tp_check_pools(stepq_tp_comm_t *comm, const stepq_pool_confi
  * One side of a page transfer: slots of a pool and the rank at the other end.
  * -1 entries in slot_ids are padding, skipped; the others are allocated
  * slots (a receiving list may not repeat one). slot_ids is host memory.
+ * Initialise with STEPQ_TP_SLOTS_INITIALIZER, then set the fields.
  */
 typedef struct stepq_tp_slots {
+    size_t size;
+    unsigned magic;
+    unsigned version;
     stepq_pool_t *pool;        /**< an open pool of the CUDA backend on comm's device */
     uint64_t page_fingerprint; /**< stepq_tp_fingerprint() of the pool's config: .page */
     int peer;                  /**< the rank of comm at the other end (may be this rank) */
     const int32_t *slot_ids;   /**< [n] slot ids, host memory */
     int32_t n;
 } stepq_tp_slots;
+
+#define STEPQ_TP_SLOTS_VERSION 1
+/* clang-format off */
+#define STEPQ_TP_SLOTS_INITIALIZER         \
+    {                                      \
+        .size = sizeof(stepq_tp_slots),    \
+        .magic = STEPQ_CONFIG_MAGIC,       \
+        .version = STEPQ_TP_SLOTS_VERSION, \
+        .pool = NULL,                      \
+        .page_fingerprint = 0,             \
+        .peer = 0,                         \
+        .slot_ids = NULL,                  \
+        .n = 0,                            \
+    }
+/* clang-format on */
 
 /**
  * Moves the packed pages of slots between ranks of comm (request migration,
@@ -423,7 +442,8 @@ typedef struct stepq_tp_slots {
  *         receiver refused the header: stepq_tp_msg_decode()'s statuses,
  *         ESHAPE also for a slot count that is not the receiver's);
  *         STEPQ_EINVAL (NULL, peer out of range, a slot not allocated, a
- *         repeated receiving slot, the sentinel); STEPQ_ERANGE (a slot id
+ *         repeated receiving slot, a slot both sent and received, the
+ *         sentinel); STEPQ_EVERSION (a stepq_tp_slots header); STEPQ_ERANGE (a slot id
  *         out of range); STEPQ_ENOTSUP (a pool of the host backend);
  *         STEPQ_ETIMEDOUT; the mapped NCCL / CUDA errors; STEPQ_ENCCL
  *         (comm failed before). Argument errors return at once, before any
