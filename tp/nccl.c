@@ -520,13 +520,18 @@ static int pool_memory(struct stepq_tp_comm *c, stepq_pool_t *pool, const char *
     int count = 0, ret;
     cudaError_t e;
 
+    *pages = NULL;
+    *slots = 0;
     if ((ret = stepq_pool_buffer_infos(pool, b, 2, &count)) < 0 ||
         (ret = stepq_pool_health_words(pool, health)) < 0 ||
         (ret = stepq_pool_get_layout(pool, &l)) < 0)
         return stepq__error(ret, "%s: %s", fn, stepq_last_error());
-    *pages = b[0].ptr;
+    for (int i = 0; i < count; i++)
+        if (!strcmp(b[i].name, "pages")) {
+            *pages = b[i].ptr;
+            *slots = b[i].bytes / b[i].item_bytes - 1; /* the sentinel's page is not a slot */
+        }
     *page_bytes = l->page_bytes;
-    *slots = b[0].bytes / b[0].item_bytes - 1; /* the sentinel's page is not a slot */
     memset(&attr, 0, sizeof(attr));
     e = cudaPointerGetAttributes(&attr, *pages);
     if (e != cudaSuccess || attr.type != cudaMemoryTypeDevice) {

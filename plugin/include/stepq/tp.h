@@ -359,8 +359,9 @@ STEPQ_API int stepq_tp_comm_close(stepq_tp_comm_t *comm);
  * cfg), tp size and rank, page bytes and slot count, and compares every
  * rank's with rank 0's. Every rank gets the same result: STEPQ_OK, or the
  * same status and message naming the first rank that differs and what
- * differs ("rank 1's map differs from rank 0's ...", "... has 64 slots,
- * rank 0 has 80"). A rank whose own cfg and pool disagree (its cfg's page
+ * differs ("rank 1's map differs from rank 0's ...", "rank 1's pool has 64
+ * slots, rank 0's 80 ..."); the rank that differs is named, not blamed:
+ * rank 0 is the reference. A rank whose own cfg and pool disagree (its cfg's page
  * is not its pool's, its cfg's tp_rank / tp_size are not comm's) takes
  * part all the same with its error, which every rank then reports.
  *
@@ -371,9 +372,12 @@ STEPQ_API int stepq_tp_comm_close(stepq_tp_comm_t *comm);
  *             stepq_tp_plan()); its map must still be open; only read
  * @param pool an open pool of the CUDA backend, on comm's device
  * @return STEPQ_OK; STEPQ_ESHAPE (another map, tp split, rank, page geometry
- *         or slot count); STEPQ_EINVAL (NULL arguments, at once, without
- *         the collective: the other ranks then time out); STEPQ_ENOTSUP (a
- *         pool of the host backend, at once: NCCL moves device memory);
+ *         or slot count); STEPQ_EVERSION (another stepq version on a rank);
+ *         a rank's own failure to fingerprint its cfg (its status);
+ *         STEPQ_EINVAL (NULL arguments, a pool on another device than
+ *         comm's: at once, without the collective, so the other ranks then
+ *         time out); STEPQ_ENOTSUP (a pool of the host backend, at once:
+ *         NCCL moves device memory);
  *         STEPQ_ETIMEDOUT; the mapped NCCL / CUDA errors; STEPQ_ENCCL (comm
  *         failed before).
  */
