@@ -43,22 +43,8 @@ _Static_assert(sizeof(ncclUniqueId) == STEPQ_TP_ID_BYTES, "stepq_tp_id holds an 
  */
 #define POLL_NS 100000L
 
-/* The pool-check record of one rank: little-endian 64-bit words. */
-enum {
-    REC_TAG,     /* "SQCK" + record version */
-    REC_STATUS,  /* this rank's own check: 0 or a negative status */
-    REC_VERSION, /* STEPQ_VERSION_NUMBER */
-    REC_TP_SIZE, /* from cfg, as planned */
-    REC_TP_RANK, /* from cfg, as planned */
-    REC_MAP,     /* the three fingerprints of cfg */
-    REC_GROUP,
-    REC_PAGE,
-    REC_PAGE_BYTES, /* the pool's page */
-    REC_SLOTS,      /* the pool's usable slots */
-    REC_WORDS
-};
-#define REC_BYTES  (8 * REC_WORDS)
-#define REC_TAG_V1 0x314b435153ull /* "SQCK" "1" */
+/* The pool-check record (tp/nccl_internal.h) travels as little-endian words. */
+#define REC_BYTES (8 * STEPQ__TP_REC_WORDS)
 
 /* The receiver's reply in an exchange: "SQAK", then its status (int32 LE). */
 #define REPLY_MAGIC "SQAK"
@@ -573,22 +559,22 @@ static void own_record(struct stepq_tp_comm *c, const stepq_pool_config *cfg, ui
     int ret;
 
     memset(w, 0, REC_BYTES);
-    w[REC_TAG] = REC_TAG_V1;
-    w[REC_VERSION] = STEPQ_VERSION_NUMBER;
-    w[REC_PAGE_BYTES] = page_bytes;
+    w[STEPQ__TP_REC_TAG] = STEPQ__TP_REC_TAG_V1;
+    w[STEPQ__TP_REC_VERSION] = STEPQ_VERSION_NUMBER;
+    w[STEPQ__TP_REC_PAGE_BYTES] = page_bytes;
     why[0] = 0;
-    w[REC_SLOTS] = slots;
+    w[STEPQ__TP_REC_SLOTS] = slots;
     if ((ret = stepq_tp_fingerprint(cfg, &fp, sizeof(fp))) < 0 ||
         (ret = stepq_tp_plan(cfg, &plan, sizeof(plan))) < 0) {
         snprintf(why, STEPQ__ERRLEN, "%s", stepq_last_error());
-        w[REC_STATUS] = (uint64_t)(int64_t)ret;
+        w[STEPQ__TP_REC_STATUS] = (uint64_t)(int64_t)ret;
         return;
     }
-    w[REC_TP_SIZE] = (uint64_t)plan.tp_size;
-    w[REC_TP_RANK] = (uint64_t)plan.tp_rank;
-    w[REC_MAP] = fp.map;
-    w[REC_GROUP] = fp.group;
-    w[REC_PAGE] = fp.page;
+    w[STEPQ__TP_REC_TP_SIZE] = (uint64_t)plan.tp_size;
+    w[STEPQ__TP_REC_TP_RANK] = (uint64_t)plan.tp_rank;
+    w[STEPQ__TP_REC_MAP] = fp.map;
+    w[STEPQ__TP_REC_GROUP] = fp.group;
+    w[STEPQ__TP_REC_PAGE] = fp.page;
     if (plan.tp_size != c->size || plan.tp_rank != c->rank)
         ret = snprintf(why, STEPQ__ERRLEN,
                        "its stepq_pool_config is tp_rank %d of tp_size %d, its communicator "
@@ -603,60 +589,60 @@ static void own_record(struct stepq_tp_comm *c, const stepq_pool_config *cfg, ui
     else
         ret = 0;
     if (ret)
-        w[REC_STATUS] = (uint64_t)(int64_t)STEPQ_ESHAPE;
+        w[STEPQ__TP_REC_STATUS] = (uint64_t)(int64_t)STEPQ_ESHAPE;
 }
 
-/* The same verdict on every rank, from the gathered records (rec: size x REC_WORDS). */
-static int judge(struct stepq_tp_comm *c, const uint64_t *rec, const char *own_why)
+/* Every rank judges the same records alike: rank 0 is the reference. */
+int stepq__tp_pool_verdict(const uint64_t *rec, int size, int me, const char *own_why)
 {
     static const char fn[] = "stepq_tp_check_pools";
     const uint64_t *r0 = rec;
 
-    for (int k = 0; k < c->size; k++) {
-        const uint64_t *w = rec + (size_t)k * REC_WORDS;
-        const int st = (int)(int64_t)w[REC_STATUS];
+    for (int k = 0; k < size; k++) {
+        const uint64_t *w = rec + (size_t)k * STEPQ__TP_REC_WORDS;
+        const int st = (int)(int64_t)w[STEPQ__TP_REC_STATUS];
 
-        if (w[REC_TAG] != REC_TAG_V1)
+        if (w[STEPQ__TP_REC_TAG] != STEPQ__TP_REC_TAG_V1)
             return stepq__error(STEPQ_EVERSION,
                                 "%s: rank %d sent a record tagged %016" PRIx64
                                 " (another stepq build?)",
-                                fn, k, w[REC_TAG]);
+                                fn, k, w[STEPQ__TP_REC_TAG]);
         if (st < 0)
             return stepq__error(st, "%s: rank %d cannot take part: %s: %s", fn, k,
                                 stepq_status_name(st),
-                                k == c->rank ? own_why : "its own error says why");
+                                k == me ? own_why : "its own error says why");
     }
-    for (int k = 1; k < c->size; k++) {
-        const uint64_t *w = rec + (size_t)k * REC_WORDS;
+    for (int k = 1; k < size; k++) {
+        const uint64_t *w = rec + (size_t)k * STEPQ__TP_REC_WORDS;
 
-        if (w[REC_VERSION] != r0[REC_VERSION])
+        if (w[STEPQ__TP_REC_VERSION] != r0[STEPQ__TP_REC_VERSION])
             return stepq__error(STEPQ_EVERSION,
                                 "%s: rank %d runs stepq version %" PRIu64 ", rank 0 %" PRIu64, fn,
-                                k, w[REC_VERSION], r0[REC_VERSION]);
-        if (w[REC_MAP] != r0[REC_MAP])
+                                k, w[STEPQ__TP_REC_VERSION], r0[STEPQ__TP_REC_VERSION]);
+        if (w[STEPQ__TP_REC_MAP] != r0[STEPQ__TP_REC_MAP])
             return stepq__error(STEPQ_ESHAPE,
                                 "%s: rank %d's map differs from rank 0's (map fingerprint "
                                 "%016" PRIx64 ", rank 0 %016" PRIx64 ")",
-                                fn, k, w[REC_MAP], r0[REC_MAP]);
-        if (w[REC_TP_SIZE] != r0[REC_TP_SIZE])
+                                fn, k, w[STEPQ__TP_REC_MAP], r0[STEPQ__TP_REC_MAP]);
+        if (w[STEPQ__TP_REC_TP_SIZE] != r0[STEPQ__TP_REC_TP_SIZE])
             return stepq__error(STEPQ_ESHAPE,
                                 "%s: rank %d has tp_size %" PRIu64 ", rank 0 %" PRIu64, fn, k,
-                                w[REC_TP_SIZE], r0[REC_TP_SIZE]);
-        if (w[REC_GROUP] != r0[REC_GROUP])
+                                w[STEPQ__TP_REC_TP_SIZE], r0[STEPQ__TP_REC_TP_SIZE]);
+        if (w[STEPQ__TP_REC_GROUP] != r0[STEPQ__TP_REC_GROUP])
             return stepq__error(STEPQ_ESHAPE,
                                 "%s: rank %d's page layout differs from rank 0's with the same map "
                                 "and tp_size (another page_align, block_align or min_page_bytes: "
                                 "group fingerprint %016" PRIx64 ", rank 0 %016" PRIx64 ")",
-                                fn, k, w[REC_GROUP], r0[REC_GROUP]);
-        if (w[REC_PAGE_BYTES] != r0[REC_PAGE_BYTES])
+                                fn, k, w[STEPQ__TP_REC_GROUP], r0[STEPQ__TP_REC_GROUP]);
+        if (w[STEPQ__TP_REC_PAGE_BYTES] != r0[STEPQ__TP_REC_PAGE_BYTES])
             return stepq__error(STEPQ_ESHAPE,
                                 "%s: rank %d's pages are %" PRIu64 " B, rank 0's %" PRIu64 " B", fn,
-                                k, w[REC_PAGE_BYTES], r0[REC_PAGE_BYTES]);
-        if (w[REC_SLOTS] != r0[REC_SLOTS])
+                                k, w[STEPQ__TP_REC_PAGE_BYTES], r0[STEPQ__TP_REC_PAGE_BYTES]);
+        if (w[STEPQ__TP_REC_SLOTS] != r0[STEPQ__TP_REC_SLOTS])
             return stepq__error(STEPQ_ESHAPE,
                                 "%s: rank %d's pool has %" PRIu64 " slots, rank 0's %" PRIu64
                                 " (size every rank's pool alike, so slot ids agree)",
-                                fn, k, w[REC_SLOTS], r0[REC_SLOTS]);
+                                fn, k, w[STEPQ__TP_REC_SLOTS], r0[STEPQ__TP_REC_SLOTS]);
     }
     return STEPQ_OK;
 }
@@ -667,7 +653,7 @@ int stepq_tp_check_pools(stepq_tp_comm_t *h, const stepq_pool_config *cfg, stepq
     static const char fn[] = "stepq_tp_check_pools";
     const cudaStream_t stream = stream_;
     struct stepq_tp_comm *c;
-    uint64_t w[REC_WORDS], *rec = NULL, page_bytes = 0, slots = 0, deadline;
+    uint64_t w[STEPQ__TP_REC_WORDS], *rec = NULL, page_bytes = 0, slots = 0, deadline;
     char why[STEPQ__ERRLEN];
     uint8_t *pages;
     uint32_t *health;
@@ -692,7 +678,7 @@ int stepq_tp_check_pools(stepq_tp_comm_t *h, const stepq_pool_config *cfg, stepq
         goto out_free;
     if ((ret = staging(c, REC_BYTES * ((size_t)c->size + 1))) < 0)
         goto out;
-    for (int i = 0; i < REC_WORDS; i++)
+    for (int i = 0; i < STEPQ__TP_REC_WORDS; i++)
         put(c->host + 8 * i, w[i], 8);
     e = cudaMemcpyAsync(c->dev, c->host, REC_BYTES, cudaMemcpyHostToDevice, stream);
     if (e != cudaSuccess) {
@@ -711,9 +697,9 @@ int stepq_tp_check_pools(stepq_tp_comm_t *h, const stepq_pool_config *cfg, stepq
     }
     if ((ret = wait_stream(c, stream, deadline, "stepq_tp_check_pools: the all-gather")) < 0)
         goto out;
-    for (size_t i = 0; i < (size_t)c->size * REC_WORDS; i++)
+    for (size_t i = 0; i < (size_t)c->size * STEPQ__TP_REC_WORDS; i++)
         rec[i] = get(c->host + REC_BYTES + 8 * i, 8);
-    ret = judge(c, rec, why);
+    ret = stepq__tp_pool_verdict(rec, c->size, c->rank, why);
 out:
     device_leave(c, prev);
 out_free:

@@ -1,8 +1,10 @@
 /*
  * The NCCL transport on the CPU: what it refuses before any NCCL call
  * (NULL arguments, ranks out of range, a bad config header, a pool of the
- * host backend, a closed handle) and the one mapping of NCCL results to
- * statuses; in a build without NCCL, that every entry says so. No GPU is
+ * host backend, a closed handle), the one mapping of NCCL results to
+ * statuses and the pool check's verdict on gathered records (the same on
+ * every rank, naming the first rank that differs); in a build without
+ * NCCL, that every entry says so. No GPU is
  * needed: a communicator without an NCCL communicator behind it stands in
  * for a real one (tp/nccl_internal.h). argv[1]: the repository root.
  */
@@ -205,6 +207,104 @@ static void calls_refuse_bad_arguments_before_nccl(void **state)
     stepq_map_close(map);
 }
 
+/* Records of size ranks that agree: tp_size ranks of one map, 80 slots each. */
+static void agreeing(uint64_t *rec, int size)
+{
+    for (int k = 0; k < size; k++) {
+        uint64_t *w = rec + (size_t)k * STEPQ__TP_REC_WORDS;
+
+        memset(w, 0, 8 * STEPQ__TP_REC_WORDS);
+        w[STEPQ__TP_REC_TAG] = STEPQ__TP_REC_TAG_V1;
+        w[STEPQ__TP_REC_VERSION] = stepq_version();
+        w[STEPQ__TP_REC_TP_SIZE] = (uint64_t)size;
+        w[STEPQ__TP_REC_TP_RANK] = (uint64_t)k;
+        w[STEPQ__TP_REC_MAP] = 0x1111;
+        w[STEPQ__TP_REC_GROUP] = 0x2222;
+        w[STEPQ__TP_REC_PAGE] = 0x3333 + (uint64_t)k;
+        w[STEPQ__TP_REC_PAGE_BYTES] = 4096;
+        w[STEPQ__TP_REC_SLOTS] = 80;
+    }
+}
+
+/* The verdict on every rank me of size: the same status and text (returned). */
+static int verdict_everywhere(const uint64_t *rec, int size, char *text, size_t cap)
+{
+    int first = 0;
+
+    for (int me = 0; me < size; me++) {
+        const int st = stepq__tp_pool_verdict(rec, size, me, "own reason");
+
+        if (me == 0) {
+            first = st;
+            snprintf(text, cap, "%s", st < 0 ? stepq_last_error() : "");
+        } else {
+            assert_int_equal(st, first);
+            if (st < 0)
+                assert_string_equal(stepq_last_error(), text);
+        }
+    }
+    return first;
+}
+
+static void every_rank_gives_the_same_verdict_naming_the_first_rank_that_differs(void **state)
+{
+    uint64_t rec[3 * STEPQ__TP_REC_WORDS];
+    char text[512];
+
+    agreeing(rec, 3);
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_OK);
+
+    rec[2 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_MAP] = 0x9999;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_ESHAPE);
+    assert_non_null(strstr(text, "rank 2's map differs from rank 0's"));
+    /* Rank 1 differs too, in its slots: it is the first, and named. */
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_SLOTS] = 64;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_ESHAPE);
+    assert_non_null(strstr(text, "rank 1's pool has 64 slots, rank 0's 80"));
+
+    agreeing(rec, 3);
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_TP_SIZE] = 4;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_ESHAPE);
+    assert_non_null(strstr(text, "rank 1 has tp_size 4, rank 0 3"));
+
+    agreeing(rec, 3);
+    rec[2 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_GROUP] = 0x2223;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_ESHAPE);
+    assert_non_null(strstr(text, "rank 2's page layout differs from rank 0's"));
+
+    agreeing(rec, 3);
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_PAGE_BYTES] = 8192;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_ESHAPE);
+    assert_non_null(strstr(text, "rank 1's pages are 8192 B, rank 0's 4096 B"));
+
+    agreeing(rec, 3);
+    rec[2 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_VERSION] += 1;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_EVERSION);
+    assert_non_null(strstr(text, "rank 2 runs stepq version"));
+
+    agreeing(rec, 3);
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_TAG] = 0;
+    assert_int_equal(verdict_everywhere(rec, 3, text, sizeof(text)), STEPQ_EVERSION);
+    assert_non_null(strstr(text, "rank 1 sent a record tagged"));
+}
+
+static void a_rank_that_cannot_take_part_fails_every_rank(void **state)
+{
+    uint64_t rec[2 * STEPQ__TP_REC_WORDS];
+
+    agreeing(rec, 2);
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_STATUS] = (uint64_t)(int64_t)STEPQ_ESHAPE;
+    /* Its numbers are not compared: its own failure is the verdict. */
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_MAP] = 0;
+    assert_int_equal(stepq__tp_pool_verdict(rec, 2, 0, "own reason"), STEPQ_ESHAPE);
+    assert_true(has("rank 1 cannot take part: STEPQ_ESHAPE: its own error says why"));
+    /* The rank itself says why. */
+    assert_int_equal(stepq__tp_pool_verdict(rec, 2, 1, "own reason"), STEPQ_ESHAPE);
+    assert_true(has("rank 1 cannot take part: STEPQ_ESHAPE: own reason"));
+    rec[1 * STEPQ__TP_REC_WORDS + STEPQ__TP_REC_STATUS] = (uint64_t)(int64_t)STEPQ_EVERSION;
+    assert_int_equal(stepq__tp_pool_verdict(rec, 2, 0, "own reason"), STEPQ_EVERSION);
+}
+
 #else /* !STEPQ_HAVE_NCCL */
 
 static void every_entry_says_nccl_is_not_built(void **state)
@@ -244,6 +344,8 @@ int main(int argc, char **argv)
         cmocka_unit_test(wrap_refuses_bad_arguments_before_nccl),
         cmocka_unit_test(a_pool_of_the_host_backend_is_refused),
         cmocka_unit_test(calls_refuse_bad_arguments_before_nccl),
+        cmocka_unit_test(every_rank_gives_the_same_verdict_naming_the_first_rank_that_differs),
+        cmocka_unit_test(a_rank_that_cannot_take_part_fails_every_rank),
 #else
         cmocka_unit_test(every_entry_says_nccl_is_not_built),
 #endif
