@@ -21,6 +21,7 @@
 enum stepq__handle_kind {
     STEPQ__HANDLE_POOL = 1,
     STEPQ__HANDLE_MAP = 2,
+    STEPQ__HANDLE_TP_COMM = 3,
 };
 
 /*

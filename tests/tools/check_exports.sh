@@ -15,7 +15,9 @@ fi
 for s in stepq_strerror stepq_map_load_file stepq_pool_open stepq_pool_decode_step \
     stepq_pool_prefill_pack stepq_pool_prefill_unpack stepq_pool_supports stepq_pool_conv_state \
     stepq_plugin_get stepq_set_logger \
-    stepq_tp_shard stepq_map_shard stepq_tp_plan stepq_tp_fingerprint stepq_tp_msg_decode; do
+    stepq_tp_shard stepq_map_shard stepq_tp_plan stepq_tp_fingerprint stepq_tp_msg_decode \
+    stepq_tp_comm_init stepq_tp_comm_wrap stepq_tp_check_pools stepq_tp_exchange_slots \
+    stepq_tp_send_slots stepq_tp_recv_slots; do
     printf '%s\n' "$syms" | grep -qx "$s" || { echo "FAIL: $s is not exported"; exit 1; }
 done
 echo "ok: $n public symbols exported, all stepq_*"

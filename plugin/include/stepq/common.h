@@ -60,6 +60,7 @@ extern "C" {
     XX(ECUDA, -1007, "CUDA runtime error")                               \
     XX(ENCCL, -1008, "NCCL error")                                       \
     XX(ENODEV, -19, "no CUDA device available")                          \
+    XX(ETIMEDOUT, -110, "timed out (a peer did not answer in time)")     \
     XX(EINTERNAL, -1009, "internal error (a bug in stepq; please report it)")
 
 /** Status codes returned by every stepq function. 0 is success; errors are negative. */
