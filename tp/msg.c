@@ -11,6 +11,7 @@
 #include "plugin/err.h"
 #include "plugin/hash.h"
 #include "stepq/tp.h"
+#include "tp/le.h"
 
 /* Byte offsets of the fields. */
 enum {
@@ -24,21 +25,6 @@ enum {
     OFF_PAYLOAD_BYTES = 32,
     OFF_CHECKSUM = 40,
 };
-
-static void put(uint8_t *p, uint64_t v, int n)
-{
-    for (int i = 0; i < n; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint64_t get(const uint8_t *p, int n)
-{
-    uint64_t v = 0;
-
-    for (int i = 0; i < n; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
 
 static uint64_t checksum(const uint8_t *hdr)
 {
@@ -67,14 +53,14 @@ int stepq_tp_msg_encode(const stepq_tp_msg_header *h, void *buf, size_t cap)
                             " B is more than 2^64 bytes",
                             h->slot_count, h->page_bytes);
     memcpy(b + OFF_MAGIC, STEPQ_TP_MSG_MAGIC, 4);
-    put(b + OFF_VERSION, STEPQ_TP_MSG_VERSION, 2);
-    put(b + OFF_HEADER_BYTES, STEPQ_TP_MSG_HEADER_BYTES, 2);
-    put(b + OFF_FINGERPRINT, h->fingerprint, 8);
-    put(b + OFF_SLOTS, h->slot_count, 4);
-    put(b + OFF_RESERVED, 0, 4);
-    put(b + OFF_PAGE_BYTES, h->page_bytes, 8);
-    put(b + OFF_PAYLOAD_BYTES, payload, 8);
-    put(b + OFF_CHECKSUM, checksum(b), 8);
+    stepq__le_put(b + OFF_VERSION, STEPQ_TP_MSG_VERSION, 2);
+    stepq__le_put(b + OFF_HEADER_BYTES, STEPQ_TP_MSG_HEADER_BYTES, 2);
+    stepq__le_put(b + OFF_FINGERPRINT, h->fingerprint, 8);
+    stepq__le_put(b + OFF_SLOTS, h->slot_count, 4);
+    stepq__le_put(b + OFF_RESERVED, 0, 4);
+    stepq__le_put(b + OFF_PAGE_BYTES, h->page_bytes, 8);
+    stepq__le_put(b + OFF_PAYLOAD_BYTES, payload, 8);
+    stepq__le_put(b + OFF_CHECKSUM, checksum(b), 8);
     memcpy(buf, b, sizeof(b));
     return STEPQ_OK;
 }
@@ -98,29 +84,29 @@ int stepq_tp_msg_decode(const void *buf, size_t len, uint64_t want_fingerprint,
                             "page message: magic %02x %02x %02x %02x is not \"%s\" (not a stepq "
                             "page message)",
                             b[0], b[1], b[2], b[3], STEPQ_TP_MSG_MAGIC);
-    version = get(b + OFF_VERSION, 2);
+    version = stepq__le_get(b + OFF_VERSION, 2);
     if (version != STEPQ_TP_MSG_VERSION)
         return stepq__error(STEPQ_EVERSION,
                             "page message: version %" PRIu64 ", this library reads version %d",
                             version, STEPQ_TP_MSG_VERSION);
-    hdr_bytes = get(b + OFF_HEADER_BYTES, 2);
+    hdr_bytes = stepq__le_get(b + OFF_HEADER_BYTES, 2);
     if (hdr_bytes != STEPQ_TP_MSG_HEADER_BYTES)
         return stepq__error(STEPQ_EPARSE,
                             "page message: header of %" PRIu64 " bytes, version %d's is %d",
                             hdr_bytes, STEPQ_TP_MSG_VERSION, STEPQ_TP_MSG_HEADER_BYTES);
-    sum = get(b + OFF_CHECKSUM, 8);
+    sum = stepq__le_get(b + OFF_CHECKSUM, 8);
     if (sum != checksum(b))
         return stepq__error(STEPQ_EPARSE,
                             "page message: header checksum %016" PRIx64 " is not %016" PRIx64
                             " (corrupted header)",
                             sum, checksum(b));
-    if (get(b + OFF_RESERVED, 4))
+    if (stepq__le_get(b + OFF_RESERVED, 4))
         return stepq__error(STEPQ_EPARSE, "page message: reserved word %08" PRIx64 " is not 0",
-                            get(b + OFF_RESERVED, 4));
-    h.fingerprint = get(b + OFF_FINGERPRINT, 8);
-    h.slot_count = (uint32_t)get(b + OFF_SLOTS, 4);
-    h.page_bytes = get(b + OFF_PAGE_BYTES, 8);
-    payload = get(b + OFF_PAYLOAD_BYTES, 8);
+                            stepq__le_get(b + OFF_RESERVED, 4));
+    h.fingerprint = stepq__le_get(b + OFF_FINGERPRINT, 8);
+    h.slot_count = (uint32_t)stepq__le_get(b + OFF_SLOTS, 4);
+    h.page_bytes = stepq__le_get(b + OFF_PAGE_BYTES, 8);
+    payload = stepq__le_get(b + OFF_PAYLOAD_BYTES, 8);
     if (h.page_bytes == 0)
         return stepq__error(STEPQ_EPARSE, "page message: page bytes 0");
     if (h.slot_count > INT32_MAX)

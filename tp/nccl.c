@@ -33,6 +33,7 @@
 #include "plugin/cuda_err.h"
 #include "plugin/handle.h"
 #include "tp/nccl_internal.h"
+#include "tp/le.h"
 
 _Static_assert(sizeof(ncclUniqueId) == STEPQ_TP_ID_BYTES, "stepq_tp_id holds an ncclUniqueId");
 
@@ -535,21 +536,6 @@ static int pool_memory(struct stepq_tp_comm *c, stepq_pool_t *pool, const char *
     return STEPQ_OK;
 }
 
-static void put(uint8_t *p, uint64_t v, int n)
-{
-    for (int i = 0; i < n; i++)
-        p[i] = (uint8_t)(v >> (8 * i));
-}
-
-static uint64_t get(const uint8_t *p, int n)
-{
-    uint64_t v = 0;
-
-    for (int i = 0; i < n; i++)
-        v |= (uint64_t)p[i] << (8 * i);
-    return v;
-}
-
 /* This rank's record: what it checked about its own cfg and pool, then its numbers. */
 static void own_record(struct stepq_tp_comm *c, const stepq_pool_config *cfg, uint64_t page_bytes,
                        uint64_t slots, uint64_t *w, char *why)
@@ -679,7 +665,7 @@ int stepq_tp_check_pools(stepq_tp_comm_t *h, const stepq_pool_config *cfg, stepq
     if ((ret = staging(c, REC_BYTES * ((size_t)c->size + 1))) < 0)
         goto out;
     for (int i = 0; i < STEPQ__TP_REC_WORDS; i++)
-        put(c->host + 8 * i, w[i], 8);
+        stepq__le_put(c->host + 8 * i, w[i], 8);
     e = cudaMemcpyAsync(c->dev, c->host, REC_BYTES, cudaMemcpyHostToDevice, stream);
     if (e != cudaSuccess) {
         ret = cuda_fail(c, e, "stepq_tp_check_pools: cudaMemcpyAsync(record)");
@@ -698,7 +684,7 @@ int stepq_tp_check_pools(stepq_tp_comm_t *h, const stepq_pool_config *cfg, stepq
     if ((ret = wait_stream(c, stream, deadline, "stepq_tp_check_pools: the all-gather")) < 0)
         goto out;
     for (size_t i = 0; i < (size_t)c->size * STEPQ__TP_REC_WORDS; i++)
-        rec[i] = get(c->host + REC_BYTES + 8 * i, 8);
+        rec[i] = stepq__le_get(c->host + REC_BYTES + 8 * i, 8);
     ret = stepq__tp_pool_verdict(rec, c->size, c->rank, why);
 out:
     device_leave(c, prev);
@@ -836,52 +822,63 @@ struct xfer {
     char why[STEPQ__ERRLEN];
 };
 
+/*
+ * One small message each way on the stream, through the staging buffers: host bytes at
+ * send_off go to send_peer and recv_peer's arrive at recv_off on the host (a peer < 0:
+ * that direction is not used). The phases before any page moves are made of these.
+ */
+static int swap_small(struct xfer *x, size_t send_off, int send_peer, size_t recv_off,
+                      int recv_peer, size_t bytes, const char *what)
+{
+    struct stepq_tp_comm *c = x->c;
+    ncclResult_t first = ncclSuccess;
+    cudaError_t e;
+    int ret;
+
+    if (send_peer >= 0 && (e = cudaMemcpyAsync(c->dev + send_off, c->host + send_off, bytes,
+                                               cudaMemcpyHostToDevice, x->stream)) != cudaSuccess)
+        return cuda_fail(c, e, what);
+    (void)ncclGroupStart();
+    if (send_peer >= 0)
+        keep(&first, ncclSend(c->dev + send_off, bytes, ncclUint8, send_peer, c->nccl, x->stream));
+    if (recv_peer >= 0)
+        keep(&first, ncclRecv(c->dev + recv_off, bytes, ncclUint8, recv_peer, c->nccl, x->stream));
+    if ((ret = group_end(c, first, x->deadline, what)) < 0)
+        return ret;
+    if (recv_peer >= 0 && (e = cudaMemcpyAsync(c->host + recv_off, c->dev + recv_off, bytes,
+                                               cudaMemcpyDeviceToHost, x->stream)) != cudaSuccess)
+        return cuda_fail(c, e, what);
+    return wait_stream(c, x->stream, x->deadline, what);
+}
+
 /* 1: the sender's header (and its health words staged); the receiver reads its own. */
 static int xfer_headers(struct xfer *x)
 {
     struct stepq_tp_comm *c = x->c;
-    ncclResult_t first = ncclSuccess;
-    cudaError_t e = cudaSuccess;
     int ret;
 
     if (x->snd) {
         stepq_tp_msg_header h = { 0 };
+        cudaError_t e;
 
         h.fingerprint = x->snd->s->page_fingerprint;
         h.slot_count = (uint32_t)x->snd->n;
         h.page_bytes = x->snd->page_bytes;
         if ((ret = stepq_tp_msg_encode(&h, c->host + ST_SEND_HDR, STEPQ_TP_MSG_HEADER_BYTES)) < 0)
             return ret;
-        e = cudaMemcpyAsync(c->dev + ST_SEND_HDR, c->host + ST_SEND_HDR, STEPQ_TP_MSG_HEADER_BYTES,
-                            cudaMemcpyHostToDevice, x->stream);
-        if (e == cudaSuccess)
-            e = copy_health(x->snd->health, x->snd->ids, x->snd->n, c->dev + ST_HEALTH, 1,
-                            x->stream);
+        e = copy_health(x->snd->health, x->snd->ids, x->snd->n, c->dev + ST_HEALTH, 1, x->stream);
         if (e != cudaSuccess)
-            return cuda_fail(c, e, "stepq_tp_exchange_slots: staging the header");
+            return cuda_fail(c, e, "stepq_tp_exchange_slots: staging the health words");
     }
-    (void)ncclGroupStart();
-    if (x->snd)
-        keep(&first, ncclSend(c->dev + ST_SEND_HDR, STEPQ_TP_MSG_HEADER_BYTES, ncclUint8,
-                              x->snd->s->peer, c->nccl, x->stream));
-    if (x->rcv)
-        keep(&first, ncclRecv(c->dev + ST_RECV_HDR, STEPQ_TP_MSG_HEADER_BYTES, ncclUint8,
-                              x->rcv->s->peer, c->nccl, x->stream));
-    if ((ret = group_end(c, first, x->deadline, "stepq_tp_exchange_slots: the header")) < 0)
-        return ret;
-    if (x->rcv &&
-        (e = cudaMemcpyAsync(c->host + ST_RECV_HDR, c->dev + ST_RECV_HDR, STEPQ_TP_MSG_HEADER_BYTES,
-                             cudaMemcpyDeviceToHost, x->stream)) != cudaSuccess)
-        return cuda_fail(c, e, "stepq_tp_exchange_slots: reading the header");
-    return wait_stream(c, x->stream, x->deadline, "stepq_tp_exchange_slots: the header");
+    return swap_small(x, ST_SEND_HDR, x->snd ? x->snd->s->peer : -1, ST_RECV_HDR,
+                      x->rcv ? x->rcv->s->peer : -1, STEPQ_TP_MSG_HEADER_BYTES,
+                      "stepq_tp_exchange_slots: the header");
 }
 
 /* 2: the receiver judges the header and replies, before any page moves. */
 static int xfer_replies(struct xfer *x)
 {
     struct stepq_tp_comm *c = x->c;
-    ncclResult_t first = ncclSuccess;
-    cudaError_t e;
     int ret;
 
     if (x->rcv) {
@@ -899,33 +896,18 @@ static int xfer_replies(struct xfer *x)
             snprintf(x->why, sizeof(x->why), "%s", stepq_last_error());
         }
         memcpy(c->host + ST_SEND_REPLY, REPLY_MAGIC, 4);
-        put(c->host + ST_SEND_REPLY + 4, (uint64_t)(uint32_t)v, 4);
-        e = cudaMemcpyAsync(c->dev + ST_SEND_REPLY, c->host + ST_SEND_REPLY, STEPQ_TP_REPLY_BYTES,
-                            cudaMemcpyHostToDevice, x->stream);
-        if (e != cudaSuccess)
-            return cuda_fail(c, e, "stepq_tp_exchange_slots: staging the reply");
+        stepq__le_put(c->host + ST_SEND_REPLY + 4, (uint64_t)(uint32_t)v, 4);
     }
-    (void)ncclGroupStart();
-    if (x->rcv)
-        keep(&first, ncclSend(c->dev + ST_SEND_REPLY, STEPQ_TP_REPLY_BYTES, ncclUint8,
-                              x->rcv->s->peer, c->nccl, x->stream));
-    if (x->snd)
-        keep(&first, ncclRecv(c->dev + ST_RECV_REPLY, STEPQ_TP_REPLY_BYTES, ncclUint8,
-                              x->snd->s->peer, c->nccl, x->stream));
-    if ((ret = group_end(c, first, x->deadline, "stepq_tp_exchange_slots: the reply")) < 0)
-        return ret;
-    if (x->snd &&
-        (e = cudaMemcpyAsync(c->host + ST_RECV_REPLY, c->dev + ST_RECV_REPLY, STEPQ_TP_REPLY_BYTES,
-                             cudaMemcpyDeviceToHost, x->stream)) != cudaSuccess)
-        return cuda_fail(c, e, "stepq_tp_exchange_slots: reading the reply");
-    if ((ret = wait_stream(c, x->stream, x->deadline, "stepq_tp_exchange_slots: the reply")) < 0)
+    if ((ret = swap_small(x, ST_SEND_REPLY, x->rcv ? x->rcv->s->peer : -1, ST_RECV_REPLY,
+                          x->snd ? x->snd->s->peer : -1, STEPQ_TP_REPLY_BYTES,
+                          "stepq_tp_exchange_slots: the reply")) < 0)
         return ret;
     if (!x->snd)
         return STEPQ_OK;
     if (memcmp(c->host + ST_RECV_REPLY, REPLY_MAGIC, 4))
         return stepq__error(STEPQ_EPARSE, "stepq_tp_exchange_slots: rank %d's reply is not \"%s\"",
                             x->snd->s->peer, REPLY_MAGIC);
-    x->peer_refused = (int)(int32_t)(uint32_t)get(c->host + ST_RECV_REPLY + 4, 4);
+    x->peer_refused = (int)(int32_t)(uint32_t)stepq__le_get(c->host + ST_RECV_REPLY + 4, 4);
     if (x->peer_refused > 0)
         return stepq__error(STEPQ_EPARSE,
                             "stepq_tp_exchange_slots: rank %d replied %d, not a status",
