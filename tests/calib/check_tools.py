@@ -92,6 +92,17 @@ def main():
     assert e["spearman_uniform6_halflife"]["pooled"] > 0.5, e["spearman_uniform6_halflife"]
     assert e["injection"]["int6_ratio"] > 1.0, e["injection"]
     assert e["streams"] == 3
+    # The per-layer / per-head breakdown of that JSON (tools/scripts/eval_breakdown.py).
+    bd = run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools",
+                                           "scripts", "eval_breakdown.py"), ej, "--maps", "uniform@4,stepq@4",
+              "--pair", "uniform@4,stepq@4", "--top", "2"])
+    lines = bd.stdout.splitlines()
+    assert sum(1 for x in lines if x.startswith("| 0 |") or x.startswith("| 1 |")) >= 2, bd.stdout
+    heads_lost = [x for x in lines if x.startswith("uniform@4 has the larger readout error in")]
+    assert heads_lost and " of %d heads" % len(e["heads"]) in heads_lost[0], bd.stdout
+    bad = run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "tools",
+                                            "scripts", "eval_breakdown.py"), ej, "--pair", "nope,stepq@4"], ok=False)
+    assert bad.returncode != 0 and "no map named nope" in bad.stderr, bad.stderr
     # An injection at the last step has no error to measure: valid JSON, null and a reason.
     ej2 = os.path.join(d, "eval-last.json")
     run([exe, "eval", "--map", maps["stepq@4"], "--trace"] + traces +

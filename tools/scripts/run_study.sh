@@ -123,6 +123,17 @@ evalstage() { # which: 4 (fp32, bf16 and the 4-bit maps), 6 (fp32 and the 6-, 8-
     "$STEPQ" eval --map "${M[@]}" --trace "$SCRATCH"/test-*.safetensors --threads "$THREADS" \
         --json "$OUT/eval-test-$which.json" --plot "$OUT/plots-$which" --classes \
         2>>"$OUT/study.log" | tee "$OUT/eval-test-$which.txt"
+    # Where the errors come from, per layer and per head: stepq against temporal (same
+    # per-unit widths, row scales only) at each budget evaluated; appended to the table.
+    local pairs=() b
+    for b in 4 6; do
+        [[ " ${M[*]} " == *"/stepq@$b.json "* && " ${M[*]} " == *"/temporal@$b.json "* ]] &&
+            pairs+=(--pair "stepq@$b,temporal@$b")
+    done
+    if [ ${#pairs[@]} -gt 0 ]; then
+        { echo; python3 tools/scripts/eval_breakdown.py "$OUT/eval-test-$which.json" "${pairs[@]}"; } \
+            >>"$OUT/eval-test-$which.txt"
+    fi
 }
 
 nll() { # which: 4 (bf16 + the 4-bit maps), 6 (the 6- and 8-bit maps), all
