@@ -44,7 +44,7 @@ struct stepq__pool_layout {
     float *row_impact;                /* [n_blocks * d_k] or NULL */
     int n_k_heads;                    /* q/k heads on this rank */
     int conv_rank;
-    int64_t conv_shape[STEPQ_CONV_MAX_RANK]; /* this rank's: dim 0 / tp */
+    int64_t conv_shape[STEPQ_CONV_MAX_RANK]; /* this rank's: the channels / tp (pool/conv.h) */
     stepq_dtype conv_dtype;
 };
 

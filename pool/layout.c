@@ -14,14 +14,15 @@
  * view base + slot * page_bytes + conv_offset[l].
  *
  * Tensor parallelism: rank r of tp holds value heads [r*HV/tp, (r+1)*HV/tp)
- * and 1/tp of every layer's conv state bytes (the conv channels are split as
- * the server splits them; the pool only needs the byte count).
+ * and 1/tp of every layer's conv state: its channels, the rule of pool/conv.h
+ * that tp/ shares, so the shape the conv view reports is this rank's.
  */
 #include <inttypes.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "kernels/format.h"
+#include "pool/conv.h"
 #include "kernels/quant.h"
 #include "plugin/hash.h"
 #include "pool/internal.h"
@@ -179,6 +180,7 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
     uint64_t page_align = cfg->page_align ? cfg->page_align : STEPQ__POOL_PAGE_ALIGN;
     uint64_t block_align = cfg->block_align ? cfg->block_align : STEPQ__POOL_BLOCK_ALIGN;
     uint64_t conv_elems = 0, conv_layer_bytes, off = 0;
+    int conv_dim;
     int tp = cfg->tp_size <= 1 ? 1 : cfg->tp_size;
     int n_local, first, upu;
     uint8_t *row_bits = NULL;
@@ -222,11 +224,12 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
             conv_elems *= (uint64_t)shape.conv_shape[i];
     }
     conv_layer_bytes = conv_elems * stepq_dtype_size(shape.conv_dtype);
-    if (conv_layer_bytes % (uint64_t)tp)
+    conv_dim = stepq__conv_split_dim(&shape);
+    if (conv_dim >= 0 && shape.conv_shape[conv_dim] % tp)
         return stepq__error_obj(err, STEPQ_ESHAPE,
-                                "the conv state (%" PRIu64 " B per layer) does not split over "
-                                "tp_size %d",
-                                conv_layer_bytes, tp);
+                                "the conv state's channels (conv_state.shape[%d] = %" PRId64
+                                ") do not split over tp_size %d",
+                                conv_dim, shape.conv_shape[conv_dim], tp);
     /* Value heads hv of q/k group hv / (HV / H): a rank's contiguous block of
      * HV / tp value heads reads H / tp whole q/k heads only when tp divides H. */
     if (shape.num_k_heads % tp)
@@ -245,8 +248,8 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
     out->conv_dtype = shape.conv_dtype;
     for (int i = 0; i < shape.conv_rank; i++)
         out->conv_shape[i] = shape.conv_shape[i];
-    if (shape.conv_rank > 0 && shape.conv_shape[0] % tp == 0)
-        out->conv_shape[0] = shape.conv_shape[0] / tp;
+    if (conv_dim >= 0)
+        out->conv_shape[conv_dim] = shape.conv_shape[conv_dim] / tp;
     {
         size_t nb = (size_t)out->pub.n_blocks ? (size_t)out->pub.n_blocks : 1;
         out->heads = calloc(nb, sizeof(*out->heads));

@@ -29,6 +29,7 @@
 #include <string.h>
 
 #include "plugin/err.h"
+#include "pool/conv.h"
 #include "stepq/tp.h"
 
 /* Budgets a slice takes when the whole map's does not cover it: multiples of
@@ -44,16 +45,6 @@ static const char *const prov_strings[] = { "tool", "tool_version", "data", "not
 static const char *const prov_numbers[] = { "tokens", "segments", "segment_length", "horizon",
                                             "pivot_fraction" };
 #define N_CANDIDATES_MAX 6
-
-static int conv_split_dim(const stepq_model_shape *s)
-{
-    int d = -1;
-
-    for (int i = 0; i < s->conv_rank; i++)
-        if (d < 0 || s->conv_shape[i] > s->conv_shape[d])
-            d = i;
-    return d;
-}
 
 int stepq_tp_shard(const stepq_model_shape *shape, int tp_size, int tp_rank,
                    stepq_tp_shard_info *out, size_t out_size)
@@ -91,7 +82,7 @@ int stepq_tp_shard(const stepq_model_shape *shape, int tp_size, int tp_rank,
                             "num_v_heads / tp_size value heads)",
                             shape->num_v_heads, tp_size);
     memset(&r, 0, sizeof(r));
-    d = conv_split_dim(shape);
+    d = stepq__conv_split_dim(shape);
     if (d >= 0 && shape->conv_shape[d] % tp_size)
         return stepq__error(STEPQ_EINVAL,
                             "conv_state.shape[%d] (channels) %" PRId64

@@ -621,6 +621,47 @@ static void test_supports_host_and_conv_view(void **state)
     fixture_close(&f);
 }
 
+/* At tp > 1 the conv view is the rank's share of the channels (the largest dimension, the
+ * rule tp/ shards maps by): KDA's [3, channels, taps] splits its middle dimension, and its
+ * shape and bytes agree; a channel count the ranks cannot share is refused at open. */
+static void a_rank_conv_view_has_its_channels(void **state)
+{
+    (void)state;
+    stepq_model_shape sh = fx_shape_small(STEPQ_ARCH_KDA);
+    stepq_map_t *map = NULL;
+    stepq_pool_t *pool = NULL;
+    stepq_conv_view cv;
+
+    sh.conv_rank = 3;
+    sh.conv_shape[0] = 3;
+    sh.conv_shape[1] = 64;
+    sh.conv_shape[2] = 3;
+    assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_FP32, 32, &map), STEPQ_OK);
+    stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+    cfg.map = map;
+    cfg.num_slots = 2;
+    cfg.tp_size = 2;
+    cfg.tp_rank = 1;
+    assert_int_equal(stepq_pool_open(&cfg, &pool), STEPQ_OK);
+    assert_int_equal(stepq_pool_conv_state(pool, 0, &cv, sizeof(cv)), STEPQ_OK);
+    assert_int_equal(cv.rank, 3);
+    assert_int_equal(cv.shape[0], 3);
+    assert_int_equal(cv.shape[1], 32);
+    assert_int_equal(cv.shape[2], 3);
+    assert_int_equal(cv.bytes, 3 * 32 * 3 * stepq_dtype_size(sh.conv_dtype));
+    assert_int_equal(stepq_pool_close(pool, 0), STEPQ_OK);
+    stepq_map_close(map);
+
+    sh.conv_shape[1] = 63; /* 3 x 63 x 3 values: bytes split in two, channels do not */
+    assert_int_equal(stepq_map_create(&sh, STEPQ_METHOD_FP32, 32, &map), STEPQ_OK);
+    cfg.map = map;
+    assert_int_equal(stepq_pool_open(&cfg, &pool), STEPQ_ESHAPE);
+    assert_null(pool);
+    assert_non_null(
+        strstr(stepq_last_error(), "conv_state.shape[1] = 63) do not split over tp_size 2"));
+    stepq_map_close(map);
+}
+
 /* --- bad input: status, a message naming the argument, nothing changed ------ */
 
 struct bad_case {
@@ -793,6 +834,7 @@ int main(void)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_step_gdn_stepq),
+        cmocka_unit_test(a_rank_conv_view_has_its_channels),
         cmocka_unit_test(test_step_kda_stepq_in_kernel_gate),
         cmocka_unit_test(test_step_gdn_fp32_in_kernel_gate),
         cmocka_unit_test(test_prefill_roundtrip_fp32_layouts_dtypes),
