@@ -37,6 +37,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -283,6 +284,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     }
     if (o->procs && o->rank >= 0) {
         fprintf(stderr, "stepq " TOOL ": --procs runs every rank: --rank is for one\n");
+        return 2;
+    }
+    if (o->timeout_s > 0 && !o->procs) {
+        fprintf(stderr, "stepq " TOOL ": --timeout-s limits a --procs run\n");
         return 2;
     }
     if (o->child && (o->rank < 0 || o->procs)) {
@@ -1373,6 +1378,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
     int rc = parse_opts(argc, argv, &o);
     if (rc)
         return rc == 1 ? 0 : rc;
+    /* A rank ends with its parent: a parent killed outright (no time to stop its ranks) leaves no
+     * rank running, nor one waiting for peers that never come. */
+    if (o.child && (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() == 1))
+        return 1;
 
     stepq_pool_policy policy;
     if (stepq_pool_policy_from_name(o.policy_name, &policy) < 0) {
@@ -1560,6 +1569,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
             goto out;
     }
 
+    if (fell_back)
+        fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
     /* --procs: every check above passed here, before any rank starts. */
     if (o.procs) {
         rc = run_procs(&o, argc, argv, cuda);
@@ -1567,8 +1578,6 @@ int stepq_tool_bench_decode(int argc, char **argv)
     }
 
     /* Setup: gates and inputs. */
-    if (fell_back && !o.child)
-        fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
     int from_map = 0;
     rc = 1;
     if (!(log_ret = unit_log_retention(map, layers, &from_map)) ||
