@@ -21,15 +21,23 @@
  * tokens per unit.
  *
  * It measures the recurrent-state path only: no attention or MLP layers, no
- * conv state update, no sampling. Multi-process tensor parallelism (NCCL) is
- * a later task: --tp N times one rank's share of the heads in this process.
+ * conv state update, no sampling. --tp N times one rank's share of the heads
+ * in this process; --tp N --procs starts one process per rank (tools/ranks.c,
+ * libuv), each this command in a hidden rank mode (--rank-child) that prints
+ * its JSON on its standard output, and reports per batch and state the
+ * slowest rank's decode time. On the CUDA backend each rank takes device
+ * R mod the device count and, where NCCL is built, joins one communicator
+ * (the parent's unique id, in hex on the command line) and checks its pools
+ * against the other ranks' (stepq_tp_check_pools) before timing them.
  */
 #include <inttypes.h>
 #include <math.h>
+#include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <time.h>
+#include <sys/prctl.h>
 #include <unistd.h>
 
 #include <cjson/cJSON.h>
@@ -39,6 +47,7 @@
 #include "tools/cli.h"
 #include "tools/commands.h"
 #include "tools/mkmap.h"
+#include "tools/ranks.h"
 
 #if STEPQ_HAVE_CUDA
 #include <cuda_runtime_api.h>
@@ -75,6 +84,7 @@ static const int host_batches[] = { 1, 4 };
 static void usage(FILE *f)
 {
     fprintf(f, "usage: stepq bench decode MAP|PRESET [--backend host|cuda] [--tp N] [--rank R]\n"
+               "                          [--procs] [--timeout-s S]\n"
                "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
                "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
                "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
@@ -98,8 +108,14 @@ static void usage(FILE *f)
                "monotonic clock on the host backend (the C reference), whose default is a\n"
                "reduced run (2 layers, batches 1,4, 16 tokens; --full for the protocol).\n"
                "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
-               "the rank with the largest page) in this one process: multi-process NCCL\n"
-               "tensor parallelism is a later task. --layers: the first N recurrent layers.\n"
+               "the rank with the largest page) in this one process. --tp N --procs: one\n"
+               "process per rank, all N started at once; each times its own share, and the\n"
+               "table's time is the slowest rank's per batch and state (--json: every rank's\n"
+               "own results too). CUDA: rank R on device R mod the device count (ranks share\n"
+               "a device where there are fewer), one NCCL communicator whose pools are\n"
+               "checked against each other before the timing. A rank that fails stops every\n"
+               "other; --timeout-s S stops them all after S seconds (default: no limit).\n"
+               "--layers: the first N recurrent layers.\n"
                "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
                "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
                "as servers decode; without it the steps are launched one call at a time.\n"
@@ -114,7 +130,10 @@ struct opts {
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
     int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
     int runs, warmup, full, json, budget_given, graph;
-    stepq_dtype dtype; /* of the server's tensors */
+    int procs, child;    /* --procs: one process per rank; --rank-child: one of them */
+    const char *nccl_id; /* --nccl-id: the communicator's unique id in hex (a child) */
+    double timeout_s;    /* --procs: the whole run's limit, 0 none */
+    stepq_dtype dtype;   /* of the server's tensors */
     double budget_gib;
 };
 
@@ -170,6 +189,12 @@ static int parse_opts(int argc, char **argv, struct opts *o)
         } else if (!strcmp(a, "--graph")) {
             o->graph = 1;
             continue;
+        } else if (!strcmp(a, "--procs")) {
+            o->procs = 1;
+            continue;
+        } else if (!strcmp(a, "--rank-child")) {
+            o->child = 1;
+            continue;
         } else if (a[0] != '-') {
             if (o->target) {
                 fprintf(stderr, "stepq " TOOL ": a second MAP or PRESET '%s'\n", a);
@@ -179,11 +204,11 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             continue;
         }
         if (!v) {
-            static const char *const value_opts[] = { "--backend", "--batch",  "--budget-gib",
-                                                      "--layers",  "--policy", "--prompt",
-                                                      "--rank",    "--runs",   "--tokens",
-                                                      "--tp",      "--warmup", "-o",
-                                                      NULL };
+            static const char *const value_opts[] = { "--backend",   "--batch",   "--budget-gib",
+                                                      "--layers",    "--policy",  "--prompt",
+                                                      "--rank",      "--runs",    "--tokens",
+                                                      "--tp",        "--warmup",  "-o",
+                                                      "--timeout-s", "--nccl-id", NULL };
             return stepq_tool_missing_value(TOOL, a, value_opts);
         }
         i++;
@@ -237,6 +262,11 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             o->budget_given = 1;
         } else if (!strcmp(a, "--policy")) {
             o->policy_name = v;
+        } else if (!strcmp(a, "--timeout-s")) {
+            if (stepq_tool_real(TOOL, a, v, 0, 1e9, STEPQ_TOOL_OPEN_LO, &o->timeout_s) < 0)
+                return 2;
+        } else if (!strcmp(a, "--nccl-id")) {
+            o->nccl_id = v;
         } else if (!strcmp(a, "--dtype")) {
             if (strcmp(v, "fp32") && strcmp(v, "bf16")) {
                 fprintf(stderr, "stepq " TOOL ": --dtype '%s': want bf16 or fp32\n", v);
@@ -250,6 +280,18 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     }
     if (!o->target) {
         usage(stderr);
+        return 2;
+    }
+    if (o->procs && o->rank >= 0) {
+        fprintf(stderr, "stepq " TOOL ": --procs runs every rank: --rank is for one\n");
+        return 2;
+    }
+    if (o->timeout_s > 0 && !o->procs) {
+        fprintf(stderr, "stepq " TOOL ": --timeout-s limits a --procs run\n");
+        return 2;
+    }
+    if (o->child && (o->rank < 0 || o->procs)) {
+        fprintf(stderr, "stepq " TOOL ": --rank-child is --procs' own: it needs --rank\n");
         return 2;
     }
     return 0;
@@ -643,6 +685,7 @@ struct bench {
     struct dev *d;
     int layers, tokens;
     struct stepq_tool_progress *prog;
+    stepq_tp_comm_t *comm; /* --procs on CUDA with NCCL: every rank's, NULL otherwise */
 };
 
 /* Prefill: the synthetic prompt states packed into every slot of every timed layer. */
@@ -845,6 +888,12 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
                 ret = cu_fail(e, "cudaEventCreate");
                 goto out;
             }
+        /* Collective: every rank opens the same pools in the same order, so they meet here. */
+        if (bn->comm && (ret = stepq_tp_check_pools(bn->comm, &cfg, pool, bn->d->stream)) < 0) {
+            fprintf(stderr, "stepq " TOOL ": %s, batch %d: the ranks' pools: %s\n", va->label, B,
+                    stepq_last_error());
+            goto out;
+        }
         if (bn->o->graph && (ret = capture(bn, pool, step_ids, B, &graphs)) < 0) {
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: graph capture: %s\n", va->label, B,
                     fail_text());
@@ -971,12 +1020,13 @@ static int load_target(const char *target, stepq_map_t **map, int *is_preset)
 }
 
 /* Whether the CUDA backend has a device, through the public API: a pool opens on it. */
-static int cuda_available(const stepq_map_t *map, char *why, size_t len)
+static int cuda_available(const stepq_map_t *map, int device, char *why, size_t len)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
     stepq_pool_t *pool = NULL;
 
     cfg.map = map;
+    cfg.device = device;
     cfg.backend = STEPQ_POOL_BACKEND_CUDA;
     cfg.num_slots = 1;
     cfg.min_page_bytes = 0;
@@ -1009,12 +1059,329 @@ static double machine_bytes(int cuda)
     return np > 0 && ps > 0 ? 0.75 * (double)np * (double)ps : 0;
 }
 
+/* --- one process per rank (--procs) -------------------------------------------- */
+
+static int hex_to_id(const char *hex, stepq_tp_id *id)
+{
+    if (strlen(hex) != 2 * STEPQ_TP_ID_BYTES)
+        return -1;
+    for (int i = 0; i < STEPQ_TP_ID_BYTES; i++) {
+        unsigned x;
+        if (sscanf(hex + 2 * i, "%2x", &x) != 1)
+            return -1;
+        id->bytes[i] = (unsigned char)x;
+    }
+    return 0;
+}
+
+static void id_to_hex(const stepq_tp_id *id, char *hex)
+{
+    for (int i = 0; i < STEPQ_TP_ID_BYTES; i++)
+        snprintf(hex + 2 * i, 3, "%02x", id->bytes[i]);
+}
+
+/*
+ * The tests' way to make one rank fail where a real failure would: after its
+ * setup, before the runs. STEPQ_BENCH_RANK_FAIL=R exits rank R with status 1,
+ * R:kill kills it with SIGKILL, R:hang makes it wait until it is stopped.
+ */
+static int rank_fail_hook(int rank)
+{
+    const char *v = getenv("STEPQ_BENCH_RANK_FAIL");
+    char *end;
+
+    if (!v || !*v || strtol(v, &end, 10) != rank)
+        return 0;
+    if (!strcmp(end, ":kill"))
+        raise(SIGKILL);
+    if (!strcmp(end, ":hang"))
+        for (;;)
+            pause();
+    fprintf(stderr, "stepq " TOOL ": rank %d fails, as STEPQ_BENCH_RANK_FAIL=%s asks\n", rank, v);
+    return -1;
+}
+
+/* A rank's arguments: the parent's, less what only the parent does, plus the rank's. */
+static char **child_argv(int argc, char **argv, const char *backend, char *rank_txt,
+                         const char *id_hex)
+{
+    static const char *const flags[] = { "--json", "--full", "--graph", "--procs", NULL };
+    char **a = calloc((size_t)argc + 16, sizeof(char *));
+    int n = 0;
+
+    if (!a)
+        return NULL;
+    a[n++] = NULL; /* the executable, set by stepq_tool_ranks_run */
+    a[n++] = "bench";
+    a[n++] = "decode";
+    for (int i = 1; i < argc; i++) {
+        int flag = argv[i][0] != '-';
+        for (int f = 0; flags[f] && !flag; f++)
+            flag = !strcmp(argv[i], flags[f]);
+        const int drop = !strcmp(argv[i], "--procs") || !strcmp(argv[i], "--json") ||
+                         !strcmp(argv[i], "-o") || !strcmp(argv[i], "--timeout-s");
+        if (!drop)
+            a[n++] = argv[i];
+        if (!flag && i + 1 < argc && !drop)
+            a[n++] = argv[i + 1];
+        if (!flag)
+            i++;
+    }
+    a[n++] = "--json";
+    a[n++] = "--backend";
+    a[n++] = (char *)backend;
+    a[n++] = "--rank";
+    a[n++] = rank_txt;
+    a[n++] = "--rank-child";
+    if (id_hex) {
+        a[n++] = "--nccl-id";
+        a[n++] = (char *)id_hex;
+    }
+    a[n] = NULL;
+    return a;
+}
+
+static double jnum(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(v) ? v->valuedouble : 0;
+}
+
+static const char *jstr(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+/* Row v of batch i of a rank's result, NULL when it has none. */
+static const cJSON *rank_row(const cJSON *rank, int i, int v)
+{
+    const cJSON *b = cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(rank, "batches"), i);
+    return cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(b, "rows"), v);
+}
+
+/*
+ * The ranks' results as one: per batch and state the slowest rank's decode
+ * time (the median run of each rank, the largest of them), which is what a
+ * token of the whole model waits for. j[r]: rank r's JSON. 0, or an exit status.
+ */
+static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const char *nccl)
+{
+    const cJSON *j0 = j[0];
+    const cJSON *states = cJSON_GetObjectItemCaseSensitive(j0, "states");
+    const int n_v = cJSON_GetArraySize(states);
+    const int n_b = cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j0, "batches"));
+    const int tokens = (int)jnum(j0, "generated_tokens");
+    const int cuda = !strcmp(jstr(j0, "backend"), "cuda");
+    struct stepq_tool_out of;
+    cJSON *root = NULL, *jb = NULL;
+    int rc = 1;
+
+    if (!(of.f = stepq_tool_out_open(&of, TOOL, o->out_path)))
+        return 1;
+    FILE *t = o->json ? NULL : of.f;
+    stepq_tool_printf(t, "%-8s %s\n",
+                      cJSON_GetObjectItemCaseSensitive(j0, "preset") ? "preset" : "map", o->target);
+    stepq_tool_printf(t, "%-8s %s (%s, %d recurrent layers)\n", "model", jstr(j0, "model"),
+                      jstr(j0, "arch"), (int)jnum(j0, "layers"));
+    stepq_tool_printf(t, "%-8s %s (%s), %s, one process per rank\n", "backend", jstr(j0, "backend"),
+                      jstr(j0, "device"), jstr(j0, "timing"));
+    if (cuda)
+        stepq_tool_printf(t, "%-8s rank R on device R mod %d%s; %s\n", "devices", n_dev,
+                          n_dev < n ? " (ranks share devices: their times are not a TP run's)" : "",
+                          nccl);
+    stepq_tool_printf(
+        t,
+        "%-8s %s%d of %d layers, %d tokens after a %d-token prompt, %d warm-up + "
+        "%d runs, median\n",
+        "run", cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j0, "reduced")) ? "REDUCED: " : "",
+        (int)jnum(j0, "layers_timed"), (int)jnum(j0, "layers"), tokens,
+        (int)jnum(j0, "prompt_tokens"), (int)jnum(j0, "warmup"), (int)jnum(j0, "runs"));
+    stepq_tool_printf(
+        t, "\nthe state of one request on each rank (all layers), bytes:\n  %4s %8s %5s %5s",
+        "rank", "pid", "q/k", "value");
+    for (int v = 0; v < n_v; v++)
+        stepq_tool_printf(t, " %14s", jstr(cJSON_GetArrayItem(states, v), "label"));
+    stepq_tool_printf(t, "\n");
+    for (int r = 0; r < n; r++) {
+        const cJSON *sr = cJSON_GetObjectItemCaseSensitive(j[r], "states");
+        stepq_tool_printf(t, "  %4d %8d %5d %5d", r, (int)jnum(j[r], "pid"),
+                          (int)jnum(j[r], "num_k_heads_rank"), (int)jnum(j[r], "num_v_heads_rank"));
+        for (int v = 0; v < n_v; v++)
+            stepq_tool_printf(t, " %14.0f",
+                              jnum(cJSON_GetArrayItem(sr, v), "state_bytes_per_request"));
+        stepq_tool_printf(t, "\n");
+    }
+    stepq_tool_printf(t, "\n%6s  %-14s %12s %10s %8s %8s  %s\n", "batch", "state", "tokens/s",
+                      "ms/step", "vs fp32", "slowest", "ms/step of each rank");
+    if (o->json) {
+        root = cJSON_CreateObject();
+        cJSON_AddBoolToObject(root, "procs", 1);
+        cJSON_AddNumberToObject(root, "tp", n);
+        cJSON_AddStringToObject(root, "backend", jstr(j0, "backend"));
+        cJSON_AddStringToObject(root, "decode_time",
+                                "per batch and state the slowest rank's (the largest of the "
+                                "ranks' median runs)");
+        if (cuda) {
+            cJSON_AddNumberToObject(root, "cuda_devices", n_dev);
+            cJSON_AddStringToObject(root, "nccl", nccl);
+        }
+        jb = cJSON_AddArrayToObject(root, "batches");
+    }
+    for (int i = 0; i < n_b; i++) {
+        const int B = (int)jnum(
+            cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j0, "batches"), i), "batch");
+        double fp32_tps = 0;
+        cJSON *jr = NULL;
+        if (jb) {
+            cJSON *e = cJSON_CreateObject();
+            cJSON_AddNumberToObject(e, "batch", B);
+            jr = cJSON_AddArrayToObject(e, "rows");
+            cJSON_AddItemToArray(jb, e);
+        }
+        for (int v = 0; v < n_v; v++) {
+            const char *label = jstr(rank_row(j0, i, v), "label");
+            double worst = 0, each[1024];
+            int slowest = -1, ran = 1;
+            for (int r = 0; r < n; r++) {
+                const cJSON *row = rank_row(j[r], i, v);
+                ran = ran && cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(row, "ran"));
+                each[r] = jnum(row, "decode_s");
+                if (each[r] > worst)
+                    worst = each[r], slowest = r;
+            }
+            ran = ran && slowest >= 0;
+            const double tps = ran ? (double)B * tokens / worst : 0;
+            if (v == 0)
+                fp32_tps = tps;
+            char vs[16] = "-";
+            if (ran && fp32_tps > 0)
+                snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
+            if (ran) {
+                stepq_tool_printf(t, "%6d  %-14s %12.1f %10.3f %8s %8d ", B, label, tps,
+                                  1e3 * worst / tokens, vs, slowest);
+                for (int r = 0; r < n; r++)
+                    stepq_tool_printf(t, " %.3f", 1e3 * each[r] / tokens);
+                stepq_tool_printf(t, "\n");
+            } else
+                stepq_tool_printf(t, "%6d  %-14s %12s\n", B, label, "not run on every rank");
+            if (jr) {
+                cJSON *e = cJSON_CreateObject();
+                cJSON_AddStringToObject(e, "label", label);
+                cJSON_AddBoolToObject(e, "ran", ran);
+                if (ran) {
+                    cJSON_AddNumberToObject(e, "decode_s", worst);
+                    cJSON_AddNumberToObject(e, "slowest_rank", slowest);
+                    cJSON_AddNumberToObject(e, "tokens_per_s", tps);
+                    cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * worst / tokens);
+                    cJSON_AddNumberToObject(e, "speedup_vs_fp32",
+                                            fp32_tps > 0 ? tps / fp32_tps : 0);
+                }
+                cJSON *er = cJSON_AddArrayToObject(e, "decode_s_per_rank");
+                for (int r = 0; r < n; r++)
+                    cJSON_AddItemToArray(er, cJSON_CreateNumber(each[r]));
+                cJSON_AddItemToArray(jr, e);
+            }
+        }
+    }
+    stepq_tool_printf(
+        t,
+        "\ntokens/s = batch x generated tokens / the slowest rank's decode time (each "
+        "rank's\nmedian run) over the %d timed layer(s); every rank steps all of the "
+        "batch's requests\non its own heads. --json: every rank's own results too.\n",
+        (int)jnum(j0, "layers_timed"));
+    if (root) {
+        cJSON *jranks = cJSON_AddArrayToObject(root, "ranks");
+        for (int r = 0; r < n; r++) {
+            cJSON_AddItemToArray(jranks, j[r]);
+            j[r] = NULL; /* root owns it now */
+        }
+        char *text = cJSON_Print(root);
+        if (text)
+            fprintf(of.f, "%s\n", text);
+        free(text);
+        cJSON_Delete(root);
+        if (!text) {
+            stepq_tool_out_discard(&of);
+            return 1;
+        }
+    }
+    rc = stepq_tool_out_commit(&of, TOOL) < 0 ? 1 : 0;
+    return rc;
+}
+
+/* --procs: the parent. Starts every rank, waits for all, reports. An exit status. */
+static int run_procs(const struct opts *o, int argc, char **argv, int cuda)
+{
+    struct stepq_tool_rank *rk = calloc((size_t)o->tp, sizeof(*rk));
+    cJSON **j = calloc((size_t)o->tp, sizeof(*j));
+    char(*rank_txt)[16] = calloc((size_t)o->tp, sizeof(*rank_txt));
+    char hex[2 * STEPQ_TP_ID_BYTES + 1], nccl[128] = "no NCCL: the ranks run alone";
+    const char *id_hex = NULL;
+    int n_dev = 0, rc = 1;
+
+    if (!rk || !j || !rank_txt) {
+        fprintf(stderr, "stepq " TOOL ": out of memory\n");
+        goto out;
+    }
+#if STEPQ_HAVE_CUDA
+    if (cuda && cudaGetDeviceCount(&n_dev) != cudaSuccess)
+        cudaGetLastError();
+#endif
+    if (cuda) {
+        stepq_tp_id id;
+        const int ret = stepq_tp_unique_id(&id);
+        if (ret == STEPQ_OK) {
+            id_to_hex(&id, hex);
+            id_hex = hex;
+            snprintf(nccl, sizeof(nccl), "one NCCL communicator, pools checked before the timing");
+        } else if (ret != STEPQ_ENOTSUP) {
+            fprintf(stderr, "stepq " TOOL ": NCCL unique id: %s\n", stepq_last_error());
+            goto out;
+        } else
+            snprintf(nccl, sizeof(nccl), "no NCCL in this build: the ranks run alone");
+    }
+    for (int r = 0; r < o->tp; r++) {
+        snprintf(rank_txt[r], sizeof(rank_txt[r]), "%d", r);
+        if (!(rk[r].argv = child_argv(argc, argv, cuda ? "cuda" : "host", rank_txt[r], id_hex))) {
+            fprintf(stderr, "stepq " TOOL ": out of memory\n");
+            goto out;
+        }
+    }
+    if (stepq_tool_ranks_run(TOOL, rk, o->tp, o->timeout_s) < 0)
+        goto out;
+    for (int r = 0; r < o->tp; r++) {
+        j[r] = rk[r].out ? cJSON_Parse(rk[r].out) : NULL;
+        if (!j[r] || (int)jnum(j[r], "rank") != r ||
+            cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j[r], "batches")) !=
+                cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j[0], "batches"))) {
+            fprintf(stderr, "stepq " TOOL ": rank %d: its output is not its JSON result\n", r);
+            goto out;
+        }
+    }
+    rc = report_procs(o, j, o->tp, n_dev, nccl);
+out:
+    for (int r = 0; rk && r < o->tp; r++) {
+        free(rk[r].argv);
+        free(rk[r].out);
+        cJSON_Delete(j ? j[r] : NULL);
+    }
+    free(rk);
+    free(j);
+    free(rank_txt);
+    return rc;
+}
+
 int stepq_tool_bench_decode(int argc, char **argv)
 {
     struct opts o;
     int rc = parse_opts(argc, argv, &o);
     if (rc)
         return rc == 1 ? 0 : rc;
+    /* A rank ends with its parent: a parent killed outright (no time to stop its ranks) leaves no
+     * rank running, nor one waiting for peers that never come. */
+    if (o.child && (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() == 1))
+        return 1;
 
     stepq_pool_policy policy;
     if (stepq_pool_policy_from_name(o.policy_name, &policy) < 0) {
@@ -1037,6 +1404,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
     struct dev d;
     double *log_ret = NULL;
     struct result(*res)[3] = NULL;
+    stepq_tp_comm_t *comm = NULL;
     memset(&in, 0, sizeof(in));
     memset(&d, 0, sizeof(d));
     of.f = NULL;
@@ -1055,9 +1423,24 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     }
 
+    /* A rank of --procs on CUDA: its own device where there are enough, else a shared one. */
+    int cuda_dev = 0;
+#if STEPQ_HAVE_CUDA
+    if (o.child && o.backend == STEPQ_POOL_BACKEND_CUDA) {
+        int n_dev = 0;
+        if (cudaGetDeviceCount(&n_dev) == cudaSuccess && n_dev > 0 &&
+            cudaSetDevice(cuda_dev = o.rank % n_dev) != cudaSuccess) {
+            fprintf(stderr, "stepq " TOOL ": rank %d: cannot use device %d\n", o.rank, cuda_dev);
+            rc = 1;
+            goto out;
+        }
+        cudaGetLastError();
+    }
+#endif
+
     /* Backend: cuda where a device exists, else the host with a reduced default. */
     char why[512] = "";
-    const int have_cuda = cuda_available(map, why, sizeof(why));
+    const int have_cuda = cuda_available(map, cuda_dev, why, sizeof(why));
     if (o.backend == STEPQ_POOL_BACKEND_CUDA && !have_cuda) {
         fprintf(stderr, "stepq " TOOL ": --backend cuda: cannot open a CUDA pool: %s\n", why);
         rc = 1;
@@ -1110,6 +1493,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
                  stepq_method_name(stepq_map_method(map)), stepq_map_budget_bits(map));
     stepq_pool_config base = STEPQ_POOL_CONFIG_INITIALIZER;
     base.backend = cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
+    base.device = cuda_dev;
     base.tp_size = o.tp;
     base.policy = policy;
     /* The rank timed: the one with the largest page of the map (the slowest), unless named. */
@@ -1185,9 +1569,15 @@ int stepq_tool_bench_decode(int argc, char **argv)
             goto out;
     }
 
-    /* Setup: gates and inputs. */
     if (fell_back)
         fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
+    /* --procs: every check above passed here, before any rank starts. */
+    if (o.procs) {
+        rc = run_procs(&o, argc, argv, cuda);
+        goto out;
+    }
+
+    /* Setup: gates and inputs. */
     int from_map = 0;
     rc = 1;
     if (!(log_ret = unit_log_retention(map, layers, &from_map)) ||
@@ -1210,6 +1600,20 @@ int stepq_tool_bench_decode(int argc, char **argv)
         base.stream = s;
     }
 #endif
+    if (o.child && o.nccl_id) {
+        stepq_tp_id id;
+        stepq_tp_comm_config cc = STEPQ_TP_COMM_CONFIG_INITIALIZER;
+        cc.device = cuda_dev;
+        if (hex_to_id(o.nccl_id, &id) < 0) {
+            fprintf(stderr, "stepq " TOOL ": --nccl-id: want %d bytes in hex\n", STEPQ_TP_ID_BYTES);
+            goto out;
+        }
+        if (stepq_tp_comm_init(&id, o.rank, o.tp, &cc, &comm) < 0) {
+            fprintf(stderr, "stepq " TOOL ": rank %d of %d: NCCL: %s\n", o.rank, o.tp,
+                    stepq_last_error());
+            goto out;
+        }
+    }
     if (!(of.f = stepq_tool_out_open(&of, TOOL, o.out_path)))
         goto out;
     tout = o.json ? NULL : of.f;
@@ -1282,10 +1686,13 @@ int stepq_tool_bench_decode(int argc, char **argv)
                           va[v].label, va[v].state_bytes, (double)va[v].state_bytes / MIB,
                           va[v].plan.page_bytes, va[v].max_batch);
 
+    if (o.child && rank_fail_hook(o.rank) < 0)
+        goto out;
+
     /* The runs. */
     struct stepq_tool_progress prog;
     stepq_tool_progress_begin(&prog, TOOL, "runs", (int64_t)o.n_b * 3 * (o.warmup + o.runs));
-    struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog };
+    struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog, comm };
     int failed = 0;
     for (int i = 0; i < o.n_b && !failed; i++) {
         const int B = o.batches[i];
@@ -1329,6 +1736,11 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddStringToObject(root, "dtype", stepq_dtype_name(o.dtype));
         cJSON_AddNumberToObject(root, "tp", o.tp);
         cJSON_AddNumberToObject(root, "rank", o.rank);
+        if (o.child) {
+            cJSON_AddNumberToObject(root, "pid", (double)getpid());
+            cJSON_AddNumberToObject(root, "cuda_device", cuda ? cuda_dev : -1);
+            cJSON_AddBoolToObject(root, "nccl", comm != NULL);
+        }
         cJSON_AddNumberToObject(root, "num_k_heads_rank", Hl);
         cJSON_AddNumberToObject(root, "num_v_heads_rank", HVl);
         cJSON_AddNumberToObject(root, "layers", sh.n_layers);
@@ -1439,6 +1851,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
     if (stepq_tool_out_commit(&of, TOOL) < 0)
         rc = 1;
 out:
+    if (comm && stepq_tp_comm_close(comm) < 0 && rc == 0) {
+        fprintf(stderr, "stepq " TOOL ": rank %d: NCCL close: %s\n", o.rank, stepq_last_error());
+        rc = 1;
+    }
     dev_release(&d);
 #if STEPQ_HAVE_CUDA
     if (d.stream)
