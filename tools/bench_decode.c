@@ -1379,9 +1379,18 @@ int stepq_tool_bench_decode(int argc, char **argv)
     if (rc)
         return rc == 1 ? 0 : rc;
     /* A rank ends with its parent: a parent killed outright (no time to stop its ranks) leaves no
-     * rank running, nor one waiting for peers that never come. */
-    if (o.child && (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || getppid() == 1))
-        return 1;
+     * rank running, nor one waiting for peers that never come. A parent that died before the
+     * request took effect shows as a parent pid other than the one the parent left in the
+     * environment (comparing with 1 would refuse a parent that is a container's first process). */
+    if (o.child) {
+        const char *pp = getenv("STEPQ_RANK_PARENT_PID");
+        if (prctl(PR_SET_PDEATHSIG, SIGKILL) < 0 || !pp || strtol(pp, NULL, 10) != (long)getppid())
+            return 1;
+    } else if (o.procs) {
+        char pid[24];
+        snprintf(pid, sizeof(pid), "%ld", (long)getpid());
+        setenv("STEPQ_RANK_PARENT_PID", pid, 1);
+    }
 
     stepq_pool_policy policy;
     if (stepq_pool_policy_from_name(o.policy_name, &policy) < 0) {
