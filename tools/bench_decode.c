@@ -180,22 +180,25 @@ static int parse_opts(int argc, char **argv, struct opts *o)
         if (!strcmp(a, "--help") || !strcmp(a, "-h")) {
             usage(stdout);
             return 1;
-        } else if (!strcmp(a, "--json")) {
-            o->json = 1;
+        }
+        /* The flags (options without a value). */
+        const struct {
+            const char *name;
+            int *field;
+        } flags[] = { { "--json", &o->json },
+                      { "--full", &o->full },
+                      { "--graph", &o->graph },
+                      { "--procs", &o->procs },
+                      { "--rank-child", &o->child } };
+        int flag = -1;
+        for (int f = 0; f < (int)(sizeof(flags) / sizeof(flags[0])); f++)
+            if (!strcmp(a, flags[f].name))
+                flag = f;
+        if (flag >= 0) {
+            *flags[flag].field = 1;
             continue;
-        } else if (!strcmp(a, "--full")) {
-            o->full = 1;
-            continue;
-        } else if (!strcmp(a, "--graph")) {
-            o->graph = 1;
-            continue;
-        } else if (!strcmp(a, "--procs")) {
-            o->procs = 1;
-            continue;
-        } else if (!strcmp(a, "--rank-child")) {
-            o->child = 1;
-            continue;
-        } else if (a[0] != '-') {
+        }
+        if (a[0] != '-') {
             if (o->target) {
                 fprintf(stderr, "stepq " TOOL ": a second MAP or PRESET '%s'\n", a);
                 return 2;
