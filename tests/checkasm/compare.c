@@ -556,8 +556,29 @@ int ca_expect_refused_entry(int got, int want, const char *who, const char *what
     return 0;
 }
 
-int ca_pools_unchanged(struct fx_pools *fx, const uint8_t *hstart, const uint32_t *hhealth,
-                       const uint8_t *dstart, const uint32_t *dhealth, const char *what)
+int ca_snap_take(struct fx_pools *fx, struct ca_snap *s)
+{
+    const size_t words = ((size_t)fx->slots + 1) * sizeof(uint32_t);
+    s->hp = malloc(fx->pages_bytes);
+    s->dp = malloc(fx->pages_bytes);
+    s->hh = malloc(words);
+    s->dh = malloc(words);
+    CA_CHECK(s->hp && s->dp && s->hh && s->dh, "out of memory");
+    memcpy(s->hp, fx->hpages, fx->pages_bytes);
+    memcpy(s->hh, fx->hhealth, words);
+    CA_CHECK(fx_pools_download(fx, s->dp, s->dh) >= 0, "%s", stepq_last_error());
+    return 0;
+}
+
+void ca_snap_free(struct ca_snap *s)
+{
+    free(s->hp);
+    free(s->dp);
+    free(s->hh);
+    free(s->dh);
+}
+
+int ca_pools_unchanged(struct fx_pools *fx, const struct ca_snap *s, const char *what)
 {
     const size_t words = ((size_t)fx->slots + 1) * sizeof(uint32_t);
     uint8_t *pages = malloc(fx->pages_bytes);
@@ -573,10 +594,10 @@ int ca_pools_unchanged(struct fx_pools *fx, const uint8_t *hstart, const uint32_
         if (e != cudaSuccess)
             rc = checkasm_fail(__FILE__, __LINE__, "%s: CUDA error left behind: %s", what,
                                cudaGetErrorString(e));
-        else if (memcmp(fx->hpages, hstart, fx->pages_bytes) || memcmp(fx->hhealth, hhealth, words))
+        else if (memcmp(fx->hpages, s->hp, fx->pages_bytes) || memcmp(fx->hhealth, s->hh, words))
             rc = checkasm_fail(__FILE__, __LINE__, "%s: the host pool's pages or health changed",
                                what);
-        else if (memcmp(pages, dstart, fx->pages_bytes) || memcmp(health, dhealth, words))
+        else if (memcmp(pages, s->dp, fx->pages_bytes) || memcmp(health, s->dh, words))
             rc = checkasm_fail(__FILE__, __LINE__, "%s: the CUDA pool's pages or health changed",
                                what);
     }

@@ -89,12 +89,20 @@ int ca_transfer_check(const struct fx_transfer *p, const char *verb, const char 
  */
 int ca_expect_refused_entry(int got, int want, const char *who, const char *what);
 
+/** Both pools' pages and health words at one moment (the CUDA pool's read back). */
+struct ca_snap {
+    uint8_t *hp, *dp;
+    uint32_t *hh, *dh;
+};
+
+/** Takes the snapshot: 0, or 1 after reporting the failure. Free with ca_snap_free. */
+int ca_snap_take(struct fx_pools *fx, struct ca_snap *s);
+void ca_snap_free(struct ca_snap *s);
+
 /**
- * Both pools' pages and health words are still hstart / hhealth (host pool)
- * and dstart / dhealth (CUDA pool, read back), and no CUDA error is left
- * behind (cudaGetLastError after a synchronisation).
+ * Both pools' pages and health words are still those of the snapshot s, and
+ * no CUDA error is left behind (cudaGetLastError after a synchronisation).
  */
-int ca_pools_unchanged(struct fx_pools *fx, const uint8_t *hstart, const uint32_t *hhealth,
-                       const uint8_t *dstart, const uint32_t *dhealth, const char *what);
+int ca_pools_unchanged(struct fx_pools *fx, const struct ca_snap *s, const char *what);
 
 #endif /* STEPQ_TESTS_CHECKASM_COMPARE_H */

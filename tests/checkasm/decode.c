@@ -423,34 +423,6 @@ out:
     return rc;
 }
 
-/* Snapshots of both pools (host pages and health; the CUDA pool's read back). */
-struct snap {
-    uint8_t *hp, *dp;
-    uint32_t *hh, *dh;
-};
-
-static int snap_take(struct fx_pools *fx, struct snap *s)
-{
-    const size_t words = ((size_t)fx->slots + 1) * sizeof(uint32_t);
-    s->hp = malloc(fx->pages_bytes);
-    s->dp = malloc(fx->pages_bytes);
-    s->hh = malloc(words);
-    s->dh = malloc(words);
-    CA_CHECK(s->hp && s->dp && s->hh && s->dh, "out of memory");
-    memcpy(s->hp, fx->hpages, fx->pages_bytes);
-    memcpy(s->hh, fx->hhealth, words);
-    CA_CHECK(fx_pools_download(fx, s->dp, s->dh) >= 0, "%s", stepq_last_error());
-    return 0;
-}
-
-static void snap_free(struct snap *s)
-{
-    free(s->hp);
-    free(s->dp);
-    free(s->hh);
-    free(s->dh);
-}
-
 /* o was never written and no input changed, on either side. */
 static int untouched(const struct fx_step_io *hio, const struct fx_step_io *dio)
 {
@@ -469,11 +441,11 @@ static int run_bad_public(void)
     struct fx_pools fx = { 0 };
     struct fx_inputs in = { 0 };
     struct fx_step_io hio = { 0 }, dio = { 0 };
-    struct snap sn = { 0 };
+    struct ca_snap sn = { 0 };
     char what[160];
     int rc = 0, n = 0;
 
-    if ((rc = bad_setup(&fx, &in, &hio, &dio, 1, 2)) || (rc = snap_take(&fx, &sn)))
+    if ((rc = bad_setup(&fx, &in, &hio, &dio, 1, 2)) || (rc = ca_snap_take(&fx, &sn)))
         goto out;
     for (int i = 0; i < BP_COUNT; i++)
         for (int side = 0; side < 2; side++) {
@@ -506,14 +478,14 @@ static int run_bad_public(void)
     }
     CA_OK(stepq_pool_alloc(fx.host, 1, &back));
     CA_TRY(back == 5, "the host pool gave back slot %d, not 5", (int)back);
-    if ((rc = ca_pools_unchanged(&fx, sn.hp, sn.hh, sn.dp, sn.dh, "after the refused calls")) ||
+    if ((rc = ca_pools_unchanged(&fx, &sn, "after the refused calls")) ||
         (rc = untouched(&hio, &dio)))
         goto out;
     checkasm_note("%d refused calls: each its status and a message naming the argument, no page"
                   " byte, health word or output changed",
                   n);
 out:
-    snap_free(&sn);
+    ca_snap_free(&sn);
     fx_step_io_free(&hio);
     fx_step_io_free(&dio);
     fx_inputs_free(&in);
@@ -534,13 +506,13 @@ static int run_bad_entry(void)
     struct fx_pools fx = { 0 };
     struct fx_inputs in = { 0 };
     struct fx_step_io hio = { 0 }, dio = { 0 };
-    struct snap sn = { 0 };
+    struct ca_snap sn = { 0 };
     stepq__cuda_layer *L = NULL, *L3 = NULL, *bad = NULL;
     struct stepq__step_args a, x;
     stepq_step_args ad;
     int rc = 0, n = 0;
 
-    if ((rc = bad_setup(&fx, &in, &hio, &dio, 2, 4)) || (rc = snap_take(&fx, &sn)))
+    if ((rc = bad_setup(&fx, &in, &hio, &dio, 2, 4)) || (rc = ca_snap_take(&fx, &sn)))
         goto out;
     struct stepq__packed_layer mis = fx.dpl, pl3 = fx.dpl;
     mis.base += 8; /* not 16-byte aligned */
@@ -598,7 +570,7 @@ static int run_bad_entry(void)
         goto out;
     CA_TRY(bad == NULL, "a refused prepare left a handle");
     n++;
-    if ((rc = ca_pools_unchanged(&fx, sn.hp, sn.hh, sn.dp, sn.dh, "after the refused calls")) ||
+    if ((rc = ca_pools_unchanged(&fx, &sn, "after the refused calls")) ||
         (rc = untouched(&hio, &dio)))
         goto out;
     checkasm_note("%d refused calls: each its status and a message naming the entry, no CUDA error"
@@ -607,7 +579,7 @@ static int run_bad_entry(void)
 out:
     stepq__cuda_layer_release(L);
     stepq__cuda_layer_release(L3);
-    snap_free(&sn);
+    ca_snap_free(&sn);
     fx_step_io_free(&hio);
     fx_step_io_free(&dio);
     fx_inputs_free(&in);

@@ -344,11 +344,10 @@ out:
 }
 
 /* Both pools' pages, health words and tensors as they were. */
-static int all_unchanged(struct fx_pools *fx, const uint8_t *hp, const uint32_t *hh,
-                         const uint8_t *dp, const uint32_t *dh, const struct side *hs,
+static int all_unchanged(struct fx_pools *fx, const struct ca_snap *sn, const struct side *hs,
                          const struct side *ds)
 {
-    if (ca_pools_unchanged(fx, hp, hh, dp, dh, "after the refused calls"))
+    if (ca_pools_unchanged(fx, sn, "after the refused calls"))
         return 1;
     return side_check(hs, "host") || side_check(ds, "device");
 }
@@ -357,23 +356,15 @@ static int run_bad_public(void)
 {
     struct fx_pools fx = { 0 };
     struct side hs = { 0 }, ds = { 0 };
-    uint8_t *hp = NULL, *dp = NULL;
-    uint32_t *hh = NULL, *dh = NULL;
-    size_t stride = 0, words;
+    struct ca_snap sn = { 0 };
+    size_t stride = 0;
     char what[160];
     int rc = 0, n = 0;
 
     if ((rc = bad_setup(&fx, &hs, &ds, &stride)))
         goto out;
-    words = ((size_t)fx.slots + 1) * sizeof(uint32_t);
-    hp = malloc(fx.pages_bytes);
-    dp = malloc(fx.pages_bytes);
-    hh = malloc(words);
-    dh = malloc(words);
-    CA_TRY(hp && dp && hh && dh, "out of memory");
-    memcpy(hp, fx.hpages, fx.pages_bytes);
-    memcpy(hh, fx.hhealth, words);
-    CA_OK(fx_pools_download(&fx, dp, dh));
+    if ((rc = ca_snap_take(&fx, &sn)))
+        goto out;
     const struct params p = { .n = 4, .layout = STEPQ_STATE_LAYOUT_KV, .dtype = STEPQ_DTYPE_FP32 };
     for (int op = 0; op < 2; op++) /* pack, then unpack: the same checks (pool/step.c) */
         for (int i = 0; i < BP_COUNT; i++)
@@ -409,16 +400,13 @@ static int run_bad_public(void)
     }
     CA_OK(stepq_pool_alloc(fx.host, 1, &back));
     CA_TRY(back == 5, "the host pool gave back slot %d, not 5", (int)back);
-    if ((rc = all_unchanged(&fx, hp, hh, dp, dh, &hs, &ds)))
+    if ((rc = all_unchanged(&fx, &sn, &hs, &ds)))
         goto out;
     checkasm_note("%d refused calls (pack and unpack): each its status and a message naming the"
                   " argument, no page byte, health word or dense state changed",
                   n);
 out:
-    free(hp);
-    free(dp);
-    free(hh);
-    free(dh);
+    ca_snap_free(&sn);
     side_free(&hs);
     side_free(&ds);
     fx_pools_close(&fx);
@@ -436,22 +424,14 @@ static int run_bad_entry(void)
     struct fx_pools fx = { 0 };
     struct side hs = { 0 }, ds = { 0 };
     stepq__cuda_layer *L = NULL, *L1 = NULL;
-    uint8_t *hp = NULL, *dp = NULL;
-    uint32_t *hh = NULL, *dh = NULL;
-    size_t stride = 0, words;
+    struct ca_snap sn = { 0 };
+    size_t stride = 0;
     int rc = 0, n = 0;
 
     if ((rc = bad_setup(&fx, &hs, &ds, &stride)))
         goto out;
-    words = ((size_t)fx.slots + 1) * sizeof(uint32_t);
-    hp = malloc(fx.pages_bytes);
-    dp = malloc(fx.pages_bytes);
-    hh = malloc(words);
-    dh = malloc(words);
-    CA_TRY(hp && dp && hh && dh, "out of memory");
-    memcpy(hp, fx.hpages, fx.pages_bytes);
-    memcpy(hh, fx.hhealth, words);
-    CA_OK(fx_pools_download(&fx, dp, dh));
+    if ((rc = ca_snap_take(&fx, &sn)))
+        goto out;
     struct stepq__packed_layer mis = fx.dpl, pl1 = fx.dpl;
     mis.base += 8; /* not 16-byte aligned */
     pl1.n_heads = 1;
@@ -506,7 +486,7 @@ static int run_bad_entry(void)
             goto out;
         n++;
     }
-    if ((rc = all_unchanged(&fx, hp, hh, dp, dh, &hs, &ds)))
+    if ((rc = all_unchanged(&fx, &sn, &hs, &ds)))
         goto out;
     checkasm_note("%d refused calls: each its status and a message naming the entry, no CUDA error"
                   " left, no page byte or dense state changed",
@@ -514,10 +494,7 @@ static int run_bad_entry(void)
 out:
     stepq__cuda_layer_release(L);
     stepq__cuda_layer_release(L1);
-    free(hp);
-    free(dp);
-    free(hh);
-    free(dh);
+    ca_snap_free(&sn);
     side_free(&hs);
     side_free(&ds);
     fx_pools_close(&fx);

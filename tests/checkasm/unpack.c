@@ -111,8 +111,8 @@ static int run(const struct params *p)
     struct fx_buf hd = { 0 }, dd = { 0 }, hids = { 0 }, dids_b = { 0 };
     stepq__cuda_layer *L = NULL;
     int32_t *ids = malloc(sizeof(int32_t) * (size_t)p->n), *dids = malloc(sizeof(int32_t) * p->n);
-    uint8_t *got = malloc(bytes), *hp = NULL, *dp = NULL;
-    uint32_t *hh = NULL, *dh = NULL;
+    uint8_t *got = malloc(bytes);
+    struct ca_snap sn = { 0 };
     stepq_prefill_args ah = STEPQ_PREFILL_ARGS_INITIALIZER, ad;
     int64_t bad;
     int rc = 0;
@@ -134,15 +134,8 @@ static int run(const struct params *p)
     CA_OK(fx_buf_alloc(&dids_b, sizeof(int32_t) * (size_t)p->n, 1));
     CA_OK(fx_buf_set(&hids, ids));
     CA_OK(fx_buf_set(&dids_b, dids));
-    const size_t words = ((size_t)fx.slots + 1) * sizeof(uint32_t);
-    hp = malloc(fx.pages_bytes);
-    dp = malloc(fx.pages_bytes);
-    hh = malloc(words);
-    dh = malloc(words);
-    CA_TRY(hp && dp && hh && dh, "out of memory");
-    memcpy(hp, fx.hpages, fx.pages_bytes);
-    memcpy(hh, fx.hhealth, words);
-    CA_OK(fx_pools_download(&fx, dp, dh));
+    if ((rc = ca_snap_take(&fx, &sn)))
+        goto out;
     ah.n = p->n;
     ah.slot_ids = hids.p;
     ah.states = hd.p;
@@ -163,8 +156,7 @@ static int run(const struct params *p)
     CA_OK(launch_new(&lc));
 
     CA_OK(fx_buf_get(&dd, got));
-    if (compare_dense(p, got, hd.p, ids, stride) ||
-        ca_pools_unchanged(&fx, hp, hh, dp, dh, "the unpack")) {
+    if (compare_dense(p, got, hd.p, ids, stride) || ca_pools_unchanged(&fx, &sn, "the unpack")) {
         rc = 1;
         goto out;
     }
@@ -188,10 +180,7 @@ out:
     free(ids);
     free(dids);
     free(got);
-    free(hp);
-    free(dp);
-    free(hh);
-    free(dh);
+    ca_snap_free(&sn);
     fx_pools_close(&fx);
     return rc;
 }
