@@ -33,42 +33,11 @@
 #include <nccl.h>
 #pragma GCC diagnostic pop
 
-static const char *root;
+#include "tests/tp/tp_test.h"
 
 #define GDN6  "config/calibrated/tiny-gdn/stepq@6.json"
 #define GDN4  "config/calibrated/tiny-gdn/uniform@4.json"
 #define SLOTS 8
-
-static int has(const char *needle)
-{
-    if (strstr(stepq_last_error(), needle))
-        return 1;
-    print_error("\"%s\" is not in \"%s\"\n", needle, stepq_last_error());
-    return 0;
-}
-
-static stepq_tp_slots slots_of(stepq_pool_t *pool, uint64_t fp, int peer, const int32_t *ids,
-                               int32_t n)
-{
-    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
-
-    s.pool = pool;
-    s.page_fingerprint = fp;
-    s.peer = peer;
-    s.slot_ids = ids;
-    s.n = n;
-    return s;
-}
-
-static stepq_map_t *load(const char *rel)
-{
-    char path[4096];
-    stepq_map_t *map = NULL;
-
-    snprintf(path, sizeof(path), "%s/%s", root, rel);
-    assert_int_equal(stepq_map_load_file(path, NULL, &map), STEPQ_OK);
-    return map;
-}
 
 /* One rank's CUDA pool as a TP server opens it: the planned page, then the check. */
 struct rank_pool {

@@ -32,15 +32,7 @@
 #include "tp/nccl_internal.h"
 #endif
 
-static const char *root;
-
-static int has(const char *needle)
-{
-    if (strstr(stepq_last_error(), needle))
-        return 1;
-    print_error("\"%s\" is not in \"%s\"\n", needle, stepq_last_error());
-    return 0;
-}
+#include "tests/tp/tp_test.h"
 
 #if STEPQ_HAVE_NCCL
 
@@ -97,29 +89,6 @@ static void wrap_refuses_bad_arguments_before_nccl(void **state)
     assert_int_equal(stepq_tp_comm_wrap(&not_a_comm, 0, -4, NULL, &comm), STEPQ_EINVAL);
     assert_true(has("size -4"));
     assert_int_equal(stepq_tp_comm_wrap(&not_a_comm, 0, 1, NULL, NULL), STEPQ_EINVAL);
-}
-
-static stepq_tp_slots slots_of(stepq_pool_t *pool, uint64_t fp, int peer, const int32_t *ids,
-                               int32_t n)
-{
-    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
-
-    s.pool = pool;
-    s.page_fingerprint = fp;
-    s.peer = peer;
-    s.slot_ids = ids;
-    s.n = n;
-    return s;
-}
-
-static stepq_map_t *load(const char *rel)
-{
-    char path[4096];
-    stepq_map_t *map = NULL;
-
-    snprintf(path, sizeof(path), "%s/%s", root, rel);
-    assert_int_equal(stepq_map_load_file(path, NULL, &map), STEPQ_OK);
-    return map;
 }
 
 static void a_pool_of_the_host_backend_is_refused(void **state)

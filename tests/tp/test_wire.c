@@ -18,17 +18,7 @@
 #include "stepq/pool.h"
 #include "stepq/tp.h"
 
-static const char *root;
-
-static stepq_map_t *load(const char *rel)
-{
-    char path[4096];
-    stepq_map_t *map = NULL;
-
-    snprintf(path, sizeof(path), "%s/%s", root, rel);
-    assert_int_equal(stepq_map_load_file(path, NULL, &map), STEPQ_OK);
-    return map;
-}
+#include "tests/tp/tp_test.h"
 
 static stepq_tp_fingerprint_info fp_of(const stepq_map_t *map, int tp, int rank)
 {
