@@ -983,6 +983,17 @@ out:
     return ret;
 }
 
+/* Batch B's entry in the JSON's batches array (jb NULL: no JSON); its rows array, or NULL. */
+static cJSON *json_batch(cJSON *jb, int B)
+{
+    if (!jb)
+        return NULL;
+    cJSON *e = cJSON_CreateObject();
+    cJSON_AddNumberToObject(e, "batch", B);
+    cJSON_AddItemToArray(jb, e);
+    return cJSON_AddArrayToObject(e, "rows");
+}
+
 /* --- setup and report --------------------------------------------------------------- */
 
 /* The table goes to tout: the output, or nowhere with --json. */
@@ -1235,13 +1246,7 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
         const int B = (int)jnum(
             cJSON_GetArrayItem(cJSON_GetObjectItemCaseSensitive(j0, "batches"), i), "batch");
         double fp32_tps = 0;
-        cJSON *jr = NULL;
-        if (jb) {
-            cJSON *e = cJSON_CreateObject();
-            cJSON_AddNumberToObject(e, "batch", B);
-            jr = cJSON_AddArrayToObject(e, "rows");
-            cJSON_AddItemToArray(jb, e);
-        }
+        cJSON *jr = json_batch(jb, B);
         for (int v = 0; v < n_v; v++) {
             const char *label = jstr(rank_row(j0, i, v), "label");
             double worst = 0, each[1024];
@@ -1784,13 +1789,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
     for (int i = 0; i < o.n_b; i++) {
         const int B = o.batches[i];
         const double fp32_tps = res[i][0].ran ? (double)B * o.tokens / res[i][0].median_s : 0;
-        cJSON *jr = NULL;
-        if (jb) {
-            cJSON *e = cJSON_CreateObject();
-            cJSON_AddNumberToObject(e, "batch", B);
-            jr = cJSON_AddArrayToObject(e, "rows");
-            cJSON_AddItemToArray(jb, e);
-        }
+        cJSON *jr = json_batch(jb, B);
         for (int v = 0; v < 3; v++) {
             const struct result *r = &res[i][v];
             const double tps = r->ran ? (double)B * o.tokens / r->median_s : 0;
