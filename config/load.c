@@ -1146,7 +1146,8 @@ done:
     return stepq__map_publish(m, out);
 }
 
-/* The caller's load options (any version) as this library's; a limit of 0 keeps the default. */
+/* The caller's load options (any version) as this library's; a limit of 0 keeps the default
+ * (max_values may be NULL: stepq_map_load_file reads the file, the buffer load checks values). */
 static int import_load_config(const stepq_map_load_config *cfg, size_t *max_bytes,
                               size_t *max_values)
 {
@@ -1163,7 +1164,7 @@ static int import_load_config(const stepq_map_load_config *cfg, size_t *max_byte
      * the reader's max_bytes + 1 must not wrap. */
     if (c.max_bytes)
         *max_bytes = c.max_bytes < SIZE_MAX / 2 ? c.max_bytes : SIZE_MAX / 2;
-    if (c.max_values)
+    if (c.max_values && max_values)
         *max_values = c.max_values;
     return STEPQ_OK;
 }
@@ -1252,8 +1253,7 @@ int stepq_map_load_buffer(const char *buf, size_t len, const stepq_map_load_conf
 
 static int load_file(const char *path, const stepq_map_load_config *cfg, stepq_map_t **out)
 {
-    size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, max_values = STEPQ__MAP_DEFAULT_MAX_VALUES;
-    size_t len = 0, cap;
+    size_t max_bytes = STEPQ__MAP_DEFAULT_MAX_BYTES, len = 0, cap;
     struct stat sb;
     char *buf = NULL;
     int fd, st;
@@ -1264,10 +1264,9 @@ static int load_file(const char *path, const stepq_map_load_config *cfg, stepq_m
     if (!path)
         return stepq__error(STEPQ_EINVAL, "stepq_map_load_file: path is NULL");
     if (cfg) {
-        if ((st = import_load_config(cfg, &max_bytes, &max_values)) < 0)
+        if ((st = import_load_config(cfg, &max_bytes, NULL)) < 0)
             return st;
     }
-    (void)max_values; /* checked by stepq_map_load_buffer, which gets the same cfg */
     fd = open(path, O_RDONLY | O_CLOEXEC);
     if (fd < 0)
         return stepq__error(STEPQ_EIO, "%s: %s", path, strerror(errno));
