@@ -720,8 +720,8 @@ int stepq_tool_calibrate(int argc, char **argv)
                 fprintf(f,
                         "  {\"layer\": %d, \"head\": %d, \"row\": %d, \"half_life\": %.6g, "
                         "\"lambda\": %.6g, \"out2\": %.6g, \"bits\": %d, \"dist\": [",
-                        I->layer_ids[h / I->HV], h % I->HV, kda ? i : -1,
-                        l < 0 ? 0.69314718055994531 / -l : 1e30, lam[u], res[h].out2, bits[u]);
+                        I->layer_ids[h / I->HV], h % I->HV, kda ? i : -1, stepq__calib_half_life(l),
+                        lam[u], res[h].out2, bits[u]);
                 for (int c = 0; c < m && !single; c++)
                     fprintf(f, "%s%.6g", c ? ", " : "", res[h].dist[(size_t)c * rows + i]);
                 fprintf(f, "]}%s\n", u + 1 < U ? "," : "");

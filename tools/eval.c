@@ -346,7 +346,7 @@ int stepq_tool_eval(int argc, char **argv)
     double *hl = malloc(sizeof(double) * H), *tmp = malloc(sizeof(double) * (S > H ? S : H) * 7);
     int *cls = malloc(sizeof(int) * H), *order = malloc(sizeof(int) * H);
     for (int h = 0; h < H; h++) {
-        hl[h] = c.lret[h] < 0 ? 0.69314718055994531 / -c.lret[h] : 1e30;
+        hl[h] = stepq__calib_half_life(c.lret[h]);
         order[h] = h;
     }
     for (int i = 1; i < H; i++) /* insertion sort: H is small */
@@ -504,9 +504,8 @@ int stepq_tool_eval(int argc, char **argv)
             goto done2;
         }
         for (int u = 0; u < R; u++) {
-            double l = c.row_lret[u];
             int h = u / I->K, i = u % I->K;
-            hr[u] = l < 0 ? 0.69314718055994531 / -l : 1e30;
+            hr[u] = stepq__calib_half_life(c.row_lret[u]);
             dr[u] = 0;
             for (int s = 0; s < S; s++)
                 dr[u] += c.row_serr[((size_t)h * S + s) * I->K + i];

@@ -356,6 +356,11 @@ static void ranks(const double *x, int n, double *r, struct rank_item *tmp)
     }
 }
 
+double stepq__calib_half_life(double l)
+{
+    return l < 0 ? 0.69314718055994531 / -l : 1e30;
+}
+
 double stepq__calib_spearman(const double *x, const double *y, int n)
 {
     if (n < 2)

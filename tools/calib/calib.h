@@ -85,4 +85,7 @@ int stepq__calib_allocate(int n, int m, const double *cost, const int *size, lon
 
 double stepq__calib_spearman(const double *x, const double *y, int n);
 
+/** Half-life in tokens of a mean log retention l (ln 2 / -l); 1e30 for l >= 0 (no decay). */
+double stepq__calib_half_life(double l);
+
 #endif /* STEPQ_TOOLS_CALIB_H */
