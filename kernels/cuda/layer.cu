@@ -32,6 +32,14 @@ struct stepq__cuda_layer {
     int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
     int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
+    /*
+     * Every head a bf16 block of the same arch, laid out back to back from
+     * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
+     * dense bf16 [HV][K][V] state, and the step runs on the dense tile kernel
+     * (8 bf16 per 16-byte access) instead of the column kernel.
+     */
+    int dense_bf16;
+    size_t dense_off;
     /* two-stage variant */
     float *scratch;
     int *skip;
@@ -196,6 +204,15 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
         L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
     }
+    L->dense_bf16 = pl->n_heads > 0 && pl->head_offset[0] % 16 == 0 && pl->page_stride % 16 == 0;
+    for (int hv = 0; hv < pl->n_heads && L->dense_bf16; hv++) {
+        const struct stepq__head_layout *hl = &pl->heads[hv];
+        L->dense_bf16 = hl->method == STEPQ_METHOD_BF16 && hl->arch == pl->heads[0].arch &&
+                        hl->d_k == SQ_D && hl->d_v == SQ_D && hl->codes_offset == 0 &&
+                        pl->head_offset[hv] ==
+                            pl->head_offset[0] + (size_t)hv * SQ_D * SQ_D * sizeof(uint16_t);
+    }
+    L->dense_off = L->dense_bf16 ? pl->head_offset[0] : 0;
     free(h);
     *out = L;
     return STEPQ_OK;
@@ -328,6 +345,8 @@ static size_t pack_smem(size_t max_block, const sq_io &io)
 }
 static_assert(SQ_STAGE_BYTES(4) <= SQ_DYN_SMEM_MAX, "the staged fp32 head exceeds the attribute");
 
+static int dense_vec_ok(const void *p, size_t stride, stepq_dtype dtype);
+
 /* The tile and unpack kernels read quantized blocks only; a column handle asked for neither. */
 static int use_tile(const stepq__cuda_layer *L)
 {
@@ -444,6 +463,15 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     dim3 grid((unsigned)a->HV, (unsigned)a->batch);
     size_t smem = dyn_smem(L->max_block);
 
+    if (variant == STEPQ__CUDA_FUSED && !L->column && L->dense_bf16) {
+        /* a bf16 page is a dense bf16 state of page_stride / 2 elements per slot */
+        io.dense = pl->base + L->dense_off;
+        io.dense_stride = pl->page_stride / sizeof(uint16_t);
+        io.dense_vec = dense_vec_ok(io.dense, io.dense_stride, STEPQ_DTYPE_BF16);
+        io.dense_by_slot = 1;
+        io.bf16 = 1;
+        return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, s, st, io, 0, who);
+    }
     const int tile = use_tile(L);
     if (tile)
         smem = tile_smem(L->max_block);

@@ -729,6 +729,19 @@ void checkasm_check_decode(void)
         .arch = K, .method = STEPQ_METHOD_DSQ, .bits = 5, .H = 1, .HV = 2, .batch = B, .gate = 1 });
     one((struct params){
         .arch = K, .method = STEPQ_METHOD_FP32, .H = 2, .HV = 2, .batch = B, .gate = 1 });
+    /* bf16 pages step on the dense tile kernel (kernels/cuda/layer.cu): KDA, NaN, views */
+    one((struct params){
+        .arch = K, .method = STEPQ_METHOD_BF16, .H = 2, .HV = 2, .batch = B, .gate = 1 });
+    one((struct params){
+        .arch = G, .method = STEPQ_METHOD_BF16, .H = 2, .HV = 4, .batch = B, .nonfinite = 1 });
+    one((struct params){ .arch = K,
+                         .method = STEPQ_METHOD_BF16,
+                         .H = 2,
+                         .HV = 2,
+                         .batch = B,
+                         .gate = 1,
+                         .nonfinite = 1,
+                         .view = 1 });
     /* non-finite inputs leave the head untouched; batches of 1 and 40 */
     one((struct params){ .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .nonfinite = 1 });
     one((struct params){

@@ -53,7 +53,10 @@ def static_flags(dest, libdir, cuda_root, sanitize):
         skip("pkg-config is not on PATH")
     # The installed .pc names the configured prefix; point it into DESTDIR.
     prefix = re.search(r"^prefix=(.*)$", open(os.path.join(pc, "stepq.pc")).read(), re.M).group(1)
-    env = dict(os.environ, PKG_CONFIG_PATH=pc)
+    # Ahead of the caller's path, not instead of it: the Requires of stepq.pc
+    # (libcjson, libuv) may live in a prefix that only PKG_CONFIG_PATH names.
+    env = dict(os.environ, PKG_CONFIG_PATH=os.pathsep.join(
+        [pc] + [d for d in os.environ.get("PKG_CONFIG_PATH", "").split(os.pathsep) if d]))
     r = subprocess.run(["pkg-config", "--define-variable=prefix=" + dest + prefix, "--cflags",
                         "--libs", "--static", "stepq"], capture_output=True, text=True, env=env)
     if r.returncode:
