@@ -169,6 +169,22 @@ static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint
     }
 }
 
+/* The row-scale exponent of fit_dual (kernels/quant.h): 0.5 unless an analysis tool set it. */
+static double row_split = 0.5;
+
+int stepq__quant_set_row_split(double alpha)
+{
+    if (!(alpha > 0.0 && alpha <= 1.0))
+        return stepq__error(STEPQ_EINVAL, "row split %g outside (0, 1]", alpha);
+    row_split = alpha;
+    return STEPQ_OK;
+}
+
+double stepq__quant_row_split(void)
+{
+    return row_split;
+}
+
 /* dsq / spatial / stepq: the key-row-aware dual-axis fit (w NULL = all 1). */
 static void fit_dual(const struct stepq__head_layout *hl, const float *x, const float *w,
                      uint8_t *blk, uint32_t *flags)
@@ -190,7 +206,10 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
         any_int = 1;
         float wi = w ? w[i] : 1.0f;
         uint16_t rh;
-        r[i] = scale_value(sqrtf(row_absmax(xr, d_v) / wi), &rh, flags);
+        const float m = row_absmax(xr, d_v);
+        r[i] = scale_value(row_split == 0.5 ? sqrtf(m / wi)
+                                            : (float)(pow((double)m, row_split) / sqrt((double)wi)),
+                           &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
     }
     if (!any_int)

@@ -71,4 +71,22 @@ int stepq__dequantize_head(const struct stepq__head_layout *hl, const void *bloc
  */
 double stepq__weighted_sq_error(const float *x, const float *y, const float *w, int d_k, int d_v);
 
+/**
+ * The exponent of the dual-axis fit's row scale (dsq, spatial, stepq): row i
+ * is scaled by r_i = (max_j |x_ij| / w_i)^alpha before the column scales are
+ * fitted. 0.5 (the default) is the paper's balanced split, which leaves a row
+ * whose absmax is 1/100 of the head's largest using 1/10 of its code range;
+ * 1.0 normalises every row to its own range (times w_i) first. This is an
+ * analysis knob of the C reference for `stepq eval --row-split` and the NLL
+ * shim, to measure on calibration data whether another split serves a model
+ * better; the maps do not record it and the CUDA kernels always use 0.5, so
+ * a pool on CUDA and one on the host agree only at the default.
+ *
+ * @return STEPQ_OK, or STEPQ_EINVAL (setting unchanged) outside (0, 1].
+ * Thread-safety: process-wide; set it before any quantization starts.
+ */
+int stepq__quant_set_row_split(double alpha);
+/** The current exponent (0.5 unless stepq__quant_set_row_split changed it). */
+double stepq__quant_row_split(void);
+
 #endif /* STEPQ_KERNELS_QUANT_H */

@@ -110,6 +110,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: stepq eval --map M... --trace F... [--json [FILE]] [-o FILE] [--classes]\n"
                "                  [--plot DIR] [--threads N] [--inject-step T] [--bucket N]\n"
+               "                  [--row-split A]\n"
                "Replays the traces with every map's method in the loop against the fp32\n"
                "reference and prints a table of readout errors (a legend follows it).\n"
                "  --json         every detail (curves, per-head and per-class errors) as JSON\n"
@@ -122,6 +123,9 @@ static void usage(FILE *f)
                "  --threads N    default: online CPUs, at most one per head\n"
                "  --inject-step  the single-injection step (default 256, T/4 for T <= 1024)\n"
                "  --bucket N     tokens per point of the error-over-time curve (default 64)\n"
+               "  --row-split A  analysis: the dual-axis fit's row scale (max|x_i|/w_i)^A,\n"
+               "                 A in (0, 1] (default 0.5, the paper's split and the only\n"
+               "                 one the maps and the CUDA kernels use; kernels/quant.h)\n"
                "Progress on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
@@ -200,9 +204,9 @@ int stepq_tool_eval(int argc, char **argv)
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            static const char *const value_opts[] = { "--bucket", "--inject-step",
-                                                      "--plot",   "--threads",
-                                                      "-o",       NULL };
+            static const char *const value_opts[] = { "--bucket",  "--inject-step", "--plot",
+                                                      "--threads", "--row-split",   "-o",
+                                                      NULL };
             return stepq_tool_missing_value("eval", a, value_opts);
         }
         i++;
@@ -211,7 +215,13 @@ int stepq_tool_eval(int argc, char **argv)
             out_path = v;
         else if (!strcmp(a, "--plot"))
             plot = v;
-        else if (!strcmp(a, "--threads") || !strcmp(a, "--inject-step") || !strcmp(a, "--bucket")) {
+        else if (!strcmp(a, "--row-split")) {
+            double x;
+            if (stepq_tool_real("eval", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &x) < 0)
+                return 2;
+            stepq__quant_set_row_split(x);
+        } else if (!strcmp(a, "--threads") || !strcmp(a, "--inject-step") ||
+                   !strcmp(a, "--bucket")) {
             if (stepq_tool_int("eval", a, v, strcmp(a, "--inject-step") ? 1 : 0, 100000000, &n) < 0)
                 return 2;
             if (!strcmp(a, "--threads"))
@@ -225,6 +235,11 @@ int stepq_tool_eval(int argc, char **argv)
             return 2;
         }
     }
+    if (stepq__quant_row_split() != 0.5)
+        fprintf(stderr,
+                "stepq eval: --row-split %g: the dual-axis fit differs from the maps' "
+                "(0.5)\n",
+                stepq__quant_row_split());
     if (json && json_stdout) {
         fprintf(stderr, "stepq eval: --json given twice, with and without a FILE\n");
         return 2;
@@ -371,8 +386,8 @@ int stepq_tool_eval(int argc, char **argv)
     if (jf)
         fprintf(jf,
                 "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
-                "\"inject_step\": %d, \"methods\": [\n",
-                S, I->T, I->n_layers, I->HV, t_inj);
+                "\"inject_step\": %d, \"row_split\": %g, \"methods\": [\n",
+                S, I->T, I->n_layers, I->HV, t_inj, stepq__quant_row_split());
     for (int m = 0; m < M; m++) {
         struct ms v[7];
         for (int s = 0; s < S; s++) {

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "kernels/quant.h"
 #include "plugin/err.h"
 #include "stepq/stepq.h"
 #include "tools/calib/calib.h"
@@ -46,6 +47,7 @@ SHIM_API int stepq_shim_shape(void *h, int out[5]);
 SHIM_API int stepq_shim_bits_per_value(void *h, double *out);
 SHIM_API int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n);
 SHIM_API void stepq_shim_close(void *h);
+SHIM_API int stepq_shim_set_row_split(double alpha);
 SHIM_API const char *stepq_shim_last_error(void);
 SHIM_API int stepq_shim_cuda_open(void *h, int max_n);
 SHIM_API int stepq_shim_cuda_roundtrip(void *h, int layer_index, float *dev_states, int n,
@@ -251,6 +253,13 @@ void stepq_shim_close(void *h)
     pool_close(&s->cuda, 1);
     stepq_map_close(s->map);
     free(s);
+}
+
+/* The dual-axis fit's row-split exponent of the C reference (kernels/quant.h), an analysis
+ * knob: the CUDA roundtrip keeps 0.5, so set it only for the host path. */
+int stepq_shim_set_row_split(double alpha)
+{
+    return stepq__quant_set_row_split(alpha);
 }
 
 const char *stepq_shim_last_error(void)

@@ -769,6 +769,40 @@ static void huge_values_saturate_scales_and_are_flagged(void **state)
     stepq__head_layout_free(&h.hl);
 }
 
+/*
+ * The row-split knob (kernels/quant.h): the default is 0.5 and gives the same block as
+ * before it existed; 1.0 normalises each row first, so a row 1/100 the size of the
+ * others keeps its resolution (its error drops), and values outside (0, 1] are refused.
+ */
+static void row_split_one_keeps_a_small_rows_resolution(void **state)
+{
+    (void)state;
+    enum { DK = 4, DV = 8 };
+    float x[DK * DV];
+    for (int i = 0; i < DK; i++)
+        for (int j = 0; j < DV; j++)
+            x[i * DV + j] = (i == 3 ? 0.01f : 1.0f) * sinf(0.7f * (float)(i * DV + j) + 0.3f);
+    struct head h, h1;
+    head_init(&h, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, DK, DV, (const uint8_t[]){ 4, 4, 4, 4 });
+    head_init(&h1, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, DK, DV, (const uint8_t[]){ 4, 4, 4, 4 });
+    assert_true(stepq__quant_row_split() == 0.5);
+    quantize(&h, x, NULL);
+    assert_int_equal(stepq__quant_set_row_split(1.0), STEPQ_OK);
+    quantize(&h1, x, NULL);
+    assert_int_equal(stepq__quant_set_row_split(0.0), STEPQ_EINVAL);
+    assert_int_equal(stepq__quant_set_row_split(1.5), STEPQ_EINVAL);
+    assert_int_equal(stepq__quant_set_row_split(NAN), STEPQ_EINVAL);
+    assert_true(stepq__quant_row_split() == 1.0);
+    assert_int_equal(stepq__quant_set_row_split(0.5), STEPQ_OK);
+    double e_half = 0, e_one = 0;
+    for (int j = 0; j < DV; j++) {
+        double a = h.xh[3 * DV + j] - x[3 * DV + j], b = h1.xh[3 * DV + j] - x[3 * DV + j];
+        e_half += a * a;
+        e_one += b * b;
+    }
+    assert_true(e_one < 0.25 * e_half);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -794,6 +828,7 @@ int main(void)
         cmocka_unit_test(fp8_2x3_golden_with_a_tie),
         cmocka_unit_test(fp8_zero_tiny_and_short_tiles),
         cmocka_unit_test(fp8_error_is_within_half_an_e4m3_ulp),
+        cmocka_unit_test(row_split_one_keeps_a_small_rows_resolution),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -51,7 +51,16 @@ def parse_args(argv=None):
                         "kernels (auto: CUDA when the shim has it and it agrees with the CPU path)")
     p.add_argument("--group", type=int, default=0,
                    help="methods per batched run besides fp32 (0: all in one batch)")
+    p.add_argument("--row-split", type=float, default=None,
+                   help="analysis: the C reference's dual-axis row-scale exponent in (0, 1] "
+                        "(default 0.5, the maps' and the CUDA kernels'; kernels/quant.h); "
+                        "needs --backend cpu")
     a = p.parse_args(argv)
+    if a.row_split is not None:
+        if not 0.0 < a.row_split <= 1.0:
+            p.error("--row-split %g: outside (0, 1]" % a.row_split)
+        if a.backend != "cpu":
+            p.error("--row-split: the CUDA kernels fit with 0.5 only; give --backend cpu")
     if not a.self_test and (not a.model or not a.text):
         p.error("--model and --text are required (except with --self-test)")
     if a.streams < 1 or a.prefill < 1 or a.decode < 1 or a.offset < 0:
@@ -322,6 +331,11 @@ def main(argv=None):
         raise SystemExit("nll_eval: %s" % e)
 
     shim = Shim(a.shim, a.threads)
+    if a.row_split is not None:
+        shim.lib.stepq_shim_set_row_split.argtypes = [ctypes.c_double]
+        shim.lib.stepq_shim_set_row_split.restype = ctypes.c_int
+        if shim.lib.stepq_shim_set_row_split(a.row_split) != 0:
+            raise SystemExit("nll_eval: --row-split: " + shim.err())
     try:
         arch, _, HV, K, V = hf_names.model_shape(model.config)
     except SystemExit as e:
@@ -543,7 +557,8 @@ def main(argv=None):
     meta = {"model": a.model, "arch": arch, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
             "torch": torch.__version__, "transformers": transformers.__version__, "backend": backend_used,
-            "decode_vs_full_fp32": decode_vs_full, "notes": notes}
+            "decode_vs_full_fp32": decode_vs_full, "notes": notes,
+            "row_split": 0.5 if a.row_split is None else a.row_split}
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "results": table}, f, indent=1)
