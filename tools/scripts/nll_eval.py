@@ -285,7 +285,7 @@ def main(argv=None):
     state = {"layer": None, "fn": None, "depth": 0}
     try:
         found, mods = hf_names.recurrent_layers(model)
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("nll_eval: %s" % e)
     layers = [m for _, m in found]
     for m in layers:
@@ -318,13 +318,13 @@ def main(argv=None):
         return wrapped
     try:
         hf_names.wrap_kernels(found, mods, wrap, "__wrapped_by_nll_eval__")
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("nll_eval: %s" % e)
 
     shim = Shim(a.shim, a.threads)
     try:
         arch, _, HV, K, V = hf_names.model_shape(model.config)
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("nll_eval: %s" % e)
     model_state_shape = (HV, K, V)
     lin_layers = sorted(m.layer_idx for m in layers)
