@@ -7,7 +7,7 @@ Gated DeltaNet, Kimi-Linear KDA)::
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained("shared/models/tiny-gdn", dtype=torch.bfloat16).cuda().eval()
     pool = stepq.hf.open_pool(model, "config/calibrated/tiny-gdn/stepq@4.json", size=8)
-    with stepq.hf.StepqCache(model, pool) as cache:   # one slot per batch row, taken at the prefill
+    with stepq.hf.StepqCache(model, pool) as cache:  # one slot per batch row, taken at the prefill
         out = model.generate(ids, past_key_values=cache, max_new_tokens=64, do_sample=False)
     pool.close()
 
