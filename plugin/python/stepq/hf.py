@@ -70,6 +70,7 @@ HFNamesError, naming what was looked for.
 """
 
 import copy
+import inspect
 import itertools
 import threading
 import weakref
@@ -214,15 +215,68 @@ def _install_kernels(layers, mods):
                                                ", ".join(hf_names.LAYER_ATTRS)))
 
 
-def _arg(args, kwargs, pos, names):
-    for n in names:
-        if n in kwargs:
-            return kwargs[n]
-    return args[pos] if len(args) > pos else None
+# The kernel arguments stepq.hf reads, by the names kernels give them (transformers' torch kernels:
+# query, key, value; flash-linear-attention's: q, k, v).
+_ALIASES = {"q": ("query", "q"), "k": ("key", "k"), "v": ("value", "v"), "g": ("g", "gate"), "beta": ("beta",),
+            "initial_state": ("initial_state",), "output_final_state": ("output_final_state",),
+            "l2norm": ("use_qk_l2norm_in_kernel",), "scale": ("scale",), "cu_seqlens": ("cu_seqlens",)}
+_DEFAULT_ORDER = ("query", "key", "value", "g", "beta")
+
+
+def _positional_names(fn):
+    """The kernel's positional parameter names (its signature, through functools.wraps), else the order
+    every kernel seen shares: q, k, v, g, beta."""
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError):
+        return _DEFAULT_ORDER
+    names = tuple(p.name for p in sig.parameters.values()
+                  if p.kind in (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD))
+    return names if len(names) >= 5 else _DEFAULT_ORDER
+
+
+class _Call:
+    """One kernel call as the layer made it: read and replace arguments by name, whether the layer
+    passed them by position or by keyword, then run the original with them."""
+
+    def __init__(self, name, fn, params, args, kwargs):
+        if len(args) > len(params):
+            raise HFError("%s got %d positional arguments, its signature names %d (%s)"
+                          % (name, len(args), len(params), ", ".join(params)))
+        self.name, self.fn, self.params, self.args, self.kwargs = name, fn, params, list(args), dict(kwargs)
+
+    def _where(self, key):
+        names = _ALIASES[key]
+        for n in names:
+            if n in self.kwargs:
+                return False, n
+        for n in names:
+            if n in self.params and self.params.index(n) < len(self.args):
+                return True, self.params.index(n)
+        return None
+
+    def get(self, key, default=None):
+        w = self._where(key)
+        if w is None:
+            return default
+        return self.args[w[1]] if w[0] else self.kwargs[w[1]]
+
+    def set(self, key, value):
+        w = self._where(key)
+        if w is None:
+            self.kwargs[_ALIASES[key][0]] = value
+        elif w[0]:
+            self.args[w[1]] = value
+        else:
+            self.kwargs[w[1]] = value
+
+    def run(self):
+        return self.fn(*self.args, **self.kwargs)
 
 
 def _wrap(fn, name):
     role = hf_names.kernel_role(name)
+    params = _positional_names(fn)
 
     def stepq_kernel(*args, **kwargs):
         s = _stack()
@@ -230,16 +284,14 @@ def _wrap(fn, name):
         if top is None or top[0] is None or top[2]:
             return fn(*args, **kwargs)  # not a StepqCache forward, or a kernel inside our own call
         cache, layer_id = top[0], top[1]
-        if len(args) > 5:
-            raise HFError("%s got %d positional arguments; stepq.hf reads q, k, v, g, beta by position and the "
-                          "rest (initial_state, ...) by keyword" % (name, len(args)))
-        if kwargs.get("cu_seqlens") is not None:
+        call = _Call(name, fn, params, args, kwargs)
+        if call.get("cu_seqlens") is not None:
             raise HFError("%s: packed sequences (cu_seqlens) are not supported by stepq.hf" % name)
         if role == "decode":
-            return cache._decode(layer_id, name, args, kwargs)
+            return cache._decode(layer_id, call)
         top[2] = True
         try:
-            return cache._prefill(layer_id, name, fn, args, kwargs)
+            return cache._prefill(layer_id, call)
         finally:
             top[2] = False
 
@@ -376,6 +428,11 @@ class StepqCache(DynamicCache):
         return out
 
     def _setup(self, info, rows, pool_for_alloc):
+        missing = [m for m in ("update_recurrent_state", "update_conv_state", "has_previous_state", "reorder_cache",
+                               "get_seq_length") if not callable(getattr(DynamicCache, m, None))]
+        if missing:
+            raise HFError("transformers %s: DynamicCache has no %s; stepq.hf builds on the transformers 5 cache "
+                          "of linear-attention layers" % (transformers.__version__, ", ".join(missing)))
         try:
             DynamicCache.__init__(self, config=info.config)
         except TypeError as e:
@@ -621,24 +678,24 @@ class StepqCache(DynamicCache):
                               "q/k heads; stepq.hf cannot recover the q/k heads" % (n, info.HV, info.H))
         info.qk_checked = True
 
-    def _prefill(self, layer_id, name, fn, args, kwargs):
-        q, k, v = args[0], args[1], args[2]
-        g, beta = _arg(args, kwargs, 3, ("g",)), _arg(args, kwargs, 4, ("beta",))
+    def _prefill(self, layer_id, call):
+        name = call.name
+        q, k, v, g, beta = (call.get(x) for x in ("q", "k", "v", "g", "beta"))
         B, T, hq = self._check_inputs(layer_id, name, q, k, v, g, beta)
         info = self._info
         if hq != info.H and not info.qk_checked:
             self._check_qk_repeat(q, k)
         self._ensure_rows(B, name)
         li = info.index[layer_id]
-        init = kwargs.get("initial_state")
+        init = call.get("initial_state")
         if init is not None:
             if not self._is_placeholder(init):
                 raise HFError("%s (layer %d): initial_state is a %s tensor %s, not stepq.hf's placeholder: the "
                               "cache's recurrent state did not come from this StepqCache"
                               % (name, layer_id, init.dtype, list(init.shape)))
-            kwargs = dict(kwargs, initial_state=self._unpack(li))
-        kwargs["output_final_state"] = True
-        out = fn(*args, **kwargs)
+            call.set("initial_state", self._unpack(li))
+        call.set("output_final_state", True)
+        out = call.run()
         if not isinstance(out, tuple) or len(out) != 2 or out[1] is None:
             raise HFError("%s (layer %d) returned %s, expected (output, final state)"
                           % (name, layer_id, type(out).__name__))
@@ -666,18 +723,18 @@ class StepqCache(DynamicCache):
     def _is_placeholder(self, t):
         return hasattr(t, "dim") and t.dim() == 2 and t.shape[-1] == 0
 
-    def _decode(self, layer_id, name, args, kwargs):
-        q, k, v = args[0], args[1], args[2]
-        g, beta = _arg(args, kwargs, 3, ("g",)), _arg(args, kwargs, 4, ("beta",))
-        init = kwargs.get("initial_state")
+    def _decode(self, layer_id, call):
+        name = call.name
+        q, k, v, g, beta = (call.get(x) for x in ("q", "k", "v", "g", "beta"))
+        init = call.get("initial_state")
         if init is None or not self._is_placeholder(init):
             raise HFError("%s (layer %d): a decode step without stepq.hf's placeholder as initial_state (got %s): "
                           "the layer did not read its state from this StepqCache"
                           % (name, layer_id, "None" if init is None else "a %s tensor %s"
                              % (init.dtype, list(init.shape))))
         info = self._info
-        B = q.shape[0]
-        if q.dim() != 4 or q.shape[1] != 1 or B != len(self._rows):
+        B, T, _ = self._check_inputs(layer_id, name, q, k, v, g, beta)
+        if T != 1 or B != len(self._rows):
             raise HFError("%s (layer %d): q %s, expected [%d rows, 1 token, heads, K]"
                           % (name, layer_id, list(q.shape), len(self._rows)))
         q1, k1 = q[:, 0], k[:, 0]
@@ -688,8 +745,8 @@ class StepqCache(DynamicCache):
         v1, g1, b1 = _f32_rows(v[:, 0]), _f32_rows(g[:, 0]), _f32_rows(beta[:, 0])
         out = torch.empty((B, info.HV, info.V), dtype=torch.float32, device=q.device)
         li = info.index[layer_id]
-        l2 = bool(kwargs.get("use_qk_l2norm_in_kernel", False))
-        scale = kwargs.get("scale")
+        l2 = bool(call.get("l2norm", False))
+        scale = call.get("scale")
         for pool, r0, r1, ids in self._segs:
             if r0 == 0 and r1 == B:
                 pool.decode(li, q1, k1, v1, g1, b1, cache_indices=ids, out=out, l2norm=l2, scale=scale)
