@@ -573,7 +573,7 @@ class StepqCache(DynamicCache):
             raise bad_arg("extend_rows: slots %s are rows of both caches" % sorted(s for _, s in clash))
         if len(self.layers) != len(other.layers):
             raise HFError("extend_rows: %d layers and %d" % (len(self.layers), len(other.layers)))
-        t_self, t_other = self.get_seq_length(), other.get_seq_length()
+        t_self, t_other = _kv_length(self.layers), _kv_length(other.layers)
         T = max(t_self, t_other)
         for i, (a, b) in enumerate(zip(self.layers, other.layers)):
             if type(a) is not type(b):
@@ -808,6 +808,16 @@ _LINEAR_STATE_DICTS = ("conv_states", "recurrent_states")
 def _has_kv(layer):
     """An attention cache layer (keys and values), as DynamicLayer."""
     return hasattr(layer, "keys") and hasattr(layer, "values")
+
+
+def _kv_length(layers):
+    """The positions the attention layers hold (one length for all of them, after a prefill)."""
+    lengths = {i: layer.keys.shape[-2] for i, layer in enumerate(layers)
+               if _has_kv(layer) and isinstance(layer.keys, torch.Tensor) and layer.keys.dim() == 4}
+    if len(set(lengths.values())) != 1:
+        raise HFError("extend_rows: attention layers hold %s positions (layer: length); one length after a "
+                      "prefill expected" % (lengths or "no"))
+    return next(iter(lengths.values()))
 
 
 def _set_batch_size(layers, B):
