@@ -34,9 +34,11 @@ Conventions:
   row's slot (StatePool.pack: fit, quantize, write).
 * Decode (the one-token recurrent kernel): StatePool.decode on the kernel's
   own inputs. q and k arrive as [B, 1, Hq, K]; Hq is H, or HV when the layer
-  repeated the q/k heads to the value heads (repeat_interleave, as
-  transformers 5.17 does without flash-linear-attention >= 0.5), which is
-  undone by taking every (HV/H)-th head (checked once, at a prefill). g is
+  repeated the q/k heads to the value heads (repeat_interleave, as the
+  transformers 5.17 on the GPU host does; later sources repeat only for old
+  flash-linear-attention), which is undone by taking every (HV/H)-th head
+  (that the heads are such a repeat is checked once per model, at a
+  prefill). g is
   the log-space gate (GDN [B, 1, HV], KDA [B, 1, HV, K]) and beta is already
   sigmoid(b), so the pool gets a = g, b = beta and no A_log / dt_bias (no
   gate, no sigmoid in the kernel); l2norm is the kernel's
@@ -61,7 +63,8 @@ Conventions:
   torch's caching allocator.
 * Refused with HFError: beam search and num_return_sequences > 1
   (reorder_cache, batch_repeat_interleave, batch_select_indices), assisted
-  decoding (crop), packed sequences (cu_seqlens), offloading.
+  decoding (crop), packed sequences (cu_seqlens). The cache is built without
+  offloading.
 
 Errors: a map or pool for another model shape, a pool on another device than
 the model, a wrong slot list: StepqArgumentError (a ValueError) naming it; a
