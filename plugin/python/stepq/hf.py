@@ -126,7 +126,8 @@ class _Model:
         self.config = model.config
         self.layer_ids = tuple(L for L, _ in layers)
         self.index = {L: i for i, L in enumerate(self.layer_ids)}
-        self.device = _model_device(model)
+        self._model = weakref.ref(model)
+        _model_device(model)
         self.model_name = type(model).__name__
         self.qk_checked = False
         _install_kernels(layers, mods)
@@ -134,6 +135,14 @@ class _Model:
         for L, m in layers:
             m.register_forward_pre_hook(_make_pre_hook(me, L), with_kwargs=True)
             m.register_forward_hook(_post_hook, always_call=True)
+
+    @property
+    def device(self):
+        """The model's device now (it may have been moved since the first cache)."""
+        model = self._model()
+        if model is None:
+            raise HFError("the model of this StepqCache is gone")
+        return _model_device(model)
 
     def describe(self):
         return "%s (%s: H=%d, HV=%d, K=%d, V=%d, recurrent layers %s)" % (
@@ -179,10 +188,10 @@ def _make_pre_hook(info_ref, layer_id):
             if isinstance(x, StepqCache):
                 cache = x
                 break
+        _stack().append([cache, layer_id, False])  # first: the always-called post hook pops it
         if cache is not None and cache._info is not info_ref():
             raise HFError("layer %d of %s got a StepqCache made for another model (%s)"
                           % (layer_id, info_ref().model_name, cache._info.model_name))
-        _stack().append([cache, layer_id, False])
     return pre
 
 
