@@ -774,8 +774,9 @@ class StepqCache(DynamicCache):
         if layer_idx in self._info.index:
             if recurrent_states is not self._placeholder:
                 raise HFError("layer %d stored a recurrent state %s in a StepqCache: its kernel call did not go "
-                              "through stepq.hf (transformers %s calls a kernel hf_names does not list?)"
-                              % (layer_idx, getattr(recurrent_states, "shape", None), transformers.__version__))
+                              "through stepq.hf (a model other than the cache's %s, or transformers %s calls a "
+                              "kernel hf_names does not list)" % (layer_idx, getattr(recurrent_states, "shape", None),
+                                                                  self._info.model_name, transformers.__version__))
         return DynamicCache.update_recurrent_state(self, recurrent_states, layer_idx, *args, **kwargs)
 
     @property
