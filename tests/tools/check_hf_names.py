@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The installed transformers still has every name capture_traces.py and nll_eval.py use.
 
-plugin/python/stepq/hf_names.py (loaded through tools/scripts/hf_names.py) lists, per architecture, the config fields of the
-state's shape, the recurrent layer classes and the module-level kernel
-functions the layers call. This test fails, naming what it looked for, when a
+plugin/python/stepq/hf_names.py (loaded through tools/scripts/hf_names.py)
+lists, per architecture, the config fields of the state's shape, the
+recurrent layer classes and the module-level kernel functions the layers
+call. This test fails, naming what it looked for, when a
 transformers release renames one of them:
   1. each transformers module of hf_names.MODULES defines at least one prefill
      and one decode kernel name of its arch;
