@@ -1,9 +1,10 @@
 #!/usr/bin/env python3
 """The installed transformers still has every name capture_traces.py and nll_eval.py use.
 
-tools/scripts/hf_names.py lists, per architecture, the config fields of the
-state's shape, the recurrent layer classes and the module-level kernel
-functions the layers call. This test fails, naming what it looked for, when a
+plugin/python/stepq/hf_names.py (loaded through tools/scripts/hf_names.py)
+lists, per architecture, the config fields of the state's shape, the
+recurrent layer classes and the module-level kernel functions the layers
+call. This test fails, naming what it looked for, when a
 transformers release renames one of them:
   1. each transformers module of hf_names.MODULES defines at least one prefill
      and one decode kernel name of its arch;
@@ -60,7 +61,7 @@ def check_model(name, path, fail):
     dev = "cuda" if torch.cuda.is_available() else "cpu"
     try:
         arch, H, HV, K, V = hf_names.model_shape(AutoConfig.from_pretrained(path))
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         fail("%s: %s" % (name, e))
         return
     if arch != EXPECT_ARCH[name]:
@@ -68,7 +69,7 @@ def check_model(name, path, fail):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(dev).eval()
     try:
         layers, mods = hf_names.recurrent_layers(model)
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         fail("%s: %s" % (name, e))
         return
     seen = {"cur": None, "calls": []}
@@ -82,7 +83,7 @@ def check_model(name, path, fail):
         return wrapped
     try:
         patched = hf_names.wrap_kernels(layers, mods, wrap, "__check_hf_names__")
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         fail("%s: %s" % (name, e))
         return
     for L, m in layers:

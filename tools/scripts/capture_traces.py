@@ -166,8 +166,11 @@ class Recorder:
 
 def install_hooks(model, rec):
     """Wraps the model's recurrent kernels (names: hf_names.py) and hooks every recurrent layer."""
-    layers, mods = hf_names.recurrent_layers(model)
-    patched = hf_names.wrap_kernels(layers, mods, lambda f, name: rec.wrap(f), "__wrapped_stepq__")
+    try:
+        layers, mods = hf_names.recurrent_layers(model)
+        patched = hf_names.wrap_kernels(layers, mods, lambda f, name: rec.wrap(f), "__wrapped_stepq__")
+    except hf_names.HFNamesError as e:
+        raise SystemExit("capture: %s" % e)
     for L, m in layers:
         def pre(module, args, kwargs, L=L):
             rec.current = L
@@ -183,7 +186,7 @@ def model_shape(cfg):
     """(arch, H, HV, K, V) from a transformers config (field names: hf_names.py)."""
     try:
         return hf_names.model_shape(cfg)
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("capture: %s" % e)
 
 

@@ -1,131 +1,34 @@
-"""Where a transformers checkpoint keeps what stepq needs, as names, in one place.
+"""The transformers names stepq hooks: plugin/python/stepq/hf_names.py, loaded by path.
 
-capture_traces.py and nll_eval.py reach a hybrid model's recurrent kernels by
-name: the config fields that give the state's shape, the linear-attention
-layer classes, and the module-level kernel functions the layers call by name
-(so replacing the module attribute routes a call through a wrapper; a forward
-pre-hook on each layer says which layer is running). transformers renames
-these between releases, so every name a release has used is listed here, and
-a miss says exactly what was looked for (tests/tools/check_hf_names.py runs
-that on the GPU host against the installed transformers and the tiny models).
-
-Seen in transformers 5.17 (on the GPU host):
-  Qwen3.5 / Qwen3-Next GDN: config linear_num_key_heads, linear_num_value_heads,
-    linear_key_head_dim, linear_value_head_dim; layer *GatedDeltaNet; kernels
-    torch_chunk_gated_delta_rule (prefill), torch_recurrent_gated_delta_rule (decode);
-    q and k reach the kernel repeated to the value heads.
-  Kimi-Linear KDA: config linear_num_heads, linear_head_dim (q, k and v heads
-    equal, K = V); layer KimiLinearDeltaAttention; kernels
-    chunk_kimi_delta_attention (prefill), recurrent_kimi_delta_attention (decode);
-    the gate g reaches the kernel as log decay per key channel [B, T, HV, K]
-    (-exp(A_log) * softplus(f_b(f_a(x)) + dt_bias), A_log [1,1,HV,1],
-    dt_bias [HV*K]) and beta = sigmoid(b) [B, T, HV].
-  Both: kernels take (q, k, v, g=, beta=, initial_state=, output_final_state=,
-    use_qk_l2norm_in_kernel=True) and return (o, state [B, HV, K, V] fp32); the
-    cache keeps the state at past_key_values.layers[L].recurrent_states[0].
-Older releases: Kimi-Linear config linear_attn_{key,value}_heads and
-linear_attn_{key,value}_head_dim, kernels torch_chunk_kda / torch_recurrent_kda;
-layers holding the kernels as instance attributes (chunk_gated_delta_rule, ...).
+That file is the one list of names (config fields, layer classes, kernel
+functions per transformers release) for the package's transformers cache
+(stepq.hf) and for the scripts here (capture_traces.py, nll_eval.py,
+served_path.py, tests/tools/check_hf_names.py). It imports nothing of stepq,
+so loading it here needs neither the library nor torch; when the package's own
+copy is already imported (stepq.hf_names), that module object is used, so its
+HFNamesError is the one class everybody catches.
 """
+import importlib.util
+import os
+import sys
 
-# (arch, (H field, HV field, K field, V field)); the first set the config has wins.
-SHAPE_FIELDS = (
-    ("gdn", ("linear_num_key_heads", "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim")),
-    ("kda", ("linear_num_heads", "linear_num_heads", "linear_head_dim", "linear_head_dim")),
-    ("kda", ("linear_attn_key_heads", "linear_attn_value_heads", "linear_attn_key_head_dim",
-             "linear_attn_value_head_dim")),
-)
-
-# Layer classes with a recurrent state: a class name containing one of these.
-LAYER_MARKERS = ("GatedDeltaNet", "DeltaAttention", "KDA")
-
-# Module-level kernel functions, per arch: (prefill names, decode names).
-KERNELS = {
-    "gdn": (("torch_chunk_gated_delta_rule",), ("torch_recurrent_gated_delta_rule",)),
-    "kda": (("chunk_kimi_delta_attention", "torch_chunk_kda"),
-            ("recurrent_kimi_delta_attention", "torch_recurrent_kda")),
-}
-# Instance attributes some releases call instead (wrapped where they are plain functions).
-LAYER_ATTRS = ("chunk_gated_delta_rule", "recurrent_gated_delta_rule", "chunk_kda", "recurrent_kda")
-
-# transformers modules that define the layers, for the installed-names check.
-MODULES = {
-    "gdn": ("transformers.models.qwen3_5.modeling_qwen3_5", "transformers.models.qwen3_next.modeling_qwen3_next"),
-    "kda": ("transformers.models.kimi_linear.modeling_kimi_linear",),
-}
+_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "plugin", "python", "stepq",
+                     "hf_names.py")
 
 
-def text_config(cfg):
-    if hasattr(cfg, "get_text_config"):
-        return cfg.get_text_config()
-    return getattr(cfg, "text_config", None) or cfg
+def _load():
+    if "stepq.hf_names" in sys.modules:
+        return sys.modules["stepq.hf_names"]
+    if "_stepq_hf_names" in sys.modules:
+        return sys.modules["_stepq_hf_names"]
+    spec = importlib.util.spec_from_file_location("_stepq_hf_names", os.path.normpath(_PATH))
+    if spec is None:
+        raise ImportError("hf_names: cannot load %s" % os.path.normpath(_PATH))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules["_stepq_hf_names"] = mod
+    spec.loader.exec_module(mod)
+    return mod
 
 
-def model_shape(cfg):
-    """(arch, H, HV, K, V) from a transformers config; SystemExit naming every field set looked for."""
-    c = text_config(cfg)
-    for arch, fields in SHAPE_FIELDS:
-        if all(hasattr(c, f) for f in fields):
-            return (arch,) + tuple(int(getattr(c, f)) for f in fields)
-    want = "; ".join("%s: %s" % (arch, ", ".join(f)) for arch, f in SHAPE_FIELDS)
-    raise SystemExit("%s has none of the linear-attention field sets (%s); its fields with 'linear' or 'head': %s"
-                     % (type(c).__name__, want,
-                        ", ".join(sorted(k for k in vars(c) if "linear" in k or "head" in k)) or "none"))
-
-
-def recurrent_layers(model):
-    """[(layer_idx, module)] of the layers with a recurrent state, and the set of their modules' names."""
-    layers, mods = [], set()
-    for _, m in model.named_modules():
-        cls = type(m).__name__
-        if hasattr(m, "layer_idx") and any(k in cls for k in LAYER_MARKERS):
-            layers.append((m.layer_idx, m))
-            mods.add(type(m).__module__)
-    if not layers:
-        raise SystemExit("%s has no module with layer_idx whose class name contains one of %s"
-                         % (type(model).__name__, ", ".join(LAYER_MARKERS)))
-    return sorted(layers, key=lambda x: x[0]), mods
-
-
-def all_kernel_names():
-    return tuple(n for pre, dec in KERNELS.values() for n in pre + dec)
-
-
-def wrap_kernels(layers, mods, wrap, marker):
-    """Replaces every kernel function found (module level, then plain-function layer attributes)
-    with wrap(fn, name); fn.<marker> marks a wrapped one so nothing is wrapped twice.
-    Returns the list of what was wrapped; SystemExit naming what was looked for if nothing."""
-    import importlib
-    import torch
-    patched = []
-    for modname in sorted(mods):
-        mod = importlib.import_module(modname)
-        for kn in all_kernel_names():
-            f = getattr(mod, kn, None)
-            if callable(f) and not getattr(f, marker, False):
-                setattr(mod, kn, wrap(f, kn))
-                patched.append(modname.rsplit(".", 1)[-1] + "." + kn)
-    for L, m in layers:
-        for an in LAYER_ATTRS:
-            f = getattr(m, an, None)
-            # A submodule cannot be replaced by a function (torch refuses it).
-            if callable(f) and not isinstance(f, torch.nn.Module) and not getattr(f, marker, False):
-                setattr(m, an, wrap(f, an))
-                patched.append("layer%d.%s" % (L, an))
-    if not patched:
-        raise SystemExit("found no recurrent kernel to wrap: looked for the functions %s in %s and the layer "
-                         "attributes %s" % (", ".join(all_kernel_names()), ", ".join(sorted(mods)),
-                                            ", ".join(LAYER_ATTRS)))
-    return patched
-
-
-def cache_state(cache, L):
-    """The recurrent state the cache keeps for layer L (transformers 5.x: layers[L].recurrent_states[0])."""
-    try:
-        return cache.layers[L].recurrent_states[0]
-    except (AttributeError, IndexError, KeyError, TypeError):
-        pass
-    try:
-        return cache.recurrent_states[L]  # older hybrid caches
-    except (AttributeError, IndexError, KeyError, TypeError):
-        return None
+_mod = _load()
+globals().update({k: v for k, v in vars(_mod).items() if not k.startswith("__")})

@@ -93,6 +93,64 @@ def ms(x):
     return m, se
 
 
+def text_streams(path, streams, prefill, decode, offset, who):
+    """The evaluation streams as lists of byte values: stream i is the prefill + decode + 1 bytes at
+    offset + i * (prefill + decode + 1) (consecutive, non-overlapping; the last byte is the target
+    of the last decode prediction). SystemExit naming `who` when the file is too short."""
+    seg = prefill + decode + 1
+    with open(path, "rb") as f:
+        data = f.read()
+    if offset + streams * seg > len(data):
+        raise SystemExit("%s: %s has %d bytes, need %d" % (who, path, len(data), offset + streams * seg))
+    return [list(data[offset + i * seg:offset + (i + 1) * seg]) for i in range(streams)]
+
+
+def excess_table(results, bits_per_value):
+    """The result rows (one per method, in the order of results) from per-stream NLLs.
+
+    results: method name -> {"nll": [S, D] per-byte NLL of the D decode predictions, "ref": the same of
+    the fp32 state (paired: the same streams), "path": the map or None, "seconds"} (torch tensors);
+    bits_per_value(name, path) gives the bits/value column. Means and standard errors are over the S
+    streams of each stream's mean (ms); served_path.py builds its drift table with this too.
+    """
+    table = []
+    for name, r in results.items():
+        d = r["nll"] - r["ref"]
+        e = ms(d.mean(dim=1).tolist())
+        ef = ms(d[:, :256].mean(dim=1).tolist())
+        el = ms(d[:, -256:].mean(dim=1).tolist())
+        n = ms(r["nll"].mean(dim=1).tolist())
+        bpv = bits_per_value(name, r["path"])
+        # Paired difference against stepq at the same nominal budget (per-stream differences, so
+        # the stream-to-stream spread of the text cancels).
+        vs, vs_m, vs_se = None, None, None
+        if "@" in name and not name.startswith("stepq@"):
+            ref_name = "stepq@" + name.rsplit("@", 1)[1]
+            if ref_name in results:
+                dd = (r["nll"] - results[ref_name]["nll"]).mean(dim=1).tolist()
+                vs = ref_name
+                vs_m, vs_se = ms(dd)
+        table.append({"method": name, "map": r["path"], "bits_per_value": bpv, "nll": n[0], "nll_se": n[1],
+                      "excess": e[0], "excess_se": e[1], "excess_first256": ef[0], "excess_first256_se": ef[1],
+                      "excess_last256": el[0], "excess_last256_se": el[1], "seconds": r["seconds"],
+                      "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs})
+    return table
+
+
+def excess_markdown(table, streams, text, prefill, decode):
+    """excess_table's rows as the markdown table (and its one-line legend) this script prints."""
+    lines = ["| method | bits/value | NLL (nats/byte) | excess NLL | s.e. | first 256 | last 256 | "
+             "minus stepq (paired) |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for t in table:
+        pair = "%+.5f +- %.5f" % (t["minus_stepq"], t["minus_stepq_se"]) if t["stepq_ref"] else ""
+        lines.append("| %s | %.3f | %.4f | %+.5f | %.5f | %+.5f | %+.5f | %s |" % (
+            t["method"], t["bits_per_value"], t["nll"], t["excess"], t["excess_se"], t["excess_first256"],
+            t["excess_last256"], pair))
+    return "\n".join(lines) + "\n\n%d streams of %s, prefill %d + %d decode bytes, teacher-forced; mean +- s.e. over " \
+                               "streams; excess = NLL(method) - NLL(fp32 state).\n" % (streams, text, prefill, decode)
+
+
 class Shim:
     def __init__(self, path, threads):
         self.lib = ctypes.CDLL(path)
@@ -272,12 +330,7 @@ def main(argv=None):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    seg = a.prefill + a.decode + 1
-    with open(a.text, "rb") as f:
-        data = f.read()
-    if a.offset + a.streams * seg > len(data):
-        raise SystemExit("nll_eval: %s has %d bytes, need %d" % (a.text, len(data), a.offset + a.streams * seg))
-    ids = torch.tensor([list(data[a.offset + i * seg:a.offset + (i + 1) * seg]) for i in range(a.streams)],
+    ids = torch.tensor(text_streams(a.text, a.streams, a.prefill, a.decode, a.offset, "nll_eval"),
                        dtype=torch.long, device=a.device)
 
     mdt = torch.bfloat16 if a.model_dtype == "bf16" else torch.float32
@@ -294,7 +347,7 @@ def main(argv=None):
     state = {"layer": None, "fn": None, "depth": 0}
     try:
         found, mods = hf_names.recurrent_layers(model)
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("nll_eval: %s" % e)
     layers = [m for _, m in found]
     for m in layers:
@@ -327,7 +380,7 @@ def main(argv=None):
         return wrapped
     try:
         hf_names.wrap_kernels(found, mods, wrap, "__wrapped_by_nll_eval__")
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("nll_eval: %s" % e)
 
     shim = Shim(a.shim, a.threads)
@@ -338,7 +391,7 @@ def main(argv=None):
             raise SystemExit("nll_eval: --row-split: " + shim.err())
     try:
         arch, _, HV, K, V = hf_names.model_shape(model.config)
-    except SystemExit as e:
+    except hf_names.HFNamesError as e:
         raise SystemExit("nll_eval: %s" % e)
     model_state_shape = (HV, K, V)
     lin_layers = sorted(m.layer_idx for m in layers)
@@ -532,28 +585,8 @@ def main(argv=None):
         print("nll_eval: group of %d methods x %d streams: %.0f s (%s)" % (Mg, S, dt, calls["names"]),
               file=sys.stderr)
 
-    table = []
-    for name, r in results.items():
-        d = r["nll"] - r["ref"]
-        e = ms(d.mean(dim=1).tolist())
-        ef = ms(d[:, :256].mean(dim=1).tolist())
-        el = ms(d[:, -256:].mean(dim=1).tolist())
-        n = ms(r["nll"].mean(dim=1).tolist())
-        bpv = 32.0 if name == "fp32" and r["path"] is None else 16.0 if name == "bf16" and r["path"] is None \
-            else shim.bits_per_value(r["path"])
-        # Paired difference against stepq at the same nominal budget (per-stream differences, so
-        # the stream-to-stream spread of the text cancels).
-        vs, vs_m, vs_se = None, None, None
-        if "@" in name and not name.startswith("stepq@"):
-            ref_name = "stepq@" + name.rsplit("@", 1)[1]
-            if ref_name in results:
-                dd = (r["nll"] - results[ref_name]["nll"]).mean(dim=1).tolist()
-                vs = ref_name
-                vs_m, vs_se = ms(dd)
-        table.append({"method": name, "map": r["path"], "bits_per_value": bpv, "nll": n[0], "nll_se": n[1],
-                      "excess": e[0], "excess_se": e[1], "excess_first256": ef[0], "excess_first256_se": ef[1],
-                      "excess_last256": el[0], "excess_last256_se": el[1], "seconds": r["seconds"],
-                      "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs})
+    table = excess_table(results, lambda name, path: 32.0 if name == "fp32" and path is None
+                         else 16.0 if name == "bf16" and path is None else shim.bits_per_value(path))
     meta = {"model": a.model, "arch": arch, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
             "torch": torch.__version__, "transformers": transformers.__version__, "backend": backend_used,
@@ -562,16 +595,7 @@ def main(argv=None):
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "results": table}, f, indent=1)
-    lines = ["| method | bits/value | NLL (nats/byte) | excess NLL | s.e. | first 256 | last 256 | "
-             "minus stepq (paired) |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for t in table:
-        pair = "%+.5f +- %.5f" % (t["minus_stepq"], t["minus_stepq_se"]) if t["stepq_ref"] else ""
-        lines.append("| %s | %.3f | %.4f | %+.5f | %.5f | %+.5f | %+.5f | %s |" % (
-            t["method"], t["bits_per_value"], t["nll"], t["excess"], t["excess_se"], t["excess_first256"],
-            t["excess_last256"], pair))
-    md = "\n".join(lines) + "\n\n%d streams of %s, prefill %d + %d decode bytes, teacher-forced; mean +- s.e. over " \
-                            "streams; excess = NLL(method) - NLL(fp32 state).\n" % (S, meta["text"], a.prefill, a.decode)
+    md = excess_markdown(table, S, meta["text"], a.prefill, a.decode)
     print(md)
     if a.markdown:
         with open(a.markdown, "w") as f:
