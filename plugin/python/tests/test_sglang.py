@@ -1,0 +1,574 @@
+"""stepq.sglang (the SGLang plugin) where neither torch nor SGLang is needed:
+the import rules, the entry point, registration against a fake HookRegistry,
+every refusal and its message, the map checks, PackedStates, and the SGLang
+test runner's pieces (its stubs, the maps it writes, --static). The pool and
+kernel classes need torch and SGLang: tools/scripts/sglang_tests.py runs
+them on a GPU host. Checks against SGLang's source skip unless a snapshot
+(tools/scripts/sglang_snapshot.sh peers/sglang, or STEPQ_SGLANG_SNAPSHOT)
+is there."""
+
+import ast
+import enum
+import importlib.util
+import logging
+import os
+import pkgutil
+import re
+import subprocess
+import sys
+import tempfile
+import types
+
+import _harness
+
+import stepq
+from stepq import sglang as plugin
+
+QWEN_MAP = _harness.data("config", "examples", "qwen3-next-80b-a3b.uniform-4.json")
+RUNNER = _harness.data("tools", "scripts", "sglang_tests.py")
+SNAPSHOT_SH = _harness.data("tools", "scripts", "sglang_snapshot.sh")
+MIRROR = os.environ.get("SGLANG_MIRROR", "/work/.mirror/modal-projects+sglang/repo")
+
+
+def _snapshot():
+    d = os.environ.get("STEPQ_SGLANG_SNAPSHOT") or _harness.data("peers", "sglang")
+    if not os.path.isfile(os.path.join(d, "python", "sglang", "srt", "mem_cache", "memory_pool.py")):
+        _harness.skip("no SGLang snapshot at %s (tools/scripts/sglang_snapshot.sh peers/sglang)" % d)
+    return d
+
+
+def _python(code, **env_extra):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = _harness.PACKAGE_ROOT
+    env.update(env_extra)
+    return subprocess.run([sys.executable, "-c", code], env=env, stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, universal_newlines=True)
+
+
+def _sglang_importable():
+    return importlib.util.find_spec("sglang") is not None
+
+
+class HookType(enum.Enum):
+    BEFORE = "before"
+    AFTER = "after"
+    AROUND = "around"
+    REPLACE = "replace"
+
+
+class FakeRegistry:
+    """HookRegistry's interface as stepq.sglang uses it."""
+
+    def __init__(self, apply=True):
+        self.hooks, self._patched, self.applied = [], set(), 0
+        self._apply = apply
+
+    def register(self, target, hook, hook_type):
+        self.hooks.append((target, hook, hook_type))
+
+    def apply_hooks(self):
+        self.applied += 1
+        if self._apply:
+            self._patched.update(t for t, _, _ in self.hooks)
+
+
+def _reset_plugin():
+    plugin._registered = False
+    plugin._registry = None
+    plugin._runtime_hooks_done = False
+    plugin.hook_status.clear()
+
+
+class _Env:
+    def __init__(self, **values):
+        self.values, self.saved = values, {}
+
+    def __enter__(self):
+        for k, v in self.values.items():
+            self.saved[k] = os.environ.get(k)
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+    def __exit__(self, *exc):
+        for k, v in self.saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+# --- imports ---------------------------------------------------------------
+
+def test_import_stepq_does_not_import_the_plugin_nor_the_plugin_torch_or_sglang():
+    r = _python("import sys; sys.modules['torch'] = None; sys.modules['sglang'] = None\n"
+                "import stepq\n"
+                "assert 'stepq.sglang' not in sys.modules, 'import stepq imported stepq.sglang'\n"
+                "import stepq.sglang as p\n"
+                "assert p.register.__module__ == 'stepq.sglang'\n"
+                "print('ok')")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout
+
+
+def test_the_classes_need_torch_and_sglang_and_say_so():
+    r = _python("import sys; sys.modules['torch'] = None; sys.modules['sglang'] = None\n"
+                "import stepq.sglang as p\n"
+                "for name in ('StepqMambaPool', 'StepqSlotAllocator', 'StepqLinearAttnKernel'):\n"
+                "    try:\n"
+                "        getattr(p, name)\n"
+                "    except ImportError as e:\n"
+                "        assert 'torch and SGLang' in str(e), e\n"
+                "    else:\n"
+                "        raise SystemExit(name + ' did not raise')\n"
+                "try:\n"
+                "    p.nonexistent\n"
+                "except AttributeError:\n"
+                "    print('ok')\n")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout
+
+
+def test_register_without_sglang_is_a_clear_import_error_only_when_the_map_is_set():
+    code = ("import sys; sys.modules['sglang'] = None\n"
+            "import stepq.sglang as p\n"
+            "assert p.register() == []\n"   # STEPQ_MAP unset: inert, imports nothing
+            "import os; os.environ['STEPQ_MAP'] = 'x.json'\n"
+            "try:\n"
+            "    p.register()\n"
+            "except ImportError as e:\n"
+            "    assert 'sglang.srt.plugins.hook_registry' in str(e), e\n"
+            "    print('ok')\n")
+    r = _python(code, STEPQ_MAP="")
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stdout
+
+
+def test_the_entry_point_is_declared_and_resolves_to_register():
+    with open(os.path.join(_harness.PACKAGE_ROOT, "pyproject.toml")) as f:
+        text = f.read()
+    try:
+        import tomllib
+    except ImportError:
+        tomllib = None
+    if tomllib is not None:
+        eps = tomllib.loads(text)["project"]["entry-points"]["sglang.srt.plugins"]
+    else:
+        block = text.split('[project.entry-points."sglang.srt.plugins"]', 1)[1].split("\n[", 1)[0]
+        eps = dict(re.findall(r'^(\w+)\s*=\s*"([^"]+)"', block, re.M))
+    assert eps == {"stepq": plugin.ENTRY_POINT}, eps
+    assert pkgutil.resolve_name(plugin.ENTRY_POINT) is plugin.register
+
+
+# --- registration ------------------------------------------------------------
+
+def test_register_is_inert_without_stepq_map():
+    _reset_plugin()
+    reg = FakeRegistry()
+    with _Env(STEPQ_MAP=None):
+        assert plugin.register(reg, HookType) == []
+    assert reg.hooks == [] and not plugin._registered
+
+
+def test_register_hooks_the_pool_once():
+    _reset_plugin()
+    reg = FakeRegistry()
+    with _Env(STEPQ_MAP=QWEN_MAP):
+        targets = plugin.register(reg, HookType)
+        assert plugin.register(reg, HookType) == []  # once per process
+    assert targets == [plugin.T_REQ_POOL_INIT, plugin.T_INIT_MAMBA_POOL]
+    kinds = {t: k for t, _, k in reg.hooks}
+    assert kinds == {plugin.T_REQ_POOL_INIT: HookType.BEFORE,
+                     plugin.T_INIT_MAMBA_POOL: HookType.AROUND}, kinds
+    # No REPLACE on mamba_pool_cls: the registry would rebind MambaPool everywhere.
+    assert all("mamba_pool_cls" not in t and k is not HookType.REPLACE for t, _, k in reg.hooks)
+    with _harness.raises(TypeError, match="hook_type"):
+        _reset_plugin()
+        with _Env(STEPQ_MAP=QWEN_MAP):
+            plugin.register(FakeRegistry())
+    _reset_plugin()
+
+
+def test_the_runtime_hooks_register_apply_and_report():
+    _reset_plugin()
+    reg = FakeRegistry(apply=False)
+    with _Env(STEPQ_MAP=QWEN_MAP):
+        plugin.register(reg, HookType)
+    sa = types.SimpleNamespace(disaggregation_mode="prefill", disaggregation_transfer_backend="mori")
+    level = plugin.logger.level
+    plugin.logger.setLevel(logging.ERROR)  # the "not applied" warnings are expected here
+    try:
+        plugin._register_runtime_hooks(sa)
+        plugin._register_runtime_hooks(sa)  # once
+    finally:
+        plugin.logger.setLevel(level)
+    targets = [t for t, _, _ in reg.hooks[2:]]
+    assert targets == [plugin.T_BACKEND_BASE_INIT, plugin.T_GDN_INIT, plugin.T_KDA_INIT,
+                       plugin.T_HOST_POOL_INIT, plugin.T_PD["mori"]], targets
+    assert reg.applied == 1
+    assert all(plugin.hook_status[t] == "not applied" for t in targets), plugin.hook_status
+    with _harness.raises(plugin.Unsupported, match="hooks were not in place"):
+        plugin.PackedStates(None, 0, (3, 2, 4, 4), "torch.float32", "cuda:0").data_ptr()
+    _reset_plugin()
+    plain = [t for t, _, _ in plugin._runtime_hooks(None)]
+    assert not any(t in plain for t in plugin.T_PD.values())
+    _reset_plugin()
+
+
+def test_the_hook_targets_exist_in_the_sglang_snapshot():
+    py = os.path.join(_snapshot(), "python")
+    targets = [plugin.T_REQ_POOL_INIT, plugin.T_INIT_MAMBA_POOL, plugin.T_BACKEND_BASE_INIT,
+               plugin.T_GDN_INIT, plugin.T_KDA_INIT, plugin.T_HOST_POOL_INIT] + list(plugin.T_PD.values())
+    for target in targets:
+        mod, cls, meth = target.rsplit(".", 2)
+        path = os.path.join(py, *mod.split(".")) + ".py"
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        c = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
+        assert c is not None, "%s: no class %s" % (path, cls)
+        assert any(isinstance(n, ast.FunctionDef) and n.name == meth for n in c.body), target
+
+
+def _method_args(path, cls, meth):
+    with open(path) as f:
+        tree = ast.parse(f.read())
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef) and node.name == cls:
+            for n in node.body:
+                if isinstance(n, ast.FunctionDef) and n.name == meth:
+                    a = n.args
+                    return [x.arg for x in a.args + a.kwonlyargs]
+    raise AssertionError("%s.%s not in %s" % (cls, meth, path))
+
+
+def test_the_pool_class_takes_what_sglang_passes():
+    py = os.path.join(_snapshot(), "python")
+    mp = os.path.join(py, "sglang", "srt", "mem_cache", "memory_pool.py")
+    ours = _method_args(plugin.__file__, "StepqMambaPool", "__init__")
+    theirs = _method_args(mp, "MambaPool", "__init__")
+    assert ours == theirs, (ours, theirs)
+    init = _method_args(mp, "HybridReqToTokenPool", "_init_mamba_pool")
+    for name in ("device", "enable_mamba_extra_buffer", "speculative_num_draft_tokens",
+                 "enable_linear_replayssm", "mamba_envelope_layout", "enable_gdn_replayssm_spec"):
+        assert name in init, "the hook reads %s, _init_mamba_pool has %s" % (name, init)
+    with open(mp) as f:
+        src = f.read()
+    assert "self.mamba_pool = self.mamba_pool_cls(" in src
+    assert "self.mamba_allocator = MambaSlotAllocator(" in src
+    kb = os.path.join(py, "sglang", "srt", "layers", "attention", "linear", "kernels",
+                      "kernel_backend.py")
+    for meth in ("decode", "extend"):
+        assert _method_args(kb, "LinearAttnKernelBase", meth) == \
+            _method_args(plugin.__file__, "StepqLinearAttnKernel", meth), meth
+    _method_args(plugin.__file__, "StepqLinearAttnKernel", "target_verify")
+
+
+# --- the hooks' refusals (fake SGLang objects) --------------------------------
+
+def _init_mamba_pool(self, mamba_size, mamba_spec_state_size, cache_params, mamba_layer_ids, device,
+                     enable_mamba_extra_buffer, speculative_num_draft_tokens=None,
+                     speculative_eagle_topk=None, enable_linear_replayssm=False,
+                     linear_replayssm_cache_len=16, mamba_envelope_layout=False,
+                     enable_gdn_replayssm_spec=False):
+    raise AssertionError("the original ran although stepq refuses this configuration")
+
+
+def _around(**kw):
+    args = dict(mamba_size=4, mamba_spec_state_size=4, cache_params=None, mamba_layer_ids=[0],
+                device="cuda", enable_mamba_extra_buffer=False)
+    args.update(kw)
+    self = types.SimpleNamespace(enable_memory_saver=kw.pop("_saver", False))
+    args.pop("_saver", None)
+    return plugin._init_mamba_pool_around(_init_mamba_pool, self, **args)
+
+
+def test_the_pool_hook_refuses_before_building_anything():
+    cases = [({"enable_mamba_extra_buffer": True}, "extra-buffer"),
+             ({"speculative_num_draft_tokens": 3}, "speculative decoding"),
+             ({"enable_linear_replayssm": True}, "ReplaySSM"),
+             ({"enable_gdn_replayssm_spec": True}, "ReplaySSM"),
+             ({"mamba_envelope_layout": True}, "--enable-page-major-kv-layout"),
+             ({"_saver": True}, "--enable-memory-saver"),
+             ({"device": "cpu"}, "device 'cpu'"),
+             ({"device": "npu:0"}, "device 'npu:0'")]
+    for kw, feature in cases:
+        with _harness.raises(plugin.Unsupported, name="STEPQ_ENOTSUP", match=feature):
+            _around(**kw)
+    with _Env(SGLANG_MOONCAKE_CUSTOM_MEM_POOL="NVLINK"):
+        with _harness.raises(plugin.Unsupported, match="SGLANG_MOONCAKE_CUSTOM_MEM_POOL"):
+            _around()
+
+
+def test_the_pool_hook_needs_torch_and_sglang_once_nothing_is_refused():
+    if _sglang_importable():
+        _harness.skip("SGLang is importable here: the hook would build the pool")
+    with _harness.raises(ImportError, match="torch and SGLang"):
+        _around()
+
+
+def test_every_refusal_names_its_feature_and_the_survey():
+    e = plugin.Unsupported("--some-flag", "because", "Do this")
+    assert e.name == "STEPQ_ENOTSUP" and e.feature == "--some-flag"
+    s = str(e)
+    assert s.startswith("STEPQ_ENOTSUP: stepq (STEPQ_MAP) does not serve --some-flag: because. "
+                        "Do this") and "SGLANG.md" in s, s
+    assert isinstance(e, stepq.StepqError)
+
+
+def test_server_argument_refusals():
+    ok = types.SimpleNamespace(disable_radix_cache=False, mamba_radix_cache_strategy="no_buffer",
+                               device="cuda", pp_size=1)
+    assert plugin.server_refusals(ok) == []
+    assert plugin.server_refusals(object()) == []  # every attribute missing: SGLang's defaults
+    cases = [({"enable_int8_mamba_checkpoint": True}, "--enable-int8-mamba-checkpoint"),
+             ({"enable_hierarchical_cache": True}, "--enable-hierarchical-cache"),
+             ({"enable_unified_memory": True}, "--enable-unified-memory"),
+             ({"speculative_algorithm": "EAGLE"}, "--speculative-algorithm EAGLE"),
+             ({"mamba_radix_cache_strategy": "extra_buffer"}, "extra_buffer"),
+             ({"mamba_radix_cache_strategy": "extra_buffer_lazy"}, "extra_buffer_lazy"),
+             ({"enable_linear_replayssm": True}, "ReplaySSM"),
+             ({"enable_page_major_kv_layout": True}, "--enable-page-major-kv-layout"),
+             ({"enable_memory_saver": True}, "--enable-memory-saver"),
+             ({"pp_size": 2}, "--pp-size 2"),
+             ({"device": "npu"}, "--device npu")]
+    for kw, feature in cases:
+        sa = types.SimpleNamespace(**dict(vars(ok), **kw))
+        with _harness.raises(plugin.Unsupported, match=feature):
+            plugin.server_refusals(sa)
+    # extra_buffer without a radix cache is no track copy at all
+    off = types.SimpleNamespace(**dict(vars(ok), disable_radix_cache=True,
+                                       mamba_radix_cache_strategy="extra_buffer"))
+    assert plugin.server_refusals(off) == []
+    w = plugin.server_refusals(types.SimpleNamespace(linear_attn_decode_backend="flashinfer",
+                                                     linear_attn_prefill_backend="flashinfer",
+                                                     disaggregation_mode="decode",
+                                                     enable_torch_compile=True))
+    assert len(w) == 3, w
+    assert any("--linear-attn-decode-backend flashinfer: decode runs stepq's kernel" in x
+               for x in w), w
+    assert not any("prefill" in x for x in w), w  # the prefill backend is kept
+    assert any("same STEPQ_MAP map" in x for x in w) and any("torch-compile" in x for x in w), w
+
+
+def test_subclasses_with_their_own_pool_are_refused():
+    Base = type("HybridReqToTokenPool", (), {"__module__": plugin._MP,
+                                             "_init_mamba_pool": lambda self: None})
+    Unified = type("UnifiedHybridReqToTokenPool", (Base,), {"_init_mamba_pool": lambda self: 1})
+    Decode = type("HybridMambaDecodeReqToTokenPool", (Base,), {})
+    assert plugin._req_pool_init_before(Base()) is None
+    assert plugin._req_pool_init_before(Decode()) is None
+    with _harness.raises(plugin.Unsupported, match="--enable-unified-memory"):
+        plugin._req_pool_init_before(Unified())
+
+
+def test_pd_transfer_between_tp_sizes_is_refused():
+    def _send_mamba_state_slice(self, *a):
+        raise AssertionError("not to be called")
+
+    with _harness.raises(plugin.Unsupported, match="different attention-TP sizes"):
+        plugin._pd_slice_around(_send_mamba_state_slice, object(), 1, 2)
+    calls = []
+
+    def _send_mamba_state(self, peer_info, *a):
+        calls.append(a)
+        return "sent"
+
+    mgr = types.SimpleNamespace(attn_tp_size=2)
+    assert plugin._mori_send_around(_send_mamba_state, mgr,
+                                    types.SimpleNamespace(decode_tp_size=2), 7) == "sent"
+    with _harness.raises(plugin.Unsupported, match="different attention-TP sizes"):
+        plugin._mori_send_around(_send_mamba_state, mgr, types.SimpleNamespace(decode_tp_size=4))
+    assert calls == [(7,)]
+
+
+# --- the map check ---------------------------------------------------------------
+
+def _qwen_cache(**kw):
+    m = stepq.load_map(QWEN_MAP)
+    c = dict(is_kda=False, layer_ids=list(m.layer_ids), temporal=(32, 128, 128), conv=[(8192, 3)],
+             conv_dtype="bf16", temporal_dtype="bf16", num_k_heads_per_tp=16)
+    c.update(kw)
+    return plugin.map_desc(m), c
+
+
+def test_check_map_accepts_the_matching_shape_and_infers_the_tp_size():
+    m, c = _qwen_cache()
+    assert plugin.check_map(m, c) == 1
+    m, c = _qwen_cache(temporal=(8, 128, 128), conv=[(2048, 3)], num_k_heads_per_tp=4,
+                       temporal_dtype="fp32")
+    assert plugin.check_map(m, c) == 4
+    m, c = _qwen_cache(num_k_heads_per_tp=None)
+    assert plugin.check_map(m, c) == 1
+
+
+def test_check_map_refuses_every_mismatch_with_the_numbers():
+    cases = [({"is_kda": True}, "arch is gdn"),
+             ({"layer_ids": [0, 1, 2]}, "recurrent layers [0, 1, 2]"),
+             ({"temporal": (5, 128, 128)}, "5 value heads per rank"),
+             ({"temporal": (32, 128, 64)}, "[HV=32, V=128, K=64]"),
+             ({"num_k_heads_per_tp": 8}, "8 q/k heads per rank"),
+             ({"conv": [(8192, 3), (8192, 3)]}, "2 conv state tensors"),
+             ({"conv": [(8192, 4)]}, "[8192, 4] per rank"),
+             ({"conv_dtype": "fp32"}, "stores the conv state as bf16"),
+             ({"temporal_dtype": "fp16"}, "--mamba-ssm-dtype fp16")]
+    for kw, text in cases:
+        m, c = _qwen_cache(**kw)
+        with _harness.raises(plugin.Unsupported, match=text):
+            plugin.check_map(m, c)
+
+
+# --- PackedStates ----------------------------------------------------------------
+
+class FakeIds:
+    """What _is_index_tensor recognises: a 1-D int32 tensor."""
+    dtype = "torch.int32"
+    shape = (3,)
+
+    def dim(self):
+        return 1
+
+
+def test_packed_states_keep_the_metadata_and_refuse_the_data():
+    p = plugin.PackedStates("owner", None, (36, 21, 32, 128, 128), "torch.bfloat16", "cuda:0")
+    assert (p.shape, p.ndim, p.dim(), len(p), p.size(1), p.dtype) == \
+        ((36, 21, 32, 128, 128), 5, 5, 36, 21, "torch.bfloat16")
+    assert not p.is_contiguous()
+    layer = p[3]
+    assert (layer.layer, layer.shape, layer.owner) == (3, (21, 32, 128, 128), "owner")
+    assert p[-1].layer == 35
+    with _harness.raises(IndexError):
+        p[36]
+    refused = [(lambda: p[:, 1], "reading [:, 1] on mamba_cache.temporal"),
+               (lambda: p.__setitem__((slice(None), 1), 2.0), "writing [:, 1] = float"),
+               (lambda: layer.data_ptr(), "data_ptr() on mamba_cache.temporal[3]"),
+               (lambda: layer.numel(), "numel()"),
+               (lambda: layer.copy_, ".copy_"),
+               (lambda: layer[1], "reading [1]"),
+               (lambda: list(layer), "iterating"),
+               (lambda: plugin.PackedStates.__torch_function__("f", (), (layer,)), "torch function f")]
+    for fn, text in refused:
+        with _harness.raises(plugin.Unsupported, name="STEPQ_ENOTSUP", match=text):
+            fn()
+    assert not hasattr(p, "__array_interface__")  # dunders are plain AttributeErrors
+    assert "layer 3" in repr(layer)
+
+
+def test_the_gather_protocol_of_the_gdn_prefill():
+    layer = plugin.PackedStates("owner", None, (6, 9, 8, 128, 128), "torch.float32", "cuda:0")[2]
+    ids = FakeIds()
+    g = layer[ids]
+    assert g.contiguous() is g and g.shape == (3, 8, 128, 128) and g.parent is layer
+    with _harness.raises(plugin.Unsupported, match="no stepq kernel packed"):
+        layer[ids] = g  # scattered back before a stepq kernel packed it
+    g.packed = True
+    layer[ids] = g  # the backend's scatter back after the stepq kernel: a no-op
+    with _harness.raises(plugin.Unsupported, match="writing"):
+        layer[FakeIds()] = g  # other ids
+    with _harness.raises(plugin.Unsupported, match="a gather by slot"):
+        g.data_ptr()
+
+
+# --- the runner's pieces -----------------------------------------------------------
+
+def _runner():
+    spec = importlib.util.spec_from_file_location("sglang_tests_under_test", RUNNER)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_runner_help_and_usage_errors():
+    r = subprocess.run([sys.executable, RUNNER, "--help"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, universal_newlines=True)
+    assert r.returncode == 0 and "--sglang" in r.stdout and "baseline" in r.stdout, r.stdout
+    with tempfile.TemporaryDirectory() as d:
+        r = subprocess.run([sys.executable, RUNNER, "--sglang", d], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True)
+    assert r.returncode == 2 and "sglang_snapshot.sh" in r.stdout, r.stdout
+
+
+def test_runner_stubs_import_subclass_and_raise_when_called():
+    t = _runner()
+    name = "stepq_no_such_module_%d" % os.getpid()
+    finder = t._StubFinder([name])
+    sys.meta_path.append(finder)
+    try:
+        mod = importlib.import_module(name + ".sub")
+        Thing = mod.Thing
+        assert mod.__version__ == "0.0.0"
+
+        class Mine(Thing, tag=True):
+            pass
+
+        assert isinstance(Mine(1, x=2), Thing)          # a real subclass instantiates
+        decorated = mod.jit(cache=True)(lambda: 0)    # while importing: recorded, no raise
+        assert t._Stubs.calls and name + ".sub" in t._Stubs.served
+        t._Stubs.strict = True
+        with _harness.raises(RuntimeError, match="is a stub"):
+            decorated()
+        with _harness.raises(ModuleNotFoundError):
+            importlib.import_module("stepq_no_such_module_either_%d" % os.getpid())
+    finally:
+        sys.meta_path.remove(finder)
+        for k in [k for k in sys.modules if k.startswith(name)]:
+            del sys.modules[k]
+
+
+def test_runner_uniform_maps_load_and_match_their_shapes():
+    t = _runner()
+    shapes = [  # test_unified_radix_cache_unittest's default mamba shape, and a KDA one
+        dict(is_kda=False, layer_ids=[0, 1, 2, 4, 5, 6], temporal=(2, 16, 16), conv=[(288, 3)],
+             conv_dtype="bf16", temporal_dtype="bf16", num_k_heads_per_tp=1),
+        dict(is_kda=True, layer_ids=[0, 2], temporal=(4, 32, 32), conv=[(3, 384)],
+             conv_dtype="bf16", temporal_dtype="fp32", num_k_heads_per_tp=4)]
+    import json
+
+    for cd in shapes:
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(t._uniform_map(cd), f)
+        try:
+            m = stepq.load_map(f.name)
+            assert plugin.check_map(plugin.map_desc(m), cd) == 1
+            assert m.method == "uniform" and m.budget_bits == 8
+        finally:
+            os.unlink(f.name)
+
+
+def test_runner_static_walk_of_the_snapshot():
+    snap = _snapshot()
+    r = subprocess.run([sys.executable, RUNNER, "--sglang", snap, "--static"], stdout=subprocess.PIPE,
+                       stderr=subprocess.STDOUT, universal_newlines=True)
+    assert r.returncode == 0 and "module_level:" in r.stdout and "torch" in r.stdout, r.stdout
+
+
+def test_snapshot_script():
+    r = subprocess.run(["sh", SNAPSHOT_SH], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       universal_newlines=True)
+    assert r.returncode == 2 and "usage" in r.stdout, r.stdout
+    if not os.path.isdir(MIRROR) or not shutil_which("git"):
+        _harness.skip("no SGLang mirror at %s" % MIRROR)
+    with tempfile.TemporaryDirectory() as d:
+        dest = os.path.join(d, "sglang")
+        r = subprocess.run(["sh", SNAPSHOT_SH, dest], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True)
+        assert r.returncode == 0, r.stdout
+        info = dict(l.split(": ", 1) for l in open(os.path.join(dest, "SNAPSHOT")).read().splitlines())
+        assert info["commit"].startswith("8905cbd42f4a") and int(info["bytes"]) < 40 << 20, info
+        assert os.path.isfile(os.path.join(dest, "python", "sglang", "srt", "plugins",
+                                           "hook_registry.py"))
+        assert not os.path.exists(os.path.join(dest, "python", "sglang", "multimodal_gen"))
+        r = subprocess.run(["sh", SNAPSHOT_SH, dest], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True)
+        assert r.returncode == 0, r.stdout   # a snapshot is replaced
+        os.remove(os.path.join(dest, "SNAPSHOT"))
+        r = subprocess.run(["sh", SNAPSHOT_SH, dest], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True)
+        assert r.returncode == 1 and "not overwriting" in r.stdout, r.stdout
+
+
+def shutil_which(name):
+    import shutil
+
+    return shutil.which(name)
+
+
+if __name__ == "__main__":
+    sys.exit(_harness.main(dict(globals())))

@@ -1,0 +1,1103 @@
+#!/usr/bin/env python3
+"""Runs SGLang's own mamba-pool unit tests with stepq's plugin in place, and
+the same tests without it, so that a failure of the environment (a missing
+package, a stubbed kernel) shows in both and a failure of stepq in one.
+
+    tools/scripts/sglang_snapshot.sh peers/sglang          # once, from the mirror
+    python3 tools/scripts/sglang_tests.py --sglang peers/sglang \\
+        --library build-gpu/libstepq.so --json out/sglang-tests.json
+
+The tests: test/registered/unit/mem_cache/test_mamba_unittest.py (the
+mamba pool, MambaRadixCache, the host copies) and
+test_unified_radix_cache_unittest.py (UnifiedRadixCache, which SGLang uses
+for hybrid SSM models by default, with and without its mamba component) of
+the snapshot; --test-file picks others, -k selects tests. Each run is its
+own python3 process (a hook registry and a CUDA context per run):
+
+  baseline         SGLang as it is.
+  stepq            stepq's entry point (stepq.sglang:register, the value in
+                   plugin/python/pyproject.toml) called with STEPQ_MAP set,
+                   then HookRegistry.apply_hooks(), as SGLang's load_plugins
+                   does; the tests never call load_plugins themselves.
+  baseline-nospec, the same with HybridReqToTokenPool's
+  stepq-nospec     speculative_num_draft_tokens forced to None: the tests
+                   build their pools with speculative_num_draft_tokens=3,
+                   which stepq refuses at start-up, so without this the
+                   stepq run only shows that refusal. A MODIFIED setup,
+                   reported as such.
+
+The map (--map auto, the default): for each pool the tests build,
+config/examples/qwen3-next-80b-a3b.uniform-4.json when its shape matches
+(test_mamba_unittest's pools do: 36 layers of 32 heads 128x128), else a
+uniform 8-bit map written for that pool's shape (the unified tests use
+2 heads of 16x16); --map PATH uses one map for every pool.
+
+Then (unless --no-kernel-check) a check that is not an SGLang test: stepq's
+kernel backend (StepqLinearAttnKernel, decode and extend, GDN and KDA, on
+the fp32 maps of config/calibrated/tiny-*) against SGLang's Triton kernels
+on a dense pool, the conv views against SGLang's Triton conv update, and
+the slot operations on the conv bytes.
+
+Imports: SGLang's python/ directory goes first on sys.path.
+SGLANG_IS_FLASHINFER_AVAILABLE=false is set (SGLang's switch: its
+flashinfer imports are guarded by it). A module that cannot be imported is
+stubbed only when the import chain needs it: sgl_kernel and flashinfer
+always qualify; with --auto-stub (the default) any other missing module
+that the chain imports is found by probing (a fresh process per probe) and
+stubbed too, except torch, triton, numpy, sglang and stepq. The probe's
+stub list is kept in the log directory (stubs.json) and reused by later
+invocations on the same snapshot and Python (--reprobe probes again). A stub module
+hands out stub classes for every attribute: they can be imported, named in
+annotations and subclassed, and raise RuntimeError when called once the
+tests start (calls while importing are recorded). The report lists every
+stub, the import that needed it and every call.
+
+--static needs no torch: it walks SGLang's import statements from the test
+module (abstract syntax trees, no import) and prints how far the chain
+reaches and which third-party modules it imports unconditionally.
+
+Output: a table per run (ran / passed / failed / errored / skipped, with the
+reason), the comparison of stepq against baseline, and with --json the whole
+report (JSON). Exit status: 0 when every requested run completed (whatever
+the tests' outcomes), 1 when a run could not be completed, 2 for bad usage.
+"""
+
+import argparse
+import ast
+import importlib
+import importlib.abc
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+import types
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+TEST_FILES = ("test/registered/unit/mem_cache/test_mamba_unittest.py",
+              "test/registered/unit/mem_cache/test_unified_radix_cache_unittest.py")
+EXAMPLE_MAP = "config/examples/qwen3-next-80b-a3b.uniform-4.json"
+KERNEL_MAPS = {"gdn": "config/calibrated/tiny-gdn/fp32.json",
+               "kda": "config/calibrated/tiny-kda/fp32.json"}
+RUNS = ("baseline", "stepq", "baseline-nospec", "stepq-nospec")
+ALWAYS_STUB = ("sgl_kernel", "flashinfer")
+NEVER_STUB = ("torch", "triton", "numpy", "sglang", "stepq")
+
+
+# --- stubs -----------------------------------------------------------------
+
+class _Stubs:
+    strict = False       # calls raise once the tests start
+    served = {}          # module name -> the import that needed it
+    calls = []           # calls while importing (name, where)
+    maps = {}            # --map auto: map path -> pools built on it
+
+
+def _caller():
+    for frame in reversed(traceback.extract_stack()[:-2]):
+        f = frame.filename
+        if "importlib" in f or f == __file__ or f.startswith("<frozen"):
+            continue
+        return "%s:%d" % (f, frame.lineno)
+    return "?"
+
+
+class _StubMeta(type):
+    def __new__(mcs, name, bases, ns, **kwargs):
+        return super().__new__(mcs, name, bases, ns)
+
+    def __init__(cls, name, bases, ns, **kwargs):
+        super().__init__(name, bases, ns)
+
+    def __getattr__(cls, name):
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return _stub_class("%s.%s" % (cls._stub_name, name))
+
+    def __getitem__(cls, item):
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        if not cls.__dict__.get("_stub_generated"):
+            return super().__call__(*args, **kwargs)  # a real class deriving from a stub
+        if _Stubs.strict:
+            raise RuntimeError("%s called: it is a stub (sglang_tests.py), the module is not "
+                               "installed here" % cls._stub_name)
+        _Stubs.calls.append((cls._stub_name, _caller()))
+        return _stub_class(cls._stub_name + "()")
+
+
+class _StubBase(metaclass=_StubMeta):
+    _stub_name = "stub"
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __init_subclass__(cls, **kwargs):
+        pass
+
+
+def _stub_class(name):
+    return _StubMeta(name.rsplit(".", 1)[-1], (_StubBase,),
+                     {"_stub_name": name, "_stub_generated": True})
+
+
+class _StubModule(types.ModuleType):
+    def __getattr__(self, name):
+        if name.startswith("__") and name.endswith("__"):
+            if name == "__version__":
+                return "0.0.0"
+            raise AttributeError(name)
+        return _stub_class("%s.%s" % (self.__name__, name))
+
+
+class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Appended to sys.meta_path: consulted only for modules nothing else finds."""
+
+    def __init__(self, names):
+        self.names = tuple(names)
+
+    def _covers(self, fullname):
+        return any(fullname == n or fullname.startswith(n + ".") for n in self.names)
+
+    def find_spec(self, fullname, path=None, target=None):
+        if not self._covers(fullname):
+            return None
+        return importlib.util.spec_from_loader(fullname, self, is_package=True)
+
+    def create_module(self, spec):
+        m = _StubModule(spec.name)
+        m.__path__ = []
+        return m
+
+    def exec_module(self, module):
+        _Stubs.served.setdefault(module.__name__, _caller())
+
+
+def _install_stubs(names):
+    if names:
+        sys.meta_path.append(_StubFinder(names))
+
+
+def _missing_module(exc):
+    """The ModuleNotFoundError in an exception's chain: (name, where)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ModuleNotFoundError) and exc.name:
+            tb = traceback.extract_tb(exc.__traceback__)
+            where = "?"
+            for fr in reversed(tb):
+                if "importlib" not in fr.filename and not fr.filename.startswith("<frozen"):
+                    where = "%s:%d" % (fr.filename, fr.lineno)
+                    break
+            return exc.name, where
+        exc = exc.__cause__ or exc.__context__
+    return None
+
+
+# --- the child processes ---------------------------------------------------
+
+def _load_test_module(sglang_dir, rel):
+    path = os.path.join(sglang_dir, rel)
+    name = os.path.splitext(os.path.basename(rel))[0]
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, path)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    try:
+        spec.loader.exec_module(mod)
+    except BaseException:
+        del sys.modules[spec.name]
+        raise
+    return mod
+
+
+def _child_setup(args):
+    sys.path.insert(0, os.path.join(os.path.abspath(args.sglang), "python"))
+    _install_stubs(args.stub)
+
+
+def _exc_summary(exc_info):
+    etype, value, tb = exc_info
+    frames = traceback.extract_tb(tb)
+    where = ["%s:%d %s" % (os.path.relpath(f.filename, ROOT) if f.filename.startswith(ROOT)
+                           else f.filename, f.lineno, f.name) for f in frames[-4:]]
+    text = str(value).strip().splitlines()
+    return {"type": etype.__name__, "message": " ".join(text)[:1500], "where": where}
+
+
+HOOK_MODULES = ("sglang.srt.layers.attention.linear.gdn_backend",
+                "sglang.srt.layers.attention.linear.kda_backend",
+                "sglang.srt.mem_cache.memory_pool_host")
+
+
+def _child_probe(args):
+    """Imports the test modules (or the hook modules), adding a stub and
+    retrying in this process for each missing module it may stub."""
+    _child_setup(args)
+    finder = sys.meta_path[-1] if isinstance(sys.meta_path[-1], _StubFinder) else None
+    out = {"ok": False, "added": []}
+    for _ in range(60):
+        try:
+            if args.run == "hooks":
+                for name in HOOK_MODULES:
+                    importlib.import_module(name)
+            else:
+                for rel in args.test_file:
+                    _load_test_module(args.sglang, rel)
+            out["ok"] = True
+            break
+        except BaseException as e:  # noqa: B902 - report whatever stops the import
+            miss = _missing_module(e)
+            out["error"] = _exc_summary(sys.exc_info())
+            out.pop("missing", None)
+            if not miss:
+                break
+            out["missing"], out["where"] = miss
+            if (not args.auto_stub or miss[0].split(".")[0] in NEVER_STUB or finder is None
+                    or finder._covers(miss[0])):
+                break
+            finder.names += (miss[0],)
+            out["added"].append(miss)
+    out["served"] = dict(_Stubs.served)
+    return out
+
+
+def _apply_stepq():
+    """What SGLang's load_plugins() does for one entry point: resolve it, call
+    it, apply the hooks."""
+    import pkgutil
+
+    info = {}
+    try:
+        from importlib.metadata import entry_points
+
+        eps = entry_points(group="sglang.srt.plugins")
+        info["installed_entry_points"] = ["%s = %s" % (ep.name, ep.value) for ep in eps]
+    except Exception as e:  # the metadata API differs across Pythons
+        info["installed_entry_points"] = "unknown (%s)" % e
+    from stepq import sglang as plugin
+
+    func = pkgutil.resolve_name(plugin.ENTRY_POINT)
+    info["registered"] = func()
+    from sglang.srt.plugins.hook_registry import HookRegistry
+
+    HookRegistry.apply_hooks()
+    info["patched"] = sorted(HookRegistry._patched)
+    missing = [t for t in info["registered"] if t not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError("stepq's hooks were not applied: %s (SGLang logged why)" % missing)
+    return info
+
+
+def _auto_maps(tmpdir):
+    """--map auto: before each StepqMambaPool is built, STEPQ_MAP names the
+    example map when its shape matches the pool's, else a uniform 8-bit map
+    written for that shape (a test harness choice, reported as such)."""
+    import stepq
+    from stepq import sglang as plugin
+
+    c = plugin._classes()
+    orig = c.StepqMambaPool.__init__
+    made = {}
+    example = os.path.join(ROOT, EXAMPLE_MAP)
+    ex_desc = plugin.map_desc(stepq.load_map(example))
+
+    def init(self, **kw):
+        cd = plugin.cache_desc(kw["cache_params"], kw["mamba_layer_ids"])
+        try:
+            plugin.check_map(ex_desc, cd)
+            path = example
+        except plugin.Unsupported:
+            key = json.dumps(cd, sort_keys=True, default=str)
+            path = made.get(key)
+            if path is None:
+                path = os.path.join(tmpdir, "map-%d.json" % len(made))
+                with open(path, "w") as f:
+                    json.dump(_uniform_map(cd), f)
+                made[key] = path
+        os.environ[plugin.MAP_ENV] = path
+        _Stubs.maps[path] = _Stubs.maps.get(path, 0) + 1
+        return orig(self, **kw)
+
+    c.StepqMambaPool.__init__ = init
+
+
+def _uniform_map(cd):
+    hv, v, k = cd["temporal"]
+    h = cd["num_k_heads_per_tp"] or hv
+    head = {"row_bits": [8] * k} if cd["is_kda"] else {"bits": 8}
+    return {"format": "stepq-precision-map", "schema_version": 1,
+            "model": {"name": "sglang-unit-test-shape", "arch": "kda" if cd["is_kda"] else "gdn",
+                      "recurrent_layers": list(cd["layer_ids"]), "num_k_heads": h,
+                      "num_v_heads": hv, "head_k_dim": k, "head_v_dim": v,
+                      "conv_state": {"shape": list(cd["conv"][0]), "dtype": cd["conv_dtype"]}},
+            "method": "uniform", "budget_bits": 8,
+            "provenance": {"tool": "tools/scripts/sglang_tests.py",
+                           "notes": "written for an SGLang unit test's pool shape"},
+            "layers": [{"layer": l, "pivots": [], "heads": [dict(head) for _ in range(hv)]}
+                       for l in cd["layer_ids"]]}
+
+
+def _force_no_spec():
+    from sglang.srt.mem_cache.memory_pool import HybridReqToTokenPool
+
+    orig = HybridReqToTokenPool.__init__
+
+    def init(self, *a, **kw):
+        kw["speculative_num_draft_tokens"] = None
+        return orig(self, *a, **kw)
+
+    HybridReqToTokenPool.__init__ = init
+
+
+def _result_class():
+    """A unittest result that records one row per test."""
+    import unittest
+
+    class Result(unittest.TestResult):
+        def __init__(self):
+            super().__init__()
+            self.rows, self._t0 = [], time.time()
+
+        def _add(self, test, outcome, err=None, reason=None):
+            tid = test.id().split(".")
+            row = {"test": "%s.%s" % (tid[0].replace("test_", "", 1)[:24], tid[-1]),
+                   "outcome": outcome}
+            if err is not None:
+                row.update(_exc_summary(err))
+            if reason is not None:
+                row["message"] = str(reason)
+            row["seconds"] = round(time.time() - self._t0, 3)
+            self.rows.append(row)
+
+        def startTest(self, test):
+            super().startTest(test)
+            self._t0 = time.time()
+            print("=== %s" % test.id(), flush=True)
+
+        def addSuccess(self, test):
+            self._add(test, "passed")
+
+        def addFailure(self, test, err):
+            self._add(test, "failed", err)
+
+        def addError(self, test, err):
+            self._add(test, "errored", err)
+
+        def addSkip(self, test, reason):
+            self._add(test, "skipped", reason=reason)
+
+        def addExpectedFailure(self, test, err):
+            self._add(test, "passed", reason="expected failure")
+
+        def addUnexpectedSuccess(self, test):
+            self._add(test, "failed", reason="unexpected success")
+
+    return Result
+
+
+def _child_run(args):
+    import unittest
+
+    _child_setup(args)
+    out = {"run": args.run, "tests": []}
+    try:
+        if args.run.startswith("stepq"):
+            out["stepq"] = _apply_stepq()
+            if args.map == "auto":
+                _auto_maps(tempfile.mkdtemp(prefix="stepq-maps-"))
+        if args.run.endswith("-nospec"):
+            _force_no_spec()
+            out["modified"] = "HybridReqToTokenPool(speculative_num_draft_tokens=None) forced"
+        mods = [_load_test_module(args.sglang, rel) for rel in args.test_file]
+    except BaseException:  # noqa: B902
+        out["setup_error"] = _exc_summary(sys.exc_info())
+        out["served"], out["import_calls"] = dict(_Stubs.served), list(_Stubs.calls)
+        return out
+    out["served"], out["import_calls"] = dict(_Stubs.served), list(_Stubs.calls)
+    _Stubs.strict = True
+    loader = unittest.TestLoader()
+    tests = [t for m in mods for t in _iter_suite(loader.loadTestsFromModule(m))
+             if not args.k or any(k in t.id() for k in args.k)]
+    result = _result_class()()
+    unittest.TestSuite(tests).run(result)
+    out["tests"] = result.rows
+    if _Stubs.maps:
+        out["maps"] = dict(_Stubs.maps)
+    if args.run.startswith("stepq"):
+        try:
+            from stepq import sglang as plugin
+
+            out["hook_status"] = dict(plugin.hook_status)
+        except Exception:
+            pass
+    return out
+
+
+def _iter_suite(suite):
+    for t in suite:
+        if hasattr(t, "__iter__"):
+            yield from _iter_suite(t)
+        else:
+            yield t
+
+
+# --- the kernel check (stepq's backend against SGLang's Triton kernels) -----
+
+def _child_kernels(args):
+    _child_setup(args)
+    out = {"checks": []}
+
+    def record(name, fn):
+        t0 = time.time()
+        try:
+            detail = fn()
+            out["checks"].append({"check": name, "outcome": "passed", "detail": detail,
+                                  "seconds": round(time.time() - t0, 3)})
+        except BaseException:  # noqa: B902
+            row = {"check": name, "outcome": "failed", "seconds": round(time.time() - t0, 3)}
+            row.update(_exc_summary(sys.exc_info()))
+            out["checks"].append(row)
+
+    try:
+        import torch
+        from sglang.srt.configs.mamba_utils import (KimiLinearCacheParams, KimiLinearStateShape,
+                                                    Mamba2CacheParams, Mamba2StateDType,
+                                                    Mamba2StateShape)
+
+        from stepq import sglang as plugin
+    except BaseException:  # noqa: B902
+        out["setup_error"] = _exc_summary(sys.exc_info())
+        out["served"] = dict(_Stubs.served)
+        return out
+    out["served"] = dict(_Stubs.served)
+    _Stubs.strict = True
+    dev = torch.device("cuda", torch.cuda.current_device())
+    gen = torch.Generator(device=dev).manual_seed(0)
+
+    def rnd(*shape, dtype=torch.float32, scale=1.0):
+        return (torch.randn(shape, generator=gen, device=dev) * scale).to(dtype)
+
+    def rel(a, b):
+        a, b = a.float(), b.float()
+        return float((a - b).abs().max() / b.abs().max().clamp_min(1e-30))
+
+    for arch in ("gdn", "kda"):
+        os.environ[plugin.MAP_ENV] = os.path.join(ROOT, KERNEL_MAPS[arch])
+        layers = [0, 1, 2, 4, 5, 6]
+        H, HV, K, V = (4, 8, 128, 128) if arch == "gdn" else (8, 8, 128, 128)
+        dtypes = Mamba2StateDType(conv=torch.bfloat16, temporal=torch.float32)
+        if arch == "gdn":
+            cp = Mamba2CacheParams(shape=Mamba2StateShape.create(
+                tp_world_size=1, intermediate_size=HV * V, n_groups=H, num_heads=HV, head_dim=V,
+                state_size=K, conv_kernel=4), layers=layers, dtype=dtypes)
+        else:
+            cp = KimiLinearCacheParams(shape=KimiLinearStateShape.create(
+                tp_world_size=1, num_heads=HV, head_dim=V, num_k_heads=H, head_k_dim=K,
+                conv_kernel_size=4), layers=layers, dtype=dtypes)
+        state = {}
+
+        def build():
+            c = plugin._classes()
+            pool = c.StepqMambaPool(size=8, spec_state_size=8, cache_params=cp,
+                                    mamba_layer_ids=layers, device="cuda")
+            alloc = c.StepqSlotAllocator(pool)
+            ids = alloc.alloc(3)
+            state.update(pool=pool, alloc=alloc, ids=ids, ids32=ids.to(torch.int32), c=c)
+            conv = pool.mamba_cache.conv[0]
+            expect = (len(layers), 9) + tuple(cp.shape.conv[0])
+            if tuple(conv.shape) != expect:
+                raise AssertionError("conv view %s, expected %s" % (tuple(conv.shape), expect))
+            return {"conv_shape": list(conv.shape), "conv_stride": list(conv.stride()),
+                    "page_bytes": pool.statepool.page_bytes, "ids": ids.tolist()}
+
+        record("%s: StepqMambaPool + StepqSlotAllocator" % arch, build)
+        if "pool" not in state:
+            continue
+        pool, ids, ids32, c = state["pool"], state["ids"], state["ids32"], state["c"]
+        sp = pool.statepool
+
+        def slots():
+            conv = pool.mamba_cache.conv[0]
+            conv[:, ids] = rnd(len(layers), 3, *cp.shape.conv[0], dtype=torch.bfloat16)
+            dst = state["alloc"].alloc(1)
+            pool.copy_from(ids[:1], dst)
+            if not torch.equal(conv[:, dst[0]], conv[:, ids[0]]):
+                raise AssertionError("copy_from did not copy the conv bytes")
+            saved = pool.get_cpu_copy(dst)
+            pool.clear_slots(dst)
+            if conv[:, dst[0]].abs().max().item() != 0:
+                raise AssertionError("clear_slots left conv bytes")
+            pool.load_cpu_copy(saved, dst)
+            if not torch.equal(conv[:, dst[0]], conv[:, ids[0]]):
+                raise AssertionError("load_cpu_copy did not restore the conv bytes")
+            state["alloc"].free(dst)
+            return {"host_copy": list(saved.shape)}
+
+        record("%s: copy_from / clear_slots / get_cpu_copy / load_cpu_copy on the conv view"
+               % arch, slots)
+
+        def conv_update():
+            from sglang.kernels.ops.mamba.causal_conv1d_triton import causal_conv1d_update
+
+            view = pool.mamba_cache.conv[0][1]             # layer 1: [9, *conv]
+            if arch == "kda":
+                view = view.transpose(-1, -2)                # the backend's [9, dim, K-1]
+            dense = view.clone()
+            dim = view.shape[-2]
+            x = rnd(3, dim, dtype=torch.bfloat16)
+            w = rnd(dim, 4, dtype=torch.bfloat16, scale=0.5)
+            y_s = causal_conv1d_update(x.clone(), view, w, None, "silu", conv_state_indices=ids32)
+            y_d = causal_conv1d_update(x.clone(), dense, w, None, "silu", conv_state_indices=ids32)
+            if not (torch.equal(y_s, y_d) and torch.equal(view, dense)):
+                raise AssertionError("causal_conv1d_update on the stepq view differs: out %g, "
+                                     "state %g" % (rel(y_s, y_d), rel(view, dense)))
+            return "identical"
+
+        record("%s: causal_conv1d_update (Triton) on the strided conv view" % arch, conv_update)
+
+        if arch == "gdn":
+            from sglang.srt.layers.attention.linear.kernels.gdn_triton import \
+                TritonGDNKernel as Dense
+        else:
+            from sglang.srt.layers.attention.linear.kernels.kda_triton import \
+                TritonKDAKernel as Dense
+        dense_kernel = Dense()
+        kernel = c.StepqLinearAttnKernel(pool, dense_kernel)
+        S0 = rnd(3, HV, V, K, scale=0.05)
+        A_log = rnd(HV, scale=0.5)
+        if arch == "gdn":
+            dt_bias = rnd(HV, dtype=torch.bfloat16)          # Qwen3-Next: bf16 next to fp32 A_log
+            A_arg = A_log
+        else:
+            dt_bias = rnd(HV * K)                            # Kimi-Linear: flat fp32
+            A_arg = A_log.view(1, 1, HV, 1)
+
+        def fresh(layer):
+            ref = torch.zeros(9, HV, V, K, device=dev)
+            ref[ids] = S0
+            sp.pack(layer, ids32, S0.clone(), layout="vk")
+            return ref, pool.mamba2_layer_cache(layer).temporal
+
+        def decode():
+            ref, st = fresh(0)
+            B = 3
+            q, k = rnd(1, B, H, K, dtype=torch.bfloat16), rnd(1, B, H, K, dtype=torch.bfloat16)
+            v = rnd(1, B, HV, V, dtype=torch.bfloat16)
+            if arch == "gdn":
+                a, b = rnd(B, HV, dtype=torch.bfloat16), rnd(B, HV, dtype=torch.bfloat16)
+            else:
+                a, b = rnd(B, HV * K, dtype=torch.bfloat16), rnd(1, B, HV, dtype=torch.bfloat16)
+            qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
+            o_ref = dense_kernel.decode(q, k, v, a, b, A_log=A_arg, dt_bias=dt_bias,
+                                        ssm_states=ref, cache_indices=ids32, query_start_loc=qsl)
+            o = kernel.decode(q, k, v, a, b, A_log=A_arg, dt_bias=dt_bias, ssm_states=st,
+                              cache_indices=ids32, query_start_loc=qsl)
+            S = sp.unpack(0, ids32, layout="vk")
+            d = {"out_shape": list(o.shape), "out_rel": rel(o, o_ref), "state_rel": rel(S, ref[ids])}
+            if tuple(o.shape) != tuple(o_ref.shape) or d["out_rel"] > 2e-2 or d["state_rel"] > 1e-3:
+                raise AssertionError("decode differs from SGLang's Triton kernel: %s" % d)
+            return d
+
+        record("%s: StepqLinearAttnKernel.decode vs %s.decode (fp32 map)"
+               % (arch, Dense.__name__), decode)
+
+        def extend(gather):
+            layer = 2 if gather else 1
+            ref, st = fresh(layer)
+            lens = [5, 70]
+            T = sum(lens)
+            qsl = torch.tensor([0, 5, 75], dtype=torch.int32, device=dev)
+            q, k = rnd(1, T, H, K, dtype=torch.bfloat16), rnd(1, T, H, K, dtype=torch.bfloat16)
+            v = rnd(1, T, HV, V, dtype=torch.bfloat16)
+            kw = {}
+            if arch == "gdn":
+                from sglang.kernels.ops.attention.fla.fused_gdn_gating import fused_gdn_gating
+
+                a, b = rnd(T, HV, dtype=torch.bfloat16), rnd(T, HV, dtype=torch.bfloat16)
+                g, beta = fused_gdn_gating(A_log, a, b, dt_bias)
+            else:
+                g = rnd(1, T, HV, K, dtype=torch.bfloat16)
+                beta = rnd(1, T, HV).sigmoid()
+                kw = {"A_log": A_arg, "dt_bias": dt_bias, "lower_bound": None}
+            r_ref = dense_kernel.extend(q, k, v, g, beta, ssm_states=ref, cache_indices=ids32[:2],
+                                        query_start_loc=qsl, **kw)
+            sel = ids32[:2]
+            if gather:
+                g_st = st[sel].contiguous()
+                r = kernel.extend(q, k, v, g, beta, ssm_states=g_st,
+                                  cache_indices=torch.arange(2, dtype=torch.int32, device=dev),
+                                  query_start_loc=qsl, **kw)
+                st[sel] = g_st  # the backend's scatter back: a no-op once packed
+            else:
+                r = kernel.extend(q, k, v, g, beta, ssm_states=st, cache_indices=sel,
+                                  query_start_loc=qsl, **kw)
+            o_ref = r_ref[0] if isinstance(r_ref, tuple) else r_ref
+            o = r[0] if isinstance(r, tuple) else r
+            S = sp.unpack(layer, sel, layout="vk")
+            d = {"out_rel": rel(o, o_ref), "state_rel": rel(S, ref[sel.long()]),
+                 "returned": type(r).__name__}
+            if d["out_rel"] > 1e-5 or d["state_rel"] > 1e-5:
+                raise AssertionError("extend differs from SGLang's Triton kernel: %s" % d)
+            return d
+
+        record("%s: StepqLinearAttnKernel.extend vs %s.extend (fp32 map)"
+               % (arch, Dense.__name__), lambda: extend(False))
+        if arch == "gdn":
+            record("gdn: extend through the gather path (GDNAttnBackend's needs_state_gather)",
+                   lambda: extend(True))
+
+        def refusals():
+            seen = []
+            st = pool.mamba2_layer_cache(0).temporal
+            for what, fn in (("temporal[:, ids] read", lambda: pool.mamba_cache.temporal[:, ids]),
+                             ("temporal[l][ids] = x", lambda: st.__setitem__(ids, 0.0)),
+                             ("torch.zeros_like(temporal[l])", lambda: torch.zeros_like(st)),
+                             ("target_verify", lambda: kernel.target_verify())):
+                try:
+                    fn()
+                except plugin.Unsupported as e:
+                    seen.append("%s: %s" % (what, e.name))
+                    continue
+                raise AssertionError("%s was not refused" % what)
+            return seen
+
+        record("%s: PackedStates and target_verify refuse" % arch, refusals)
+        state["alloc"].free(ids)
+        pool.close()
+    return out
+
+
+# --- the static import walk (no torch needed) --------------------------------
+
+def _static(sglang_dir, test_files):
+    py = os.path.join(os.path.abspath(sglang_dir), "python")
+    std = set(getattr(sys, "stdlib_module_names", ()))
+
+    def modfile(name):
+        p = os.path.join(py, *name.split("."))
+        if os.path.isfile(os.path.join(p, "__init__.py")):
+            return os.path.join(p, "__init__.py"), True
+        if os.path.isfile(p + ".py"):
+            return p + ".py", False
+        return None, False
+
+    def imports(path, name, is_pkg, everywhere):
+        out = []
+
+        def walk(body, cond):
+            for node in body:
+                if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    if everywhere:
+                        walk(node.body, True)
+                    continue
+                if isinstance(node, ast.ClassDef):
+                    walk(node.body, cond)
+                    continue
+                if isinstance(node, ast.If):
+                    t = ast.unparse(node.test) if hasattr(ast, "unparse") else ""
+                    if "TYPE_CHECKING" in t:
+                        walk(node.orelse, True)
+                        continue
+                    walk(node.body, True)
+                    walk(node.orelse, True)
+                    continue
+                if isinstance(node, ast.Try):
+                    walk(node.body, True)
+                    for h in node.handlers:
+                        walk(h.body, True)
+                    walk(node.orelse, True)
+                    walk(node.finalbody, cond)
+                    continue
+                if isinstance(node, (ast.With, ast.For, ast.While)):
+                    walk(node.body, cond)
+                    continue
+                if isinstance(node, ast.Import):
+                    out.extend((a.name, None, cond) for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    base = node.module or ""
+                    if node.level:
+                        parts = (name if is_pkg else name.rsplit(".", 1)[0]).split(".")
+                        if node.level > 1:
+                            parts = parts[:len(parts) - (node.level - 1)]
+                        base = ".".join(parts + ([base] if base else []))
+                    out.extend((base, a.name, cond) for a in node.names)
+
+        with open(path, encoding="utf-8") as f:
+            walk(ast.parse(f.read(), path).body, False)
+        return out
+
+    starts = sorted({b for rel in test_files
+                     for b, _, _ in imports(os.path.join(os.path.abspath(sglang_dir), rel), "t",
+                                            False, False)
+                     if b.split(".")[0] == "sglang"})
+    report = {"starts": starts}
+    for everywhere in (False, True):
+        seen, third, q = {}, {}, list(starts)
+        while q:
+            n = q.pop()
+            if n in seen:
+                continue
+            f, pkg = modfile(n)
+            seen[n] = f
+            if f is None:
+                continue
+            parts = n.split(".")
+            q.extend(".".join(parts[:i]) for i in range(1, len(parts)))
+            for base, sub, cond in imports(f, n, pkg, everywhere):
+                top = base.split(".")[0]
+                if top != "sglang":
+                    if top and top not in std and top != "__future__" and not cond:
+                        third.setdefault(top, os.path.relpath(f, py))
+                    continue
+                q.append(base)
+                if sub and sub != "*":
+                    q.append(base + "." + sub)
+        files = sorted({v for v in seen.values() if v})
+        key = "with_function_level_imports" if everywhere else "module_level"
+        report[key] = {
+            "modules": len(files), "bytes": sum(os.path.getsize(x) for x in files),
+            "unconditional_third_party": {
+                t: {"first_importer": w, "importable_here": importlib.util.find_spec(t) is not None}
+                for t, w in sorted(third.items())}}
+    return report
+
+
+# --- the parent --------------------------------------------------------------
+
+def _child_cmd(args, mode, run=None, stubs=()):
+    cmd = [sys.executable, os.path.abspath(__file__), "--child", mode, "--sglang", args.sglang,
+           "--map", args.map]
+    if run:
+        cmd += ["--run", run]
+    for s in stubs:
+        cmd += ["--stub", s]
+    for t in args.test_file:
+        cmd += ["--test-file", t]
+    for k in args.k or ():
+        cmd += ["-k", k]
+    if not args.auto_stub:
+        cmd.append("--no-auto-stub")
+    return cmd
+
+
+def _env(args, with_map):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        [os.path.join(os.path.abspath(args.sglang), "python"), os.path.join(ROOT, "plugin", "python")]
+        + ([env["PYTHONPATH"]] if env.get("PYTHONPATH") else []))
+    env["SGLANG_IS_FLASHINFER_AVAILABLE"] = "false"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    env["STEPQ_LIBRARY"] = args.library
+    env.pop("STEPQ_MAP", None)
+    env.pop("SGLANG_PLUGINS", None)
+    if with_map:
+        env["STEPQ_MAP"] = os.path.join(ROOT, EXAMPLE_MAP) if args.map == "auto" else args.map
+    return env
+
+
+def _spawn(args, mode, run, stubs, log_name, with_map):
+    fd, res = tempfile.mkstemp(prefix="sglang-tests-", suffix=".json")
+    os.close(fd)
+    cmd = _child_cmd(args, mode, run, stubs) + ["--result", res]
+    log = os.path.join(args.log_dir, log_name + ".log")
+    t0 = time.time()
+    with open(log, "w") as lf:
+        try:
+            rc = subprocess.run(cmd, env=_env(args, with_map), stdout=lf, stderr=subprocess.STDOUT,
+                                timeout=args.timeout, cwd=ROOT).returncode
+        except subprocess.TimeoutExpired:
+            rc = "timeout after %ds" % args.timeout
+    try:
+        with open(res) as f:
+            out = json.load(f)
+    except (OSError, ValueError):
+        out = {"crashed": "rc %s, no result (see %s)" % (rc, log)}
+    finally:
+        if os.path.exists(res):
+            os.unlink(res)
+    out["rc"], out["log"], out["wall_s"] = rc, log, round(time.time() - t0, 1)
+    return out
+
+
+def _probe_stubs(args, what="test", stubs=None):
+    """Probes the import chain of the test modules (what="test") or of the
+    modules the stepq hooks need (what="hooks"): a child imports them,
+    stubbing each missing module it may and retrying in place; a fresh
+    child then confirms the list (retrying in place can leave a half-run
+    module behind). Returns (stubs, rounds, served, fatal)."""
+    stubs = list(stubs if stubs is not None else
+                 list(ALWAYS_STUB) + [s for s in args.stub if s not in ALWAYS_STUB])
+    rounds = []
+    for i in range(10):
+        out = _spawn(args, "probe", what, stubs, "probe-%s-%02d" % (what, i), False)
+        rounds.append({k: out.get(k) for k in ("ok", "added", "missing", "where", "error",
+                                                "crashed", "wall_s")})
+        added = [m for m, _ in out.get("added", [])]
+        stubs += [m for m in added if m not in stubs]
+        if out.get("ok") and not added:
+            return stubs, rounds, out.get("served", {}), None
+        if out.get("ok") or added:
+            continue  # confirm in a fresh process
+        name = out.get("missing")
+        if name:
+            return stubs, rounds, out.get("served", {}), {
+                "type": "ModuleNotFoundError", "message": "%s (needed at %s) cannot be imported"
+                " and is not stubbed%s" % (name, out.get("where"),
+                                           "" if args.auto_stub else " (--no-auto-stub)"),
+                "where": (out.get("error") or {}).get("where")}
+        return stubs, rounds, out.get("served", {}), out.get("error") or {
+            "type": "crash", "message": out.get("crashed")}
+    return stubs, rounds, {}, {"type": "RuntimeError", "message": "10 probe rounds"}
+
+
+def _cached_stubs(args, snapshot):
+    path = os.path.join(args.log_dir, "stubs.json")
+    key = {"commit": snapshot.get("commit"), "python": sys.version.split()[0],
+           "test_files": list(args.test_file), "auto_stub": args.auto_stub,
+           "extra": sorted(args.stub)}
+    return path, key
+
+
+def _fmt_row(r):
+    msg = r.get("message", "")
+    if r.get("type"):
+        msg = "%s: %s" % (r["type"], msg)
+    if r.get("where") and r["outcome"] in ("failed", "errored"):
+        msg += "  [at %s]" % r["where"][-1]
+    return "  %-52s %-8s %s" % (r.get("test", r.get("check")), r["outcome"], msg[:400])
+
+
+def _summary(rows):
+    counts = {"ran": len(rows)}
+    for o in ("passed", "failed", "errored", "skipped"):
+        counts[o] = sum(1 for r in rows if r["outcome"] == o)
+    return counts
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=__doc__.split("\n\n", 1)[1])
+    p.add_argument("--sglang", required=True, metavar="DIR",
+                   help="an extracted SGLang tree with python/ and test/ "
+                        "(tools/scripts/sglang_snapshot.sh DIR makes one)")
+    p.add_argument("--library", default=os.environ.get("STEPQ_LIBRARY")
+                   or os.path.join(ROOT, "build-gpu", "libstepq.so"),
+                   help="libstepq.so (default $STEPQ_LIBRARY, else build-gpu/libstepq.so)")
+    p.add_argument("--map", default="auto",
+                   help="the precision map of the stepq runs' pools, or 'auto' (default): %s "
+                        "where it fits the pool's shape, else a uniform 8-bit map written for "
+                        "the shape" % EXAMPLE_MAP)
+    p.add_argument("--runs", default=",".join(RUNS),
+                   help="comma-separated, of %s, or 'none' (default all)" % ", ".join(RUNS))
+    p.add_argument("--test-file", action="append", default=[], metavar="REL",
+                   help="a test file, relative to --sglang (repeatable; default %s)"
+                        % ", ".join(TEST_FILES))
+    p.add_argument("-k", action="append", default=[], metavar="SUBSTR",
+                   help="run only the tests whose id contains SUBSTR (repeatable)")
+    p.add_argument("--stub", action="append", default=[], metavar="MODULE",
+                   help="also stub MODULE when it cannot be imported (repeatable)")
+    p.add_argument("--no-auto-stub", dest="auto_stub", action="store_false",
+                   help="stub only sgl_kernel, flashinfer and --stub modules")
+    p.add_argument("--no-kernel-check", dest="kernel_check", action="store_false",
+                   help="skip the check of stepq's kernel backend against SGLang's Triton kernels")
+    p.add_argument("--static", action="store_true",
+                   help="only walk the import statements (no torch needed) and print the chain")
+    p.add_argument("--json", metavar="PATH", help="write the report as JSON ('-' = stdout)")
+    p.add_argument("--log-dir", default=os.path.join(ROOT, "out", "sglang-tests"),
+                   help="the children's output (default out/sglang-tests)")
+    p.add_argument("--timeout", type=int, default=400, help="seconds per run (default 400)")
+    p.add_argument("--reprobe", action="store_true",
+                   help="probe the import chain again instead of reusing LOG_DIR/stubs.json")
+    p.add_argument("--child", help=argparse.SUPPRESS)
+    p.add_argument("--run", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    args.test_file = args.test_file or list(TEST_FILES)
+
+    if args.child:
+        fn = {"probe": _child_probe, "run": _child_run, "kernels": _child_kernels}[args.child]
+        out = fn(args)
+        with open(args.result, "w") as f:
+            json.dump(out, f, indent=1, default=str)
+        return 0
+
+    if not os.path.isdir(os.path.join(args.sglang, "python", "sglang")):
+        p.error("--sglang %s: no python/sglang there (run tools/scripts/sglang_snapshot.sh %s "
+                "first)" % (args.sglang, args.sglang))
+    for rel in args.test_file:
+        if not os.path.isfile(os.path.join(args.sglang, rel)):
+            p.error("--sglang %s: no %s there" % (args.sglang, rel))
+    if args.static:
+        rep = _static(args.sglang, args.test_file)
+        for key in ("module_level", "with_function_level_imports"):
+            r = rep[key]
+            print("%s: %d SGLang modules, %d bytes" % (key, r["modules"], r["bytes"]))
+        print("third-party modules imported unconditionally at module level along the chain:")
+        for t, v in rep["module_level"]["unconditional_third_party"].items():
+            print("  %-22s %-13s first from %s" % (
+                t, "importable" if v["importable_here"] else "NOT importable", v["first_importer"]))
+        if args.json:
+            _write_json(args.json, {"static": rep})
+        return 0
+    runs = [r for r in args.runs.split(",") if r and r != "none"]
+    bad = [r for r in runs if r not in RUNS]
+    if bad:
+        p.error("--runs: unknown %s (of %s)" % (", ".join(bad), ", ".join(RUNS)))
+    if any(r.startswith("stepq") for r in runs) or args.kernel_check:
+        if not os.path.isfile(args.library):
+            p.error("--library %s: no such file (build libstepq, or pass --library)" % args.library)
+        if args.map != "auto" and not os.path.isfile(args.map):
+            p.error("--map %s: no such file" % args.map)
+    args.sglang = os.path.abspath(args.sglang)
+    args.library = os.path.abspath(args.library)
+    if args.map != "auto":
+        args.map = os.path.abspath(args.map)
+    os.makedirs(args.log_dir, exist_ok=True)
+
+    report = {"sglang": args.sglang, "library": args.library, "map": args.map,
+              "python": sys.version.split()[0], "env": {"SGLANG_IS_FLASHINFER_AVAILABLE": "false"}}
+    snap = os.path.join(args.sglang, "SNAPSHOT")
+    if os.path.isfile(snap):
+        with open(snap) as f:
+            report["snapshot"] = dict(l.split(": ", 1) for l in f.read().splitlines() if ": " in l)
+    need_hooks = any(r.startswith("stepq") for r in runs) or args.kernel_check
+    cache_path, cache_key = _cached_stubs(args, report.get("snapshot", {}))
+    cached = None
+    if not args.reprobe and os.path.isfile(cache_path):
+        with open(cache_path) as f:
+            cached = json.load(f)
+        if cached.get("key") != cache_key or (need_hooks and not cached.get("hooks_probed")):
+            cached = None
+    if cached:
+        print("reusing the stub list of %s (--reprobe probes again)" % cache_path)
+        stubs, served, fatal = cached["stubs"], cached["served"], None
+        report["probe"] = {"reused": cache_path, "stub_candidates": stubs, "stubbed": served}
+        need_hooks = False
+    else:
+        print("probing the import chain ...", flush=True)
+        stubs, rounds, served, fatal = _probe_stubs(args)
+        report["probe"] = {"rounds": rounds, "stub_candidates": stubs, "stubbed": served}
+    if not fatal and need_hooks:
+        # The modules that stepq's hooks and the kernel check import (not the test's).
+        stubs, h_rounds, h_served, h_fatal = _probe_stubs(args, "hooks", stubs)
+        report["probe"].update(hook_rounds=h_rounds, stub_candidates=stubs,
+                               hook_modules_error=h_fatal)
+        served = dict(h_served, **served)
+        report["probe"]["stubbed"] = served
+        if h_fatal:
+            print("the modules of stepq's backend hooks cannot be imported (the hooks will not "
+                  "apply): %s: %s" % (h_fatal.get("type"), h_fatal.get("message")))
+    print("stubbed (not importable here, needed by the chain):")
+    for name, where in sorted(served.items()) or [("(none)", "")]:
+        print("  %-40s first imported at %s" % (name, where))
+    if not fatal and not cached:
+        with open(cache_path, "w") as f:
+            json.dump({"key": cache_key, "stubs": stubs, "served": served,
+                       "hooks_probed": any(r.startswith("stepq") for r in runs)
+                       or args.kernel_check}, f, indent=1)
+    if fatal:
+        report["fatal"] = fatal
+        print("the test module cannot be imported: %s: %s" % (fatal.get("type"), fatal.get("message")))
+        if fatal.get("where"):
+            print("  at " + " <- ".join(reversed(fatal["where"])))
+        _write_json(args.json, report)
+        return 1
+
+    failed = False
+    report["runs"] = {}
+    for run in runs:
+        print("\n== run %s%s" % (run, " (modified setup: speculative_num_draft_tokens=None)"
+                                 if run.endswith("-nospec") else ""), flush=True)
+        out = _spawn(args, "run", run, stubs, "run-" + run, run.startswith("stepq"))
+        report["runs"][run] = out
+        if out.get("crashed") or out.get("setup_error"):
+            failed = True
+            e = out.get("setup_error") or {}
+            print("  could not run: %s %s %s" % (out.get("crashed", ""), e.get("type", ""),
+                                                   e.get("message", "")))
+            if e.get("where"):
+                print("  at " + " <- ".join(reversed(e["where"])))
+            continue
+        if out.get("stepq"):
+            print("  stepq entry point: registered %s; installed entry points: %s"
+                  % (out["stepq"]["registered"], out["stepq"]["installed_entry_points"]))
+        for call in out.get("import_calls", [])[:20]:
+            print("  stub called while importing: %s at %s" % tuple(call))
+        for r in out["tests"]:
+            print(_fmt_row(r))
+        s = _summary(out["tests"])
+        out["summary"] = s
+        print("  ran %(ran)d: %(passed)d passed, %(failed)d failed, %(errored)d errored, "
+              "%(skipped)d skipped" % s)
+        if out.get("hook_status"):
+            print("  stepq hooks: %s" % ", ".join("%s %s" % (t.rsplit(".", 2)[-2] + "."
+                                                            + t.rsplit(".", 1)[-1], v)
+                                                   for t, v in sorted(out["hook_status"].items())))
+
+    comparison = {}
+    for base, mine in (("baseline", "stepq"), ("baseline-nospec", "stepq-nospec")):
+        b, m = report["runs"].get(base), report["runs"].get(mine)
+        if not b or not m or "summary" not in b or "summary" not in m:
+            continue
+        bo = {r["test"]: r for r in b["tests"]}
+        rows = []
+        for r in m["tests"]:
+            o = bo.get(r["test"], {}).get("outcome", "not run")
+            if o == r["outcome"]:
+                verdict = "same"
+            elif o == "passed":
+                verdict = ("stepq refusal" if "STEPQ_ENOTSUP" in r.get("message", "")
+                           else "stepq-only failure")
+            else:
+                verdict = "baseline %s, stepq %s" % (o, r["outcome"])
+            rows.append({"test": r["test"], "baseline": o, "stepq": r["outcome"], "verdict": verdict})
+        comparison["%s vs %s" % (mine, base)] = rows
+        print("\n== %s vs %s" % (mine, base))
+        for row in rows:
+            print("  %-52s baseline %-8s stepq %-8s %s" % (row["test"], row["baseline"],
+                                                        row["stepq"], row["verdict"]))
+    report["comparison"] = comparison
+
+    if args.kernel_check:
+        print("\n== stepq kernel backend vs SGLang's Triton kernels (not an SGLang test)", flush=True)
+        out = _spawn(args, "kernels", None, stubs, "kernel-check", False)
+        report["kernel_check"] = out
+        if out.get("crashed") or out.get("setup_error"):
+            failed = True
+            e = out.get("setup_error") or {}
+            print("  could not run: %s %s %s" % (out.get("crashed", ""), e.get("type", ""),
+                                                   e.get("message", "")))
+        for r in out.get("checks", []):
+            row = dict(r)
+            if r["outcome"] == "passed":
+                row["message"] = json.dumps(r.get("detail"), default=str)
+            print(_fmt_row(row))
+    print("\nlogs: %s" % args.log_dir)
+    _write_json(args.json, report)
+    return 1 if failed else 0
+
+
+def _write_json(path, report):
+    if not path:
+        return
+    text = json.dumps(report, indent=1, default=str)
+    if path == "-":
+        print(text)
+    else:
+        d = os.path.dirname(os.path.abspath(path))
+        os.makedirs(d, exist_ok=True)
+        with open(path, "w") as f:
+            f.write(text + "\n")
+        print("report: %s" % path)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
