@@ -207,10 +207,10 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     L->dense_bf16 = pl->n_heads > 0 && pl->head_offset[0] % 16 == 0 && pl->page_stride % 16 == 0;
     for (int hv = 0; hv < pl->n_heads && L->dense_bf16; hv++) {
         const struct stepq__head_layout *hl = &pl->heads[hv];
-        L->dense_bf16 = hl->method == STEPQ_METHOD_BF16 && hl->arch == pl->heads[0].arch &&
-                        hl->d_k == SQ_D && hl->d_v == SQ_D && hl->codes_offset == 0 &&
-                        pl->head_offset[hv] ==
-                            pl->head_offset[0] + (size_t)hv * SQ_D * SQ_D * sizeof(uint16_t);
+        L->dense_bf16 =
+            hl->method == STEPQ_METHOD_BF16 && hl->arch == pl->heads[0].arch && hl->d_k == SQ_D &&
+            hl->d_v == SQ_D && hl->codes_offset == 0 &&
+            pl->head_offset[hv] == pl->head_offset[0] + (size_t)hv * SQ_D * SQ_D * sizeof(uint16_t);
     }
     L->dense_off = L->dense_bf16 ? pl->head_offset[0] : 0;
     free(h);
