@@ -28,7 +28,9 @@
  * slowest rank's decode time. On the CUDA backend each rank takes device
  * R mod the device count and, where NCCL is built, joins one communicator
  * (the parent's unique id, in hex on the command line) and checks its pools
- * against the other ranks' (stepq_tp_check_pools) before timing them.
+ * against the other ranks' (stepq_tp_check_pools) before timing them; NCCL
+ * holds one rank per device, so there a host with fewer devices than ranks
+ * is refused before any rank starts.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -111,10 +113,12 @@ static void usage(FILE *f)
                "the rank with the largest page) in this one process. --tp N --procs: one\n"
                "process per rank, all N started at once; each times its own share, and the\n"
                "table's time is the slowest rank's per batch and state (--json: every rank's\n"
-               "own results too). CUDA: rank R on device R mod the device count (ranks share\n"
-               "a device where there are fewer), one NCCL communicator whose pools are\n"
-               "checked against each other before the timing. A rank that fails stops every\n"
-               "other; --timeout-s S stops them all after S seconds (default: no limit).\n"
+               "own results too). CUDA: rank R on device R, one NCCL communicator whose\n"
+               "pools are checked against each other before the timing, so N ranks need N\n"
+               "devices (NCCL holds one rank per device; a build without NCCL runs the ranks\n"
+               "alone, on device R mod the device count). Host: the ranks run alone, as\n"
+               "processes of this machine. A rank that fails stops every other; --timeout-s S\n"
+               "stops them all after S seconds (default: no limit).\n"
                "--layers: the first N recurrent layers.\n"
                "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
                "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
@@ -1440,7 +1444,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     }
 
-    /* A rank of --procs on CUDA: its own device where there are enough, else a shared one. */
+    /* A rank of --procs on CUDA: its own device (with NCCL the parent saw to it), else a shared
+     * one. */
     int cuda_dev = 0;
 #if STEPQ_HAVE_CUDA
     if (o.child && o.backend == STEPQ_POOL_BACKEND_CUDA) {
@@ -1471,6 +1476,25 @@ int stepq_tool_bench_decode(int argc, char **argv)
         fprintf(stderr, "stepq " TOOL ": --graph: CUDA graphs need the CUDA backend\n");
         goto out;
     }
+#if STEPQ_HAVE_CUDA && STEPQ_HAVE_NCCL
+    /* NCCL refuses two ranks of one communicator on one device, and only at comm init, after
+     * every rank has started: say it here instead. Without NCCL the ranks run alone. */
+    if (o.procs && cuda) {
+        int n_dev = 0;
+        if (cudaGetDeviceCount(&n_dev) != cudaSuccess) {
+            cudaGetLastError();
+            n_dev = 0;
+        }
+        if (n_dev < o.tp) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --tp %d --procs: %d ranks need %d CUDA devices (one rank "
+                    "per device for NCCL), this host has %d; without --procs, --tp %d times "
+                    "one rank's share\n",
+                    o.tp, o.tp, o.tp, n_dev, o.tp);
+            goto out;
+        }
+    }
+#endif
     const int reduce = !cuda && !o.full;
     if (!o.n_b) {
         const int *b = reduce ? host_batches : paper_batches;
