@@ -124,7 +124,8 @@ static void usage(FILE *f)
                "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
                "as servers decode; without it the steps are launched one call at a time.\n"
                "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
-               "per run on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
+               "on stderr in request tokens (batch x tokens per run: the ETA weighs a run of\n"
+               "512 requests as 16 runs of 32; STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
 struct opts {
@@ -695,6 +696,17 @@ struct bench {
     stepq_tp_comm_t *comm; /* --procs on CUDA with NCCL: every rank's, NULL otherwise */
 };
 
+/*
+ * The progress of one run of batch B: its B x T request tokens (each through every timed layer,
+ * the same layers in every run), the unit of the table's tokens/s. A run of B = 512 takes about
+ * 16 times as long as one of B = 32: counting runs made the ETA after the small batches far too
+ * short.
+ */
+static int64_t run_work(const struct bench *bn, int B)
+{
+    return (int64_t)B * bn->tokens;
+}
+
 /* Prefill: the synthetic prompt states packed into every slot of every timed layer. */
 static int pack_prompt(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B)
 {
@@ -874,7 +886,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: not run: %s\n", va->label, B,
                     stepq_pool_last_error(pool));
             r->over = UNSUPPORTED;
-            stepq_tool_progress_add(bn->prog, bn->o->warmup + bn->o->runs);
+            stepq_tool_progress_add(bn->prog, run_work(bn, B) * (bn->o->warmup + bn->o->runs));
             ret = STEPQ_OK;
             goto out;
         }
@@ -924,7 +936,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         }
         if (run >= bn->o->warmup)
             r->run_s[run - bn->o->warmup] = sec;
-        stepq_tool_progress_add(bn->prog, 1);
+        stepq_tool_progress_add(bn->prog, run_work(bn, B));
     }
     {
         double sorted[MAX_RUNS];
@@ -1732,8 +1744,11 @@ int stepq_tool_bench_decode(int argc, char **argv)
 
     /* The runs. */
     struct stepq_tool_progress prog;
-    stepq_tool_progress_begin(&prog, TOOL, "runs", (int64_t)o.n_b * 3 * (o.warmup + o.runs));
     struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog, comm };
+    int64_t work = 0;
+    for (int i = 0; i < o.n_b; i++)
+        work += 3 * run_work(&bn, o.batches[i]) * (o.warmup + o.runs);
+    stepq_tool_progress_begin(&prog, TOOL, "tokens", work);
     int failed = 0;
     for (int i = 0; i < o.n_b && !failed; i++) {
         const int B = o.batches[i];
@@ -1747,7 +1762,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         for (int v = 0; v < 3 && !failed; v++) {
             const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
             if ((res[i][v].over = over(need, budget, machine))) {
-                stepq_tool_progress_add(&prog, o.warmup + o.runs);
+                stepq_tool_progress_add(&prog, run_work(&bn, B) * (o.warmup + o.runs));
                 continue; /* not run, said in the table */
             }
             failed = run_variant(&bn, &va[v], B, &res[i][v]) < 0;

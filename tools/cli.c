@@ -73,7 +73,11 @@ static double now_s(void)
 
 static void fmt_amount(char *buf, size_t len, double x, const char *unit)
 {
-    if (strcmp(unit, "B"))
+    if (strcmp(unit, "B") && x >= 1e5) /* large counts: 3 digits, as the bytes have */
+        snprintf(buf, len, x >= 1e7 ? "%.1fM" : "%.2fM", x / 1e6);
+    else if (strcmp(unit, "B") && x >= 1e4)
+        snprintf(buf, len, "%.1fk", x / 1e3);
+    else if (strcmp(unit, "B"))
         snprintf(buf, len, x < 10 && x != floor(x) ? "%.2g" : "%.0f", x); /* rates below 10/s */
     else if (x >= 1e9)
         snprintf(buf, len, "%.2f GB", x / 1e9);
