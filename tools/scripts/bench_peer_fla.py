@@ -373,7 +373,8 @@ def decode_main(a, torch):
                   "%.1f GiB free: not run" % (B, L, need / 2**30, MEMORY_FRACTION * free / 2**30),
                   file=sys.stderr)
             continue
-        run_s, checksum = decode_batch(torch, a, sh, B, step)
+        with torch.inference_mode():  # as a server decodes: no autograd bookkeeping per call
+            run_s, checksum = decode_batch(torch, a, sh, B, step)
         med = statistics.median(run_s)
         tps = B * a.tokens / med
         print("%6d  %-16s %12.1f %10.3f %12.2f" % (B, LABEL, tps, 1e3 * med / a.tokens,
