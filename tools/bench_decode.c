@@ -20,6 +20,11 @@
  * statistics from half-lives log-uniform in [HALF_LIFE_MIN, HALF_LIFE_MAX]
  * tokens per unit.
  *
+ * --peer FILE adds flash-linear-attention's fp32 state path, timed by
+ * tools/scripts/bench_peer_fla.py --decode in a process of its own (the same
+ * protocol on fla's kernels), as one more row per batch, after checking that
+ * the file's shape, tokens and dtype are the run's.
+ *
  * It measures the recurrent-state path only: no attention or MLP layers, no
  * conv state update, no sampling. --tp N times one rank's share of the heads
  * in this process; --tp N --procs starts one process per rank (tools/ranks.c,
@@ -28,7 +33,9 @@
  * slowest rank's decode time. On the CUDA backend each rank takes device
  * R mod the device count and, where NCCL is built, joins one communicator
  * (the parent's unique id, in hex on the command line) and checks its pools
- * against the other ranks' (stepq_tp_check_pools) before timing them.
+ * against the other ranks' (stepq_tp_check_pools) before timing them; NCCL
+ * holds one rank per device, so there a host with fewer devices than ranks
+ * is refused before any rank starts.
  */
 #include <inttypes.h>
 #include <math.h>
@@ -69,8 +76,13 @@
 /* The stepq layout map a preset gets: the bundled qwen3.8-27b one (32 pivots of 2304 units). */
 #define PRESET_BITS       6
 #define PRESET_PIVOT_UNIT 72
-#define GIB               (1024.0 * 1024.0 * 1024.0)
-#define MIB               (1024.0 * 1024.0)
+/* --peer: the file of tools/scripts/bench_peer_fla.py --decode. */
+#define PEER_FORMAT      "stepq-bench-decode-peer"
+#define PEER_LABEL       "fla fp32 (peer)"
+#define PEER_MAX_BYTES   (1u << 20) /* a peer file is a few kB; anything this large is not one */
+#define PEER_MAX_BATCHES 64
+#define GIB              (1024.0 * 1024.0 * 1024.0)
+#define MIB              (1024.0 * 1024.0)
 
 /* The paper's protocol. */
 static const int paper_batches[] = { 32, 64, 128, 256, 512 };
@@ -88,7 +100,7 @@ static void usage(FILE *f)
                "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
                "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
                "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
-               "                          [--dtype bf16|fp32] [--json] [-o FILE]\n"
+               "                          [--dtype bf16|fp32] [--peer FILE] [--json] [-o FILE]\n"
                "Decode throughput of the recurrent-state path through the public API: per\n"
                "token, every recurrent layer's stepq_pool_decode_step on B slots whose prompt\n"
                "states were packed with stepq_pool_prefill_pack; tokens/s and ms per step for\n"
@@ -111,20 +123,29 @@ static void usage(FILE *f)
                "the rank with the largest page) in this one process. --tp N --procs: one\n"
                "process per rank, all N started at once; each times its own share, and the\n"
                "table's time is the slowest rank's per batch and state (--json: every rank's\n"
-               "own results too). CUDA: rank R on device R mod the device count (ranks share\n"
-               "a device where there are fewer), one NCCL communicator whose pools are\n"
-               "checked against each other before the timing. A rank that fails stops every\n"
-               "other; --timeout-s S stops them all after S seconds (default: no limit).\n"
+               "own results too). CUDA: rank R on device R, one NCCL communicator whose\n"
+               "pools are checked against each other before the timing, so N ranks need N\n"
+               "devices (NCCL holds one rank per device; a build without NCCL runs the ranks\n"
+               "alone, on device R mod the device count). Host: the ranks run alone, as\n"
+               "processes of this machine. A rank that fails stops every other; --timeout-s S\n"
+               "stops them all after S seconds (default: no limit).\n"
                "--layers: the first N recurrent layers.\n"
                "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
                "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
                "as servers decode; without it the steps are launched one call at a time.\n"
+               "--peer FILE: flash-linear-attention's fp32 state path as one more row per\n"
+               "batch, '" PEER_LABEL "', and a 'vs peer' column (tokens/s over the peer's):\n"
+               "FILE is the JSON of tools/scripts/bench_peer_fla.py --decode (the same protocol\n"
+               "on fla's kernels, in a process of its own), timed with this run's shape (one\n"
+               "rank's heads with --tp), layers, tokens and dtype, or refused; batches it lacks\n"
+               "show '-'.\n"
                "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
-               "per run on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
+               "on stderr in request tokens (batch x tokens per run: the ETA weighs a run of\n"
+               "512 requests as 16 runs of 32; STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
 struct opts {
-    const char *target, *out_path, *policy_name;
+    const char *target, *out_path, *policy_name, *peer_path;
     int backend; /* -1: cuda where a device exists, else host */
     int tp, rank;
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
@@ -207,11 +228,11 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             continue;
         }
         if (!v) {
-            static const char *const value_opts[] = { "--backend",   "--batch",   "--budget-gib",
-                                                      "--layers",    "--policy",  "--prompt",
-                                                      "--rank",      "--runs",    "--tokens",
-                                                      "--tp",        "--warmup",  "-o",
-                                                      "--timeout-s", "--nccl-id", NULL };
+            static const char *const value_opts[] = {
+                "--backend",   "--batch",   "--budget-gib", "--layers", "--policy", "--prompt",
+                "--rank",      "--runs",    "--tokens",     "--tp",     "--warmup", "-o",
+                "--timeout-s", "--nccl-id", "--peer",       NULL
+            };
             return stepq_tool_missing_value(TOOL, a, value_opts);
         }
         i++;
@@ -270,6 +291,8 @@ static int parse_opts(int argc, char **argv, struct opts *o)
                 return 2;
         } else if (!strcmp(a, "--nccl-id")) {
             o->nccl_id = v;
+        } else if (!strcmp(a, "--peer")) {
+            o->peer_path = v;
         } else if (!strcmp(a, "--dtype")) {
             if (strcmp(v, "fp32") && strcmp(v, "bf16")) {
                 fprintf(stderr, "stepq " TOOL ": --dtype '%s': want bf16 or fp32\n", v);
@@ -291,6 +314,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
     }
     if (o->timeout_s > 0 && !o->procs) {
         fprintf(stderr, "stepq " TOOL ": --timeout-s limits a --procs run\n");
+        return 2;
+    }
+    if (o->child && o->peer_path) {
+        fprintf(stderr, "stepq " TOOL ": --peer is the parent's: a rank does not read it\n");
         return 2;
     }
     if (o->child && (o->rank < 0 || o->procs)) {
@@ -691,6 +718,17 @@ struct bench {
     stepq_tp_comm_t *comm; /* --procs on CUDA with NCCL: every rank's, NULL otherwise */
 };
 
+/*
+ * The progress of one run of batch B: its B x T request tokens (each through every timed layer,
+ * the same layers in every run), the unit of the table's tokens/s. A run of B = 512 takes about
+ * 16 times as long as one of B = 32: counting runs made the ETA after the small batches far too
+ * short.
+ */
+static int64_t run_work(const struct bench *bn, int B)
+{
+    return (int64_t)B * bn->tokens;
+}
+
 /* Prefill: the synthetic prompt states packed into every slot of every timed layer. */
 static int pack_prompt(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B)
 {
@@ -870,7 +908,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: not run: %s\n", va->label, B,
                     stepq_pool_last_error(pool));
             r->over = UNSUPPORTED;
-            stepq_tool_progress_add(bn->prog, bn->o->warmup + bn->o->runs);
+            stepq_tool_progress_add(bn->prog, run_work(bn, B) * (bn->o->warmup + bn->o->runs));
             ret = STEPQ_OK;
             goto out;
         }
@@ -920,7 +958,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         }
         if (run >= bn->o->warmup)
             r->run_s[run - bn->o->warmup] = sec;
-        stepq_tool_progress_add(bn->prog, 1);
+        stepq_tool_progress_add(bn->prog, run_work(bn, B));
     }
     {
         double sorted[MAX_RUNS];
@@ -992,6 +1030,280 @@ static cJSON *json_batch(cJSON *jb, int B)
     cJSON_AddNumberToObject(e, "batch", B);
     cJSON_AddItemToArray(jb, e);
     return cJSON_AddArrayToObject(e, "rows");
+}
+
+/* Fields of a JSON object: 0 or "" where missing or of another type. */
+static double jnum(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsNumber(v) ? v->valuedouble : 0;
+}
+
+static const char *jstr(const cJSON *o, const char *key)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    return cJSON_IsString(v) ? v->valuestring : "";
+}
+
+/* --- the peer (--peer) -------------------------------------------------------------- */
+
+/* What a run times, as a peer file must have timed it too. */
+struct peer_shape {
+    char arch[8];
+    int H, HV, K, V, layers, tokens;
+    char dtype[8];
+};
+
+/* The peer's decode time per batch, from its file. */
+struct peer {
+    const char *file; /* NULL: no --peer */
+    char device[128], kernel[160], launch[16];
+    int n;
+    int batch[PEER_MAX_BATCHES];
+    double decode_s[PEER_MAX_BATCHES];
+};
+
+static int peer_fail(const char *file, const char *problem)
+{
+    fprintf(stderr, "stepq " TOOL ": --peer %s: %s\n", file, problem);
+    return 2;
+}
+
+/* An integer field in [lo, hi], or lo - 1. */
+static int peer_int(const cJSON *o, const char *key, int lo, int hi)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsNumber(v) || !(v->valuedouble >= lo && v->valuedouble <= hi) ||
+        v->valuedouble != floor(v->valuedouble))
+        return lo - 1;
+    return (int)v->valuedouble;
+}
+
+static void peer_shape_text(const struct peer_shape *s, char *buf, size_t len)
+{
+    snprintf(buf, len, "%s, H=%d, HV=%d, %dx%d, %d layer%s, %d token%s, %s", s->arch, s->H, s->HV,
+             s->K, s->V, s->layers, s->layers == 1 ? "" : "s", s->tokens, s->tokens == 1 ? "" : "s",
+             s->dtype);
+}
+
+/* A string field copied into buf (len > 1), or -1 when it is missing or empty. */
+static int peer_str(const cJSON *o, const char *key, char *buf, size_t len)
+{
+    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
+    if (!cJSON_IsString(v) || !v->valuestring || !v->valuestring[0])
+        return -1;
+    snprintf(buf, len, "%s", v->valuestring);
+    return 0;
+}
+
+/* The file's batches: each one's decode time; 0, or 2 after one line. */
+static int peer_batches(struct peer *p, const cJSON *jb)
+{
+    char msg[256];
+    int i = 0;
+
+    if (!cJSON_IsArray(jb) || cJSON_GetArraySize(jb) < 1)
+        return peer_fail(p->file, "batches: missing, or not a non-empty array");
+    for (const cJSON *e = jb->child; e; e = e->next, i++) {
+        const cJSON *ds = cJSON_GetObjectItemCaseSensitive(e, "decode_s");
+        const int B = peer_int(e, "batch", 1, 65535);
+        if (B < 1) {
+            snprintf(msg, sizeof(msg), "batches[%d].batch: missing, or not an integer in 1..65535",
+                     i);
+            return peer_fail(p->file, msg);
+        }
+        if (!cJSON_IsNumber(ds) || !isfinite(ds->valuedouble) || ds->valuedouble <= 0) {
+            snprintf(msg, sizeof(msg), "batches[%d].decode_s: missing, or not a finite number > 0",
+                     i);
+            return peer_fail(p->file, msg);
+        }
+        for (int k = 0; k < p->n; k++)
+            if (p->batch[k] == B) {
+                snprintf(msg, sizeof(msg), "batches[%d]: a second entry for batch %d", i, B);
+                return peer_fail(p->file, msg);
+            }
+        if (p->n == PEER_MAX_BATCHES) {
+            snprintf(msg, sizeof(msg), "batches: more than %d", PEER_MAX_BATCHES);
+            return peer_fail(p->file, msg);
+        }
+        p->batch[p->n] = B;
+        p->decode_s[p->n++] = ds->valuedouble;
+    }
+    return 0;
+}
+
+/*
+ * Reads the JSON of tools/scripts/bench_peer_fla.py --decode: {"format": PEER_FORMAT,
+ * "version": 1, "device": str, "shape": {"arch", "num_k_heads", "num_v_heads", "head_k_dim",
+ * "head_v_dim", "layers"}, "tokens": int, "dtype": str, "batches": [{"batch": int,
+ * "decode_s": number > 0, ...}, ...], ...}; other fields are ignored. The shape, tokens and
+ * dtype must be the run's (want). Returns 0, or 2 after one line naming the file.
+ */
+static int peer_load(struct peer *p, const char *file, const struct peer_shape *want)
+{
+    cJSON *root = NULL;
+    char msg[512];
+    int rc;
+
+    memset(p, 0, sizeof(*p));
+    p->file = file;
+    if ((rc = stepq_tool_json_file(TOOL, "--peer", file, PEER_MAX_BYTES, &root)) != 0)
+        return rc;
+    const cJSON *sh = cJSON_GetObjectItemCaseSensitive(root, "shape");
+    struct peer_shape got;
+    memset(&got, 0, sizeof(got));
+    if (strcmp(jstr(root, "format"), PEER_FORMAT))
+        rc = peer_fail(file, "not a bench decode peer file (format \"" PEER_FORMAT
+                             "\": tools/scripts/bench_peer_fla.py --decode makes one)");
+    else if (peer_int(root, "version", 1, 1) != 1)
+        rc = peer_fail(file, "version: missing, or not 1");
+    else if (peer_str(root, "device", p->device, sizeof(p->device)) < 0)
+        rc = peer_fail(file, "device: missing, or not a non-empty string");
+    else if (!cJSON_IsObject(sh) || peer_str(sh, "arch", got.arch, sizeof(got.arch)) < 0 ||
+             (got.H = peer_int(sh, "num_k_heads", 1, 1 << 16)) < 1 ||
+             (got.HV = peer_int(sh, "num_v_heads", 1, 1 << 16)) < 1 ||
+             (got.K = peer_int(sh, "head_k_dim", 1, 1 << 16)) < 1 ||
+             (got.V = peer_int(sh, "head_v_dim", 1, 1 << 16)) < 1 ||
+             (got.layers = peer_int(sh, "layers", 1, 1 << 16)) < 1)
+        rc = peer_fail(file, "shape: missing, or not {arch, num_k_heads, num_v_heads, head_k_dim, "
+                             "head_v_dim, layers}");
+    else if ((got.tokens = peer_int(root, "tokens", 1, 1 << 20)) < 1)
+        rc = peer_fail(file, "tokens: missing, or not an integer in 1..1048576");
+    else if (peer_str(root, "dtype", got.dtype, sizeof(got.dtype)) < 0)
+        rc = peer_fail(file, "dtype: missing, or not a non-empty string");
+    else if (strcmp(got.arch, want->arch) || got.H != want->H || got.HV != want->HV ||
+             got.K != want->K || got.V != want->V || got.layers != want->layers ||
+             got.tokens != want->tokens || strcmp(got.dtype, want->dtype)) {
+        char a[160], b[160];
+        peer_shape_text(&got, a, sizeof(a));
+        peer_shape_text(want, b, sizeof(b));
+        snprintf(msg, sizeof(msg),
+                 "its shape (%s) is not this run's (%s): time the peer with this run's "
+                 "(bench_peer_fla.py --decode or --heads, --layers, --tokens, --dtype)",
+                 a, b);
+        rc = peer_fail(file, msg);
+    } else
+        rc = peer_batches(p, cJSON_GetObjectItemCaseSensitive(root, "batches"));
+    if (rc == 0) {
+        if (peer_str(root, "kernel", p->kernel, sizeof(p->kernel)) < 0)
+            snprintf(p->kernel, sizeof(p->kernel), "fla's fp32 kernels");
+        if (peer_str(root, "launch", p->launch, sizeof(p->launch)) < 0)
+            snprintf(p->launch, sizeof(p->launch), "eager");
+    }
+    cJSON_Delete(root);
+    return rc;
+}
+
+/* The peer's decode time of batch B, 0 where it has none (or there is no peer). */
+static double peer_decode_s(const struct peer *p, int B)
+{
+    for (int k = 0; p && p->file && k < p->n; k++)
+        if (p->batch[k] == B)
+            return p->decode_s[k];
+    return 0;
+}
+
+/* " %8s" of tps over the peer's tokens/s for the "vs peer" column ("" without --peer). */
+static void vs_peer_text(const struct peer *p, int B, int tokens, double tps, char *buf, size_t len)
+{
+    const double ds = peer_decode_s(p, B);
+    char x[16] = "-";
+
+    if (!p->file) {
+        buf[0] = 0;
+        return;
+    }
+    if (ds > 0 && tps > 0)
+        snprintf(x, sizeof(x), "%.2fx", tps / ((double)B * tokens / ds));
+    snprintf(buf, len, " %8s", x);
+}
+
+/*
+ * The peer's table row of batch B: tokens/s, ms/step and vs fp32, or "-" where it lacks the
+ * batch; tail: the rest of the row (the columns the peer has no number for).
+ */
+static void peer_table_row(FILE *t, const struct peer *p, int B, int tokens, double fp32_tps,
+                           int lw, const char *tail)
+{
+    const double ds = peer_decode_s(p, B);
+    char vs[16] = "-";
+
+    if (ds <= 0) {
+        stepq_tool_printf(t, "%6d  %-*s %12s %10s %8s %8s%s\n", B, lw, PEER_LABEL, "-", "-", "-",
+                          "-", tail);
+        return;
+    }
+    const double tps = (double)B * tokens / ds;
+    if (fp32_tps > 0)
+        snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
+    stepq_tool_printf(t, "%6d  %-*s %12.1f %10.3f %8s %8s%s\n", B, lw, PEER_LABEL, tps,
+                      1e3 * ds / tokens, vs, "-", tail);
+}
+
+/* The peer's JSON row of batch B, and its "speedup_vs_peer" on the others (e: one of ours). */
+static cJSON *peer_json_row(const struct peer *p, int B, int tokens, double fp32_tps)
+{
+    const double ds = peer_decode_s(p, B);
+    cJSON *e = cJSON_CreateObject();
+
+    cJSON_AddStringToObject(e, "label", PEER_LABEL);
+    cJSON_AddBoolToObject(e, "ran", ds > 0);
+    if (ds > 0) {
+        const double tps = (double)B * tokens / ds;
+        cJSON_AddNumberToObject(e, "tokens_per_s", tps);
+        cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * ds / tokens);
+        cJSON_AddNumberToObject(e, "decode_s", ds);
+        cJSON_AddNumberToObject(e, "speedup_vs_fp32", fp32_tps > 0 ? tps / fp32_tps : 0);
+        cJSON_AddNumberToObject(e, "transitions", (double)B * tokens);
+    } else
+        cJSON_AddStringToObject(e, "not_run", "not in the peer file");
+    cJSON_AddStringToObject(e, "source", "peer file");
+    return e;
+}
+
+static void peer_json_speedup(const struct peer *p, cJSON *e, int B, int tokens, double tps)
+{
+    const double ds = peer_decode_s(p, B);
+    if (p->file && tps > 0)
+        cJSON_AddNumberToObject(e, "speedup_vs_peer", ds > 0 ? tps / ((double)B * tokens / ds) : 0);
+}
+
+/* The root's "peer" object: where the row comes from. */
+static void peer_json(const struct peer *p, cJSON *root)
+{
+    if (!p->file)
+        return;
+    cJSON *e = cJSON_AddObjectToObject(root, "peer");
+    cJSON_AddStringToObject(e, "label", PEER_LABEL);
+    cJSON_AddStringToObject(e, "file", p->file);
+    cJSON_AddStringToObject(e, "device", p->device);
+    cJSON_AddStringToObject(e, "kernel", p->kernel);
+    cJSON_AddStringToObject(e, "launch", p->launch);
+    cJSON *jb = cJSON_AddArrayToObject(e, "batches");
+    for (int k = 0; k < p->n; k++)
+        cJSON_AddItemToArray(jb, cJSON_CreateNumber(p->batch[k]));
+}
+
+/* The header lines of the peer: what it ran, and where it differs from this run. */
+static void peer_header(FILE *t, const struct peer *p, const char *device, int graph)
+{
+    const size_t n = strlen(p->device);
+
+    if (!p->file)
+        return;
+    stepq_tool_printf(t, "%-8s " PEER_LABEL ": flash-linear-attention on %s, %s launches,\n",
+                      "peer", p->device, p->launch);
+    stepq_tool_printf(t, "%-8s %s\n%-8s (from %s, tools/scripts/bench_peer_fla.py --decode)\n", "",
+                      p->kernel, "", p->file);
+    /* this run's device text is the name and ", N SMs" */
+    if (strncmp(device, p->device, n) || (device[n] && device[n] != ','))
+        stepq_tool_printf(t, "%-8s NOTE: the peer ran on another device than this run's (%s)\n", "",
+                          device);
+    if (graph && !strcmp(p->launch, "eager"))
+        stepq_tool_printf(t,
+                          "%-8s NOTE: this run replays CUDA graphs, the peer launches one call "
+                          "at a time\n",
+                          "");
 }
 
 /* --- setup and report --------------------------------------------------------------- */
@@ -1133,7 +1445,8 @@ static char **child_argv(int argc, char **argv, const char *backend, char *rank_
         for (int f = 0; flags[f] && !flag; f++)
             flag = !strcmp(argv[i], flags[f]);
         const int drop = !strcmp(argv[i], "--procs") || !strcmp(argv[i], "--json") ||
-                         !strcmp(argv[i], "-o") || !strcmp(argv[i], "--timeout-s");
+                         !strcmp(argv[i], "-o") || !strcmp(argv[i], "--timeout-s") ||
+                         !strcmp(argv[i], "--peer");
         if (!drop)
             a[n++] = argv[i];
         if (!flag && i + 1 < argc && !drop)
@@ -1155,18 +1468,6 @@ static char **child_argv(int argc, char **argv, const char *backend, char *rank_
     return a;
 }
 
-static double jnum(const cJSON *o, const char *key)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    return cJSON_IsNumber(v) ? v->valuedouble : 0;
-}
-
-static const char *jstr(const cJSON *o, const char *key)
-{
-    const cJSON *v = cJSON_GetObjectItemCaseSensitive(o, key);
-    return cJSON_IsString(v) ? v->valuestring : "";
-}
-
 /* Row v of batch i of a rank's result, NULL when it has none. */
 static const cJSON *rank_row(const cJSON *rank, int i, int v)
 {
@@ -1179,7 +1480,8 @@ static const cJSON *rank_row(const cJSON *rank, int i, int v)
  * time (the median run of each rank, the largest of them), which is what a
  * token of the whole model waits for. j[r]: rank r's JSON. 0, or an exit status.
  */
-static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const char *nccl)
+static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const char *nccl,
+                        const struct peer *peer)
 {
     const cJSON *j0 = j[0];
     const cJSON *states = cJSON_GetObjectItemCaseSensitive(j0, "states");
@@ -1211,6 +1513,8 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
         "run", cJSON_IsTrue(cJSON_GetObjectItemCaseSensitive(j0, "reduced")) ? "REDUCED: " : "",
         (int)jnum(j0, "layers_timed"), (int)jnum(j0, "layers"), tokens,
         (int)jnum(j0, "prompt_tokens"), (int)jnum(j0, "warmup"), (int)jnum(j0, "runs"));
+    peer_header(t, peer, jstr(j0, "device"), o->graph);
+    const int lw = peer->file ? (int)strlen(PEER_LABEL) + 1 : 14; /* the state column */
     stepq_tool_printf(
         t, "\nthe state of one request on each rank (all layers), bytes:\n  %4s %8s %5s %5s",
         "rank", "pid", "q/k", "value");
@@ -1226,8 +1530,9 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
                               jnum(cJSON_GetArrayItem(sr, v), "state_bytes_per_request"));
         stepq_tool_printf(t, "\n");
     }
-    stepq_tool_printf(t, "\n%6s  %-14s %12s %10s %8s %8s  %s\n", "batch", "state", "tokens/s",
-                      "ms/step", "vs fp32", "slowest", "ms/step of each rank");
+    stepq_tool_printf(t, "\n%6s  %-*s %12s %10s %8s%s %8s  %s\n", "batch", lw, "state", "tokens/s",
+                      "ms/step", "vs fp32", peer->file ? "  vs peer" : "", "slowest",
+                      "ms/step of each rank");
     if (o->json) {
         root = cJSON_CreateObject();
         cJSON_AddBoolToObject(root, "procs", 1);
@@ -1240,6 +1545,7 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
             cJSON_AddNumberToObject(root, "cuda_devices", n_dev);
             cJSON_AddStringToObject(root, "nccl", nccl);
         }
+        peer_json(peer, root);
         jb = cJSON_AddArrayToObject(root, "batches");
     }
     for (int i = 0; i < n_b; i++) {
@@ -1262,17 +1568,18 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
             const double tps = ran ? (double)B * tokens / worst : 0;
             if (v == 0)
                 fp32_tps = tps;
-            char vs[16] = "-";
+            char vs[16] = "-", vp[16];
             if (ran && fp32_tps > 0)
                 snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
+            vs_peer_text(peer, B, tokens, tps, vp, sizeof(vp));
             if (ran) {
-                stepq_tool_printf(t, "%6d  %-14s %12.1f %10.3f %8s %8d ", B, label, tps,
-                                  1e3 * worst / tokens, vs, slowest);
+                stepq_tool_printf(t, "%6d  %-*s %12.1f %10.3f %8s%s %8d ", B, lw, label, tps,
+                                  1e3 * worst / tokens, vs, vp, slowest);
                 for (int r = 0; r < n; r++)
                     stepq_tool_printf(t, " %.3f", 1e3 * each[r] / tokens);
                 stepq_tool_printf(t, "\n");
             } else
-                stepq_tool_printf(t, "%6d  %-14s %12s\n", B, label, "not run on every rank");
+                stepq_tool_printf(t, "%6d  %-*s %12s\n", B, lw, label, "not run on every rank");
             if (jr) {
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddStringToObject(e, "label", label);
@@ -1284,12 +1591,20 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
                     cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * worst / tokens);
                     cJSON_AddNumberToObject(e, "speedup_vs_fp32",
                                             fp32_tps > 0 ? tps / fp32_tps : 0);
+                    peer_json_speedup(peer, e, B, tokens, tps);
                 }
                 cJSON *er = cJSON_AddArrayToObject(e, "decode_s_per_rank");
                 for (int r = 0; r < n; r++)
                     cJSON_AddItemToArray(er, cJSON_CreateNumber(each[r]));
                 cJSON_AddItemToArray(jr, e);
             }
+        }
+        if (peer->file) {
+            char tail[64];
+            snprintf(tail, sizeof(tail), " %8s  one GPU, one rank's heads", "-");
+            peer_table_row(t, peer, B, tokens, fp32_tps, lw, tail);
+            if (jr)
+                cJSON_AddItemToArray(jr, peer_json_row(peer, B, tokens, fp32_tps));
         }
     }
     stepq_tool_printf(
@@ -1298,6 +1613,9 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
         "rank's\nmedian run) over the %d timed layer(s); every rank steps all of the "
         "batch's requests\non its own heads. --json: every rank's own results too.\n",
         (int)jnum(j0, "layers_timed"));
+    if (peer->file)
+        stepq_tool_printf(t, "vs peer: tokens/s over " PEER_LABEL "'s (one GPU timing one rank's "
+                             "heads); '-': a batch\nthe peer file lacks.\n");
     if (root) {
         cJSON *jranks = cJSON_AddArrayToObject(root, "ranks");
         for (int r = 0; r < n; r++) {
@@ -1319,7 +1637,7 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
 }
 
 /* --procs: the parent. Starts every rank, waits for all, reports. An exit status. */
-static int run_procs(const struct opts *o, int argc, char **argv, int cuda)
+static int run_procs(const struct opts *o, int argc, char **argv, int cuda, const struct peer *peer)
 {
     struct stepq_tool_rank *rk = calloc((size_t)o->tp, sizeof(*rk));
     cJSON **j = calloc((size_t)o->tp, sizeof(*j));
@@ -1367,7 +1685,7 @@ static int run_procs(const struct opts *o, int argc, char **argv, int cuda)
             goto out;
         }
     }
-    rc = report_procs(o, j, o->tp, n_dev, nccl);
+    rc = report_procs(o, j, o->tp, n_dev, nccl, peer);
 out:
     for (int r = 0; rk && r < o->tp; r++) {
         free(rk[r].argv);
@@ -1422,8 +1740,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
     double *log_ret = NULL;
     struct result(*res)[3] = NULL;
     stepq_tp_comm_t *comm = NULL;
+    struct peer peer;
     memset(&in, 0, sizeof(in));
     memset(&d, 0, sizeof(d));
+    memset(&peer, 0, sizeof(peer));
     of.f = NULL;
     rc = 2;
 
@@ -1440,7 +1760,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     }
 
-    /* A rank of --procs on CUDA: its own device where there are enough, else a shared one. */
+    /* A rank of --procs on CUDA: its own device (with NCCL the parent saw to it), else a shared
+     * one. */
     int cuda_dev = 0;
 #if STEPQ_HAVE_CUDA
     if (o.child && o.backend == STEPQ_POOL_BACKEND_CUDA) {
@@ -1471,6 +1792,25 @@ int stepq_tool_bench_decode(int argc, char **argv)
         fprintf(stderr, "stepq " TOOL ": --graph: CUDA graphs need the CUDA backend\n");
         goto out;
     }
+#if STEPQ_HAVE_CUDA && STEPQ_HAVE_NCCL
+    /* NCCL refuses two ranks of one communicator on one device, and only at comm init, after
+     * every rank has started: say it here instead. Without NCCL the ranks run alone. */
+    if (o.procs && cuda) {
+        int n_dev = 0;
+        if (cudaGetDeviceCount(&n_dev) != cudaSuccess) {
+            cudaGetLastError();
+            n_dev = 0;
+        }
+        if (n_dev < o.tp) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --tp %d --procs: %d ranks need %d CUDA devices (one rank "
+                    "per device for NCCL), this host has %d; without --procs, --tp %d times "
+                    "one rank's share\n",
+                    o.tp, o.tp, o.tp, n_dev, o.tp);
+            goto out;
+        }
+    }
+#endif
     const int reduce = !cuda && !o.full;
     if (!o.n_b) {
         const int *b = reduce ? host_batches : paper_batches;
@@ -1491,6 +1831,19 @@ int stepq_tool_bench_decode(int argc, char **argv)
                        : sh.n_layers < HOST_LAYERS ? sh.n_layers
                                                    : HOST_LAYERS;
     const int reduced = layers < sh.n_layers || o.tokens < PAPER_TOKENS;
+
+    /* --peer: read and checked against what this run times, before any work. */
+    if (o.peer_path) {
+        struct peer_shape want;
+        memset(&want, 0, sizeof(want));
+        snprintf(want.arch, sizeof(want.arch), "%s", stepq_arch_name(sh.arch));
+        snprintf(want.dtype, sizeof(want.dtype), "%s", stepq_dtype_name(o.dtype));
+        want.H = sh.num_k_heads / o.tp, want.HV = sh.num_v_heads / o.tp;
+        want.K = sh.head_k_dim, want.V = sh.head_v_dim;
+        want.layers = layers, want.tokens = o.tokens;
+        if (peer_load(&peer, o.peer_path, &want) != 0)
+            goto out;
+    }
 
     /* The dense maps of the same shape, and every variant's page on this rank. */
     int ret;
@@ -1590,7 +1943,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
     /* --procs: every check above passed here, before any rank starts. */
     if (o.procs) {
-        rc = run_procs(&o, argc, argv, cuda);
+        rc = run_procs(&o, argc, argv, cuda, &peer);
         goto out;
     }
 
@@ -1708,8 +2061,11 @@ int stepq_tool_bench_decode(int argc, char **argv)
 
     /* The runs. */
     struct stepq_tool_progress prog;
-    stepq_tool_progress_begin(&prog, TOOL, "runs", (int64_t)o.n_b * 3 * (o.warmup + o.runs));
     struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog, comm };
+    int64_t work = 0;
+    for (int i = 0; i < o.n_b; i++)
+        work += 3 * run_work(&bn, o.batches[i]) * (o.warmup + o.runs);
+    stepq_tool_progress_begin(&prog, TOOL, "tokens", work);
     int failed = 0;
     for (int i = 0; i < o.n_b && !failed; i++) {
         const int B = o.batches[i];
@@ -1723,7 +2079,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         for (int v = 0; v < 3 && !failed; v++) {
             const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
             if ((res[i][v].over = over(need, budget, machine))) {
-                stepq_tool_progress_add(&prog, o.warmup + o.runs);
+                stepq_tool_progress_add(&prog, run_work(&bn, B) * (o.warmup + o.runs));
                 continue; /* not run, said in the table */
             }
             failed = run_variant(&bn, &va[v], B, &res[i][v]) < 0;
@@ -1735,8 +2091,11 @@ int stepq_tool_bench_decode(int argc, char **argv)
         goto out;
     }
 
-    stepq_tool_printf(tout, "\n%6s  %-14s %12s %10s %8s %12s %12s %8s\n", "batch", "state",
-                      "tokens/s", "ms/step", "vs fp32", "state MiB", "pool GiB", "fits");
+    peer_header(tout, &peer, device, o.graph);
+    const int lw = peer.file ? (int)strlen(PEER_LABEL) + 1 : 14; /* the state column */
+    stepq_tool_printf(tout, "\n%6s  %-*s %12s %10s %8s%s %12s %12s %8s\n", "batch", lw, "state",
+                      "tokens/s", "ms/step", "vs fp32", peer.file ? "  vs peer" : "", "state MiB",
+                      "pool GiB", "fits");
     cJSON *root = o.json ? cJSON_CreateObject() : NULL, *jb = NULL;
     if (root) {
         cJSON_AddStringToObject(root, "measures",
@@ -1770,6 +2129,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddStringToObject(root, "policy", stepq_pool_policy_name(policy));
         cJSON_AddNumberToObject(root, "policy_slots", per);
         cJSON_AddNumberToObject(root, "budget_bytes", budget);
+        peer_json(&peer, root);
         cJSON *jv = cJSON_AddArrayToObject(root, "states");
         for (int v = 0; v < 3; v++) {
             cJSON *e = cJSON_CreateObject();
@@ -1796,21 +2156,23 @@ int stepq_tool_bench_decode(int argc, char **argv)
             const double state = (double)B * (double)va[v].state_bytes;
             const double pool = ((double)per * B + 1) * (double)va[v].plan.page_bytes;
             const int fits = B <= va[v].max_batch;
+            char vp[16];
+            vs_peer_text(&peer, B, o.tokens, r->ran ? tps : 0, vp, sizeof(vp));
             if (r->ran) {
                 char vs[16] = "-";
                 if (fp32_tps > 0)
                     snprintf(vs, sizeof(vs), "%.2fx", tps / fp32_tps);
-                stepq_tool_printf(tout, "%6d  %-14s %12.1f %10.3f %8s %12.2f %12.2f %8s%s\n", B,
-                                  va[v].label, tps, 1e3 * r->median_s / o.tokens, vs, state / MIB,
-                                  pool / GIB, fits ? "yes" : "no",
+                stepq_tool_printf(tout, "%6d  %-*s %12.1f %10.3f %8s%s %12.2f %12.2f %8s%s\n", B,
+                                  lw, va[v].label, tps, 1e3 * r->median_s / o.tokens, vs, vp,
+                                  state / MIB, pool / GIB, fits ? "yes" : "no",
                                   r->health ? "  (health words set)" : "");
             } else
-                stepq_tool_printf(tout, "%6d  %-14s %12s %10s %8s %12.2f %12.2f %8s\n", B,
+                stepq_tool_printf(tout, "%6d  %-*s %12s %10s %8s%s %12.2f %12.2f %8s\n", B, lw,
                                   va[v].label,
                                   r->over == OVER_BUDGET   ? "over budget"
                                   : r->over == OVER_MEMORY ? "over memory"
                                                            : "unsupported",
-                                  "-", "-", state / MIB, pool / GIB, fits ? "yes" : "no");
+                                  "-", "-", vp, state / MIB, pool / GIB, fits ? "yes" : "no");
             if (jr) {
                 cJSON *e = cJSON_CreateObject();
                 cJSON_AddStringToObject(e, "label", va[v].label);
@@ -1829,6 +2191,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
                         cJSON_AddItemToArray(rs, cJSON_CreateNumber(r->run_s[k]));
                     cJSON_AddNumberToObject(e, "speedup_vs_fp32",
                                             fp32_tps > 0 ? tps / fp32_tps : 0);
+                    peer_json_speedup(&peer, e, B, o.tokens, tps);
                     cJSON_AddNumberToObject(e, "output_checksum", r->checksum);
                     cJSON_AddNumberToObject(e, "health", r->health);
                 }
@@ -1841,6 +2204,13 @@ int stepq_tool_bench_decode(int argc, char **argv)
                 cJSON_AddItemToArray(jr, e);
             }
         }
+        if (peer.file) {
+            char tail[64];
+            snprintf(tail, sizeof(tail), " %12s %12s %8s", "-", "-", "-");
+            peer_table_row(tout, &peer, B, o.tokens, fp32_tps, lw, tail);
+            if (jr)
+                cJSON_AddItemToArray(jr, peer_json_row(&peer, B, o.tokens, fp32_tps));
+        }
     }
     stepq_tool_printf(
         tout,
@@ -1849,6 +2219,9 @@ int stepq_tool_bench_decode(int argc, char **argv)
         "of all %d\nlayers; pool GiB: (%d x batch + 1) slots; fits: within --budget-gib "
         "%g.\n",
         layers, sh.n_layers, per, o.budget_gib);
+    if (peer.file)
+        stepq_tool_printf(tout, "vs peer: tokens/s over " PEER_LABEL "'s (the same protocol on its "
+                                "kernels); '-': a batch\nthe peer file lacks.\n");
     rc = 0;
     if (root) {
         char *text = cJSON_Print(root);

@@ -518,38 +518,13 @@ static int peer_load(struct peer *p, const char *file)
 {
     memset(p, 0, sizeof(*p));
     p->file = file;
-    char msg[256];
-    FILE *f = fopen(file, "rb");
-    if (!f) {
-        snprintf(msg, sizeof(msg), "cannot open it: %s", strerror(errno));
-        return peer_fail(file, msg);
-    }
-    char *buf = malloc(PEER_MAX_BYTES + 1);
-    size_t n = buf ? fread(buf, 1, PEER_MAX_BYTES + 1, f) : 0;
-    int rd_err = ferror(f) ? errno : 0;
-    fclose(f);
-    if (!buf)
-        return peer_fail(file, "out of memory");
-    if (rd_err || n > PEER_MAX_BYTES) {
-        free(buf);
-        snprintf(msg, sizeof(msg), "%s%s", rd_err ? "cannot read it: " : "",
-                 rd_err ? strerror(rd_err) : "larger than 1 MiB: not a peer file");
-        return peer_fail(file, msg);
-    }
-    const char *end = NULL;
-    cJSON *root = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
-    int rc = 0;
-    if (!root) {
-        snprintf(msg, sizeof(msg), "not valid JSON (at byte %td of %zu)", end ? end - buf : 0, n);
-        free(buf);
-        return peer_fail(file, msg);
-    }
-    free(buf);
+    cJSON *root = NULL;
+    int rc = stepq_tool_json_file("bench kernels", "--peer", file, PEER_MAX_BYTES, &root);
+    if (rc)
+        return rc;
     const cJSON *dev = cJSON_GetObjectItemCaseSensitive(root, "device");
     const cJSON *rws = cJSON_GetObjectItemCaseSensitive(root, "rows");
-    if (!cJSON_IsObject(root))
-        rc = peer_fail(file, "not a JSON object");
-    else if (!cJSON_IsString(dev) || !dev->valuestring || !dev->valuestring[0])
+    if (!cJSON_IsString(dev) || !dev->valuestring || !dev->valuestring[0])
         rc = peer_fail(file, "device: missing, or not a non-empty string");
     else if ((p->copy_gbs = positive(cJSON_GetObjectItemCaseSensitive(root, "copy_gbs"))) == 0)
         rc = peer_fail(file, "copy_gbs: missing, or not a finite number > 0");

@@ -13,6 +13,8 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <cjson/cJSON.h>
+
 #include "stepq/stepq.h"
 #include "tools/cli.h"
 
@@ -73,7 +75,11 @@ static double now_s(void)
 
 static void fmt_amount(char *buf, size_t len, double x, const char *unit)
 {
-    if (strcmp(unit, "B"))
+    if (strcmp(unit, "B") && x >= 1e5) /* large counts: 3 digits, as the bytes have */
+        snprintf(buf, len, x >= 1e7 ? "%.1fM" : "%.2fM", x / 1e6);
+    else if (strcmp(unit, "B") && x >= 1e4)
+        snprintf(buf, len, "%.1fk", x / 1e3);
+    else if (strcmp(unit, "B"))
         snprintf(buf, len, x < 10 && x != floor(x) ? "%.2g" : "%.0f", x); /* rates below 10/s */
     else if (x >= 1e9)
         snprintf(buf, len, "%.2f GB", x / 1e9);
@@ -199,6 +205,55 @@ void stepq_tool_progress_end(struct stepq_tool_progress *p)
         pthread_mutex_destroy(&p->lock);
     p->tool = NULL;
     p->mode = PROGRESS_OFF;
+}
+
+/* --- input files ------------------------------------------------------------- */
+
+static int json_file_fail(const char *tool, const char *opt, const char *path, const char *problem)
+{
+    fprintf(stderr, "stepq %s: %s %s: %s\n", tool, opt, path, problem);
+    return 2;
+}
+
+int stepq_tool_json_file(const char *tool, const char *opt, const char *path, size_t max_bytes,
+                         struct cJSON **out)
+{
+    char msg[256];
+    FILE *f = fopen(path, "rb");
+
+    *out = NULL;
+    if (!f) {
+        snprintf(msg, sizeof(msg), "cannot open it: %s", strerror(errno));
+        return json_file_fail(tool, opt, path, msg);
+    }
+    char *buf = malloc(max_bytes + 1);
+    size_t n = buf ? fread(buf, 1, max_bytes + 1, f) : 0;
+    int rd_err = ferror(f) ? errno : 0;
+    fclose(f);
+    if (!buf)
+        return json_file_fail(tool, opt, path, "out of memory");
+    if (rd_err || n > max_bytes) {
+        free(buf);
+        if (rd_err)
+            snprintf(msg, sizeof(msg), "cannot read it: %s", strerror(rd_err));
+        else
+            snprintf(msg, sizeof(msg), "larger than %zu kB: not a file %s reads", max_bytes >> 10,
+                     opt);
+        return json_file_fail(tool, opt, path, msg);
+    }
+    const char *end = NULL;
+    cJSON *root = cJSON_ParseWithLengthOpts(buf, n, &end, 0);
+    if (!root)
+        snprintf(msg, sizeof(msg), "not valid JSON (at byte %td of %zu)", end ? end - buf : 0, n);
+    free(buf);
+    if (!root)
+        return json_file_fail(tool, opt, path, msg);
+    if (!cJSON_IsObject(root)) {
+        cJSON_Delete(root);
+        return json_file_fail(tool, opt, path, "not a JSON object");
+    }
+    *out = root;
+    return 0;
 }
 
 /* --- output files ------------------------------------------------------------ */

@@ -109,6 +109,17 @@ void stepq_tool_path_error(const char *tool, const char *path, const char *tmp, 
  */
 int stepq_tool_threads(const char *tool, int want, int n_jobs, const char *jobs_name);
 
+struct cJSON;
+
+/**
+ * Reads the small JSON file PATH that option OPT names (at most max_bytes):
+ * *out its document (cJSON_Delete), NULL on failure. Returns 0, or 2 after
+ * "stepq TOOL: OPT PATH: PROBLEM" on stderr (cannot open or read it, too
+ * large, not valid JSON at byte N, not a JSON object).
+ */
+int stepq_tool_json_file(const char *tool, const char *opt, const char *path, size_t max_bytes,
+                         struct cJSON **out);
+
 /** s as a JSON string, quotes included. */
 void stepq_tool_json_str(FILE *f, const char *s);
 

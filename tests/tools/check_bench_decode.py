@@ -10,6 +10,7 @@
     without a device (skipped where a device exists);
   - the default host run is a reduced one and says so, and says it measures the
     recurrent-state path only;
+  - progress on stderr counts request tokens (batch x tokens per run), not runs;
   - README's first command ends in the main job that .ci/run runs, and it is this command.
 Usage: check_bench_decode.py STEPQ_EXE SOURCE_ROOT"""
 import json
@@ -127,6 +128,17 @@ def main():
     check(p.returncode == 0 and "REDUCED" in out and "recurrent-state path only" in out and
           "--full" in out and "stepq@6" in out and "tokens/s" in out,
           "bench decode table: reduced, says what it measures", out + p.stderr)
+
+    # Progress in request tokens (B x T per run), so that the ETA weighs a run by its batch:
+    # batches 1 and 3, 3 tokens, 3 states x (1 warm-up + 3 runs) = 144 tokens, not 24 runs.
+    p = subprocess.run([EXE, "bench", "decode", MAP] + SMALL, capture_output=True, text=True,
+                       env=dict(ENV, STEPQ_PROGRESS="lines", STEPQ_PROGRESS_INTERVAL="0"),
+                       timeout=300)
+    lines = p.stderr.strip().splitlines()
+    done = "stepq bench decode: 144/144 tokens done"
+    check(p.returncode == 0 and lines and lines[-1].startswith(done) and
+          all(" tokens (" in l for l in lines[:-1]) and "tokens (" not in p.stdout,
+          "bench decode progress: request tokens, weighted by batch", p.stderr[-300:])
 
     # README command 1's main job is the line .ci/run runs.
     readme = open(os.path.join(ROOT, "README.md")).read()

@@ -9,10 +9,15 @@
     (the ranks' own lines are prefixed "[rank R]"), and no rank process is left running,
     nor after the parent is killed by SIGKILL;
   - bad input (a --tp the heads do not split into, --rank with --procs) is refused in one
-    line before any rank starts.
+    line before any rank starts;
+  - CUDA (skipped without a device): --tp 1 --procs runs one rank; --tp 2 --procs either
+    runs each NCCL rank on its own device or, on a host with fewer devices than ranks,
+    is refused in one line naming both numbers before any rank starts (NCCL holds one
+    rank per device).
 Usage: check_bench_decode_procs.py STEPQ_EXE SOURCE_ROOT"""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -22,6 +27,8 @@ EXE, ROOT = sys.argv[1], sys.argv[2]
 MAP = os.path.join(ROOT, "config", "examples", "qwen3.8-27b.stepq-6-layout.json")
 TAG = "STEPQ_PROCS_TEST_TAG"
 SMALL = ["--backend", "host", "--batch", "1,3", "--tokens", "3", "--layers", "1"]
+CUDA = ["--backend", "cuda", "--batch", "1", "--tokens", "2", "--layers", "1", "--runs", "1",
+        "--warmup", "0"]
 # Long enough that rank 0 is still running when rank 1 fails (minutes on the host).
 LONG = ["--backend", "host", "--batch", "8", "--tokens", "5000", "--layers", "4"]
 bad = 0
@@ -157,7 +164,42 @@ def main():
         check(p.returncode == 2 and len(lines) == 1 and want in lines[0] and p.stdout == "",
               "bench decode --tp 2 %s: refused in one line before any rank" % " ".join(args),
               "rc %d, %r" % (p.returncode, p.stderr))
+    cuda_procs()
     return 1 if bad else 0
+
+
+def cuda_procs():
+    p, _ = run(CUDA + ["--tp", "1", "--procs", "--json"], uuid.uuid4().hex)
+    if p.returncode and "--backend cuda: cannot open a CUDA pool" in p.stderr:
+        print("skip --procs on CUDA: no CUDA device here")
+        return
+    try:
+        d = json.loads(p.stdout)
+        ok = (p.returncode == 0 and d["tp"] == 1 and len(d["ranks"]) == 1 and
+              d["ranks"][0]["backend"] == "cuda" and d["ranks"][0]["cuda_device"] == 0)
+    except (ValueError, KeyError, TypeError):
+        ok = False
+    check(ok, "--tp 1 --procs on CUDA: one rank on device 0", p.stdout[:400] + p.stderr)
+
+    tag = uuid.uuid4().hex
+    p, _ = run(CUDA + ["--procs", "--json"], tag)
+    lines = p.stderr.strip().splitlines()
+    m = re.match(r"stepq bench decode: --tp 2 --procs: 2 ranks need 2 CUDA devices \(one rank "
+                 r"per device for NCCL\), this host has (\d+); without --procs, --tp 2 times "
+                 r"one rank's share$", lines[0]) if len(lines) == 1 else None
+    if p.returncode == 0:
+        try:
+            ranks = json.loads(p.stdout)["ranks"]
+            nccl = any(r["nccl"] for r in ranks)
+            ok = len(ranks) == 2 and (not nccl or ranks[0]["cuda_device"] != ranks[1]["cuda_device"])
+        except (ValueError, KeyError, TypeError):
+            ok = False
+        check(ok, "--tp 2 --procs on CUDA: NCCL ranks on distinct devices", p.stdout[:400])
+    else:
+        check(p.returncode == 2 and m and int(m.group(1)) < 2 and p.stdout == "",
+              "--tp 2 --procs on CUDA with one device: refused in one line before any rank",
+              "rc %d, %r" % (p.returncode, p.stderr))
+    check(not left_running(tag), "--tp 2 --procs on CUDA: no rank process left")
 
 
 if __name__ == "__main__":
