@@ -21,7 +21,10 @@ fused decode step. Checks (--check, comma-separated; default all):
             requests whose prompt was prefilled before; every request's greedy
             tokens and logits against the same request run alone (B = 1) with
             the same map, fed the batched run's tokens; no slot leaked, pool
-            stats back to their start.
+            stats back to their start. Each --batching-map map in turn
+            (default stepq@4, then fp32 as the control: it shows how far
+            the model's own batched arithmetic moves logits, which a
+            quantized map can turn into flipped codes).
   drift     teacher-forced NLL through the served path, the streams and the
             table of nll_eval.py (same slicing, same definitions, same
             columns), every method of --methods side by side in one batch.
@@ -85,7 +88,10 @@ def parse_args(argv=None):
     g.add_argument("--alone", type=int, default=0,
                    help="compare only the first N requests (by id) with their alone run (0: all; the alone "
                         "runs are B = 1 decode steps, the slowest part of the check)")
-    g.add_argument("--batching-map", default="stepq@4")
+    g.add_argument("--batching-map", default="stepq@4,fp32",
+                   help="maps NAME (comma list) run through the same workload one after another (default "
+                        "stepq@4,fp32: the fp32 map is the control that bounds the model's own batch-dependent "
+                        "arithmetic, judged by --fp32-tol and no token mismatch)")
     g.add_argument("--batching-dtype", choices=["fp32", "bf16"], default="fp32")
     g.add_argument("--batching-tol", type=float, default=1e-2,
                    help="largest max abs logit difference to the alone run that passes (default 1e-2: a "
@@ -326,10 +332,24 @@ def stats_view(s):
 
 
 def check_batching(env, a):
+    """The batching check for every map of --batching-map; passes when each passes."""
+    names = [n.strip() for n in a.batching_map.split(",") if n.strip()]
+    res, mds = {"maps": {}}, []
+    for name in names:
+        tight = name == "fp32"
+        r, md = batching_one(env, a, name, a.fp32_tol if tight else a.batching_tol,
+                             0.0 if tight else a.batching_mismatch_frac)
+        res["maps"][name] = r
+        mds.append("### %s\n\n%s" % (name, md))
+    res["pass"] = all(r["pass"] for r in res["maps"].values())
+    return res, "\n".join(mds)
+
+
+def batching_one(env, a, name, tol, mismatch_frac):
     torch, hf = env.torch, env.hf
     dev = a.device
     model = env.model(a.batching_dtype)
-    path = map_paths(a, [a.batching_map])[a.batching_map]
+    path = map_paths(a, [name])[name]
     with open(a.text, "rb") as f:
         data = f.read()
     reqs = make_workload(a, data)
@@ -338,7 +358,7 @@ def check_batching(env, a):
     log("batching: %d requests (%d share %d prompts), prompts %d-%d bytes, %d-%d new tokens, %d running at most, "
         "pool %d slots (%s), map %s" % (len(reqs), a.share_groups * a.share_size, a.share_groups,
                                          a.prompt_min, a.prompt_max, a.new_min, a.new_max, R, pool.size,
-                                         "extra_buffer", a.batching_map))
+                                         "extra_buffer", name))
     start = pool.stats()
     held = set()  # every slot the scheduler holds, for the leak check
 
@@ -521,8 +541,9 @@ def check_batching(env, a):
            "compared_alone": len(alone), "max_abs_logit_diff": worst, "mean_abs_logit_diff": mean_sum / max(n_pos, 1),
            "token_mismatches": mism, "requests_with_mismatch": diverged, "first_mismatch": firsts[:16], "slots_leaked": leaked, "pool_closed_clean": closed,
            "stats_start": start, "stats_end": end, "stats_equal": stats_equal,
-           "seconds_batched": t_cb, "seconds_alone": time.time() - t1, "tol": a.batching_tol}
-    res["pass"] = (worst <= a.batching_tol and mism <= a.batching_mismatch_frac * n_pos and not leaked
+           "seconds_batched": t_cb, "seconds_alone": time.time() - t1, "tol": tol,
+           "mismatch_frac": mismatch_frac}
+    res["pass"] = (worst <= tol and mism <= mismatch_frac * n_pos and not leaked
                    and stats_equal and closed)
     log("batching: max |logit difference| to alone %.3g, %d token mismatches (%d requests), %d slots leaked, "
         "stats equal %s: %s" % (worst, mism, diverged, len(leaked), stats_equal, "PASS" if res["pass"] else "FAIL"))
@@ -537,8 +558,8 @@ def check_batching(env, a):
           "Continuous batching through one %s pool (%d slots = 5 x %d running, extra_buffer), model %s: %s.\n"
           % (len(reqs), a.share_groups * a.share_size, step, max_batch, prefills, forks, track_copies, len(alone),
              worst,
-             a.batching_tol, res["mean_abs_logit_diff"], mism, n_pos, diverged, len(leaked), "yes" if stats_equal else "NO", t_cb, res["seconds_alone"],
-             a.batching_map, start["capacity"], R, a.batching_dtype, "PASS" if res["pass"] else "FAIL"))
+             tol, res["mean_abs_logit_diff"], mism, n_pos, diverged, len(leaked), "yes" if stats_equal else "NO", t_cb, res["seconds_alone"],
+             name, start["capacity"], R, a.batching_dtype, "PASS" if res["pass"] else "FAIL"))
     return res, md
 
 
@@ -679,7 +700,7 @@ def main(argv=None):
     if "fp32" in a.checks:
         need.add("fp32")
     if "batching" in a.checks:
-        need.add(a.batching_map)
+        need.update(n.strip() for n in a.batching_map.split(",") if n.strip())
     map_paths(a, sorted(need))  # every map there before any GPU work
     env = Env(a)
     log("stepq %s (%s), torch %s, transformers %s, device %s" % (
