@@ -335,7 +335,29 @@ def _describe(idx):
     return repr(idx)
 
 
-class PackedStates:
+class _NoData:
+    """What a stand-in for a dense tensor answers to any data access: the
+    subclass's refuse() raises Unsupported naming the access."""
+
+    __slots__ = ()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self.refuse(".%s" % name)
+
+    def data_ptr(self):
+        self.refuse("data_ptr()")
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        for a in list(args) + list((kwargs or {}).values()):
+            if isinstance(a, _NoData):
+                a.refuse("torch function %s" % getattr(func, "__name__", func))
+        raise TypeError("%s.__torch_function__ without a stepq stand-in argument" % cls.__name__)
+
+
+class PackedStates(_NoData):
     """What a stepq pool has where SGLang's MambaPool has ``mamba_cache.temporal``
     (layer None: ``[L, size + 1, HV, V, K]``) or one layer of it
     (``[size + 1, HV, V, K]``): the dense tensor's shape, dtype and device
@@ -408,14 +430,6 @@ class PackedStates:
     def __bool__(self):
         return True
 
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        self.refuse(".%s" % name)
-
-    def data_ptr(self):
-        self.refuse("data_ptr()")
-
     def numel(self):
         self.refuse("numel()")
 
@@ -425,15 +439,8 @@ class PackedStates:
     def stride(self, *args):
         self.refuse("stride()")
 
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        for a in list(args) + list((kwargs or {}).values()):
-            if isinstance(a, (PackedStates, _Gathered)):
-                a.refuse("torch function %s" % getattr(func, "__name__", func))
-        raise TypeError("PackedStates.__torch_function__ without a PackedStates argument")
 
-
-class _Gathered:
+class _Gathered(_NoData):
     """``layer_states[ids]`` as SGLang's GDN prefill takes it (the
     needs_state_gather path): no data, only the slots, handed to the stepq
     kernel in place of the gathered dense states; the kernel packs the
@@ -470,16 +477,6 @@ class _Gathered:
 
     def __setitem__(self, idx, value):
         self.refuse("writing [%s]" % _describe(idx))
-
-    def __getattr__(self, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        self.refuse(".%s" % name)
-
-    def data_ptr(self):
-        self.refuse("data_ptr()")
-
-    __torch_function__ = classmethod(PackedStates.__torch_function__.__func__)
 
 
 # --- registration ----------------------------------------------------------
