@@ -255,8 +255,9 @@ void stepq_shim_close(void *h)
     free(s);
 }
 
-/* The dual-axis fit's row-split exponent of the C reference (kernels/quant.h), an analysis
- * knob: the CUDA roundtrip keeps 0.5, so set it only for the host path. */
+/* The analysis override of the dual-axis fit's row split (kernels/quant.h): the C reference
+ * then fits with alpha in place of the map's row_split. The CUDA roundtrip fits with 0.5
+ * (and refuses maps of another split), so set it only for the host path. */
 int stepq_shim_set_row_split(double alpha)
 {
     return stepq__quant_set_row_split(alpha);
