@@ -1025,9 +1025,10 @@ done:
 /* --- document --- */
 
 static const char *const root_keys[] = {
-    "format", "schema_version", "model", "method", "budget_bits", "provenance", "layers",
+    "format",      "schema_version", "model",      "method",
+    "budget_bits", "row_split",      "provenance", "layers",
 };
-enum { R_FORMAT, R_VERSION, R_MODEL, R_METHOD, R_BUDGET, R_PROV, R_LAYERS, R_COUNT };
+enum { R_FORMAT, R_VERSION, R_MODEL, R_METHOD, R_BUDGET, R_SPLIT, R_PROV, R_LAYERS, R_COUNT };
 
 static int load_doc(const cJSON *root, stepq_map_t **out)
 {
@@ -1039,7 +1040,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     const char *name = NULL;
     int st, v = 0;
     int64_t ver = 0;
-    double budget = 0.0;
+    double budget = 0.0, split = STEPQ__ROW_SPLIT_DEFAULT;
     size_t old;
 
     memset(&shape, 0, sizeof(shape));
@@ -1099,6 +1100,23 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     if ((st = stepq__shape_check(&shape)) < 0)
         goto done;
 
+    /* Optional, and only where there is a dual-axis fit to split (any value elsewhere,
+     * 0.5 included, would claim a choice the method does not have). */
+    if (f[R_SPLIT]) {
+        old = push_key(&c, "row_split");
+        if (!stepq_method_has_col_scales(c.method)) {
+            st = fail(&c, STEPQ_ESCHEMA,
+                      "not allowed for method %s (only dsq, spatial and stepq have the dual-axis "
+                      "fit it splits)",
+                      stepq_method_name(c.method));
+            goto done;
+        }
+        st = get_number(&c, f[R_SPLIT], &split);
+        pop(&c, old);
+        if (st < 0 || (st = stepq__row_split_check(c.method, split)) < 0)
+            goto done;
+    }
+
     if (!stepq__method_has_units(c.method)) {
         if (f[R_LAYERS]) {
             old = push_key(&c, "layers");
@@ -1119,6 +1137,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
 
     if ((st = stepq__map_alloc(&shape, c.method, budget, &m)) < 0)
         goto done;
+    m->row_split = split;
     if (name && (st = stepq__map_set_name(m, name)) < 0)
         goto done;
     if (f[R_PROV]) {

@@ -142,6 +142,20 @@ int stepq__budget_check(stepq_method method, double budget)
     return STEPQ_OK;
 }
 
+int stepq__row_split_check(stepq_method method, double v)
+{
+    if (!isfinite(v))
+        return stepq__error(STEPQ_ENONFINITE, "row_split: not a finite number");
+    if (!(v > 0.0 && v <= 1.0))
+        return stepq__error(STEPQ_ERANGE, "row_split: %s is out of range (0, 1]", STEPQ__NUM(v));
+    if (v != STEPQ__ROW_SPLIT_DEFAULT && !stepq_method_has_col_scales(method))
+        return stepq__error(STEPQ_ESCHEMA,
+                            "row_split: %s is not allowed for method %s (only dsq, spatial and "
+                            "stepq have the dual-axis fit; its default is 0.5)",
+                            STEPQ__NUM(v), stepq_method_name(method));
+    return STEPQ_OK;
+}
+
 /* The largest integer width <= budget: where a fresh quantized map starts. */
 static int initial_bits(double budget)
 {
@@ -166,6 +180,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
     m->shape = *shape;
     m->method = method;
     m->budget_bits = budget;
+    m->row_split = STEPQ__ROW_SPLIT_DEFAULT;
     m->n_candidates = -1;
     m->units_per_layer =
         shape->arch == STEPQ_ARCH_GDN ? shape->num_v_heads : shape->num_v_heads * shape->head_k_dim;
@@ -409,6 +424,24 @@ int stepq_map_set_row_impact(stepq_map_t *h, int layer, int head, const float *w
         return map_fail(map, st);
     memcpy(map->row_impact + ((size_t)layer * map->shape.num_v_heads + head) * dk, w,
            sizeof(float) * dk);
+    return STEPQ_OK;
+}
+
+int stepq_map_set_row_split(stepq_map_t *h, double alpha)
+{
+    stepq_map_t *map;
+    int st = stepq__map_resolve(h, "stepq_map_set_row_split", &map);
+
+    if (st < 0)
+        return st;
+    if (alpha != STEPQ__ROW_SPLIT_DEFAULT && !stepq_method_has_col_scales(map->method))
+        return stepq__error_obj(map->err, STEPQ_EINVAL,
+                                "stepq_map_set_row_split: method %s has no column scales (only "
+                                "dsq, spatial and stepq have the dual-axis fit's row split)",
+                                stepq_method_name(map->method));
+    if ((st = stepq__row_split_check(map->method, alpha)) < 0)
+        return map_fail(map, st);
+    map->row_split = alpha;
     return STEPQ_OK;
 }
 
@@ -756,6 +789,8 @@ int stepq__map_check(const stepq_map_t *m)
         return st;
     if ((st = stepq__budget_check(m->method, m->budget_bits)) < 0)
         return st;
+    if ((st = stepq__row_split_check(m->method, m->row_split)) < 0)
+        return st;
     if (!stepq__method_has_units(m->method))
         return STEPQ_OK;
 
@@ -885,6 +920,12 @@ double stepq_map_budget_bits(const stepq_map_t *h)
 {
     stepq_map_t *map = stepq__map_of(h, "stepq_map_budget_bits");
     return map ? map->budget_bits : 0.0;
+}
+
+double stepq_map_row_split(const stepq_map_t *h)
+{
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_row_split");
+    return map ? map->row_split : 0.0;
 }
 
 const char *stepq_map_model_name(const stepq_map_t *h)
@@ -1205,6 +1246,13 @@ int stepq_map_fingerprint(const stepq_map_t *handle, uint64_t *out)
     h = fnv_u64(h, s->conv_rank ? (uint64_t)s->conv_dtype : 0);
     h = fnv_u64(h, (uint64_t)map->method);
     h = fnv_double(h, map->budget_bits);
+    /* Only a split other than the default is hashed: the fingerprints of the maps that
+     * have no row_split field stay what they were before the field existed. */
+    if (map->row_split != STEPQ__ROW_SPLIT_DEFAULT) {
+        static const char split_tag[] = "row_split";
+        h = stepq__fnv1a(h, split_tag, sizeof(split_tag) - 1);
+        h = fnv_double(h, map->row_split);
+    }
     if (map->bits)
         h = stepq__fnv1a(h, map->bits, (size_t)map->n_units);
     if (map->row_impact) {
@@ -1245,7 +1293,8 @@ bool stepq__map_equal(const stepq_map_t *ha, const stepq_map_t *hb)
             return false;
     if (sa->conv_rank && sa->conv_dtype != sb->conv_dtype)
         return false;
-    if (a->method != b->method || memcmp(&a->budget_bits, &b->budget_bits, sizeof(double)))
+    if (a->method != b->method || memcmp(&a->budget_bits, &b->budget_bits, sizeof(double)) ||
+        memcmp(&a->row_split, &b->row_split, sizeof(double)))
         return false;
     if (!str_eq(a->model_name, b->model_name))
         return false;

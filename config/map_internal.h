@@ -34,6 +34,9 @@
 /* Free-text fields (model name, provenance strings). */
 #define STEPQ__MAX_TEXT 65536
 
+/* The dual-axis fit's row split of a map that has no `row_split` field (SCHEMA.md). */
+#define STEPQ__ROW_SPLIT_DEFAULT 0.5
+
 /* Tolerance of the "geometric mean 1 within a head" row-impact rule. */
 #define STEPQ__ROW_IMPACT_GEOMEAN_TOL 1e-3
 
@@ -70,6 +73,7 @@ struct stepq_map {
     int *layer_ids;
     stepq_method method;
     double budget_bits;
+    double row_split; /* the dual-axis fit's row split: 0.5 unless dsq/spatial/stepq say else */
     char *model_name; /* NULL when absent */
 
     int units_per_layer; /* HV (GDN) or HV * d_k (KDA) */
@@ -110,9 +114,16 @@ int stepq__shape_check(const stepq_model_shape *shape);
 int stepq__budget_check(stepq_method method, double budget_bits);
 
 /**
+ * Checks a row split for a method ("row_split: ..."): finite (else
+ * STEPQ_ENONFINITE), in (0, 1] (else STEPQ_ERANGE), and 0.5 unless the
+ * method has column scales (else STEPQ_ESCHEMA). Thread error only.
+ */
+int stepq__row_split_check(stepq_method method, double row_split);
+
+/**
  * Allocates a map for a checked shape, method and budget: every unit at the
  * budget width (quantized methods), unit row impact where the method has
- * it, no statistics, no provenance. Returns STEPQ_ENOMEM or STEPQ_ERANGE
+ * it, row split 0.5, no statistics, no provenance. Returns STEPQ_ENOMEM or STEPQ_ERANGE
  * (too many units) with a thread error.
  */
 int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double budget_bits,
@@ -120,7 +131,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
 
 /**
  * Checks every cross-field rule of a complete map (method widths, pivots,
- * budget, row impact, statistics). Messages name JSON paths. Does not write
+ * budget, row split, row impact, statistics). Messages name JSON paths. Does not write
  * the map's error buffer (the map may be shared between threads).
  */
 int stepq__map_check(const stepq_map_t *map);

@@ -312,6 +312,10 @@ int stepq_map_write_buffer(const stepq_map_t *h, char **out, size_t *len)
     write_model(&o, map);
     printf_(&o, ",\n  \"method\": \"%s\",\n  \"budget_bits\": ", stepq_method_name(map->method));
     put_double(&o, map->budget_bits);
+    if (map->row_split != STEPQ__ROW_SPLIT_DEFAULT) { /* the default is not written */
+        puts_(&o, ",\n  \"row_split\": ");
+        put_double(&o, map->row_split);
+    }
     write_provenance(&o, map);
     if (stepq__method_has_units(map->method))
         write_layers(&o, map);

@@ -125,6 +125,13 @@ struct stepq__head_layout {
     int has_col;      /**< the method stores column scales */
     int n_pivot_rows; /**< rows stored as fp16 (GDN pivot head: d_k) */
     size_t align;
+    /**
+     * dsq / spatial / stepq: the row split alpha of the dual-axis fit
+     * (kernels/quant.h), the map field row_split. It changes the codes and
+     * scales a fit chooses, not the block format or its decoding. Init sets
+     * 0.5; the pool's layout sets its map's. Unused by the other methods.
+     */
+    double row_split;
 
     /** d_k bit widths (2..8 or STEPQ_BITS_PIVOT); all 0 for dense methods. */
     uint8_t *row_bits;

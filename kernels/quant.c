@@ -169,20 +169,30 @@ static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint
     }
 }
 
-/* The row-scale exponent of fit_dual (kernels/quant.h): 0.5 unless an analysis tool set it. */
-static double row_split = 0.5;
+/* The analysis override of fit_dual's row split (kernels/quant.h): 0 = unset, the layout's. */
+static double row_split_override = 0.0;
 
 int stepq__quant_set_row_split(double alpha)
 {
     if (!(alpha > 0.0 && alpha <= 1.0))
         return stepq__error(STEPQ_EINVAL, "row split %g outside (0, 1]", alpha);
-    row_split = alpha;
+    row_split_override = alpha;
     return STEPQ_OK;
+}
+
+void stepq__quant_clear_row_split(void)
+{
+    row_split_override = 0.0;
 }
 
 double stepq__quant_row_split(void)
 {
-    return row_split;
+    return row_split_override;
+}
+
+double stepq__quant_row_split_of(const struct stepq__head_layout *hl)
+{
+    return row_split_override > 0.0 ? row_split_override : hl->row_split;
 }
 
 /* dsq / spatial / stepq: the key-row-aware dual-axis fit (w NULL = all 1). */
@@ -195,6 +205,7 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
     float yrow[STEPQ__MAX_HEAD_DIM], zt_a[STEPQ__MAX_HEAD_DIM], zt_b[STEPQ__MAX_HEAD_DIM];
     int8_t z[STEPQ__MAX_HEAD_DIM];
     int any_int = 0;
+    const double split = stepq__quant_row_split_of(hl);
 
     /* Step 1: row scales; pivot rows are stored as they are. */
     for (int i = 0; i < d_k; i++) {
@@ -207,8 +218,8 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
         float wi = w ? w[i] : 1.0f;
         uint16_t rh;
         const float m = row_absmax(xr, d_v);
-        r[i] = scale_value(row_split == 0.5 ? sqrtf(m / wi)
-                                            : (float)(pow((double)m, row_split) / sqrt((double)wi)),
+        r[i] = scale_value(split == 0.5 ? sqrtf(m / wi)
+                                        : (float)(pow((double)m, split) / sqrt((double)wi)),
                            &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
     }

@@ -15,8 +15,12 @@
  *     r_i = fp16(m_i);  z_ij = clamp(rint((x_ij / r_i) * qmax_i), +-qmax_i)
  *     x^_ij = r_i * ((float)z_ij / (float)qmax_i)
  *
- *   dsq (w_i = 1), spatial, stepq (key-row-aware dual-axis fit):
- *     1. r_i = fp16(sqrtf(m_i / w_i))
+ *   dsq (w_i = 1), spatial, stepq (key-row-aware dual-axis fit), with the
+ *   row split alpha of the head layout (the map's row_split, 0.5 by default;
+ *   stepq__quant_row_split_of below):
+ *     1. r_i = fp16(sqrtf(m_i / w_i))                          at alpha = 0.5,
+ *        r_i = fp16((float)(pow(m_i, alpha) / sqrt(w_i)))       otherwise
+ *        (pow and sqrt in double)
  *     2. y_ij = x_ij / r_i;  c_j = fp16(max_i |y_ij|)
  *     3. z_ij = clamp(rint((y_ij / c_j) * qmax_i), +-qmax_i)
  *     4. fixed-code column refit (double accumulation over rows in order):
@@ -71,22 +75,36 @@ int stepq__dequantize_head(const struct stepq__head_layout *hl, const void *bloc
  */
 double stepq__weighted_sq_error(const float *x, const float *y, const float *w, int d_k, int d_v);
 
+/*
+ * The row split alpha of the dual-axis fit (dsq, spatial, stepq): row i is
+ * divided by r_i = max_j |x_ij|^alpha / sqrt(w_i) before the column scales
+ * are fitted (step 1 above). 0.5 is the paper's balanced split, which leaves
+ * a row whose absmax is 1/100 of the head's largest using 1/10 of its code
+ * range; 1.0 normalises every row to its own range first. A fit takes alpha
+ * from its head layout (hl->row_split: the map field row_split, 0.5 unless
+ * the map says otherwise) unless the process override below is set.
+ */
+
 /**
- * The exponent of the dual-axis fit's row scale (dsq, spatial, stepq): row i
- * is scaled by r_i = (max_j |x_ij| / w_i)^alpha before the column scales are
- * fitted. 0.5 (the default) is the paper's balanced split, which leaves a row
- * whose absmax is 1/100 of the head's largest using 1/10 of its code range;
- * 1.0 normalises every row to its own range (times w_i) first. This is an
- * analysis knob of the C reference for `stepq eval --row-split` and the NLL
- * shim, to measure on calibration data whether another split serves a model
- * better; the maps do not record it and the CUDA kernels always use 0.5, so
- * a pool on CUDA and one on the host agree only at the default.
+ * Sets the process-wide analysis override of the row split: while it is
+ * set, every fit of the C reference uses alpha, whatever the head layout's
+ * (the map's) row_split says. For `stepq eval --row-split` and the NLL shim
+ * (`nll_eval.py --row-split`), to measure another split on maps calibrated
+ * with theirs; a map that should keep a split carries it in row_split
+ * instead (`stepq calibrate --row-split`). Unset by default. The CUDA
+ * kernels do not see it (they fit with 0.5 and refuse maps of another
+ * split), so a CUDA pool and a host pool agree only while it is unset (or
+ * 0.5 on maps of 0.5).
  *
  * @return STEPQ_OK, or STEPQ_EINVAL (setting unchanged) outside (0, 1].
- * Thread-safety: process-wide; set it before any quantization starts.
+ * Thread-safety: process-wide; set or clear it before any quantization starts.
  */
 int stepq__quant_set_row_split(double alpha);
-/** The current exponent (0.5 unless stepq__quant_set_row_split changed it). */
+/** Clears the override: fits use their head layout's row split again. */
+void stepq__quant_clear_row_split(void);
+/** The override, or 0 when none is set. */
 double stepq__quant_row_split(void);
+/** The row split a fit of hl uses: the override when set, else hl->row_split. */
+double stepq__quant_row_split_of(const struct stepq__head_layout *hl);
 
 #endif /* STEPQ_KERNELS_QUANT_H */

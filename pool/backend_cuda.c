@@ -27,8 +27,10 @@ struct cuda_data {
     /*
      * One prepared device descriptor per recurrent layer, built at open so a
      * step uploads nothing. NULL where the kernels cannot run the layer
-     * (e.g. heads other than 128x128): `unsupported` then says why, the pool
-     * still opens (its slots and copies work) and steps return STEPQ_ENOTSUP.
+     * (heads other than 128x128, a map whose row_split is not 0.5): then
+     * `unsupported` says why, the pool still opens (its slots and copies
+     * work) and steps, packs and unpacks return STEPQ_ENOTSUP, as
+     * stepq_pool_supports() says.
      */
     stepq__cuda_layer **layers;
     int n_layers;

@@ -12,7 +12,8 @@
  *   2. w_i = (omega_i / geomean(omega))^(1/8), floored at --w-floor, then
  *      renormalised to geometric mean 1 (spatial, stepq);
  *   3. distortion d_u(b) per candidate width from the kept states quantized
- *      with the method's own fit:
+ *      with the method's own fit (stepq: the dual-axis fit at --row-split, which
+ *      the map then records as its row_split):
  *        mse          mean squared reconstruction error per value (the paper)
  *        readout      sum_i omega_i sum_j Z_ij^2 / n_u (error read by the next query)
  *        propagated   sum over the next --prop-steps reads of ||(Phi Z)^T q_s||^2 / n_u,
@@ -61,6 +62,7 @@ struct copts {
     int normalize_out;
     double w_floor;
     const char *report;
+    double row_split; /* the dual-axis fit's row split (dsq, spatial, stepq): 0.5 by default */
 };
 
 struct head_res {
@@ -203,6 +205,7 @@ static void head_job(void *vctx, int job, int worker)
         struct stepq__calib_quant qz;
         if ((r->rc = stepq__calib_quant_init(&qz, o->method, I->arch, K, V, rb, r->w)) < 0)
             goto out;
+        qz.hl.row_split = o->row_split; /* the fit the map's pools will run */
         double *d = r->dist + (size_t)ci * rows;
         for (int s = 0; s < S; s++) {
             for (int si = 0; si < ns; si++) {
@@ -281,6 +284,10 @@ static void usage(FILE *f)
            "  --samples N          states kept per stream and head (default 4)\n"
            "  --prop-steps N       reads followed by --distortion propagated (default 64)\n"
            "  --w-floor X          row-impact floor before renormalisation (default 0.05)\n"
+           "  --row-split A        dsq, spatial, stepq: the dual-axis fit divides row i by\n"
+           "                       max|x_i|^A / sqrt(w_i), A in (0, 1] (default 0.5); the\n"
+           "                       distortions are measured with it and the map records it\n"
+           "                       as row_split (the CUDA kernels serve 0.5 only)\n"
            "  --threads N          default: online CPUs, at most one per head\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
@@ -321,7 +328,7 @@ static int cmp_risk_q(const void *a, const void *b)
 int stepq_tool_calibrate(int argc, char **argv)
 {
     struct copts o = {
-        STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL
+        STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL, 0.5
     };
     const char *out = NULL, *model_name = NULL, *candidates_arg = NULL;
     const char *traces[4096];
@@ -358,6 +365,7 @@ int stepq_tool_calibrate(int argc, char **argv)
                                                       "--pivot-fraction",
                                                       "--prop-steps",
                                                       "--report",
+                                                      "--row-split",
                                                       "--samples",
                                                       "--threads",
                                                       "--w-floor",
@@ -441,6 +449,9 @@ int stepq_tool_calibrate(int argc, char **argv)
         } else if (!strcmp(a, "--w-floor")) {
             if (stepq_tool_real("calibrate", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &o.w_floor) < 0)
                 return 2;
+        } else if (!strcmp(a, "--row-split")) {
+            if (stepq_tool_real("calibrate", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &o.row_split) < 0)
+                return 2;
         } else {
             fprintf(stderr, "stepq calibrate: unknown option '%s' (see stepq calibrate --help)\n",
                     a);
@@ -453,6 +464,13 @@ int stepq_tool_calibrate(int argc, char **argv)
         o.budget = stepq__method_fixed_bits(o.method);
     if (!n_traces || !out || o.budget < 0 || !have_method) {
         usage(stderr);
+        return 2;
+    }
+    if (o.row_split != 0.5 && !stepq_method_has_col_scales(o.method)) {
+        fprintf(stderr,
+                "stepq calibrate: --row-split %g: method %s has no column scales (only dsq, "
+                "spatial and stepq have the dual-axis fit it splits)\n",
+                o.row_split, stepq_method_name(o.method));
         return 2;
     }
     int single = o.method != STEPQ_METHOD_TEMPORAL && o.method != STEPQ_METHOD_STEPQ;
@@ -628,6 +646,8 @@ int stepq_tool_calibrate(int argc, char **argv)
         if (conv_kernel == 1)
             sh.conv_rank = 0;
         int st = stepq_map_create(&sh, o.method, o.budget, &map);
+        if (st >= 0)
+            st = stepq_map_set_row_split(map, o.row_split);
         const char *nm = model_name ? model_name : stepq__trace_set_meta(ts, "model");
         if (st >= 0 && nm)
             st = stepq_map_set_model_name(map, nm);
@@ -652,15 +672,18 @@ int stepq_tool_calibrate(int argc, char **argv)
                    *split = stepq__trace_set_meta(ts, "split");
         snprintf(data, sizeof(data), "%s (%s), %d streams x %d tokens", src ? src : "?",
                  split ? split : "?", I->n_streams, I->T);
+        char split_detail[48] = ""; /* only another split than the default: same text as before */
+        if (o.row_split != 0.5)
+            snprintf(split_detail, sizeof(split_detail), " row_split=%g", o.row_split);
         snprintf(detail, sizeof(detail),
                  "distortion=%s lifetime=%s normalize=%s samples=%d prop_steps=%d w_floor=%g "
-                 "solver=%s pivots=%d",
+                 "solver=%s pivots=%d%s",
                  dist_names[o.dist], o.lifetime_gate ? "gate" : "none",
                  o.normalize_out ? "output" : "none", o.samples, o.prop_steps, o.w_floor,
                  single        ? "none"
                  : solver == 0 ? "exact-dp"
                                : "lagrangian",
-                 n_piv);
+                 n_piv, split_detail);
         if (st >= 0)
             st = stepq_map_set_provenance(map, "tool", "stepq calibrate");
         if (st >= 0)
@@ -706,11 +729,13 @@ int stepq_tool_calibrate(int argc, char **argv)
         {
             fprintf(f,
                     "{\"method\": \"%s\", \"budget\": %g, \"distortion\": \"%s\", "
-                    "\"lifetime\": \"%s\", \"normalize\": \"%s\", \"horizon\": %d, "
-                    "\"candidates\": [",
+                    "\"lifetime\": \"%s\", \"normalize\": \"%s\", \"horizon\": %d, ",
                     stepq_method_name(o.method), o.budget, dist_names[o.dist],
                     o.lifetime_gate ? "gate" : "none", o.normalize_out ? "output" : "none",
                     o.horizon);
+            if (o.row_split != 0.5)
+                fprintf(f, "\"row_split\": %g, ", o.row_split);
+            fprintf(f, "\"candidates\": [");
             for (int c = 0; c < m; c++)
                 fprintf(f, "%s%d", c ? ", " : "", o.cand[c]);
             fprintf(f, "], \"units\": [\n");
@@ -744,14 +769,17 @@ int stepq_tool_calibrate(int argc, char **argv)
         for (int b = 2; b <= 16; b++)
             if (hist[b])
                 fprintf(stderr, " %s%d x%d", b == 16 ? "fp16 " : "", b == 16 ? 16 : b, hist[b]);
+        if (o.row_split != 0.5)
+            fprintf(stderr, "; row_split %g (the CUDA kernels serve 0.5 only: host pools)",
+                    o.row_split);
         fprintf(stderr, "\n");
         if (json) {
             fputs("{\"map\": ", stdout);
             stepq_tool_json_str(stdout, out);
-            printf(", \"method\": \"%s\", \"budget\": %g, \"units\": %lld, \"pivots\": %d, "
-                   "\"distortion\": \"%s\", \"solver\": \"%s\", \"threads\": %d, "
+            printf(", \"method\": \"%s\", \"budget\": %g, \"row_split\": %g, \"units\": %lld, "
+                   "\"pivots\": %d, \"distortion\": \"%s\", \"solver\": \"%s\", \"threads\": %d, "
                    "\"seconds\": %.3f, \"widths\": {",
-                   stepq_method_name(o.method), o.budget, U, n_piv, dist_names[o.dist],
+                   stepq_method_name(o.method), o.budget, o.row_split, U, n_piv, dist_names[o.dist],
                    single        ? "none"
                    : solver == 0 ? "exact-dp"
                                  : "lagrangian",

@@ -123,9 +123,10 @@ static void usage(FILE *f)
                "  --threads N    default: online CPUs, at most one per head\n"
                "  --inject-step  the single-injection step (default 256, T/4 for T <= 1024)\n"
                "  --bucket N     tokens per point of the error-over-time curve (default 64)\n"
-               "  --row-split A  analysis: the dual-axis fit's row scale (max|x_i|/w_i)^A,\n"
-               "                 A in (0, 1] (default 0.5, the paper's split and the only\n"
-               "                 one the maps and the CUDA kernels use; kernels/quant.h)\n"
+               "  --row-split A  analysis: every dual-axis fit (dsq, spatial, stepq) divides\n"
+               "                 row i by max|x_i|^A / sqrt(w_i), A in (0, 1], in place of\n"
+               "                 each map's row_split (default: the map's, 0.5 unless it\n"
+               "                 says otherwise; kernels/quant.h, config/SCHEMA.md)\n"
                "Progress on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
@@ -235,10 +236,10 @@ int stepq_tool_eval(int argc, char **argv)
             return 2;
         }
     }
-    if (stepq__quant_row_split() != 0.5)
+    if (stepq__quant_row_split() > 0.0)
         fprintf(stderr,
-                "stepq eval: --row-split %g: the dual-axis fit differs from the maps' "
-                "(0.5)\n",
+                "stepq eval: --row-split %g: the dual-axis fits use it in place of each map's "
+                "row_split\n",
                 stepq__quant_row_split());
     if (json && json_stdout) {
         fprintf(stderr, "stepq eval: --json given twice, with and without a FILE\n");
@@ -386,8 +387,12 @@ int stepq_tool_eval(int argc, char **argv)
     if (jf)
         fprintf(jf,
                 "{\"streams\": %d, \"tokens\": %d, \"layers\": %d, \"heads\": %d, "
-                "\"inject_step\": %d, \"row_split\": %g, \"methods\": [\n",
-                S, I->T, I->n_layers, I->HV, t_inj, stepq__quant_row_split());
+                "\"inject_step\": %d, \"row_split_override\": ",
+                S, I->T, I->n_layers, I->HV, t_inj);
+    if (jf) {
+        json_num(jf, stepq__quant_row_split() > 0.0 ? stepq__quant_row_split() : NAN);
+        fputs(", \"methods\": [\n", jf);
+    }
     for (int m = 0; m < M; m++) {
         struct ms v[7];
         for (int s = 0; s < S; s++) {
@@ -441,7 +446,13 @@ int stepq_tool_eval(int argc, char **argv)
             stepq_tool_json_str(jf, name);
             fputs(", \"map\": ", jf);
             stepq_tool_json_str(jf, m < n_maps ? maps_p[m] : "");
-            fprintf(jf, ", \"bits_per_value\": %.6g, ", bpv);
+            fprintf(jf, ", \"bits_per_value\": %.6g, \"row_split\": ", bpv);
+            /* The split the fit ran with: the override, else the map's; null without one. */
+            json_num(jf, m < n_maps && stepq_method_has_col_scales(stepq_map_method(maps[m]))
+                             ? (stepq__quant_row_split() > 0.0 ? stepq__quant_row_split()
+                                                               : stepq_map_row_split(maps[m]))
+                             : NAN);
+            fputs(", ", jf);
             json_ms(jf, "readout_rel", v[0], 0);
             json_ms(jf, "readout_rel_head", v[1], 0);
             json_ms(jf, "readout_rel_first", v[2], 0);

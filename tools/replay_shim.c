@@ -48,6 +48,8 @@ SHIM_API int stepq_shim_bits_per_value(void *h, double *out);
 SHIM_API int stepq_shim_roundtrip(void *h, int layer_index, float *states, int n);
 SHIM_API void stepq_shim_close(void *h);
 SHIM_API int stepq_shim_set_row_split(double alpha);
+SHIM_API void stepq_shim_clear_row_split(void);
+SHIM_API int stepq_shim_row_split(void *h, double *out);
 SHIM_API const char *stepq_shim_last_error(void);
 SHIM_API int stepq_shim_cuda_open(void *h, int max_n);
 SHIM_API int stepq_shim_cuda_roundtrip(void *h, int layer_index, float *dev_states, int n,
@@ -225,7 +227,15 @@ int stepq_shim_cuda_open(void *h, int max_n)
     if (!s || max_n < 1)
         return stepq__error(STEPQ_EINVAL, "shim: CUDA path needs n >= 1");
     pool_close(&s->cuda, 1);
-    return pool_open(s, &s->cuda, max_n, STEPQ_POOL_BACKEND_CUDA);
+    int rc = pool_open(s, &s->cuda, max_n, STEPQ_POOL_BACKEND_CUDA);
+    /* A pool whose kernels cannot run the map (e.g. a row_split other than 0.5) opens but
+     * refuses its transfers: say so here, so the caller takes the CPU path. */
+    stepq_prefill_args a = STEPQ_PREFILL_ARGS_INITIALIZER;
+    a.n = max_n;
+    if (rc >= 0 && ((rc = stepq_pool_supports(s->cuda.pool, STEPQ_OP_PREFILL_PACK, -1, &a)) < 0 ||
+                    (rc = stepq_pool_supports(s->cuda.pool, STEPQ_OP_PREFILL_UNPACK, -1, &a)) < 0))
+        pool_close(&s->cuda, 1);
+    return rc;
 #else
     (void)s;
     (void)max_n;
@@ -255,11 +265,28 @@ void stepq_shim_close(void *h)
     free(s);
 }
 
-/* The dual-axis fit's row-split exponent of the C reference (kernels/quant.h), an analysis
- * knob: the CUDA roundtrip keeps 0.5, so set it only for the host path. */
+/* The analysis override of the dual-axis fit's row split (kernels/quant.h): the C reference
+ * then fits with alpha in place of the map's row_split. The CUDA roundtrip fits with 0.5
+ * (and refuses maps of another split), so set it only for the host path. */
 int stepq_shim_set_row_split(double alpha)
 {
     return stepq__quant_set_row_split(alpha);
+}
+
+void stepq_shim_clear_row_split(void)
+{
+    stepq__quant_clear_row_split();
+}
+
+/* The row split the host roundtrip fits this map's dual-axis heads with: the override when
+ * set, else the map's row_split (0.5 unless the map says otherwise). */
+int stepq_shim_row_split(void *h, double *out)
+{
+    const struct shim *s = h;
+    if (!s || !out)
+        return stepq__error(STEPQ_EINVAL, "shim: NULL handle or output");
+    *out = stepq__quant_row_split() > 0.0 ? stepq__quant_row_split() : stepq_map_row_split(s->map);
+    return STEPQ_OK;
 }
 
 const char *stepq_shim_last_error(void)

@@ -82,7 +82,10 @@ int stepq__cuda_device_count(void);
  * stepq__cuda_layer_release.
  * @return STEPQ_OK; STEPQ_EINVAL (bad layout, w not finite > 0, head block
  *         outside the page, unknown flags), STEPQ_ENOTSUP (d_k or d_v !=
- *         128), STEPQ_ENOMEM, STEPQ_ENODEV or STEPQ_ECUDA.
+ *         128; a dsq / spatial / stepq head whose row_split is not 0.5, the
+ *         only split the kernels' fit implements: refused before any CUDA
+ *         call, the message naming row_split and its value), STEPQ_ENOMEM,
+ *         STEPQ_ENODEV or STEPQ_ECUDA.
  */
 int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl, unsigned flags,
                                  stepq__cuda_layer **out);

@@ -95,6 +95,12 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         const struct stepq__head_layout *hl = &pl->heads[hv];
         if (!hl->row_bitoff || !hl->row_bits)
             return stepq__error(STEPQ_EINVAL, "%s: head %d layout is not initialised", who, hv);
+        /* The kernels' dual-axis fit is sqrtf(m / w): the map's other splits are the host's. */
+        if (method_is_dual(hl->method) && hl->row_split != 0.5)
+            return stepq__error(STEPQ_ENOTSUP,
+                                "%s: head %d: the map's row_split is %g; the CUDA kernels fit with "
+                                "row_split 0.5 only (the host backend serves other splits)",
+                                who, hv, hl->row_split);
         if (hl->d_k != SQ_D || hl->d_v != SQ_D)
             return stepq__error(STEPQ_ENOTSUP,
                                 "%s: head %d is %dx%d; the CUDA kernels support 128x128 heads only",

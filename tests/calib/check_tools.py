@@ -121,6 +121,41 @@ def main():
     piv = sum(1 for b in rows if b == 16)
     assert piv == round(0.02 * len(rows)) and sum(b for b in rows if b != 16) <= 4 * len(rows) - 8 * piv
     assert len(set(rows)) > 1
+    # --row-split: the map records the split its distortions were measured with (other
+    # widths' costs, so other stats), eval and inspect show it; 0.5 is the default, written
+    # nowhere (the same bytes as without the option); a method without column scales refuses it.
+    kr = os.path.join(d, "kda-rs.json")
+    p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
+             "--out", kr, "--pivot-fraction", "0.02", "--row-split", "0.75", "--json"])
+    assert json.loads(p.stdout)["row_split"] == 0.75, p.stdout
+    mr = json.load(open(kr))
+    assert mr["row_split"] == 0.75 and "row_split=0.75" in mr["provenance"]["method_detail"], mr["provenance"]
+    assert mr["layers"][0]["heads"][0]["stats"] != m["layers"][0]["heads"][0]["stats"]
+    assert "row_split" not in m
+    k5 = os.path.join(d, "kda-05.json")
+    run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4", "--out", k5,
+         "--pivot-fraction", "0.02", "--row-split", "0.5"])
+    assert open(k5, "rb").read() == open(km, "rb").read(), "--row-split 0.5 is not the default"
+    p = run([exe, "inspect", kr])
+    assert "row split      0.75" in p.stdout, p.stdout
+    assert json.loads(run([exe, "inspect", kr, "--json"]).stdout)["row_split"] == 0.75
+    assert "row split" not in run([exe, "inspect", km]).stdout
+    assert "row_split" not in json.loads(run([exe, "inspect", km, "--json"]).stdout)
+    er = os.path.join(d, "eval-rs.json")
+    run([exe, "eval", "--map", kr, km, "--trace", kt + "-000.safetensors", "--json", er])
+    e3 = json.load(open(er))
+    assert e3["row_split_override"] is None, e3["row_split_override"]
+    assert [x["row_split"] for x in e3["methods"]] == [0.75, 0.5, None], e3["methods"]
+    p = run([exe, "eval", "--map", kr, km, "--trace", kt + "-000.safetensors", "--json", er, "--row-split", "0.6"])
+    e3 = json.load(open(er))
+    assert e3["row_split_override"] == 0.6 and [x["row_split"] for x in e3["methods"]][:2] == [0.6, 0.6]
+    assert "--row-split 0.6: the dual-axis fits use it in place of each map's row_split" in p.stderr, p.stderr
+    for meth, split, want in (("temporal", "0.75", "method temporal has no column scales"),
+                              ("stepq", "1.5", "--row-split '1.5': want a number in (0, 1]")):
+        p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", meth, "--budget", "4",
+                 "--out", os.path.join(d, "no.json"), "--row-split", split], ok=False)
+        assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        assert not os.path.exists(os.path.join(d, "no.json"))
     # --plot creates its folder when missing and writes the chart specs there.
     pd = os.path.join(d, "plots-new")
     run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--plot", pd])

@@ -699,6 +699,103 @@ static void equality_sees_every_field(void **state)
     stepq_map_close(a);
 }
 
+/*
+ * The dual-axis fit's row split: 0.5 by default and then neither written nor
+ * fingerprinted (maps without the field keep their bytes and fingerprints);
+ * another value round-trips, changes the fingerprint and the equality; bad
+ * values and methods without column scales are refused, changing nothing.
+ */
+static void row_split_round_trips_and_is_refused_where_it_means_nothing(void **state)
+{
+    stepq_map_t *m = full_map(STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ, 6), *back;
+    stepq_map_t *ref = full_map(STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ, 6);
+    char *t0, *t1, *t2;
+    size_t n0, n1, n2;
+    uint64_t f0, f1, f2;
+
+    assert_true(stepq_map_row_split(m) == 0.5);
+    assert_int_equal(stepq_map_write_buffer(m, &t0, &n0), STEPQ_OK);
+    assert_null(strstr(t0, "row_split"));
+    assert_int_equal(stepq_map_fingerprint(m, &f0), STEPQ_OK);
+
+    assert_int_equal(stepq_map_set_row_split(m, 0.75), STEPQ_OK);
+    assert_true(stepq_map_row_split(m) == 0.75);
+    assert_false(stepq__map_equal(m, ref));
+    assert_int_equal(stepq_map_fingerprint(m, &f1), STEPQ_OK);
+    assert_true(f1 != f0);
+    back = reload(m, &t1, &n1);
+    assert_non_null(strstr(t1, "\"budget_bits\": 6,\n  \"row_split\": 0.75,\n  \"provenance\""));
+    assert_true(stepq__map_equal(m, back));
+    assert_true(stepq_map_row_split(back) == 0.75);
+    assert_int_equal(stepq_map_fingerprint(back, &f2), STEPQ_OK);
+    assert_true(f2 == f1);
+    assert_int_equal(stepq_map_write_buffer(back, &t2, &n2), STEPQ_OK);
+    assert_int_equal(n2, n1);
+    assert_memory_equal(t2, t1, n1);
+    stepq_free(t1);
+    stepq_free(t2);
+    stepq_map_close(back);
+
+    /* 1 is in range and prints as an integer. */
+    assert_int_equal(stepq_map_set_row_split(m, 1.0), STEPQ_OK);
+    back = reload(m, &t1, &n1);
+    assert_non_null(strstr(t1, "\"row_split\": 1,\n"));
+    assert_true(stepq_map_row_split(back) == 1.0);
+    stepq_free(t1);
+    stepq_map_close(back);
+
+    /* Back to 0.5: the bytes and the fingerprint of a map that never had the field. */
+    assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_OK);
+    assert_true(stepq__map_equal(m, ref));
+    assert_int_equal(stepq_map_fingerprint(m, &f2), STEPQ_OK);
+    assert_true(f2 == f0);
+    assert_int_equal(stepq_map_write_buffer(m, &t1, &n1), STEPQ_OK);
+    assert_int_equal(n1, n0);
+    assert_memory_equal(t1, t0, n0);
+    stepq_free(t1);
+    stepq_free(t0);
+
+    /* Bad values: the status, a message naming the field, and the map as it was. */
+    static const struct {
+        double v;
+        int status;
+        const char *msg;
+    } bad[] = {
+        { 0.0, STEPQ_ERANGE, "row_split: 0 is out of range (0, 1]" },
+        { -0.25, STEPQ_ERANGE, "row_split: -0.25 is out of range (0, 1]" },
+        { 1.5, STEPQ_ERANGE, "row_split: 1.5 is out of range (0, 1]" },
+        { NAN, STEPQ_ENONFINITE, "row_split: not a finite number" },
+        { INFINITY, STEPQ_ENONFINITE, "row_split: not a finite number" },
+    };
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        assert_int_equal(stepq_map_set_row_split(m, bad[i].v), bad[i].status);
+        assert_non_null(strstr(stepq_last_error(), bad[i].msg));
+        assert_non_null(strstr(stepq_map_last_error(m), bad[i].msg));
+        assert_true(stepq__map_equal(m, ref));
+    }
+    stepq_map_close(ref);
+    stepq_map_close(m);
+
+    /* Methods without column scales: only the default. */
+    for (int method = 0; method < STEPQ_METHOD_COUNT; method++) {
+        if (stepq_method_has_col_scales((stepq_method)method))
+            continue;
+        stepq_model_shape sh = fx_shape_small(STEPQ_ARCH_GDN);
+        const int units = stepq__method_has_units((stepq_method)method);
+        m = create_ok(&sh, (stepq_method)method,
+                      units ? 6 : stepq__method_fixed_bits((stepq_method)method));
+        assert_true(stepq_map_row_split(m) == 0.5);
+        assert_int_equal(stepq_map_set_row_split(m, 0.75), STEPQ_EINVAL);
+        assert_non_null(strstr(stepq_map_last_error(m), "has no column scales"));
+        assert_non_null(strstr(stepq_map_last_error(m), stepq_method_name((stepq_method)method)));
+        assert_true(stepq_map_row_split(m) == 0.5);
+        assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_OK);
+        stepq_map_close(m);
+    }
+    assert_true(stepq_map_row_split(NULL) == 0.0);
+    assert_int_equal(stepq_map_set_row_split(NULL, 0.75), STEPQ_EINVAL);
+}
+
 static void extension_keys_are_ignored_and_not_written_back(void **state)
 {
     const char *doc =
@@ -893,6 +990,8 @@ static void a_closed_map_handle_is_refused_everywhere(void **state)
     assert_int_equal(stepq_map_validate(m), STEPQ_EBADF);
     assert_null(stepq_map_layer_bits(m, 0));
     assert_int_equal(stepq_map_method(m), STEPQ_METHOD_COUNT);
+    assert_true(stepq_map_row_split(m) == 0.0);
+    assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_EBADF);
     stepq_map_close(m); /* a double close: refused, nothing freed twice */
     assert_non_null(strstr(stepq_last_error(), "closed or not valid"));
     /* A later map may take the memory and the table entry, never the handle. */
@@ -963,6 +1062,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(fingerprint_follows_the_layout_not_the_provenance),
         cmocka_unit_test(write_then_load_gives_the_same_map_for_every_method),
         cmocka_unit_test(equality_sees_every_field),
+        cmocka_unit_test(row_split_round_trips_and_is_refused_where_it_means_nothing),
         cmocka_unit_test(extension_keys_are_ignored_and_not_written_back),
         cmocka_unit_test(writer_output_does_not_depend_on_the_locale),
         cmocka_unit_test(write_file_is_atomic_and_loadable),

@@ -69,6 +69,13 @@
 
 #define FP32_DOC DOC(GDN_MODEL "\"method\": \"fp32\", \"budget_bits\": 32")
 
+/* The dual-axis fit's row split (dsq, spatial, stepq only). */
+#define RS(v)       "\"row_split\": " v ", "
+#define S6_SPLIT(v) DOC(GDN_MODEL S6 RS(v) S6_LAYERS(HW(4), HW(16), HW(6)))
+#define KDA_DSQ_SPLIT                                                                      \
+    DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " RS("1") "\"layers\": [" LAY( \
+        3, "[]", KR(4, 4) ", " KR(4, 4)) "]")
+
 struct bad_case {
     const char *name;
     const char *doc;
@@ -86,6 +93,9 @@ static const char *const good_docs[] = {
     KDA_STATS(KST, KST),
     FP32_DOC,
     DOC(GDN_MODEL_X("") U6 U6_LAYERS), /* no conv state */
+    S6_SPLIT("0.75"),
+    KDA_DSQ_SPLIT,
+    S6_SPLIT("0.5"), /* the default, written out: accepted (the writer leaves it out) */
 };
 
 static const struct bad_case cases[] = {
@@ -473,6 +483,29 @@ static const struct bad_case cases[] = {
       "provenance.date: unknown field" },
     { "provenance not an object", DOC(GDN_MODEL U6 "\"provenance\": \"calibrated\", " U6_LAYERS), 0,
       STEPQ_ESCHEMA, "provenance: expected an object, got a string" },
+
+    /* --- row split --- */
+    { "row split 0", S6_SPLIT("0"), 0, STEPQ_ERANGE, "row_split: 0 is out of range (0, 1]" },
+    { "row split above 1", S6_SPLIT("1.5"), 0, STEPQ_ERANGE,
+      "row_split: 1.5 is out of range (0, 1]" },
+    { "row split negative", S6_SPLIT("-0.25"), 0, STEPQ_ERANGE,
+      "row_split: -0.25 is out of range (0, 1]" },
+    { "row split as a string", S6_SPLIT("\"nan\""), 0, STEPQ_ESCHEMA,
+      "row_split: expected a number, got a string" },
+    { "row split null", S6_SPLIT("null"), 0, STEPQ_ESCHEMA,
+      "row_split: expected a number, got null" },
+    { "row split overflows", S6_SPLIT("1e999"), 0, STEPQ_ENONFINITE,
+      "row_split: number is not finite" },
+    { "row split twice", DOC(GDN_MODEL S6 RS("0.75") RS("0.75") S6_LAYERS(HW(4), HW(16), HW(6))), 0,
+      STEPQ_ESCHEMA, "row_split: duplicate key" },
+    { "row split on temporal",
+      DOC(GDN_MODEL "\"method\": \"temporal\", \"budget_bits\": 6, " RS("0.75") U6_LAYERS), 0,
+      STEPQ_ESCHEMA, "row_split: not allowed for method temporal" },
+    { "row split 0.5 on uniform", DOC(GDN_MODEL U6 RS("0.5") U6_LAYERS), 0, STEPQ_ESCHEMA,
+      "row_split: not allowed for method uniform" },
+    { "row split on fp32",
+      DOC(GDN_MODEL "\"method\": \"fp32\", \"budget_bits\": 32, " RS("0.75") "\"provenance\": {}"),
+      0, STEPQ_ESCHEMA, "row_split: not allowed for method fp32" },
 };
 
 static void every_base_document_loads(void **state)

@@ -4,7 +4,9 @@
  * paper; a file without an entry fails, so new examples must add one. Each
  * file must also be in canonical form: writing the loaded map gives back the
  * same bytes. The full example of config/SCHEMA.md (argv[2]) is checked the
- * same way.
+ * same way, and so is every calibrated map (config/calibrated/<model>/, next
+ * to the examples folder): a load + write through today's writer gives the
+ * bytes their SHA256SUMS were taken of.
  */
 #include <dirent.h>
 #include <setjmp.h>
@@ -232,12 +234,58 @@ static void the_schema_document_example_is_canonical(void **state)
     free(md);
 }
 
+/* Every config/calibrated/<model>/<map>.json: loads, and writing it back gives the same bytes. */
+static void every_calibrated_map_is_canonical(void **state)
+{
+    char root[1024], dir[2048], path[3072];
+    DIR *top, *d;
+    struct dirent *ent, *m;
+    int files = 0;
+
+    snprintf(root, sizeof(root), "%s/../calibrated", examples_dir);
+    top = opendir(root);
+    assert_non_null(top);
+    while ((ent = readdir(top))) {
+        if (ent->d_name[0] == '.')
+            continue;
+        snprintf(dir, sizeof(dir), "%s/%s", root, ent->d_name);
+        if (!(d = opendir(dir)))
+            continue; /* README.md */
+        while ((m = readdir(d))) {
+            size_t n = strlen(m->d_name), flen, wlen;
+            if (n < 5 || strcmp(m->d_name + n - 5, ".json"))
+                continue;
+            snprintf(path, sizeof(path), "%s/%s", dir, m->d_name);
+            stepq_map_t *map = NULL;
+            int st = stepq_map_load_file(path, NULL, &map);
+            if (st < 0)
+                print_error("%s: %s\n", path, stepq_last_error());
+            assert_int_equal(st, STEPQ_OK);
+            char *file = slurp(path, &flen), *text;
+            assert_int_equal(stepq_map_write_buffer(map, &text, &wlen), STEPQ_OK);
+            if (wlen != flen || memcmp(text, file, flen))
+                print_error("%s: writing it back gives other bytes\n", path);
+            assert_int_equal(wlen, flen);
+            assert_memory_equal(text, file, flen);
+            stepq_free(text);
+            free(file);
+            stepq_map_close(map);
+            files++;
+        }
+        closedir(d);
+    }
+    closedir(top);
+    assert_true(files > 0);
+    print_message("%d calibrated maps checked\n", files);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(every_example_map_loads_with_the_expected_numbers),
         cmocka_unit_test(the_stepq_layout_example_is_the_paper_layout),
         cmocka_unit_test(the_schema_document_example_is_canonical),
+        cmocka_unit_test(every_calibrated_map_is_canonical),
     };
     if (argc != 3) {
         fprintf(stderr, "usage: %s CONFIG_EXAMPLES_DIR SCHEMA_MD\n", argv[0]);

@@ -770,9 +770,10 @@ static void huge_values_saturate_scales_and_are_flagged(void **state)
 }
 
 /*
- * The row-split knob (kernels/quant.h): the default is 0.5 and gives the same block as
- * before it existed; 1.0 normalises each row first, so a row 1/100 the size of the
- * others keeps its resolution (its error drops), and values outside (0, 1] are refused.
+ * The row split (kernels/quant.h): a layout starts at 0.5, which gives the same block as
+ * before the split existed; 1.0 normalises each row first, so a row 1/100 the size of the
+ * others keeps its resolution (its error drops). The override is unset by default, refuses
+ * values outside (0, 1] and, while set, wins over the layout's split.
  */
 static void row_split_one_keeps_a_small_rows_resolution(void **state)
 {
@@ -785,15 +786,13 @@ static void row_split_one_keeps_a_small_rows_resolution(void **state)
     struct head h, h1;
     head_init(&h, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, DK, DV, (const uint8_t[]){ 4, 4, 4, 4 });
     head_init(&h1, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, DK, DV, (const uint8_t[]){ 4, 4, 4, 4 });
-    assert_true(stepq__quant_row_split() == 0.5);
+    assert_true(h.hl.row_split == 0.5);
+    assert_true(stepq__quant_row_split() == 0.0);
+    assert_true(stepq__quant_row_split_of(&h.hl) == 0.5);
     quantize(&h, x, NULL);
-    assert_int_equal(stepq__quant_set_row_split(1.0), STEPQ_OK);
+    h1.hl.row_split = 1.0;
+    assert_true(stepq__quant_row_split_of(&h1.hl) == 1.0);
     quantize(&h1, x, NULL);
-    assert_int_equal(stepq__quant_set_row_split(0.0), STEPQ_EINVAL);
-    assert_int_equal(stepq__quant_set_row_split(1.5), STEPQ_EINVAL);
-    assert_int_equal(stepq__quant_set_row_split(NAN), STEPQ_EINVAL);
-    assert_true(stepq__quant_row_split() == 1.0);
-    assert_int_equal(stepq__quant_set_row_split(0.5), STEPQ_OK);
     double e_half = 0, e_one = 0;
     for (int j = 0; j < DV; j++) {
         double a = h.xh[3 * DV + j] - x[3 * DV + j], b = h1.xh[3 * DV + j] - x[3 * DV + j];
@@ -801,6 +800,65 @@ static void row_split_one_keeps_a_small_rows_resolution(void **state)
         e_one += b * b;
     }
     assert_true(e_one < 0.25 * e_half);
+
+    assert_int_equal(stepq__quant_set_row_split(0.0), STEPQ_EINVAL);
+    assert_int_equal(stepq__quant_set_row_split(1.5), STEPQ_EINVAL);
+    assert_int_equal(stepq__quant_set_row_split(NAN), STEPQ_EINVAL);
+    assert_true(stepq__quant_row_split() == 0.0);
+    assert_int_equal(stepq__quant_set_row_split(1.0), STEPQ_OK);
+    assert_true(stepq__quant_row_split() == 1.0);
+    assert_true(stepq__quant_row_split_of(&h.hl) == 1.0);
+    stepq__quant_clear_row_split();
+    assert_true(stepq__quant_row_split() == 0.0);
+    stepq__head_layout_free(&h.hl);
+    stepq__head_layout_free(&h1.hl);
+}
+
+/*
+ * A layout whose row split is 0.75 packs the same bytes as a layout of 0.5 under the
+ * override 0.75, and the override wins over a layout's split (0.5 over 0.75 gives the
+ * 0.5 block), for every dual-axis method, with pivots and row impact.
+ */
+static void a_layouts_row_split_is_the_overrides(void **state)
+{
+    (void)state;
+    enum { DK = 6, DV = 9 };
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ };
+    uint64_t rng = 11;
+    float x[DK * DV];
+    const float w[DK] = { 2.0f, 0.5f, 1.25f, 0.8f, 1.0f, 1.0f };
+
+    random_head(&rng, x, DK, DV);
+    for (int i = 0; i < DK; i++) /* rows of very different sizes, as KDA's */
+        for (int j = 0; j < DV; j++)
+            x[i * DV + j] *= powf(10.0f, -(float)i / 2);
+    for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+        const int stepq = methods[k] == STEPQ_METHOD_STEPQ;
+        const uint8_t bits[DK] = { 4, 4, 4, 4, 4, 4 };
+        const uint8_t mixed[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6, 4 };
+        const stepq_arch arch = stepq ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
+        const float *wk = methods[k] == STEPQ_METHOD_DSQ ? NULL : w;
+        struct head a, b, c;
+        head_init(&a, methods[k], arch, DK, DV, stepq ? mixed : bits);
+        head_init(&b, methods[k], arch, DK, DV, stepq ? mixed : bits);
+        head_init(&c, methods[k], arch, DK, DV, stepq ? mixed : bits);
+        a.hl.row_split = 0.75;
+        quantize(&a, x, wk);
+        assert_int_equal(stepq__quant_set_row_split(0.75), STEPQ_OK);
+        quantize(&b, x, wk);
+        stepq__quant_clear_row_split();
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        quantize(&c, x, wk); /* 0.5: another block */
+        assert_true(memcmp(a.blk, c.blk, a.hl.block_bytes) != 0);
+        assert_int_equal(stepq__quant_set_row_split(0.5), STEPQ_OK);
+        quantize(&a, x, wk);
+        stepq__quant_clear_row_split();
+        assert_memory_equal(a.blk, c.blk, a.hl.block_bytes);
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+        stepq__head_layout_free(&c.hl);
+    }
 }
 
 int main(void)
@@ -829,6 +887,7 @@ int main(void)
         cmocka_unit_test(fp8_zero_tiny_and_short_tiles),
         cmocka_unit_test(fp8_error_is_within_half_an_e4m3_ulp),
         cmocka_unit_test(row_split_one_keeps_a_small_rows_resolution),
+        cmocka_unit_test(a_layouts_row_split_is_the_overrides),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

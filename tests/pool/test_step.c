@@ -17,10 +17,16 @@
 
 #include "kernels/dsp.h"
 #include "kernels/format.h"
+#include "kernels/quant.h"
 #include "plugin/err.h"
 #include "pool/internal.h"
 #include "stepq/stepq.h"
 #include "tests/config/fixtures.h"
+
+#include "stepq_config.h"
+#if STEPQ_HAVE_CUDA
+#include "kernels/cuda/cuda.h"
+#endif
 
 #define SLOTS 6
 #define BATCH 4
@@ -95,7 +101,8 @@ static void fill_inputs(struct fixture *f, unsigned long long seed)
         f->dense[i] = (float)(fx_rand(&s) * 2 - 1);
 }
 
-static void fixture_open(struct fixture *f, stepq_arch arch, stepq_method m)
+/* A fixture whose map has the row split `split` (map field row_split) before its pool opens. */
+static void fixture_open_split(struct fixture *f, stepq_arch arch, stepq_method m, double split)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
     stepq_model_shape sh;
@@ -103,6 +110,7 @@ static void fixture_open(struct fixture *f, stepq_arch arch, stepq_method m)
     memset(f, 0, sizeof(*f));
     f->arch = arch;
     f->map = make_map(arch, m);
+    assert_int_equal(stepq_map_set_row_split(f->map, split), STEPQ_OK);
     assert_int_equal(stepq_map_shape(f->map, &sh), STEPQ_OK);
     f->H = sh.num_k_heads;
     f->HV = sh.num_v_heads;
@@ -132,6 +140,11 @@ static void fixture_open(struct fixture *f, stepq_arch arch, stepq_method m)
     f->dt_bias = falloc((size_t)f->HV * gk);
     f->dense = falloc((size_t)BATCH * f->HV * f->K * f->V);
     fill_inputs(f, 7);
+}
+
+static void fixture_open(struct fixture *f, stepq_arch arch, stepq_method m)
+{
+    fixture_open_split(f, arch, m, 0.5);
 }
 
 static void fixture_close(struct fixture *f)
@@ -662,6 +675,81 @@ static void a_rank_conv_view_has_its_channels(void **state)
     stepq_map_close(map);
 }
 
+/*
+ * The map's row split is the host pool's fit, end to end: a pack and a decode step through
+ * a pool whose map says row_split 0.75 write the pages that the same map at 0.5 writes
+ * under the analysis override 0.75 (kernels/quant.h), and other pages than it writes
+ * without; dsq and stepq, GDN and KDA. The host backend serves the split.
+ */
+static void test_map_row_split_is_the_host_pools_fit(void **state)
+{
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_STEPQ };
+
+    for (int arch = 0; arch < 2; arch++) {
+        for (size_t k = 0; k < 2; k++) {
+            struct fixture a, b;
+            size_t n;
+            fixture_open_split(&a, (stepq_arch)arch, methods[k], 0.75);
+            fixture_open(&b, (stepq_arch)arch, methods[k]);
+            assert_true(stepq__pool_resolve(a.pool)->layout.heads[0].row_split == 0.75);
+            assert_true(stepq__pool_resolve(b.pool)->layout.heads[0].row_split == 0.5);
+            stepq_prefill_args pa = prefill_args(&a, a.ids, BATCH, a.dense);
+            stepq_prefill_args pb = prefill_args(&b, b.ids, BATCH, b.dense);
+            assert_int_equal(stepq_pool_supports(a.pool, STEPQ_OP_PREFILL_PACK, -1, &pa), STEPQ_OK);
+            for (int layer = 0; layer < a.L; layer++)
+                assert_int_equal(stepq_pool_prefill_pack(a.pool, layer, &pa, NULL), STEPQ_OK);
+            for (int layer = 0; layer < b.L; layer++) /* 0.5: other pages */
+                assert_int_equal(stepq_pool_prefill_pack(b.pool, layer, &pb, NULL), STEPQ_OK);
+            const uint8_t *pg_a = pages_of(&a, &n), *pg_b = pages_of(&b, &n);
+            assert_true(memcmp(pg_a, pg_b, n) != 0);
+            assert_int_equal(stepq__quant_set_row_split(0.75), STEPQ_OK);
+            for (int layer = 0; layer < b.L; layer++)
+                assert_int_equal(stepq_pool_prefill_pack(b.pool, layer, &pb, NULL), STEPQ_OK);
+            assert_memory_equal(pg_a, pg_b, n);
+            for (int layer = 0; layer < a.L; layer++) {
+                stepq_step_args sa = step_args(&a, a.ids, BATCH), sb = step_args(&b, b.ids, BATCH);
+                fill_inputs(&a, 200 + layer);
+                fill_inputs(&b, 200 + layer);
+                stepq__quant_clear_row_split();
+                assert_int_equal(stepq_pool_decode_step(a.pool, layer, &sa, NULL), STEPQ_OK);
+                assert_int_equal(stepq__quant_set_row_split(0.75), STEPQ_OK);
+                assert_int_equal(stepq_pool_decode_step(b.pool, layer, &sb, NULL), STEPQ_OK);
+                assert_memory_equal(a.o, b.o, sizeof(float) * BATCH * a.HV * a.V);
+            }
+            stepq__quant_clear_row_split();
+            assert_memory_equal(pg_a, pg_b, n);
+            fixture_close(&a);
+            fixture_close(&b);
+        }
+    }
+}
+
+/*
+ * The CUDA kernels fit with the row split 0.5 only: their layer prepare refuses a layer
+ * whose heads carry another split with STEPQ_ENOTSUP, a message naming row_split and the
+ * value, before any CUDA call (so this runs on machines without a device), and leaves
+ * *out NULL. (A CUDA pool on such a map: tests/pool/test_step_cuda.c.)
+ */
+static void test_cuda_prepare_refuses_another_row_split(void **state)
+{
+#if STEPQ_HAVE_CUDA
+    for (int arch = 0; arch < 2; arch++) {
+        struct fixture f;
+        struct stepq__packed_layer pl;
+        stepq__cuda_layer *L = (stepq__cuda_layer *)&f;
+        fixture_open_split(&f, (stepq_arch)arch, STEPQ_METHOD_STEPQ, 0.75);
+        stepq__pool_packed_layer(stepq__pool_resolve(f.pool), 1, &pl);
+        assert_int_equal(stepq__cuda_layer_prepare(&pl, &L), STEPQ_ENOTSUP);
+        assert_null(L);
+        assert_non_null(strstr(stepq_last_error(), "row_split is 0.75"));
+        assert_non_null(strstr(stepq_last_error(), "row_split 0.5 only"));
+        fixture_close(&f);
+    }
+#else
+    skip();
+#endif
+}
+
 /* --- bad input: status, a message naming the argument, nothing changed ------ */
 
 struct bad_case {
@@ -842,6 +930,8 @@ int main(void)
         cmocka_unit_test(test_step_padding_pad_and_repeated_sentinel),
         cmocka_unit_test(test_step_bf16_strided_equals_fp32),
         cmocka_unit_test(test_supports_host_and_conv_view),
+        cmocka_unit_test(test_map_row_split_is_the_host_pools_fit),
+        cmocka_unit_test(test_cuda_prepare_refuses_another_row_split),
         cmocka_unit_test(test_step_bad_arguments_change_nothing),
         cmocka_unit_test(test_step_gdn_fp8),
         cmocka_unit_test(test_step_kda_fp8_in_kernel_gate),

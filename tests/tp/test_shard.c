@@ -488,6 +488,33 @@ static void kda_pivots_are_renumbered_per_rank(void **state)
     stepq_map_close(map);
 }
 
+/* Every rank's slice keeps the map's row split (a property of the fit, not of a head). */
+static void every_slice_keeps_the_row_split(void **state)
+{
+    stepq_model_shape s = toy(4, 4);
+    stepq_map_t *map = NULL, *shard = NULL;
+    char *a, *b;
+    size_t la, lb;
+
+    assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_STEPQ, 6, &map), STEPQ_OK);
+    assert_int_equal(stepq_map_set_row_split(map, 0.75), STEPQ_OK);
+    for (int tp = 1; tp <= 4; tp *= 2)
+        for (int r = 0; r < tp; r++) {
+            assert_int_equal(stepq_map_shard(map, tp, r, &shard), STEPQ_OK);
+            assert_true(stepq_map_row_split(shard) == 0.75);
+            if (tp == 1) {
+                assert_int_equal(stepq_map_write_buffer(map, &a, &la), STEPQ_OK);
+                assert_int_equal(stepq_map_write_buffer(shard, &b, &lb), STEPQ_OK);
+                assert_int_equal(la, lb);
+                assert_memory_equal(a, b, la);
+                stepq_free(a);
+                stepq_free(b);
+            }
+            stepq_map_close(shard);
+        }
+    stepq_map_close(map);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -498,6 +525,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(the_padded_page_matches_a_hand_computation),
         cmocka_unit_test(a_slice_over_the_budget_takes_what_it_spends),
         cmocka_unit_test(kda_pivots_are_renumbered_per_rank),
+        cmocka_unit_test(every_slice_keeps_the_row_split),
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s REPOSITORY_ROOT\n", argv[0]);

@@ -52,9 +52,10 @@ def parse_args(argv=None):
     p.add_argument("--group", type=int, default=0,
                    help="methods per batched run besides fp32 (0: all in one batch)")
     p.add_argument("--row-split", type=float, default=None,
-                   help="analysis: the C reference's dual-axis row-scale exponent in (0, 1] "
-                        "(default 0.5, the maps' and the CUDA kernels'; kernels/quant.h); "
-                        "needs --backend cpu")
+                   help="analysis: the dual-axis fits (dsq, spatial, stepq) of the C reference "
+                        "use this row split in (0, 1] in place of each map's row_split "
+                        "(default: the map's, 0.5 unless it says otherwise; kernels/quant.h); "
+                        "needs --backend cpu (the CUDA kernels fit with 0.5 only)")
     a = p.parse_args(argv)
     if a.row_split is not None:
         if not 0.0 < a.row_split <= 1.0:
@@ -173,6 +174,12 @@ class Shim:
         L.stepq_shim_cuda_open.restype = i
         L.stepq_shim_cuda_roundtrip.argtypes = [vp, i, vp, i, vp]
         L.stepq_shim_cuda_roundtrip.restype = i
+        L.stepq_shim_set_row_split.argtypes = [ctypes.c_double]
+        L.stepq_shim_set_row_split.restype = i
+        L.stepq_shim_clear_row_split.argtypes = []
+        L.stepq_shim_clear_row_split.restype = None
+        L.stepq_shim_row_split.argtypes = [vp, ctypes.POINTER(ctypes.c_double)]
+        L.stepq_shim_row_split.restype = i
         self.threads = threads
         self.shapes = {}  # handle value -> (HV, K, V)
         self.nlayers = {}  # handle value -> recurrent layers in the map
@@ -202,6 +209,14 @@ class Shim:
         self.close(h)
         if rc < 0:
             raise SystemExit("nll_eval: %s: %s" % (map_path, self.err()))
+        return d.value
+
+    def row_split(self, h):
+        """The row split the host roundtrip fits the map's dual-axis heads with: the
+        --row-split override when set, else the map's row_split (0.5 by default)."""
+        d = ctypes.c_double()
+        if self.lib.stepq_shim_row_split(h, ctypes.byref(d)) < 0:
+            raise SystemExit("nll_eval: %s" % self.err())
         return d.value
 
     def close(self, h):
@@ -244,6 +259,51 @@ class Shim:
             raise SystemExit("nll_eval: roundtrip: %s" % self.err())
 
 
+def row_split_check(shim, maps, rng):
+    """A map's row_split is the host roundtrip's fit: the stepq@6 map rewritten with
+    "row_split": 0.75 stores what the original stores under the override 0.75, and not
+    what it stores without; the CUDA path refuses the 0.75 map (or is absent)."""
+    import tempfile
+    import numpy as np
+    path = maps.get("stepq@6")
+    if path is None:
+        return
+    with open(path) as f:
+        text = f.read()
+    assert '"row_split"' not in text
+    text = text.replace('"budget_bits": 6,', '"budget_bits": 6,\n  "row_split": 0.75,', 1)
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        f.write(text)
+    try:
+        h50, h75 = shim.open(path), shim.open(f.name)
+        assert shim.row_split(h50) == 0.5 and shim.row_split(h75) == 0.75
+        shape = shim.shape(h50)
+        x = (rng.standard_normal((2,) + shape) * np.exp(rng.standard_normal((2, shape[0], shape[1], 1)))
+             * 0.1).astype(np.float32)
+        y50, y75, yo = (np.ascontiguousarray(x.copy()) for _ in range(3))
+        shim.roundtrip(h50, 0, y50)
+        shim.roundtrip(h75, 0, y75)
+        assert not np.array_equal(y50, y75)
+        if shim.lib.stepq_shim_set_row_split(0.75) != 0:
+            raise SystemExit("nll_eval: self-test: stepq_shim_set_row_split: %s" % shim.err())
+        try:
+            assert shim.row_split(h50) == 0.75
+            shim.roundtrip(h50, 0, yo)
+        finally:
+            shim.lib.stepq_shim_clear_row_split()
+        assert np.array_equal(yo, y75)
+        assert shim.row_split(h50) == 0.5
+        rc = shim.lib.stepq_shim_cuda_open(h75, 2)
+        assert rc < 0, "the CUDA path took a map of row_split 0.75"
+        e = shim.err()  # the refusal, or no CUDA here at all
+        assert "row_split is 0.75" in e or "no CUDA device" in e or "without CUDA" in e, e
+        print("self-test: row_split 0.75 map = its map under the override; CUDA path: %s" % shim.err())
+        shim.close(h50)
+        shim.close(h75)
+    finally:
+        os.unlink(f.name)
+
+
 def self_test(a):
     """The parts that need no torch: the shim's entry points and checks, the maps, the accounting."""
     import glob
@@ -271,6 +331,7 @@ def self_test(a):
         ids = md["recurrent_layers"]
         h = shim.open(path)
         assert shim.shape(h) == shape, (shim.shape(h), shape)
+        assert shim.row_split(h) == m.get("row_split", 0.5), (name, shim.row_split(h))
         assert shim.map_layers(h) == len(ids)
         assert [shim.layer_index(h, L) for L in ids] == list(range(len(ids)))
         non = [L for L in range(max(ids) + 2) if L not in ids]
@@ -318,6 +379,7 @@ def self_test(a):
     u = [errs.get("uniform@%d" % b) for b in (4, 6, 8)]
     if None not in u:
         assert u[0] > u[1] > u[2], u
+    row_split_check(shim, dict(specs), rng)
     print("self-test: OK")
     return 0
 
@@ -385,8 +447,6 @@ def main(argv=None):
 
     shim = Shim(a.shim, a.threads)
     if a.row_split is not None:
-        shim.lib.stepq_shim_set_row_split.argtypes = [ctypes.c_double]
-        shim.lib.stepq_shim_set_row_split.restype = ctypes.c_int
         if shim.lib.stepq_shim_set_row_split(a.row_split) != 0:
             raise SystemExit("nll_eval: --row-split: " + shim.err())
     try:
@@ -396,6 +456,7 @@ def main(argv=None):
     model_state_shape = (HV, K, V)
     lin_layers = sorted(m.layer_idx for m in layers)
     backend_used = {}
+    row_splits = {}  # map methods -> the row split of their host fit (0.5 without a dual-axis fit)
     methods = [("fp32", None)] + ([] if a.no_bf16 else [("bf16", None)])
     for spec in a.map:
         name, _, path = spec.partition("=")
@@ -423,6 +484,7 @@ def main(argv=None):
             raise SystemExit("nll_eval: %s: map has %d recurrent layers, model %d"
                              % (path, shim.map_layers(h), len(lin_layers)))
         lidx = {L: shim.layer_index(h, L) for L in lin_layers}
+        row_splits[name] = shim.row_split(h)
         bufs = {}
         use_cuda = False
         if a.backend != "cpu" and a.device.startswith("cuda"):
@@ -591,7 +653,7 @@ def main(argv=None):
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
             "torch": torch.__version__, "transformers": transformers.__version__, "backend": backend_used,
             "decode_vs_full_fp32": decode_vs_full, "notes": notes,
-            "row_split": 0.5 if a.row_split is None else a.row_split}
+            "row_split_override": a.row_split, "row_splits": row_splits}
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "results": table}, f, indent=1)

@@ -215,6 +215,26 @@ STEPQ_API int stepq_map_set_unit_bits(stepq_map_t *map, int layer, int unit, int
  */
 STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, const float *w);
 
+/**
+ * Sets the row split alpha of the dual-axis fit (dsq, spatial, stepq; the
+ * map field `row_split`, config/SCHEMA.md): before the column scales are
+ * fitted, key row i of a head is divided by r_i = max_j |x_ij|^alpha /
+ * sqrt(w_i) (w_i its row impact, 1 for dsq). 0.5, every map's default, is
+ * the paper's balanced split, r_i = sqrt(max_j |x_ij| / w_i); a larger alpha
+ * gives rows much smaller than the head's largest more of their code range
+ * (KDA, whose key rows decay at their own rates: tools/CALIBRATION.md). The
+ * split decides the codes and scales a pack writes, not how a block decodes,
+ * so it is part of the map's fingerprint (when not 0.5) but not of the page
+ * layout. The CUDA kernels implement 0.5 only: a CUDA pool on a map with
+ * another split refuses its data path with STEPQ_ENOTSUP (see
+ * stepq_pool_supports()); the host backend serves every split.
+ *
+ * @return STEPQ_OK; STEPQ_ENONFINITE (NaN, Inf) or STEPQ_ERANGE (outside
+ *         (0, 1]); STEPQ_EINVAL for a value other than 0.5 on a map whose
+ *         method has no column scales. The map is unchanged on failure.
+ */
+STEPQ_API int stepq_map_set_row_split(stepq_map_t *map, double alpha);
+
 /** Per-unit calibration statistics (what the calibrator measured for a unit). */
 typedef struct stepq_unit_stats {
     double log_retention; /**< l_u = E[log retention] (<= 0) */
@@ -286,6 +306,12 @@ STEPQ_API int stepq_map_shape(const stepq_map_t *map, stepq_model_shape *shape);
 STEPQ_API stepq_method stepq_map_method(const stepq_map_t *map);
 /** The nominal bits per value (0 for a NULL map). */
 STEPQ_API double stepq_map_budget_bits(const stepq_map_t *map);
+/**
+ * The row split of the dual-axis fit (stepq_map_set_row_split()): 0.5 unless
+ * the map's `row_split` says otherwise (always 0.5 for methods without column
+ * scales); 0 for a NULL or closed map.
+ */
+STEPQ_API double stepq_map_row_split(const stepq_map_t *map);
 /** Model name, or "" when the map has none. */
 STEPQ_API const char *stepq_map_model_name(const stepq_map_t *map);
 /** Index (0..n_layers-1) of a model layer id; STEPQ_ENOENT when it is not recurrent. */
@@ -329,10 +355,11 @@ STEPQ_API int stepq_map_provenance_candidates(const stepq_map_t *map, int *bits,
 /**
  * A 64-bit fingerprint of everything that decides the stored bytes and their
  * reconstruction: shape (conv state included), method, budget, unit widths,
- * row impact. Calibration statistics, provenance and the model name are not
- * included. Two maps with the same fingerprint produce the same pages
- * (tensor-parallel ranks compare it when a pool opens). The value does not
- * depend on the platform.
+ * row impact, and the row split when it is not 0.5 (so the fingerprints of
+ * maps without a `row_split` field are what they were before it). Calibration statistics,
+ * provenance and the model name are not included. Two maps with the same fingerprint produce the
+ * same pages (tensor-parallel ranks compare it when a pool opens). The value does not depend on the
+ * platform.
  */
 STEPQ_API int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out);
 

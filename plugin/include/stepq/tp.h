@@ -72,7 +72,8 @@ STEPQ_API int stepq_tp_shard(const stepq_model_shape *shape, int tp_size, int tp
  * valid map of its own: the shape of stepq_tp_shard() (H / tp q/k heads,
  * HV / tp value heads, the rank's conv state), each local head's widths,
  * row-impact factors and statistics, pivots renumbered to local head ids
- * (KDA: [local head, row]), and the map's method, name and provenance.
+ * (KDA: [local head, row]), and the map's method, row split, name and
+ * provenance.
  *
  * Budget: the budget rule (config/SCHEMA.md) bounds the whole model, and
  * the calibrator spends it globally, so one rank's slice may use more than

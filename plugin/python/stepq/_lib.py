@@ -354,6 +354,7 @@ _SIGNATURES = {
     "stepq_map_shape": (c_int, [c_void_p, _P(ModelShape)]),
     "stepq_map_method": (c_enum, [c_void_p]),
     "stepq_map_budget_bits": (c_double, [c_void_p]),
+    "stepq_map_row_split": (c_double, [c_void_p]),
     "stepq_map_model_name": (c_char_p, [c_void_p]),
     "stepq_map_layer_index": (c_int, [c_void_p, c_int]),
     "stepq_map_units_per_layer": (c_int, [c_void_p]),

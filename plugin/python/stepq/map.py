@@ -20,7 +20,9 @@ class Map:
     ("gdn" | "kda"), ``n_layers``, ``layer_ids``, ``num_k_heads`` (H),
     ``num_v_heads`` (HV), ``head_k_dim`` (K), ``head_v_dim`` (V),
     ``conv_shape`` (tuple), ``conv_dtype`` ("bf16", ...); and ``method``,
-    ``budget_bits``, ``model_name``.
+    ``budget_bits``, ``row_split`` (the dual-axis fit's row split: 0.5 unless
+    the map's ``row_split`` field says otherwise; the CUDA kernels serve 0.5
+    only), ``model_name``.
     """
 
     def __init__(self, handle, path=None):
@@ -38,6 +40,7 @@ class Map:
         self.conv_dtype = _lib._text(lib.stepq_dtype_name(sh.conv_dtype))
         self.method = _lib._text(lib.stepq_method_name(lib.stepq_map_method(self._h)))
         self.budget_bits = lib.stepq_map_budget_bits(self._h)
+        self.row_split = lib.stepq_map_row_split(self._h)
         self.model_name = _lib._text(lib.stepq_map_model_name(self._h))
 
     @property

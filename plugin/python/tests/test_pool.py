@@ -307,6 +307,23 @@ def test_load_map_errors_name_the_status_and_the_path():
         m.layer_index(0)
 
 
+def test_row_split_is_read_from_the_map_and_served_on_the_host():
+    with stepq.load_map(GDN6) as m:
+        assert m.row_split == 0.5
+        text = m.to_json()
+        assert '"row_split"' not in text
+        f = m.fingerprint()
+    text = text.replace('"budget_bits": 6,', '"budget_bits": 6,\n  "row_split": 0.75,', 1)
+    with stepq.load_map_buffer(text) as m:
+        assert m.row_split == 0.75 and m.fingerprint() != f
+        assert '"row_split": 0.75' in m.to_json()
+        pool = stepq.StatePool(m, size=2)
+        assert pool.supports("pack") == (True, "") and pool.supports("decode") == (True, "")
+        pool.close()
+    with raises(stepq.StepqError, name="STEPQ_ERANGE", match="row_split"):
+        stepq.load_map_buffer(text.replace('"row_split": 0.75', '"row_split": 0'))
+
+
 def test_concurrent_alloc_and_free_never_share_a_slot():
     pool = _pool(16)
     held, errors = [], []
