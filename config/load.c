@@ -1084,7 +1084,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
         goto done;
     old = push_key(&c, "method");
     st = get_enum(&c, f[R_METHOD], parse_method,
-                  "fp32, bf16, fp16, uniform, dsq, spatial, temporal, stepq", &v);
+                  "fp32, bf16, fp16, fp8, uniform, dsq, spatial, temporal, stepq", &v);
     pop(&c, old);
     if (st < 0)
         goto done;

@@ -385,7 +385,7 @@ int stepq_tool_calibrate(int argc, char **argv)
             if (stepq_method_from_name(v, &o.method) < 0) {
                 fprintf(stderr,
                         "stepq calibrate: --method %s: expected uniform, dsq, spatial, "
-                        "temporal, stepq (or fp32, bf16, fp16)\n",
+                        "temporal, stepq (or fp32, bf16, fp16, fp8)\n",
                         v);
                 return 2;
             }
