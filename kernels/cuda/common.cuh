@@ -35,7 +35,24 @@ struct sq_head_desc {
     uint8_t bits[SQ_D];      /* 2..8 or 16 (pivot); 0 for dense methods */
     uint16_t row_off[SQ_D];  /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
     float w[SQ_D];           /* row impact used by the fit (1 when unused) */
+    double row_split;        /* the dual-axis fit's row split (map field row_split; 0.5 default) */
 };
+
+/*
+ * The dual-axis fit's row scale of a row with absmax m and row impact w, as
+ * kernels/quant.c fit_dual computes it: sqrt(m / w) at the default split 0.5,
+ * else m^split / sqrt(w) in double precision. The other split is a call out
+ * of line, so the default path keeps its registers.
+ */
+__device__ __noinline__ float sq_row_scale_split(float m, float w, double split)
+{
+    return (float)(pow((double)m, split) / sqrt((double)w));
+}
+
+__device__ __forceinline__ float sq_dual_row_scale(float m, float w, double split)
+{
+    return split == 0.5 ? sqrtf(m / w) : sq_row_scale_split(m, w, split);
+}
 
 /*
  * The recurrence inputs (device pointers). q, k, v, g, beta and o are fp32

@@ -500,7 +500,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             if (b != STEPQ_BITS_PIVOT) {
                 float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
                                 fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
-                float s = dual ? sqrtf(m / hd->w[t]) : m;
+                float s = dual ? sq_dual_row_scale(m, hd->w[t], hd->row_split) : m;
                 if (s > STEPQ__SCALE_MAX)
                     fl |= STEPQ_HEALTH_SATURATED;
                 h = sq_scale_h(s);

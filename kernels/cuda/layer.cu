@@ -95,12 +95,6 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         const struct stepq__head_layout *hl = &pl->heads[hv];
         if (!hl->row_bitoff || !hl->row_bits)
             return stepq__error(STEPQ_EINVAL, "%s: head %d layout is not initialised", who, hv);
-        /* The kernels' dual-axis fit is sqrtf(m / w): the map's other splits are the host's. */
-        if (method_is_dual(hl->method) && hl->row_split != 0.5)
-            return stepq__error(STEPQ_ENOTSUP,
-                                "%s: head %d: the map's row_split is %g; the CUDA kernels fit with "
-                                "row_split 0.5 only (the host backend serves other splits)",
-                                who, hv, hl->row_split);
         if (hl->d_k != SQ_D || hl->d_v != SQ_D)
             return stepq__error(STEPQ_ENOTSUP,
                                 "%s: head %d is %dx%d; the CUDA kernels support 128x128 heads only",
@@ -119,6 +113,7 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         h->quantized = (uint8_t)hl->quantized;
         h->has_col = (uint8_t)hl->has_col;
         h->dual = (uint8_t)method_is_dual(hl->method);
+        h->row_split = hl->row_split;
         h->any_int = hl->n_pivot_rows < SQ_D;
         int use_w = pl->row_impact && stepq__method_uses_row_impact(hl->method);
         for (int i = 0; i < SQ_D; i++) {

@@ -1202,7 +1202,7 @@ __device__ __forceinline__ void sq_tile_fit_rows(const float (&m)[8], const sq_h
         uint16_t h = 0;
         if (b != STEPQ_BITS_PIVOT) {
             const float wi = hd->w[i];
-            float s = dual ? sqrtf(mr / wi) : mr;
+            float s = dual ? sq_dual_row_scale(mr, wi, hd->row_split) : mr;
             if (s > STEPQ__SCALE_MAX) {
                 fl |= STEPQ_HEALTH_SATURATED;
                 sm.sat = 1;

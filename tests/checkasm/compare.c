@@ -540,11 +540,14 @@ int ca_transfer_check(const struct fx_transfer *p, const char *verb, const char 
             snprintf(w, sizeof(w), "%s",
                      p->arch == STEPQ_ARCH_GDN ? " mixed+pivot head" : " mixed rows+pivots");
     }
+    char rs[32] = "";
+    if (p->row_split > 0)
+        snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "%s %s %s%s HV=%d n=%d %s %s %s%s%s", verb, stepq_arch_name(p->arch),
+        "%s %s %s%s HV=%d n=%d %s %s %s%s%s%s", verb, stepq_arch_name(p->arch),
         stepq_method_name(p->method), w, p->HV, p->n, prep, stepq_dtype_name(p->dtype),
         p->layout == STEPQ_STATE_LAYOUT_KV ? "[K,V]" : "[V,K]",
-        p->wild_ids ? " cuda ids outside 0..slots" : "", p->column ? " column kernel" : "");
+        p->wild_ids ? " cuda ids outside 0..slots" : "", p->column ? " column kernel" : "", rs);
 }
 
 int ca_expect_refused_entry(int got, int want, const char *who, const char *what)

@@ -41,6 +41,7 @@ struct params {
     int huge;      /* HUGE_AMP states */
     int wild_ids;  /* the CUDA side's padding entries are ids outside 0..slots instead of -1 */
     enum via via;
+    double row_split; /* the map's row_split; 0: 0.5 */
 };
 
 /* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
@@ -57,16 +58,19 @@ static const char *width_name(stepq_arch arch, stepq_method m, int bits, char *b
 
 static int start(const struct params *p)
 {
-    char w[32];
+    char w[32], rs[32] = "";
+    if (p->row_split > 0)
+        snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s", stepq_arch_name(p->arch),
+        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
         stepq_method_name(p->method), width_name(p->arch, p->method, p->bits, w, sizeof(w)), p->H,
         p->HV, p->batch, p->gate ? " in-kernel gate" : "", p->nonfinite ? " NaN in q" : "",
         p->view ? " bf16 strided" : "", p->huge ? " huge state" : "",
         p->wild_ids ? " cuda ids outside 0..slots" : "",
         p->via == VIA_TWO_STAGE ? " two-stage"
         : p->via == VIA_COLUMN  ? " column kernel"
-                                : "");
+                                : "",
+        rs);
 }
 
 /* The CUDA call of a check, also what bench_new times. */
@@ -117,6 +121,7 @@ static int run(const struct params *p)
         .HV = p->HV,
         .w_lo = 0.5f,
         .w_hi = 2.0f,
+        .row_split = p->row_split,
     };
     struct fx_rng *rng = checkasm_rng();
     struct fx_pools fx = { 0 };
@@ -729,6 +734,18 @@ void checkasm_check_decode(void)
         .arch = K, .method = STEPQ_METHOD_DSQ, .bits = 5, .H = 1, .HV = 2, .batch = B, .gate = 1 });
     one((struct params){
         .arch = K, .method = STEPQ_METHOD_FP32, .H = 2, .HV = 2, .batch = B, .gate = 1 });
+    /* the map's row split (row_split) in the dual-axis fit of the step */
+    one((struct params){
+        .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .row_split = 0.75 });
+    one((struct params){ .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .row_split = 0.6 });
+    one((struct params){ .arch = G,
+                         .method = STEPQ_METHOD_DSQ,
+                         .bits = 4,
+                         .H = 2,
+                         .HV = 4,
+                         .batch = B,
+                         .row_split = 0.75,
+                         .via = VIA_TWO_STAGE });
     /* bf16 pages step on the dense tile kernel (kernels/cuda/layer.cu): KDA, NaN, views */
     one((struct params){
         .arch = K, .method = STEPQ_METHOD_BF16, .H = 2, .HV = 2, .batch = B, .gate = 1 });

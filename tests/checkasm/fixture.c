@@ -240,6 +240,8 @@ int fx_map_create(const struct fx_map_spec *spec, struct fx_rng *rng, stepq_map_
                     goto fail;
             }
     }
+    if (spec->row_split > 0 && (ret = stepq_map_set_row_split(map, spec->row_split)) < 0)
+        goto fail;
     *out = map;
     return STEPQ_OK;
 fail:
@@ -757,6 +759,15 @@ void fx_transfer_cases(int small, void (*one)(struct fx_transfer))
                                   .n = 3,
                                   .layout = STEPQ_STATE_LAYOUT_VK,
                                   .dtype = STEPQ_DTYPE_BF16 });
+    /* the map's row split (row_split) in the dual-axis fit: GDN stepq, KDA stepq rows */
+    one((struct fx_transfer){ .arch = G, .method = SQ, .HV = 4, .n = 4, .row_split = 0.75 });
+    one((struct fx_transfer){ .arch = K,
+                              .method = SQ,
+                              .HV = 2,
+                              .n = 4,
+                              .layout = STEPQ_STATE_LAYOUT_VK,
+                              .dtype = STEPQ_DTYPE_BF16,
+                              .row_split = 0.6 });
     /* an fp32 layer: the column kernel, which the pool's handle picks for dense pages */
     one((struct fx_transfer){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
     /*

@@ -88,6 +88,8 @@ struct fx_map_spec {
     int n_layers;
     /** Row impact drawn uniformly from [w_lo, w_hi], then divided by its geometric mean (1). */
     float w_lo, w_hi;
+    /** The map field row_split (dual-axis methods); 0: the default 0.5. */
+    double row_split;
 };
 
 /** Builds spec's map (*out owns it). rng draws the mixed widths and the row impact. */
@@ -212,8 +214,9 @@ struct fx_transfer {
     int HV, n;
     stepq_state_layout layout;
     stepq_dtype dtype;
-    int column;   /* the entry on a STEPQ__CUDA_COLUMN handle instead of the pool */
-    int wild_ids; /* the CUDA side's skipped entries are ids outside 0..slots instead of -1 */
+    int column;       /* the entry on a STEPQ__CUDA_COLUMN handle instead of the pool */
+    int wild_ids;     /* the CUDA side's skipped entries are ids outside 0..slots instead of -1 */
+    double row_split; /* the map's row_split (fx_map_spec); 0: 0.5 */
 };
 
 /** Calls one for every configuration the pack and unpack checks share (fewer when small:

@@ -111,6 +111,7 @@ static int run(const struct params *p)
         .HV = p->HV,
         .w_lo = 0.5f,
         .w_hi = 2.0f,
+        .row_split = p->row_split,
     };
     const int bf16 = p->dtype == STEPQ_DTYPE_BF16;
     /* [V,K] bf16 with an odd stride takes the scalar path, the others the vector path */

@@ -724,32 +724,6 @@ static void test_map_row_split_is_the_host_pools_fit(void **state)
     }
 }
 
-/*
- * The CUDA kernels fit with the row split 0.5 only: their layer prepare refuses a layer
- * whose heads carry another split with STEPQ_ENOTSUP, a message naming row_split and the
- * value, before any CUDA call (so this runs on machines without a device), and leaves
- * *out NULL. (A CUDA pool on such a map: tests/pool/test_step_cuda.c.)
- */
-static void test_cuda_prepare_refuses_another_row_split(void **state)
-{
-#if STEPQ_HAVE_CUDA
-    for (int arch = 0; arch < 2; arch++) {
-        struct fixture f;
-        struct stepq__packed_layer pl;
-        stepq__cuda_layer *L = (stepq__cuda_layer *)&f;
-        fixture_open_split(&f, (stepq_arch)arch, STEPQ_METHOD_STEPQ, 0.75);
-        stepq__pool_packed_layer(stepq__pool_resolve(f.pool), 1, &pl);
-        assert_int_equal(stepq__cuda_layer_prepare(&pl, &L), STEPQ_ENOTSUP);
-        assert_null(L);
-        assert_non_null(strstr(stepq_last_error(), "row_split is 0.75"));
-        assert_non_null(strstr(stepq_last_error(), "row_split 0.5 only"));
-        fixture_close(&f);
-    }
-#else
-    skip();
-#endif
-}
-
 /* --- bad input: status, a message naming the argument, nothing changed ------ */
 
 struct bad_case {
@@ -931,7 +905,6 @@ int main(void)
         cmocka_unit_test(test_step_bf16_strided_equals_fp32),
         cmocka_unit_test(test_supports_host_and_conv_view),
         cmocka_unit_test(test_map_row_split_is_the_host_pools_fit),
-        cmocka_unit_test(test_cuda_prepare_refuses_another_row_split),
         cmocka_unit_test(test_step_bad_arguments_change_nothing),
         cmocka_unit_test(test_step_gdn_fp8),
         cmocka_unit_test(test_step_kda_fp8_in_kernel_gate),

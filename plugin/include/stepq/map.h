@@ -225,9 +225,7 @@ STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, co
  * (KDA, whose key rows decay at their own rates: tools/CALIBRATION.md). The
  * split decides the codes and scales a pack writes, not how a block decodes,
  * so it is part of the map's fingerprint (when not 0.5) but not of the page
- * layout. The CUDA kernels implement 0.5 only: a CUDA pool on a map with
- * another split refuses its data path with STEPQ_ENOTSUP (see
- * stepq_pool_supports()); the host backend serves every split.
+ * layout. Both backends fit with the map's split.
  *
  * @return STEPQ_OK; STEPQ_ENONFINITE (NaN, Inf) or STEPQ_ERANGE (outside
  *         (0, 1]); STEPQ_EINVAL for a value other than 0.5 on a map whose

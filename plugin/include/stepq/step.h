@@ -249,14 +249,11 @@ typedef enum stepq_op {
  * slot pointers of args are not looked at (they may be NULL). A server asks
  * once at load time instead of failing at its first step.
  *
- * The CUDA backend runs 128x128 heads and the row split 0.5 only (a map
- * whose `row_split` is another value opens a CUDA pool whose data path is
- * refused, every op and layer; the host backend serves it).
+ * The CUDA backend runs 128x128 heads only.
  *
  * @return STEPQ_OK when supported; STEPQ_ENOTSUP with the reason in
  *         stepq_pool_last_error() (e.g. "cuda backend: head 64x64; the
- *         kernels support 128x128", or "... the map's row_split is 0.75;
- *         the CUDA kernels fit with row_split 0.5 only ..."); STEPQ_EINVAL / STEPQ_ESHAPE /
+ *         kernels support 128x128"); STEPQ_EINVAL / STEPQ_ESHAPE /
  *         STEPQ_ERANGE / STEPQ_EVERSION for arguments that are wrong on
  *         every backend.
  */

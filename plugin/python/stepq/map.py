@@ -21,8 +21,7 @@ class Map:
     ``num_v_heads`` (HV), ``head_k_dim`` (K), ``head_v_dim`` (V),
     ``conv_shape`` (tuple), ``conv_dtype`` ("bf16", ...); and ``method``,
     ``budget_bits``, ``row_split`` (the dual-axis fit's row split: 0.5 unless
-    the map's ``row_split`` field says otherwise; the CUDA kernels serve 0.5
-    only), ``model_name``.
+    the map's ``row_split`` field says otherwise), ``model_name``.
     """
 
     def __init__(self, handle, path=None):
