@@ -62,6 +62,12 @@ def static_flags(dest, libdir, cuda_root, sanitize):
     if r.returncode:
         raise SystemExit("FAIL: pkg-config --static stepq:\n" + r.stdout + r.stderr)
     flags = r.stdout.split()
+    # A PKG_CONFIG_SYSROOT_DIR (dependencies staged under a sysroot) is put in front of every
+    # -I/-L, stepq's DESTDIR paths too: take it off those, which are not under the sysroot.
+    sysroot = os.environ.get("PKG_CONFIG_SYSROOT_DIR", "").rstrip("/")
+    if sysroot:
+        flags = [f[:2] + f[2 + len(sysroot):] if f[:2] in ("-I", "-L") and f[2:].startswith(sysroot + dest)
+                 else f for f in flags]
     print("pkg-config --cflags --libs --static stepq: " + " ".join(flags))
     if ("-lcudart" in flags) != (cuda_root is not None):
         raise SystemExit("FAIL: stepq.pc %s -lcudart in a build %s CUDA"
