@@ -125,7 +125,7 @@ static void usage(FILE *f)
             "per map after fp32 and bf16, labelled by its method (stepq@6; equal labels get\n"
             "the map's file or preset name); an fp32 or bf16 map is timed as the fp32 or\n"
             "bf16 rows, with none of its own. A batch is refused when no map's pool fits\n"
-            "--budget-gib; a map's that does not says so in its rows. The report's table:\n"
+            "--budget-gib; the rows of a map whose pool does not say so. The report's table:\n"
             "  stepq bench decode qwen3-next-80b-a3b --bits 6,4 --peer peer.json\n"
             "(stepq@6 and stepq@4 next to fp32, bf16 and fla's fp32 on a GPU).\n"
             "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
@@ -2499,9 +2499,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
                 cJSON_AddBoolToObject(e, "ran", r->ran);
                 if (!r->ran)
                     cJSON_AddStringToObject(e, "not_run",
-                                            r->over == OVER_BUDGET
-                                                ? "pool over --budget-gib"
-                                                : "pool over the machine's memory");
+                                            r->over == OVER_BUDGET ? "pool over --budget-gib"
+                                            : r->over == OVER_MEMORY
+                                                ? "pool over the machine's memory"
+                                                : "the backend lacks its steps");
                 if (r->ran) {
                     cJSON_AddNumberToObject(e, "tokens_per_s", tps);
                     cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * r->median_s / o.tokens);
