@@ -1,9 +1,10 @@
 /*
- * stepq bench decode MAP|PRESET: the decode throughput of the recurrent-state
- * path, as a server runs it, for the fp32 state, the bf16 state and the map's
- * method side by side.
+ * stepq bench decode MAP|PRESET...: the decode throughput of the recurrent-state
+ * path, as a server runs it, for the fp32 state, the bf16 state and each map's
+ * method side by side (several maps of one model shape: every MAP file, and a
+ * PRESET's stepq layout map at each --bits width).
  *
- * Everything goes through the public API: pools opened from the map and from
+ * Everything goes through the public API: pools opened from the maps and from
  * dense fp32 / bf16 maps of the same shape (stepq_map_create), B slots
  * allocated, synthetic prompt states packed with stepq_pool_prefill_pack,
  * then T tokens x every timed layer of stepq_pool_decode_step. Per run the
@@ -63,6 +64,10 @@
 #define TOOL        "bench decode"
 #define MAX_BATCHES 16
 #define MAX_RUNS    100
+/* The maps of one run (MAP files, and a PRESET's map per --bits width), and the rows per batch:
+ * fp32, bf16 and one per map (an fp32 or bf16 map's are those two). */
+#define MAX_MAPS     8
+#define MAX_VARIANTS (2 + MAX_MAPS)
 /* Distinct q/k/v/beta sets the tokens cycle through: enough that consecutive
  * layers and tokens never read the same inputs, few enough to stay small. */
 #define N_BANK 4
@@ -73,7 +78,8 @@
 /* The gate fallback of maps without statistics: half-lives in tokens. */
 #define HALF_LIFE_MIN 2.0
 #define HALF_LIFE_MAX 2048.0
-/* The stepq layout map a preset gets: the bundled qwen3.8-27b one (32 pivots of 2304 units). */
+/* The stepq layout map a preset gets: the bundled qwen3.8-27b one (32 pivots of 2304 units), at
+ * PRESET_BITS unless --bits says otherwise. */
 #define PRESET_BITS       6
 #define PRESET_PIVOT_UNIT 72
 /* --peer: the file of tools/scripts/bench_peer_fla.py --decode. */
@@ -95,8 +101,8 @@ static const int host_batches[] = { 1, 4 };
 
 static void usage(FILE *f)
 {
-    fprintf(f, "usage: stepq bench decode MAP|PRESET [--backend host|cuda] [--tp N] [--rank R]\n"
-               "                          [--procs] [--timeout-s S]\n"
+    fprintf(f, "usage: stepq bench decode MAP|PRESET... [--bits 6,4] [--backend host|cuda]\n"
+               "                          [--tp N] [--rank R] [--procs] [--timeout-s S]\n"
                "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
                "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
                "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
@@ -104,48 +110,62 @@ static void usage(FILE *f)
                "Decode throughput of the recurrent-state path through the public API: per\n"
                "token, every recurrent layer's stepq_pool_decode_step on B slots whose prompt\n"
                "states were packed with stepq_pool_prefill_pack; tokens/s and ms per step for\n"
-               "the fp32 state, the bf16 state and MAP's method side by side, the state bytes\n"
-               "per request and the largest batch that fits --budget-gib (default 80) under\n"
-               "the reservation policy (default extra_buffer: 5 slots per request + 1).\n"
+               "the fp32 state, the bf16 state and each map's method side by side, the state\n"
+               "bytes per request and the largest batch that fits --budget-gib (default 80)\n"
+               "under the reservation policy (default extra_buffer: 5 slots per request + 1).\n"
                "It measures the recurrent-state path only, not attention or MLP layers.\n"
-               "PRESET: a shape with the stepq@6 layout map `stepq mkmap --shape PRESET\n"
-               "--method stepq --bits 6 --pivots P` makes, P one unit in 72 (the bundled\n"
-               "Qwen3.8-27B map's 32 of 2304); one of\n  ");
+               "PRESET: a shape with the stepq@B layout map `stepq mkmap --shape PRESET\n"
+               "--method stepq --bits B --pivots P` makes, P one unit in 72 (the bundled\n"
+               "Qwen3.8-27B map's 32 of 2304), B 6 or each of --bits (3,4,5,6,8); one of\n  ");
     stepq_tool_preset_list(f);
-    fprintf(f, ".\n"
-               "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
-               "generated tokens, every layer, 1 warm-up + 3 runs, median; decode time = sum\n"
-               "of the intervals between consecutive token starts (gaps included): CUDA\n"
-               "events on the CUDA backend (the default where a device exists), the\n"
-               "monotonic clock on the host backend (the C reference), whose default is a\n"
-               "reduced run (2 layers, batches 1,4, 16 tokens; --full for the protocol).\n"
-               "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
-               "the rank with the largest page) in this one process. --tp N --procs: one\n"
-               "process per rank, all N started at once; each times its own share, and the\n"
-               "table's time is the slowest rank's per batch and state (--json: every rank's\n"
-               "own results too). CUDA: rank R on device R, one NCCL communicator whose\n"
-               "pools are checked against each other before the timing, so N ranks need N\n"
-               "devices (NCCL holds one rank per device; a build without NCCL runs the ranks\n"
-               "alone, on device R mod the device count). Host: the ranks run alone, as\n"
-               "processes of this machine. A rank that fails stops every other; --timeout-s S\n"
-               "stops them all after S seconds (default: no limit).\n"
-               "--layers: the first N recurrent layers.\n"
-               "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
-               "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
-               "as servers decode; without it the steps are launched one call at a time.\n"
-               "--peer FILE: flash-linear-attention's fp32 state path as one more row per\n"
-               "batch, '" PEER_LABEL "', and a 'vs peer' column (tokens/s over the peer's):\n"
-               "FILE is the JSON of tools/scripts/bench_peer_fla.py --decode (the same protocol\n"
-               "on fla's kernels, in a process of its own), timed with this run's shape (one\n"
-               "rank's heads with --tp), layers, tokens and dtype, or refused; batches it lacks\n"
-               "show '-'.\n"
-               "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
-               "on stderr in request tokens (batch x tokens per run: the ETA weighs a run of\n"
-               "512 requests as 16 runs of 32; STEPQ_PROGRESS=off|bar|lines).\n");
+    fprintf(f,
+            ".\n"
+            "Several MAP|PRESET (up to %d maps in all) of one model shape (arch, layers,\n"
+            "heads, head dims, conv state; else refused, naming both and the field): a row\n"
+            "per map after fp32 and bf16, labelled by its method (stepq@6; equal labels get\n"
+            "the map's file or preset name); an fp32 or bf16 map is timed as the fp32 or\n"
+            "bf16 rows, with none of its own. A batch is refused when no map's pool fits\n"
+            "--budget-gib; the rows of a map whose pool does not say so. The report's table:\n"
+            "  stepq bench decode qwen3-next-80b-a3b --bits 6,4 --peer peer.json\n"
+            "(stepq@6 and stepq@4 next to fp32, bf16 and fla's fp32 on a GPU).\n"
+            "The paper's protocol: batches 32,64,128,256,512, a 128-token prompt, 1024\n"
+            "generated tokens, every layer, 1 warm-up + 3 runs, median; decode time = sum\n"
+            "of the intervals between consecutive token starts (gaps included): CUDA\n"
+            "events on the CUDA backend (the default where a device exists), the\n"
+            "monotonic clock on the host backend (the C reference), whose default is a\n"
+            "reduced run (2 layers, batches 1,4, 16 tokens; --full for the protocol).\n"
+            "--tp N: one rank's share (H/N q/k heads, HV/N value heads; --rank R, default\n"
+            "the rank with the largest page) in this one process. --tp N --procs: one\n"
+            "process per rank, all N started at once; each times its own share, and the\n"
+            "table's time is the slowest rank's per batch and state (--json: every rank's\n"
+            "own results too). CUDA: rank R on device R, one NCCL communicator whose\n"
+            "pools are checked against each other before the timing, so N ranks need N\n"
+            "devices (NCCL holds one rank per device; a build without NCCL runs the ranks\n"
+            "alone, on device R mod the device count). Host: the ranks run alone, as\n"
+            "processes of this machine. A rank that fails stops every other; --timeout-s S\n"
+            "stops them all after S seconds (default: no limit).\n"
+            "--layers: the first N recurrent layers.\n"
+            "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
+            "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
+            "as servers decode; without it the steps are launched one call at a time.\n"
+            "--peer FILE: flash-linear-attention's fp32 state path as one more row per\n"
+            "batch, '" PEER_LABEL "', and a 'vs peer' column (tokens/s over the peer's):\n"
+            "FILE is the JSON of tools/scripts/bench_peer_fla.py --decode (the same protocol\n"
+            "on fla's kernels, in a process of its own), timed with this run's shape (one\n"
+            "rank's heads with --tp), layers, tokens and dtype, or refused; batches it lacks\n"
+            "show '-'.\n"
+            "--json: the numbers as JSON instead of the tables; -o: into FILE. Progress\n"
+            "on stderr in request tokens (batch x tokens per run: the ETA weighs a run of\n"
+            "512 requests as 16 runs of 32; STEPQ_PROGRESS=off|bar|lines).\n",
+            MAX_MAPS);
 }
 
 struct opts {
-    const char *target, *out_path, *policy_name, *peer_path;
+    const char *targets[MAX_MAPS]; /* MAP|PRESET, as given */
+    int n_targets;
+    int bits[MAX_MAPS], n_bits; /* --bits: a preset's stepq widths (n_bits 0: PRESET_BITS) */
+    const char *bits_text;
+    const char *out_path, *policy_name, *peer_path;
     int backend; /* -1: cuda where a device exists, else host */
     int tp, rank;
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
@@ -180,6 +200,43 @@ static int parse_batches(const char *v, struct opts *o)
         return -1;
     }
     return 0;
+}
+
+/* --bits: distinct stepq widths a preset's layout map takes (mkmap's widths but 2, which its
+ * pivots do not fit). */
+static int parse_bits(const char *v, struct opts *o)
+{
+    const char *s = v;
+    o->n_bits = 0;
+    o->bits_text = v;
+    while (*s) {
+        char *end;
+        long x = strtol(s, &end, 10);
+        int seen = 0;
+        for (int i = 0; i < o->n_bits; i++)
+            seen |= o->bits[i] == x;
+        if (end == s || x < 3 || x > 8 || x == 7 || seen || (*end && *end != ',') ||
+            o->n_bits == MAX_MAPS) {
+            fprintf(stderr,
+                    "stepq " TOOL ": --bits '%s': want up to %d distinct stepq widths among "
+                    "3,4,5,6,8, e.g. 6,4\n",
+                    v, MAX_MAPS);
+            return -1;
+        }
+        o->bits[o->n_bits++] = (int)x;
+        s = *end ? end + 1 : end;
+    }
+    if (!o->n_bits) {
+        fprintf(stderr, "stepq " TOOL ": --bits '': want stepq widths, e.g. 6,4\n");
+        return -1;
+    }
+    return 0;
+}
+
+/* A target names a preset unless it looks like a file (a '/' or ".json"). */
+static int is_preset_name(const char *target)
+{
+    return !strchr(target, '/') && !strstr(target, ".json");
 }
 
 /* Returns 0, 1 for --help, or 2 after one line naming the option. */
@@ -220,18 +277,23 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             continue;
         }
         if (a[0] != '-') {
-            if (o->target) {
-                fprintf(stderr, "stepq " TOOL ": a second MAP or PRESET '%s'\n", a);
+            for (int t = 0; t < o->n_targets; t++)
+                if (!strcmp(o->targets[t], a)) {
+                    fprintf(stderr, "stepq " TOOL ": MAP or PRESET '%s' given twice\n", a);
+                    return 2;
+                }
+            if (o->n_targets == MAX_MAPS) {
+                fprintf(stderr, "stepq " TOOL ": '%s': more than %d MAP or PRESET\n", a, MAX_MAPS);
                 return 2;
             }
-            o->target = a;
+            o->targets[o->n_targets++] = a;
             continue;
         }
         if (!v) {
             static const char *const value_opts[] = {
                 "--backend",   "--batch",   "--budget-gib", "--layers", "--policy", "--prompt",
                 "--rank",      "--runs",    "--tokens",     "--tp",     "--warmup", "-o",
-                "--timeout-s", "--nccl-id", "--peer",       NULL
+                "--timeout-s", "--nccl-id", "--peer",       "--bits",   NULL
             };
             return stepq_tool_missing_value(TOOL, a, value_opts);
         }
@@ -248,6 +310,9 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             }
         } else if (!strcmp(a, "--batch")) {
             if (parse_batches(v, o) < 0)
+                return 2;
+        } else if (!strcmp(a, "--bits")) {
+            if (parse_bits(v, o) < 0)
                 return 2;
         } else if (!strcmp(a, "--tp")) {
             if (stepq_tool_int(TOOL, a, v, 1, 1024, &n) < 0)
@@ -304,8 +369,28 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             return 2;
         }
     }
-    if (!o->target) {
+    if (!o->n_targets) {
         usage(stderr);
+        return 2;
+    }
+    /* A preset's widths, and the maps in all: every preset at each width, every map file once. */
+    int presets = 0, maps = 0;
+    for (int t = 0; t < o->n_targets; t++) {
+        presets += is_preset_name(o->targets[t]);
+        maps += is_preset_name(o->targets[t]) ? (o->n_bits ? o->n_bits : 1) : 1;
+    }
+    if (o->n_bits && !presets) {
+        fprintf(stderr,
+                "stepq " TOOL ": --bits %s: the widths of a PRESET's stepq layout map, and no "
+                "PRESET is given (a MAP file has its own)\n",
+                o->bits_text);
+        return 2;
+    }
+    if (maps > MAX_MAPS) { /* without --bits there are at most MAX_MAPS targets */
+        fprintf(stderr,
+                "stepq " TOOL ": --bits %s: %d maps (each PRESET at each width, each MAP once), "
+                "want up to %d\n",
+                o->bits_text, maps, MAX_MAPS);
         return 2;
     }
     if (o->procs && o->rank >= 0) {
@@ -676,10 +761,11 @@ static int dev_load(struct dev *d, const struct inputs *in, int layers)
 
 /* --- one timed configuration ----------------------------------------------------- */
 
-/* The three states compared. */
+/* The states compared: fp32, bf16, then the maps'. */
 struct variant {
-    char label[64];
-    stepq_map_t *map; /* owned */
+    char label[96];
+    stepq_map_t *map;   /* owned by fp32 and bf16, the source's otherwise */
+    const char *source; /* the MAP|PRESET it comes from, NULL for fp32 and bf16 */
     stepq_pool_plan_info plan;
     uint64_t state_bytes; /* the recurrent state of one request on this rank, as allocated */
     int32_t max_batch;    /* under the policy in the budget; -1: none */
@@ -1311,38 +1397,230 @@ static void peer_header(FILE *t, const struct peer *p, const char *device, int g
 /* The table goes to tout: the output, or nowhere with --json. */
 static FILE *tout;
 
-/* The map of the target: a map file, or a preset's stepq@6 layout map. 0, or an exit status. */
-static int load_target(const char *target, stepq_map_t **map, int *is_preset)
+/* One map of the run: a MAP file, or a PRESET's stepq layout map at one width. */
+struct source {
+    const char *target;  /* the MAP|PRESET as given */
+    int is_preset, bits; /* bits: a preset's width */
+    stepq_map_t *map;    /* owned */
+    int row;             /* the variant of its rows: 0 / 1 for an fp32 / bf16 map, else its own */
+    char label[96];      /* its rows' label */
+};
+
+/* A preset's stepq layout maps, one per width, appended to src. 0, or an exit status. */
+static int load_preset(const char *target, const int *bits, int n_bits, struct source *src,
+                       int *n_src)
 {
     int ret;
 
-    *is_preset = 0;
-    if (!strchr(target, '/') && !strstr(target, ".json")) {
-        if (!stepq_tool_preset_find(target)) {
-            fprintf(stderr, "stepq " TOOL ": unknown preset '%s' (presets: ", target);
-            stepq_tool_preset_list(stderr);
-            fprintf(stderr, "; or a map file)\n");
-            return 2;
-        }
-        *is_preset = 1;
-        stepq_map_t *probe = NULL;
-        /* the preset's unit count sets its pivots: 1 in PRESET_PIVOT_UNIT, as the bundled map */
-        if ((ret = stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_UNIFORM, PRESET_BITS, 0, NULL,
-                                          &probe)) != 0)
-            return ret;
-        stepq_model_shape sh;
-        stepq_map_shape(probe, &sh);
-        const long long units = (long long)sh.n_layers * stepq_map_units_per_layer(probe);
-        stepq_map_close(probe);
-        const long long pivots = (units + PRESET_PIVOT_UNIT / 2) / PRESET_PIVOT_UNIT;
-        return stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_STEPQ, PRESET_BITS, pivots, NULL,
-                                      map);
+    if (!stepq_tool_preset_find(target)) {
+        fprintf(stderr, "stepq " TOOL ": unknown preset '%s' (presets: ", target);
+        stepq_tool_preset_list(stderr);
+        fprintf(stderr, "; or a map file)\n");
+        return 2;
     }
-    if ((ret = stepq_map_load_file(target, NULL, map)) < 0) {
-        stepq_tool_path_error(TOOL, target, NULL, stepq_last_error(), ret);
+    stepq_map_t *probe = NULL;
+    /* the preset's unit count sets its pivots: 1 in PRESET_PIVOT_UNIT, as the bundled map */
+    if ((ret = stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_UNIFORM, PRESET_BITS, 0, NULL,
+                                      &probe)) != 0)
+        return ret;
+    stepq_model_shape sh;
+    stepq_map_shape(probe, &sh);
+    const long long units = (long long)sh.n_layers * stepq_map_units_per_layer(probe);
+    stepq_map_close(probe);
+    const long long pivots = (units + PRESET_PIVOT_UNIT / 2) / PRESET_PIVOT_UNIT;
+    for (int b = 0; b < n_bits; b++) {
+        struct source *e = &src[*n_src];
+        e->target = target;
+        e->is_preset = 1;
+        e->bits = bits[b];
+        if ((ret = stepq_tool_mkmap_build(TOOL, target, STEPQ_METHOD_STEPQ, bits[b], pivots, NULL,
+                                          &e->map)) != 0)
+            return ret;
+        (*n_src)++;
+    }
+    return 0;
+}
+
+/* Where shapes a and b differ, as "FIELD (A vs B)" in buf; 0 where they do not. */
+static int shape_diff(const stepq_model_shape *a, const stepq_model_shape *b, char *buf, size_t len)
+{
+    if (a->arch != b->arch) {
+        snprintf(buf, len, "arch (%s vs %s)", stepq_arch_name(a->arch), stepq_arch_name(b->arch));
+        return 1;
+    }
+    const struct {
+        const char *name;
+        int x, y;
+    } f[] = { { "recurrent layers", a->n_layers, b->n_layers },
+              { "num_k_heads", a->num_k_heads, b->num_k_heads },
+              { "num_v_heads", a->num_v_heads, b->num_v_heads },
+              { "head_k_dim", a->head_k_dim, b->head_k_dim },
+              { "head_v_dim", a->head_v_dim, b->head_v_dim },
+              { "conv_rank", a->conv_rank, b->conv_rank } };
+    for (size_t i = 0; i < sizeof(f) / sizeof(f[0]); i++)
+        if (f[i].x != f[i].y) {
+            snprintf(buf, len, "%s (%d vs %d)", f[i].name, f[i].x, f[i].y);
+            return 1;
+        }
+    for (int l = 0; l < a->n_layers; l++)
+        if (a->layer_ids[l] != b->layer_ids[l]) {
+            snprintf(buf, len, "recurrent layer %d's model layer (%d vs %d)", l, a->layer_ids[l],
+                     b->layer_ids[l]);
+            return 1;
+        }
+    for (int d = 0; d < a->conv_rank && d < STEPQ_CONV_MAX_RANK; d++)
+        if (a->conv_shape[d] != b->conv_shape[d]) {
+            snprintf(buf, len, "conv_shape[%d] (%" PRId64 " vs %" PRId64 ")", d, a->conv_shape[d],
+                     b->conv_shape[d]);
+            return 1;
+        }
+    if (a->conv_rank && a->conv_dtype != b->conv_dtype) {
+        snprintf(buf, len, "conv_dtype (%s vs %s)", stepq_dtype_name(a->conv_dtype),
+                 stepq_dtype_name(b->conv_dtype));
         return 1;
     }
     return 0;
+}
+
+/*
+ * Every map of the run: each MAP file, each PRESET at each --bits width (PRESET_BITS without),
+ * in the order given; all of the first one's shape. 0, or an exit status after one line.
+ */
+static int load_sources(const struct opts *o, struct source *src, int *n_src)
+{
+    const int def_bits = PRESET_BITS;
+    int ret;
+
+    *n_src = 0;
+    for (int t = 0; t < o->n_targets; t++) {
+        const char *target = o->targets[t];
+        if (is_preset_name(target)) {
+            if ((ret = load_preset(target, o->n_bits ? o->bits : &def_bits,
+                                   o->n_bits ? o->n_bits : 1, src, n_src)) != 0)
+                return ret;
+            continue;
+        }
+        struct source *e = &src[*n_src];
+        e->target = target;
+        if ((ret = stepq_map_load_file(target, NULL, &e->map)) < 0) {
+            stepq_tool_path_error(TOOL, target, NULL, stepq_last_error(), ret);
+            return 1;
+        }
+        (*n_src)++;
+    }
+    stepq_model_shape s0, sk;
+    stepq_map_shape(src[0].map, &s0);
+    for (int k = 1; k < *n_src; k++) {
+        char what[160];
+        stepq_map_shape(src[k].map, &sk);
+        if (shape_diff(&s0, &sk, what, sizeof(what))) {
+            fprintf(stderr,
+                    "stepq " TOOL ": %s and %s differ in %s: the maps of one run have one "
+                    "model shape\n",
+                    src[0].target, src[k].target, what);
+            return 2;
+        }
+    }
+    return 0;
+}
+
+/* A map's row label: its method, at its budget where it has one ("stepq@6", "fp8 (map)"). */
+static void method_label(const stepq_map_t *map, int tag, char *buf, size_t len)
+{
+    const stepq_method m = stepq_map_method(map);
+    if (stepq_method_is_dense(m) || m == STEPQ_METHOD_FP8)
+        snprintf(buf, len, "%s%s", stepq_method_name(m), tag ? " (map)" : "");
+    else
+        snprintf(buf, len, "%s@%g", stepq_method_name(m), stepq_map_budget_bits(map));
+}
+
+/* The file name of a path (a preset: itself). */
+static const char *base_name(const char *path)
+{
+    const char *s = strrchr(path, '/');
+    return s ? s + 1 : path;
+}
+
+/*
+ * The rows of the maps: an fp32 or bf16 map's are the fp32 / bf16 rows (the same pools), every
+ * other map gets one after them, va[2..]; *n_va the rows in all. Labels are the method's; two
+ * equal ones get the map's file (or preset) name, and should those be equal too, its place.
+ */
+static void assign_rows(struct source *src, int n_src, struct variant *va, int *n_va)
+{
+    *n_va = 2;
+    for (int k = 0; k < n_src; k++) {
+        const stepq_method m = stepq_map_method(src[k].map);
+        if (m == STEPQ_METHOD_FP32 || m == STEPQ_METHOD_BF16) {
+            src[k].row = m == STEPQ_METHOD_FP32 ? 0 : 1;
+            snprintf(src[k].label, sizeof(src[k].label), "%s", va[src[k].row].label);
+            continue;
+        }
+        src[k].row = (*n_va)++;
+        method_label(src[k].map, 1, src[k].label, sizeof(src[k].label));
+    }
+    for (int pass = 0; pass < 2; pass++) {
+        int same[MAX_MAPS] = { 0 };
+        for (int k = 0; k < n_src; k++)
+            for (int j = 0; j < n_src; j++)
+                same[k] |= j != k && src[j].row >= 2 && src[k].row >= 2 &&
+                           !strcmp(src[j].label, src[k].label);
+        for (int k = 0; k < n_src; k++) {
+            char l[96];
+            if (!same[k])
+                continue;
+            if (pass == 0) {
+                char m[32];
+                method_label(src[k].map, 0, m, sizeof(m));
+                snprintf(l, sizeof(l), "%.20s (%.64s)", m, base_name(src[k].target));
+            } else
+                snprintf(l, sizeof(l), "%.80s #%d", src[k].label, k + 1);
+            snprintf(src[k].label, sizeof(src[k].label), "%s", l);
+        }
+    }
+    for (int k = 0; k < n_src; k++)
+        if (src[k].row >= 2) {
+            struct variant *v = &va[src[k].row];
+            snprintf(v->label, sizeof(v->label), "%s", src[k].label);
+            v->map = src[k].map;
+            v->source = src[k].target;
+        }
+}
+
+/* The root's "maps": every map of the run, where it comes from and the label of its rows. */
+static void sources_json(cJSON *root, const struct source *src, int n_src)
+{
+    cJSON *jm = cJSON_AddArrayToObject(root, "maps");
+    for (int k = 0; k < n_src; k++) {
+        cJSON *e = cJSON_CreateObject();
+        cJSON_AddStringToObject(e, "source", src[k].target);
+        cJSON_AddStringToObject(e, "kind", src[k].is_preset ? "preset" : "map");
+        if (src[k].is_preset)
+            cJSON_AddNumberToObject(e, "preset_bits", src[k].bits);
+        cJSON_AddStringToObject(e, "method", stepq_method_name(stepq_map_method(src[k].map)));
+        cJSON_AddStringToObject(e, "label", src[k].label);
+        cJSON_AddBoolToObject(e, "own_rows", src[k].row >= 2); /* else fp32's or bf16's */
+        cJSON_AddItemToArray(jm, e);
+    }
+}
+
+/* The header's lines of the maps: where each comes from, and its rows where that is not plain. */
+static void source_lines(FILE *t, const struct source *src, int n_src)
+{
+    for (int k = 0; k < n_src; k++) {
+        char def[96], rows[160] = "";
+        method_label(src[k].map, 1, def, sizeof(def));
+        if (src[k].row < 2)
+            snprintf(rows, sizeof(rows), ": %s %s map, timed as the %s rows",
+                     src[k].row ? "a" : "an", src[k].label, src[k].label);
+        else if (strcmp(def, src[k].label))
+            snprintf(rows, sizeof(rows), ": row '%s'", src[k].label);
+        if (src[k].is_preset)
+            stepq_tool_printf(t, "%-8s %s (its stepq@%d layout map, as stepq mkmap makes it)%s\n",
+                              "preset", src[k].target, src[k].bits, rows);
+        else
+            stepq_tool_printf(t, "%-8s %s%s\n", "map", src[k].target, rows);
+    }
 }
 
 /* Whether the CUDA backend has a device, through the public API: a pool opens on it. */
@@ -1481,7 +1759,7 @@ static const cJSON *rank_row(const cJSON *rank, int i, int v)
  * token of the whole model waits for. j[r]: rank r's JSON. 0, or an exit status.
  */
 static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const char *nccl,
-                        const struct peer *peer)
+                        const struct peer *peer, const struct source *src, int n_src)
 {
     const cJSON *j0 = j[0];
     const cJSON *states = cJSON_GetObjectItemCaseSensitive(j0, "states");
@@ -1496,8 +1774,7 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
     if (!(of.f = stepq_tool_out_open(&of, TOOL, o->out_path)))
         return 1;
     FILE *t = o->json ? NULL : of.f;
-    stepq_tool_printf(t, "%-8s %s\n",
-                      cJSON_GetObjectItemCaseSensitive(j0, "preset") ? "preset" : "map", o->target);
+    source_lines(t, src, n_src);
     stepq_tool_printf(t, "%-8s %s (%s, %d recurrent layers)\n", "model", jstr(j0, "model"),
                       jstr(j0, "arch"), (int)jnum(j0, "layers"));
     stepq_tool_printf(t, "%-8s %s (%s), %s, one process per rank\n", "backend", jstr(j0, "backend"),
@@ -1514,19 +1791,25 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
         (int)jnum(j0, "layers_timed"), (int)jnum(j0, "layers"), tokens,
         (int)jnum(j0, "prompt_tokens"), (int)jnum(j0, "warmup"), (int)jnum(j0, "runs"));
     peer_header(t, peer, jstr(j0, "device"), o->graph);
-    const int lw = peer->file ? (int)strlen(PEER_LABEL) + 1 : 14; /* the state column */
+    /* the state column: the longest label, at least 14 (and the peer's) */
+    int lw = peer->file ? (int)strlen(PEER_LABEL) + 1 : 14, cw[MAX_VARIANTS];
+    for (int v = 0; v < n_v && v < MAX_VARIANTS; v++) {
+        const int len = (int)strlen(jstr(cJSON_GetArrayItem(states, v), "label"));
+        cw[v] = len > 14 ? len : 14;
+        lw = len > lw ? len : lw;
+    }
     stepq_tool_printf(
         t, "\nthe state of one request on each rank (all layers), bytes:\n  %4s %8s %5s %5s",
         "rank", "pid", "q/k", "value");
     for (int v = 0; v < n_v; v++)
-        stepq_tool_printf(t, " %14s", jstr(cJSON_GetArrayItem(states, v), "label"));
+        stepq_tool_printf(t, " %*s", cw[v], jstr(cJSON_GetArrayItem(states, v), "label"));
     stepq_tool_printf(t, "\n");
     for (int r = 0; r < n; r++) {
         const cJSON *sr = cJSON_GetObjectItemCaseSensitive(j[r], "states");
         stepq_tool_printf(t, "  %4d %8d %5d %5d", r, (int)jnum(j[r], "pid"),
                           (int)jnum(j[r], "num_k_heads_rank"), (int)jnum(j[r], "num_v_heads_rank"));
         for (int v = 0; v < n_v; v++)
-            stepq_tool_printf(t, " %14.0f",
+            stepq_tool_printf(t, " %*.0f", cw[v],
                               jnum(cJSON_GetArrayItem(sr, v), "state_bytes_per_request"));
         stepq_tool_printf(t, "\n");
     }
@@ -1545,6 +1828,7 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
             cJSON_AddNumberToObject(root, "cuda_devices", n_dev);
             cJSON_AddStringToObject(root, "nccl", nccl);
         }
+        sources_json(root, src, n_src);
         peer_json(peer, root);
         jb = cJSON_AddArrayToObject(root, "batches");
     }
@@ -1637,7 +1921,8 @@ static int report_procs(const struct opts *o, cJSON **j, int n, int n_dev, const
 }
 
 /* --procs: the parent. Starts every rank, waits for all, reports. An exit status. */
-static int run_procs(const struct opts *o, int argc, char **argv, int cuda, const struct peer *peer)
+static int run_procs(const struct opts *o, int argc, char **argv, int cuda, const struct peer *peer,
+                     const struct source *src, int n_src)
 {
     struct stepq_tool_rank *rk = calloc((size_t)o->tp, sizeof(*rk));
     cJSON **j = calloc((size_t)o->tp, sizeof(*j));
@@ -1676,16 +1961,20 @@ static int run_procs(const struct opts *o, int argc, char **argv, int cuda, cons
     }
     if (stepq_tool_ranks_run(TOOL, rk, o->tp, o->timeout_s) < 0)
         goto out;
+    int n_va = 2; /* the rows a rank times: fp32, bf16 and the maps' own */
+    for (int k = 0; k < n_src; k++)
+        n_va += src[k].row >= 2;
     for (int r = 0; r < o->tp; r++) {
         j[r] = rk[r].out ? cJSON_Parse(rk[r].out) : NULL;
         if (!j[r] || (int)jnum(j[r], "rank") != r ||
+            cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j[r], "states")) != n_va ||
             cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j[r], "batches")) !=
                 cJSON_GetArraySize(cJSON_GetObjectItemCaseSensitive(j[0], "batches"))) {
             fprintf(stderr, "stepq " TOOL ": rank %d: its output is not its JSON result\n", r);
             goto out;
         }
     }
-    rc = report_procs(o, j, o->tp, n_dev, nccl, peer);
+    rc = report_procs(o, j, o->tp, n_dev, nccl, peer, src, n_src);
 out:
     for (int r = 0; rk && r < o->tp; r++) {
         free(rk[r].argv);
@@ -1725,12 +2014,16 @@ int stepq_tool_bench_decode(int argc, char **argv)
     }
     const int per = stepq_pool_policy_slots(policy);
 
-    struct variant va[3];
+    struct variant va[MAX_VARIANTS];
+    struct source src[MAX_MAPS];
+    int n_src = 0, n_va = 2;
     memset(va, 0, sizeof(va));
-    int is_preset = 0;
-    if ((rc = load_target(o.target, &va[2].map, &is_preset)) != 0)
-        return rc;
-    stepq_map_t *map = va[2].map;
+    memset(src, 0, sizeof(src));
+    if ((rc = load_sources(&o, src, &n_src)) != 0)
+        goto out_maps;
+    /* The first map: the shape, the CUDA probe, and the preset / map key of the JSON. */
+    stepq_map_t *map = src[0].map;
+    const int is_preset = src[0].is_preset;
     stepq_model_shape sh;
     stepq_map_shape(map, &sh);
     const char *model = stepq_map_model_name(map)[0] ? stepq_map_model_name(map) : "model";
@@ -1738,7 +2031,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
     struct inputs in;
     struct dev d;
     double *log_ret = NULL;
-    struct result(*res)[3] = NULL;
+    struct result *res = NULL; /* [batch][variant] */
     stepq_tp_comm_t *comm = NULL;
     struct peer peer;
     memset(&in, 0, sizeof(in));
@@ -1855,40 +2148,41 @@ int stepq_tool_bench_decode(int argc, char **argv)
     }
     snprintf(va[0].label, sizeof(va[0].label), "fp32");
     snprintf(va[1].label, sizeof(va[1].label), "bf16");
-    if (stepq_method_is_dense(stepq_map_method(map)) || stepq_map_method(map) == STEPQ_METHOD_FP8)
-        snprintf(va[2].label, sizeof(va[2].label), "%s (map)",
-                 stepq_method_name(stepq_map_method(map)));
-    else
-        snprintf(va[2].label, sizeof(va[2].label), "%s@%g",
-                 stepq_method_name(stepq_map_method(map)), stepq_map_budget_bits(map));
+    assign_rows(src, n_src, va, &n_va);
     stepq_pool_config base = STEPQ_POOL_CONFIG_INITIALIZER;
     base.backend = cuda ? STEPQ_POOL_BACKEND_CUDA : STEPQ_POOL_BACKEND_HOST;
     base.device = cuda_dev;
     base.tp_size = o.tp;
     base.policy = policy;
-    /* The rank timed: the one with the largest page of the map (the slowest), unless named. */
+    /* The rank timed: the one with the largest pages of the maps together (the slowest), unless
+     * named. */
     {
         uint64_t best = 0;
         int best_rank = 0;
         for (int r = 0; r < o.tp; r++) {
-            stepq_pool_config c = base;
-            stepq_pool_plan_info p;
-            c.map = map;
-            c.tp_rank = r;
-            c.num_slots = 1;
-            if ((ret = stepq_pool_plan(&c, &p)) < 0) {
-                fprintf(stderr, "stepq " TOOL ": --tp %d: %s\n", o.tp, stepq_last_error());
-                goto out;
+            uint64_t pages = 0;
+            for (int k = 0; k < n_src; k++) {
+                stepq_pool_config c = base;
+                stepq_pool_plan_info p;
+                c.map = src[k].map;
+                c.tp_rank = r;
+                c.num_slots = 1;
+                if ((ret = stepq_pool_plan(&c, &p)) < 0) {
+                    fprintf(stderr, "stepq " TOOL ": --tp %d: %s: %s\n", o.tp, src[k].target,
+                            stepq_last_error());
+                    goto out;
+                }
+                pages += p.page_bytes;
             }
-            if (p.page_bytes > best)
-                best = p.page_bytes, best_rank = r;
+            if (pages > best)
+                best = pages, best_rank = r;
         }
         if (o.rank < 0)
             o.rank = best_rank;
     }
     base.tp_rank = o.rank;
     const double budget = o.budget_gib * GIB;
-    for (int v = 0; v < 3; v++) {
+    for (int v = 0; v < n_va; v++) {
         stepq_pool_config c = base;
         uint64_t max_page = 0;
         c.map = va[v].map;
@@ -1919,21 +2213,27 @@ int stepq_tool_bench_decode(int argc, char **argv)
         va[v].max_batch = ret >= 0 ? fit.slots / per : 0;
     }
 
-    /* Every batch must fit: the map's pool of B slots in the budget and on this machine. */
+    /* Every batch must fit: a map's pool of B slots (the smallest of the maps') in the budget and
+     * on this machine; the maps' over it show so in their rows. */
     const double machine = machine_bytes(cuda);
+    int smallest = src[0].row;
+    for (int k = 1; k < n_src; k++)
+        if (va[src[k].row].plan.page_bytes < va[smallest].plan.page_bytes)
+            smallest = src[k].row;
     for (int i = 0; i < o.n_b; i++) {
-        const double need = (double)(o.batches[i] + 1) * (double)va[2].plan.page_bytes;
+        const double need = (double)(o.batches[i] + 1) * (double)va[smallest].plan.page_bytes;
         const int reason = over(need, budget, machine);
         if (reason == OVER_BUDGET)
             fprintf(stderr,
                     "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB on "
                     "rank %d, more than --budget-gib %g\n",
-                    o.batches[i], va[2].label, o.batches[i], need / GIB, o.rank, o.budget_gib);
+                    o.batches[i], va[smallest].label, o.batches[i], need / GIB, o.rank,
+                    o.budget_gib);
         else if (reason)
             fprintf(stderr,
                     "stepq " TOOL ": --batch %d: the %s pool of %d slots + 1 needs %.2f GiB, "
                     "more than the %.2f GiB %s\n",
-                    o.batches[i], va[2].label, o.batches[i], need / GIB, machine / GIB,
+                    o.batches[i], va[smallest].label, o.batches[i], need / GIB, machine / GIB,
                     cuda ? "free on the device (9/10 of it)" : "of 3/4 of this machine's memory");
         if (reason)
             goto out;
@@ -1943,15 +2243,20 @@ int stepq_tool_bench_decode(int argc, char **argv)
         fprintf(stderr, "stepq " TOOL ": the host backend (no CUDA pool: %s)\n", why);
     /* --procs: every check above passed here, before any rank starts. */
     if (o.procs) {
-        rc = run_procs(&o, argc, argv, cuda, &peer);
+        rc = run_procs(&o, argc, argv, cuda, &peer, src, n_src);
         goto out;
     }
 
-    /* Setup: gates and inputs. */
-    int from_map = 0;
+    /* Setup: gates (the first map's with statistics, if any) and inputs. */
+    int from_map = 0, gate_src = 0;
+    for (int k = n_src - 1; k >= 0; k--) {
+        stepq_unit_stats us = STEPQ_UNIT_STATS_INITIALIZER;
+        if (stepq_map_unit_stats(src[k].map, 0, 0, &us) == STEPQ_OK)
+            gate_src = k;
+    }
     rc = 1;
-    if (!(log_ret = unit_log_retention(map, layers, &from_map)) ||
-        !(res = calloc((size_t)o.n_b, sizeof(*res)))) {
+    if (!(log_ret = unit_log_retention(src[gate_src].map, layers, &from_map)) ||
+        !(res = calloc((size_t)o.n_b * (size_t)n_va, sizeof(*res)))) {
         fprintf(stderr, "stepq " TOOL ": out of memory\n");
         goto out;
     }
@@ -2003,8 +2308,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
     for (int i = 0, n = 0; i < o.n_b; i++)
         n += snprintf(batches_txt + n, sizeof(batches_txt) - (size_t)n, "%s%d", i ? "," : "",
                       o.batches[i]);
-    stepq_tool_printf(tout, "%-8s %s%s\n", is_preset ? "preset" : "map", o.target,
-                      is_preset ? " (its stepq@6 layout map, as stepq mkmap makes it)" : "");
+    source_lines(tout, src, n_src);
     stepq_tool_printf(tout, "%-8s %s (%s, %d recurrent layers, H=%d, HV=%d, %dx%d)\n", "model",
                       model, stepq_arch_name(sh.arch), sh.n_layers, sh.num_k_heads, sh.num_v_heads,
                       sh.head_k_dim, sh.head_v_dim);
@@ -2036,23 +2340,31 @@ int stepq_tool_bench_decode(int argc, char **argv)
     else if (reduced)
         stepq_tool_printf(tout, "%-8s the paper's protocol: every layer, --tokens %d\n", "",
                           PAPER_TOKENS);
-    if (from_map)
+    if (from_map && n_src == 1)
         stepq_tool_printf(tout, "%-8s the map's per-unit log retention, +-50%% per request\n",
                           "gates");
+    else if (from_map)
+        stepq_tool_printf(tout, "%-8s %s's per-unit log retention, +-50%% per request\n", "gates",
+                          src[gate_src].target);
     else
         stepq_tool_printf(
             tout,
-            "%-8s none in the map: half-lives log-uniform in [%g, %g] tokens per unit,\n"
+            "%-8s none in the map%s: half-lives log-uniform in [%g, %g] tokens per unit,\n"
             "%-8s +-50%% per request\n",
-            "gates", HALF_LIFE_MIN, HALF_LIFE_MAX, "");
+            "gates", n_src > 1 ? "s" : "", HALF_LIFE_MIN, HALF_LIFE_MAX, "");
     stepq_tool_printf(tout,
                       "\nmemory per request on rank %d (all %d layers) and the largest batch in "
                       "--budget-gib %g\nunder %s (%d slots per request + 1 sentinel):\n",
                       o.rank, sh.n_layers, o.budget_gib, stepq_pool_policy_name(policy), per);
-    stepq_tool_printf(tout, "  %-14s %14s %12s %14s %10s\n", "state", "state B", "state MiB",
+    /* the state column: the longest label, at least 14 (and the peer's in the batch table) */
+    int lw = 14;
+    for (int v = 0; v < n_va; v++)
+        if ((int)strlen(va[v].label) > lw)
+            lw = (int)strlen(va[v].label);
+    stepq_tool_printf(tout, "  %-*s %14s %12s %14s %10s\n", lw, "state", "state B", "state MiB",
                       "slot B", "max batch");
-    for (int v = 0; v < 3; v++)
-        stepq_tool_printf(tout, "  %-14s %14" PRIu64 " %12.4f %14" PRIu64 " %10" PRId32 "\n",
+    for (int v = 0; v < n_va; v++)
+        stepq_tool_printf(tout, "  %-*s %14" PRIu64 " %12.4f %14" PRIu64 " %10" PRId32 "\n", lw,
                           va[v].label, va[v].state_bytes, (double)va[v].state_bytes / MIB,
                           va[v].plan.page_bytes, va[v].max_batch);
 
@@ -2064,7 +2376,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
     struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog, comm };
     int64_t work = 0;
     for (int i = 0; i < o.n_b; i++)
-        work += 3 * run_work(&bn, o.batches[i]) * (o.warmup + o.runs);
+        work += n_va * run_work(&bn, o.batches[i]) * (o.warmup + o.runs);
     stepq_tool_progress_begin(&prog, TOOL, "tokens", work);
     int failed = 0;
     for (int i = 0; i < o.n_b && !failed; i++) {
@@ -2076,13 +2388,14 @@ int stepq_tool_bench_decode(int argc, char **argv)
             failed = 1;
             break;
         }
-        for (int v = 0; v < 3 && !failed; v++) {
+        for (int v = 0; v < n_va && !failed; v++) {
+            struct result *r = &res[(size_t)i * n_va + v];
             const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
-            if ((res[i][v].over = over(need, budget, machine))) {
+            if ((r->over = over(need, budget, machine))) {
                 stepq_tool_progress_add(&prog, run_work(&bn, B) * (o.warmup + o.runs));
                 continue; /* not run, said in the table */
             }
-            failed = run_variant(&bn, &va[v], B, &res[i][v]) < 0;
+            failed = run_variant(&bn, &va[v], B, r) < 0;
         }
     }
     stepq_tool_progress_end(&prog);
@@ -2092,7 +2405,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
     }
 
     peer_header(tout, &peer, device, o.graph);
-    const int lw = peer.file ? (int)strlen(PEER_LABEL) + 1 : 14; /* the state column */
+    if (peer.file && lw < (int)strlen(PEER_LABEL) + 1)
+        lw = (int)strlen(PEER_LABEL) + 1;
     stepq_tool_printf(tout, "\n%6s  %-*s %12s %10s %8s%s %12s %12s %8s\n", "batch", lw, "state",
                       "tokens/s", "ms/step", "vs fp32", peer.file ? "  vs peer" : "", "state MiB",
                       "pool GiB", "fits");
@@ -2101,7 +2415,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddStringToObject(root, "measures",
                                 "recurrent-state path only (prefill pack + every timed layer's "
                                 "decode step); no attention or MLP layers");
-        cJSON_AddStringToObject(root, is_preset ? "preset" : "map", o.target);
+        cJSON_AddStringToObject(root, is_preset ? "preset" : "map", src[0].target);
+        sources_json(root, src, n_src);
         cJSON_AddStringToObject(root, "model", model);
         cJSON_AddStringToObject(root, "arch", stepq_arch_name(sh.arch));
         cJSON_AddStringToObject(root, "backend", cuda ? "cuda" : "host");
@@ -2126,14 +2441,18 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddNumberToObject(root, "warmup", o.warmup);
         cJSON_AddNumberToObject(root, "runs", o.runs);
         cJSON_AddStringToObject(root, "gates", from_map ? "map statistics" : "fallback half-lives");
+        if (from_map)
+            cJSON_AddStringToObject(root, "gates_from", src[gate_src].target);
         cJSON_AddStringToObject(root, "policy", stepq_pool_policy_name(policy));
         cJSON_AddNumberToObject(root, "policy_slots", per);
         cJSON_AddNumberToObject(root, "budget_bytes", budget);
         peer_json(&peer, root);
         cJSON *jv = cJSON_AddArrayToObject(root, "states");
-        for (int v = 0; v < 3; v++) {
+        for (int v = 0; v < n_va; v++) {
             cJSON *e = cJSON_CreateObject();
             cJSON_AddStringToObject(e, "label", va[v].label);
+            if (va[v].source)
+                cJSON_AddStringToObject(e, "source", va[v].source);
             cJSON_AddStringToObject(e, "method", stepq_method_name(stepq_map_method(va[v].map)));
             cJSON_AddNumberToObject(e, "bits", stepq_map_budget_bits(va[v].map));
             cJSON_AddNumberToObject(e, "state_bytes_per_request", (double)va[v].state_bytes);
@@ -2148,10 +2467,11 @@ int stepq_tool_bench_decode(int argc, char **argv)
     }
     for (int i = 0; i < o.n_b; i++) {
         const int B = o.batches[i];
-        const double fp32_tps = res[i][0].ran ? (double)B * o.tokens / res[i][0].median_s : 0;
+        const struct result *r0 = &res[(size_t)i * n_va];
+        const double fp32_tps = r0->ran ? (double)B * o.tokens / r0->median_s : 0;
         cJSON *jr = json_batch(jb, B);
-        for (int v = 0; v < 3; v++) {
-            const struct result *r = &res[i][v];
+        for (int v = 0; v < n_va; v++) {
+            const struct result *r = &res[(size_t)i * n_va + v];
             const double tps = r->ran ? (double)B * o.tokens / r->median_s : 0;
             const double state = (double)B * (double)va[v].state_bytes;
             const double pool = ((double)per * B + 1) * (double)va[v].plan.page_bytes;
@@ -2179,9 +2499,10 @@ int stepq_tool_bench_decode(int argc, char **argv)
                 cJSON_AddBoolToObject(e, "ran", r->ran);
                 if (!r->ran)
                     cJSON_AddStringToObject(e, "not_run",
-                                            r->over == OVER_BUDGET
-                                                ? "pool over --budget-gib"
-                                                : "pool over the machine's memory");
+                                            r->over == OVER_BUDGET ? "pool over --budget-gib"
+                                            : r->over == OVER_MEMORY
+                                                ? "pool over the machine's memory"
+                                                : "the backend lacks its steps");
                 if (r->ran) {
                     cJSON_AddNumberToObject(e, "tokens_per_s", tps);
                     cJSON_AddNumberToObject(e, "ms_per_step", 1e3 * r->median_s / o.tokens);
@@ -2247,7 +2568,10 @@ out:
     inputs_free(&in);
     free(res);
     free(log_ret);
-    for (int v = 0; v < 3; v++)
+    for (int v = 0; v < 2; v++) /* the others are the sources' */
         stepq_map_close(va[v].map);
+out_maps:
+    for (int k = 0; k < n_src; k++)
+        stepq_map_close(src[k].map);
     return rc;
 }
