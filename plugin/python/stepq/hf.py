@@ -63,8 +63,8 @@ Conventions:
   torch's caching allocator.
 * Refused with HFError: beam search and num_return_sequences > 1
   (reorder_cache, batch_repeat_interleave, batch_select_indices), assisted
-  decoding (crop), packed sequences (cu_seqlens). The cache is built without
-  offloading.
+  decoding (crop), packed sequences (cu_seqlens / cu_seq_lens_q). The cache
+  is built without offloading.
 
 Errors: a map or pool for another model shape, a pool on another device than
 the model, a wrong slot list: StepqArgumentError (a ValueError) naming it; a
@@ -231,7 +231,10 @@ def _install_kernels(layers, mods):
 # query, key, value; flash-linear-attention's: q, k, v).
 _ALIASES = {"q": ("query", "q"), "k": ("key", "k"), "v": ("value", "v"), "g": ("g", "gate"), "beta": ("beta",),
             "initial_state": ("initial_state",), "output_final_state": ("output_final_state",),
-            "l2norm": ("use_qk_l2norm_in_kernel",), "scale": ("scale",), "cu_seqlens": ("cu_seqlens",)}
+            "l2norm": ("use_qk_l2norm_in_kernel",), "scale": ("scale",)}
+# Packed-sequence boundaries, by keyword: GDN layers pass cu_seqlens= (popped from their cu_seq_lens_q);
+# the KDA layers forward their **kwargs, where they arrive as cu_seq_lens_q.
+_PACKED_NAMES = ("cu_seqlens", "cu_seq_lens_q")
 _DEFAULT_ORDER = ("query", "key", "value", "g", "beta")
 
 
@@ -297,8 +300,9 @@ def _wrap(fn, name):
             return fn(*args, **kwargs)  # not a StepqCache forward, or a kernel inside our own call
         cache, layer_id = top[0], top[1]
         call = _Call(name, fn, params, args, kwargs)
-        if call.get("cu_seqlens") is not None:
-            raise HFError("%s: packed sequences (cu_seqlens) are not supported by stepq.hf" % name)
+        packed = [n for n in _PACKED_NAMES if call.kwargs.get(n) is not None]
+        if packed:
+            raise HFError("%s: packed sequences (%s) are not supported by stepq.hf" % (name, packed[0]))
         if role == "decode":
             return cache._decode(layer_id, call)
         top[2] = True
