@@ -1,10 +1,12 @@
 """stepq.hf, the transformers cache: what needs no torch (the transformers
 names, the scripts' loader of them, the served-path script's arguments and
 workload, the import error without torch) everywhere; with torch and
-transformers (the GPU host) and the tiny-gdn checkpoint (STEPQ_SHARED,
-./shared or ../shared beside the source tree), generate() through a
-StepqCache against transformers' own cache, and the refusals of a map for
-another model and of a batch that does not fit the slots."""
+transformers (the GPU host) and the tiny-gdn / tiny-kda checkpoints
+(STEPQ_SHARED, ./shared or ../shared beside the source tree), generate()
+through a StepqCache against transformers' own cache on both, the batch
+surgery of a scheduler (extend_rows, select_rows, trim_left, fork) against
+each request alone with the fp32 map, and the refusals of a map for another
+model and of a batch that does not fit the slots."""
 
 import os
 import subprocess
@@ -102,14 +104,14 @@ def test_served_path_workload_shares_prompts_and_respects_the_ranges():
 
 # --- with torch, transformers and the tiny model -------------------------------------------
 
-def _shared():
+def _shared(name="tiny-gdn"):
     for root in (os.environ.get("STEPQ_SHARED"), _harness.data("shared"), _harness.data("..", "shared")):
-        if root and os.path.isfile(os.path.join(root, "models", "tiny-gdn", "config.json")):
+        if root and os.path.isfile(os.path.join(root, "models", name, "config.json")):
             return root
     return None
 
 
-def _model():
+def _model(name="tiny-gdn"):
     try:
         import torch
         import transformers
@@ -117,20 +119,20 @@ def _model():
         _harness.skip("torch and transformers are needed (%s)" % e)
     if not transformers.__version__.split(".")[0].isdigit() or int(transformers.__version__.split(".")[0]) < 5:
         _harness.skip("transformers %s: stepq.hf needs transformers 5" % transformers.__version__)
-    root = _shared()
+    root = _shared(name)
     if root is None:
-        _harness.skip("no tiny-gdn checkpoint (set STEPQ_SHARED, or put shared/ beside the source tree)")
+        _harness.skip("no %s checkpoint (set STEPQ_SHARED, or put shared/ beside the source tree)" % name)
     import stepq.hf
     from transformers import AutoModelForCausalLM
     dev = "cuda" if torch.cuda.is_available() else "cpu"
-    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "models", "tiny-gdn"),
+    model = AutoModelForCausalLM.from_pretrained(os.path.join(root, "models", name),
                                                  dtype=torch.float32).to(dev).eval()
     return torch, stepq.hf, model, dev
 
 
-def _pool(hf, model, name, size):
+def _pool(hf, model, name, size, model_name="tiny-gdn"):
     try:
-        return hf.open_pool(model, _harness.data("config", "calibrated", "tiny-gdn", name), size=size)
+        return hf.open_pool(model, _harness.data("config", "calibrated", model_name, name), size=size)
     except stepq.StepqError as e:
         if e.name in ("STEPQ_ENOTSUP", "STEPQ_ENODEV"):
             _harness.skip("no pool on the model's device: %s" % e)
@@ -142,11 +144,11 @@ def _prompts(torch, dev):
     return torch.tensor([list(t) for t in text], device=dev)
 
 
-def test_generate_through_the_fp32_map_gives_transformers_tokens():
-    torch, hf, model, dev = _model()
+def _generate_through_the_fp32_map(name):
+    torch, hf, model, dev = _model(name)
     if dev == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = False
-    pool = _pool(hf, model, "fp32.json", 4)
+    pool = _pool(hf, model, "fp32.json", 4, name)
     ids = _prompts(torch, dev)
     kw = dict(max_new_tokens=24, min_new_tokens=24, do_sample=False, pad_token_id=0,
               attention_mask=torch.ones_like(ids))
@@ -160,6 +162,97 @@ def test_generate_through_the_fp32_map_gives_transformers_tokens():
     assert pool.stats()["in_use"] == 0
     assert torch.equal(own, got), (own[:, ids.shape[1]:], got[:, ids.shape[1]:])
     pool.close()
+
+
+def test_generate_through_the_fp32_map_gives_transformers_tokens():
+    _generate_through_the_fp32_map("tiny-gdn")
+
+
+def test_generate_on_kda_through_the_fp32_map_gives_transformers_tokens():
+    _generate_through_the_fp32_map("tiny-kda")
+
+
+def _batched_rows_match_alone(name):
+    """The scheduler's batch surgery with the fp32 map: two prompts of different lengths prefilled
+    apart, joined (extend_rows: left padding, its attention mask, per-row position_ids), decoded
+    together, the shorter one kept alone (select_rows, trim_left), and a prefix fork decoded on
+    its own; every row's logits as the same request run alone, teacher-forced."""
+    torch, hf, model, dev = _model(name)
+    if dev == "cuda":
+        torch.backends.cuda.matmul.allow_tf32 = False
+    pool = _pool(hf, model, "fp32.json", 8, name)
+    text = b"The President said that the Congress of the United States shall meet in December "
+    lens, steps, together = (21, 13), 6, 3
+    starts = (0, 5)
+    prompts = [list(text[s:s + n]) for s, n in zip(starts, lens)]
+    feeds = [list(text[s + n:s + n + steps]) for s, n in zip(starts, lens)]
+
+    def tensor(rows):
+        return torch.tensor(rows, device=dev)
+
+    def decode_alone(cache, i, first):
+        lg = [first]
+        for j in range(steps):
+            out = model(input_ids=tensor([[feeds[i][j]]]), position_ids=tensor([[lens[i] + j]]),
+                        past_key_values=cache, use_cache=True)
+            lg.append(out.logits[0, -1])
+        return torch.stack(lg)
+
+    def alone(i):
+        with hf.StepqCache(model, pool) as cache:
+            out = model(input_ids=tensor([prompts[i]]), past_key_values=cache, use_cache=True)
+            return decode_alone(cache, i, out.logits[0, -1])
+
+    with torch.no_grad():
+        ref = [alone(0), alone(1)]
+        caches, got = [], [[], []]
+        for i in range(2):
+            cache = hf.StepqCache(model, pool)
+            out = model(input_ids=tensor([prompts[i]]), past_key_values=cache, use_cache=True)
+            got[i].append(out.logits[0, -1])
+            caches.append(cache)
+        fork = caches[1].fork()
+        batch = caches[0]
+        assert batch.extend_rows(caches[1]) == (0, lens[0] - lens[1])
+        mask = torch.ones((2, lens[0]), dtype=torch.long, device=dev)
+        mask[1, :lens[0] - lens[1]] = 0
+        pos, rows = tensor(list(lens)), [0, 1]
+        for j in range(steps):
+            if j == together:
+                batch.select_rows([1])
+                rows, mask, pos = [1], mask[1:], pos[1:]
+                n = mask.shape[1] - (lens[1] + j)
+                assert n == lens[0] - lens[1], n
+                batch.trim_left(n)
+                mask = mask[:, n:]
+            B = len(rows)
+            mask = torch.cat([mask, torch.ones((B, 1), dtype=mask.dtype, device=dev)], dim=1)
+            out = model(input_ids=tensor([[feeds[r][j]] for r in rows]), attention_mask=mask,
+                        position_ids=pos.view(B, 1), past_key_values=batch, use_cache=True)
+            for b, r in enumerate(rows):
+                got[r].append(out.logits[b, -1])
+            pos = pos + 1
+        assert batch.batch_rows == 1 and batch.get_seq_length() == lens[1] + steps
+        forked = decode_alone(fork, 1, got[1][0])
+        batch.release()
+        fork.release()
+    assert pool.stats()["in_use"] == 0
+    pool.close()
+    for what, a, b in (("row 0 (the longer prompt)", torch.stack(got[0]), ref[0][:together + 1]),
+                       ("row 1 (padded, then kept alone)", torch.stack(got[1]), ref[1]),
+                       ("the fork of row 1's prefix", forked, ref[1])):
+        assert a.shape == b.shape, (what, a.shape, b.shape)
+        diff = (a.float() - b.float()).abs().max().item()
+        assert diff <= 1e-4, "%s: %s logits %.3g from the request alone (per position: %s)" % (
+            name, what, diff, (a.float() - b.float()).abs().amax(-1).tolist())
+
+
+def test_batch_surgery_keeps_every_row_as_alone():
+    _batched_rows_match_alone("tiny-gdn")
+
+
+def test_batch_surgery_keeps_every_row_as_alone_on_kda():
+    _batched_rows_match_alone("tiny-kda")
 
 
 def test_generate_through_a_packed_map_keeps_its_slots_healthy():
