@@ -24,7 +24,11 @@ fused decode step. Checks (--check, comma-separated; default all):
             stats back to their start. Each --batching-map map in turn
             (default stepq@4, then fp32 as the control: it shows how far
             the model's own batched arithmetic moves logits, which a
-            quantized map can turn into flipped codes).
+            quantized map can turn into flipped codes). The JSON keeps,
+            per request compared, whether it came through a prefix fork,
+            its largest logit difference (and after the prefill, where both
+            runs are B = 1), the first position past the tolerance and the
+            first token mismatch: where a request parts from its alone run.
   drift     teacher-forced NLL through the served path, the streams and the
             table of nll_eval.py (same slicing, same definitions, same
             columns), every method of --methods side by side in one batch.
@@ -384,6 +388,7 @@ def batching_one(env, a, name, tol, mismatch_frac):
     step_logits, step_rows, step_tokens = [], [], []
     first = {}  # rid -> (logits [V] on device, token)
     forks = prefills = track_copies = 0
+    forked = set()  # rids admitted through a prefix fork
     step, max_batch = 0, 0
     t0 = time.time()
     done = 0
@@ -405,6 +410,7 @@ def batching_one(env, a, name, tol, mismatch_frac):
                     c = snap[0].fork([working])  # prefix copy-on-write: pages and transformers tensors
                     lg = snap[1]
                     forks += 1
+                    forked.add(r.rid)
                 else:
                     c = hf.StepqCache(model, pool, [working])
                     out = forward(model, torch.tensor([r.prompt], device=dev), c)
@@ -507,7 +513,7 @@ def batching_one(env, a, name, tol, mismatch_frac):
     # The same requests alone, on a pool of their own with the same map.
     ref_pool = env.pool(model, path, 2)
     t1 = time.time()
-    worst, mean_sum, n_pos, mism, diverged, firsts = 0.0, 0.0, 0, 0, 0, []
+    worst, mean_sum, n_pos, mism, diverged, firsts, per_req = 0.0, 0.0, 0, 0, 0, [], []
     alone = sorted(reqs, key=lambda r: r.rid)[:a.alone or len(reqs)]
     for i, r in enumerate(alone):
         ct, cl = cb[r.rid]
@@ -521,6 +527,14 @@ def batching_one(env, a, name, tol, mismatch_frac):
         if ne.numel():
             diverged += 1
             firsts.append((r.rid, int(ne[0])))
+        # Where a request parts from its alone run: at once (position 0 is the B = 1 prefill of both runs, 0 unless
+        # the runs differ before any batching), at a batch event, or growing from last-bit differences.
+        dpos = d.amax(dim=1)
+        over = (dpos > tol).nonzero()
+        per_req.append({"rid": r.rid, "forked": r.rid in forked, "prompt": len(r.prompt), "n_new": r.n_new,
+                        "max_abs_logit_diff": dpos.max().item(), "prefill_logit_diff": dpos[0].item(),
+                        "first_over_tol": int(over[0]) if over.numel() else None,
+                        "first_mismatch": int(ne[0]) if ne.numel() else None})
         if (i + 1) % 8 == 0:
             el = time.time() - t1
             log("batching: %d/%d alone runs, %.0f s (%.0f s to go)" % (i + 1, len(alone), el,
@@ -539,14 +553,19 @@ def batching_one(env, a, name, tol, mismatch_frac):
            "pool_slots": start["capacity"], "steps": step, "max_batch": max_batch, "prefills": prefills,
            "prefix_forks": forks, "track_copies": track_copies, "tokens": sum(r.n_new for r in reqs),
            "compared_alone": len(alone), "max_abs_logit_diff": worst, "mean_abs_logit_diff": mean_sum / max(n_pos, 1),
-           "token_mismatches": mism, "requests_with_mismatch": diverged, "first_mismatch": firsts[:16], "slots_leaked": leaked, "pool_closed_clean": closed,
+           "token_mismatches": mism, "requests_with_mismatch": diverged, "first_mismatch": firsts[:16],
+           "prefill_logit_diff": max((x["prefill_logit_diff"] for x in per_req), default=0.0),
+           "forked_with_mismatch": sum(1 for x in per_req if x["forked"] and x["first_mismatch"] is not None),
+           "per_request": per_req, "slots_leaked": leaked, "pool_closed_clean": closed,
            "stats_start": start, "stats_end": end, "stats_equal": stats_equal,
            "seconds_batched": t_cb, "seconds_alone": time.time() - t1, "tol": tol,
            "mismatch_frac": mismatch_frac}
     res["pass"] = (worst <= tol and mism <= mismatch_frac * n_pos and not leaked
                    and stats_equal and closed)
-    log("batching: max |logit difference| to alone %.3g, %d token mismatches (%d requests), %d slots leaked, "
-        "stats equal %s: %s" % (worst, mism, diverged, len(leaked), stats_equal, "PASS" if res["pass"] else "FAIL"))
+    log("batching: max |logit difference| to alone %.3g (after the prefill %.3g), %d token mismatches (%d requests, "
+        "%d of them forked), %d slots leaked, stats equal %s: %s"
+        % (worst, res["prefill_logit_diff"], mism, diverged, res["forked_with_mismatch"], len(leaked), stats_equal,
+           "PASS" if res["pass"] else "FAIL"))
     md = ("| check | value |\n|---|---:|\n"
           "| requests (sharing a prompt) | %d (%d) |\n| decode steps, largest batch | %d, %d |\n"
           "| prefills, prefix forks, track copies | %d, %d, %d |\n"
