@@ -1,9 +1,10 @@
 /*
  * Launchers of the pool's CUDA kernels (pool/kernels.cu), callable from C.
- * Each but the masked copy takes host id lists (already validated, no -1 entries), passes them to
- * the kernels by value in chunks, enqueues on `stream` (a cudaStream_t) and
- * returns a cudaError_t as int (0 = cudaSuccess). Pages must be 16-byte
- * aligned and page_bytes a multiple of 16.
+ * Each but the masked copy takes host id lists (already validated, no -1
+ * entries), passes them to the kernels by value in chunks, enqueues on
+ * `stream` (a cudaStream_t) and returns a cudaError_t as int (0 =
+ * cudaSuccess). Pages must be 16-byte aligned and page_bytes a multiple of
+ * 16.
  */
 #ifndef STEPQ_POOL_CUDA_H
 #define STEPQ_POOL_CUDA_H
