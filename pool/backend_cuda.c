@@ -348,6 +348,25 @@ static int check_stream(stepq_pool_t *pool, void *stream)
     return STEPQ_OK;
 }
 
+/* One launch on the caller's stream (checked as a step's); the lists stay on the device. */
+static int cuda_copy_masked(stepq_pool_t *pool, const int32_t *src, const int32_t *dst,
+                            const int32_t *mask, int32_t n, void *stream)
+{
+    int prev = 0, ret = device_enter(pool, &prev);
+
+    if (ret < 0)
+        return ret;
+    if ((ret = check_stream(pool, stream)) < 0)
+        goto out;
+    CUDA_TRY((cudaError_t)stepq__pool_cuda_copy_masked(pool->pages, pool->page_bytes, pool->health,
+                                                       pool->slots, src, dst, mask, n,
+                                                       stream ? stream : pool->stream),
+             "masked copy kernel");
+out:
+    device_leave(pool, prev);
+    return ret;
+}
+
 static int cuda_decode(stepq_pool_t *pool, int layer, const struct stepq__step_args *a)
 {
     struct cuda_data *cd = pool->backend_data;
@@ -410,6 +429,7 @@ const struct stepq__pool_ops stepq__pool_cuda_ops = {
     .fini = cuda_fini,
     .clear = cuda_clear,
     .copy = cuda_copy,
+    .copy_masked = cuda_copy_masked,
     .to_host = cuda_to_host,
     .from_host = cuda_from_host,
     .read_health = cuda_read_health,

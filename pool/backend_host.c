@@ -62,6 +62,25 @@ static int host_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst,
     return STEPQ_OK;
 }
 
+/* In list order: a destination listed twice ends with its last entry's page
+ * (the public contract leaves that unspecified). */
+static int host_copy_masked(stepq_pool_t *pool, const int32_t *src, const int32_t *dst,
+                            const int32_t *mask, int32_t n, void *stream)
+{
+    (void)stream;
+    for (int32_t i = 0; i < n; i++) {
+        const int32_t s = src[i], d = dst[i];
+
+        if (mask && mask[i] == 0)
+            continue;
+        if (s < 1 || s > pool->slots || d < 1 || d > pool->slots || s == d)
+            continue;
+        memcpy(page(pool, d), page(pool, s), pool->page_bytes);
+        pool->health[d] = pool->health[s];
+    }
+    return STEPQ_OK;
+}
+
 static int host_to_host(stepq_pool_t *pool, const int32_t *ids, const int32_t *pos, int32_t n,
                         void *host)
 {
@@ -174,6 +193,7 @@ const struct stepq__pool_ops stepq__pool_host_ops = {
     .fini = host_fini,
     .clear = host_clear,
     .copy = host_copy,
+    .copy_masked = host_copy_masked,
     .to_host = host_to_host,
     .from_host = host_from_host,
     .read_health = host_read_health,

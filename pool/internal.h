@@ -99,6 +99,14 @@ struct stepq__pool_ops {
     int (*clear)(struct stepq_pool *pool, const int32_t *ids, int32_t n, int pages);
     /** Copies pages and health words src[i] -> dst[i] (lists disjoint). */
     int (*copy)(struct stepq_pool *pool, const int32_t *src, const int32_t *dst, int32_t n);
+    /**
+     * stepq_pool_copy_masked(): src, dst and mask (may be NULL) are the
+     * caller's lists in the backend's memory, not validated (the backend
+     * skips the entries the public header names); n > 0; stream is the
+     * caller's (NULL = the pool's; always NULL on the host backend).
+     */
+    int (*copy_masked)(struct stepq_pool *pool, const int32_t *src, const int32_t *dst,
+                       const int32_t *mask, int32_t n, void *stream);
     /** Copies page ids[i] to host + pos[i] * page_bytes. */
     int (*to_host)(struct stepq_pool *pool, const int32_t *ids, const int32_t *pos, int32_t n,
                    void *host);

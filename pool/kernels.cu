@@ -1,9 +1,12 @@
 /*
  * Page clear and gather-copy kernels of the CUDA pool backend.
  *
- * Slot lists reach the kernels as kernel arguments (by value, in chunks),
- * not through a device buffer: no staging copy, no host synchronisation, and
- * the launches stay capturable in a CUDA graph.
+ * Slot lists of clear and copy reach the kernels as kernel arguments (by
+ * value, in chunks), not through a device buffer: no staging copy, no host
+ * synchronisation, and the launches stay capturable in a CUDA graph. The
+ * masked copy reads its lists from device memory instead (they are the
+ * server's tensors, rewritten between graph replays) and checks each entry
+ * there.
  */
 #include <cuda_runtime.h>
 
@@ -46,10 +49,11 @@ __global__ void clear_pages(uint8_t *pages, uint64_t page_bytes, uint32_t *healt
         p[i] = zero;
 }
 
-__global__ void copy_pages(uint8_t *pages, uint64_t page_bytes, uint32_t *health,
-                           const struct copy_args args)
+/* Block (blockIdx.y) of the blocks copying page s to page d: its share of the
+ * page's 16-byte words and, from block 0, the health word. */
+__device__ void copy_page(uint8_t *pages, uint64_t page_bytes, uint32_t *health, int32_t s,
+                          int32_t d)
 {
-    const int32_t s = args.src[blockIdx.x], d = args.dst[blockIdx.x];
     const uint4 *src = (const uint4 *)(pages + (uint64_t)s * page_bytes);
     uint4 *dst = (uint4 *)(pages + (uint64_t)d * page_bytes);
     const uint64_t n = page_bytes / 16;
@@ -59,6 +63,31 @@ __global__ void copy_pages(uint8_t *pages, uint64_t page_bytes, uint32_t *health
     for (uint64_t i = (uint64_t)blockIdx.y * blockDim.x + threadIdx.x; i < n;
          i += (uint64_t)gridDim.y * blockDim.x)
         dst[i] = src[i];
+}
+
+__global__ void copy_pages(uint8_t *pages, uint64_t page_bytes, uint32_t *health,
+                           const struct copy_args args)
+{
+    copy_page(pages, page_bytes, health, args.src[blockIdx.x], args.dst[blockIdx.x]);
+}
+
+/* Entry blockIdx.x of device lists: skipped when masked off, when either id
+ * is outside 1..slots (the sentinel, padding, garbage) or when they are
+ * equal. The test is the same for every block of the entry. */
+__global__ void copy_pages_masked(uint8_t *pages, uint64_t page_bytes, uint32_t *health,
+                                  int32_t slots, const int32_t *src, const int32_t *dst,
+                                  const int32_t *mask)
+{
+    const int32_t e = (int32_t)blockIdx.x;
+    int32_t s, d;
+
+    if (mask && mask[e] == 0)
+        return;
+    s = src[e];
+    d = dst[e];
+    if (s < 1 || s > slots || d < 1 || d > slots || s == d)
+        return;
+    copy_page(pages, page_bytes, health, s, d);
 }
 
 /* Blocks per page for k pages in one launch: about TARGET_BLOCKS in all, at
@@ -113,4 +142,16 @@ extern "C" int stepq__pool_cuda_copy(uint8_t *pages, uint64_t page_bytes, uint32
             return (int)e;
     }
     return (int)cudaSuccess;
+}
+
+extern "C" int stepq__pool_cuda_copy_masked(uint8_t *pages, uint64_t page_bytes, uint32_t *health,
+                                            int32_t slots, const int32_t *src, const int32_t *dst,
+                                            const int32_t *mask, int32_t n, void *stream)
+{
+    if (n <= 0)
+        return (int)cudaSuccess;
+    dim3 grid((unsigned)n, blocks_per_page(page_bytes, n));
+    copy_pages_masked<<<grid, THREADS, 0, (cudaStream_t)stream>>>(pages, page_bytes, health, slots,
+                                                                  src, dst, mask);
+    return (int)cudaGetLastError();
 }

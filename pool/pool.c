@@ -673,6 +673,41 @@ out:
     return ret;
 }
 
+int stepq_pool_copy_masked(stepq_pool_t *h, const int32_t *src, const int32_t *dst,
+                           const int32_t *mask, int32_t n, void *stream)
+{
+    stepq_pool_t *pool = NULL;
+    int ret = stepq__pool_enter(h, "stepq_pool_copy_masked", &pool);
+
+    if (ret < 0)
+        return ret;
+    /* Only the arguments themselves: the lists may be device memory, and a
+     * captured launch reads them at each replay, not now. */
+    if (n < 0 || (n > 0 && (!src || !dst))) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL, "n = %" PRId32 " with src %s and dst %s", n,
+                               src ? "set" : "NULL", dst ? "set" : "NULL");
+        goto out;
+    }
+    if (n > STEPQ_POOL_COPY_MASKED_MAX) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "n = %" PRId32 " entries, more than STEPQ_POOL_COPY_MASKED_MAX (%d)",
+                               n, STEPQ_POOL_COPY_MASKED_MAX);
+        goto out;
+    }
+    if (stream && pool->backend == STEPQ_POOL_BACKEND_HOST) {
+        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
+                               "stream %p given to a host-backend pool (pass NULL)", stream);
+        goto out;
+    }
+    if (n > 0)
+        ret = pool->ops->copy_masked(pool, src, dst, mask, n, stream);
+out:
+    if (ret < 0)
+        stepq__error(ret, "stepq_pool_copy_masked: %s", pool->err);
+    stepq__pool_leave(pool);
+    return ret;
+}
+
 static int check_host(stepq_pool_t *pool, int32_t n, const void *host, size_t host_bytes)
 {
     if (n > 0 && !host)

@@ -392,6 +392,174 @@ static void copy_rejects_overlap_repeated_destinations_and_free_slots(void **sta
     close_pool(pool);
 }
 
+/* --- masked copies (lists as a captured decode step passes them) ---------- */
+
+/* Every page (sentinel included) and health word of a pool, for comparisons. */
+struct image {
+    uint8_t pages[8 * PAGE_BYTES];
+    uint32_t health[8];
+};
+
+static void take_image(stepq_pool_t *pool, struct image *im)
+{
+    uint32_t *words;
+
+    assert_true(stats(pool).capacity + 1 <= 8);
+    memset(im, 0, sizeof(*im));
+    assert_int_equal(stepq_pool_health_words(pool, &words), STEPQ_OK);
+    for (int32_t i = 0; i <= stats(pool).capacity; i++) {
+        memcpy(im->pages + (size_t)i * PAGE_BYTES, page(pool, i), PAGE_BYTES);
+        im->health[i] = words[i];
+    }
+}
+
+/* Slots 1..6 allocated, page i filled with seed 10 * i, health word i. */
+static stepq_pool_t *open_filled(void)
+{
+    stepq_pool_t *pool = open_synthetic(6, 0);
+    int32_t ids[6];
+    uint32_t *words;
+
+    assert_int_equal(stepq_pool_alloc(pool, 6, ids), STEPQ_OK);
+    assert_int_equal(stepq_pool_health_words(pool, &words), STEPQ_OK);
+    for (int32_t i = 1; i <= 6; i++) {
+        assert_int_equal(ids[i - 1], i);
+        fill(pool, i, (uint8_t)(10 * i));
+        words[i] = (uint32_t)i;
+    }
+    return pool;
+}
+
+static void copy_masked_copies_only_the_entries_the_mask_selects(void **state)
+{
+    const int32_t src[3] = { 1, 2, 1 }, dst[3] = { 4, 5, 6 };
+    const int32_t none[3] = { 0, 0, 0 }, some[3] = { 0, 7, -1 };
+    stepq_pool_t *pool = open_filled();
+    uint32_t *words;
+    struct image before, after;
+
+    assert_int_equal(stepq_pool_health_words(pool, &words), STEPQ_OK);
+    /* None: nothing moves. */
+    take_image(pool, &before);
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, none, 3, NULL), STEPQ_OK);
+    take_image(pool, &after);
+    assert_memory_equal(&before, &after, sizeof(before));
+    /* Some: any nonzero value selects (entries 1 and 2 here). */
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, some, 3, NULL), STEPQ_OK);
+    assert_true(holds(pool, 4, 40));
+    assert_true(holds(pool, 5, 20));
+    assert_true(holds(pool, 6, 10));
+    assert_int_equal(words[4], 4);
+    assert_int_equal(words[5], 2);
+    assert_int_equal(words[6], 1);
+    assert_true(holds(pool, 1, 10));
+    assert_true(holds(pool, 2, 20));
+    /* NULL mask: all of them. */
+    fill(pool, 5, 50);
+    fill(pool, 6, 60);
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 3, NULL), STEPQ_OK);
+    assert_true(holds(pool, 4, 10));
+    assert_true(holds(pool, 5, 20));
+    assert_true(holds(pool, 6, 10));
+    assert_int_equal(words[4], 1);
+    assert_int_equal(words[5], 2);
+    assert_int_equal(words[6], 1);
+    assert_true(is_zero(pool, 0));
+    assert_int_equal(stepq__pool_check(pool), STEPQ_OK);
+    close_pool(pool);
+}
+
+static void copy_masked_skips_entries_with_bad_ids(void **state)
+{
+    /* The sentinel, padding, out of range on either side, src == dst; the
+     * masked-off entry's ids are garbage and must not be looked at. */
+    const int32_t src[9] = { 0, 1, -1, 2, 7, 3, INT32_MIN, 1, 12345 };
+    const int32_t dst[9] = { 4, 0, 5, -1, 6, 3, 4, 7, 4 };
+    const int32_t mask[9] = { 1, 1, 1, 1, 1, 1, 1, 1, 0 };
+    stepq_pool_t *pool = open_filled();
+    struct image before, after;
+
+    take_image(pool, &before);
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, mask, 9, NULL), STEPQ_OK);
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 8, NULL), STEPQ_OK);
+    take_image(pool, &after);
+    assert_memory_equal(&before, &after, sizeof(before));
+    /* n = 0 is a no-op, with or without lists. */
+    assert_int_equal(stepq_pool_copy_masked(pool, NULL, NULL, NULL, 0, NULL), STEPQ_OK);
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, mask, 0, NULL), STEPQ_OK);
+    take_image(pool, &after);
+    assert_memory_equal(&before, &after, sizeof(before));
+    close_pool(pool);
+}
+
+static void copy_masked_moves_what_copy_moves(void **state)
+{
+    const int32_t src[4] = { 1, -1, 2, 1 }, dst[4] = { 3, 4, 5, 6 };
+    stepq_pool_t *a = open_filled(), *b = open_filled();
+    struct image ia, ib;
+
+    assert_int_equal(stepq_pool_copy(a, src, dst, 4), STEPQ_OK);
+    assert_int_equal(stepq_pool_copy_masked(b, src, dst, NULL, 4, NULL), STEPQ_OK);
+    take_image(a, &ia);
+    take_image(b, &ib);
+    assert_memory_equal(&ia, &ib, sizeof(ia));
+    close_pool(a);
+    close_pool(b);
+}
+
+static void copy_masked_does_not_consult_the_allocator(void **state)
+{
+    stepq_pool_t *pool = open_filled();
+    const int32_t src = 1, dst = 6;
+    int32_t id;
+    uint32_t *words;
+
+    /* A free destination is written (the caller's bug), the allocator is
+     * untouched and the next alloc resets the health word. */
+    assert_int_equal(stepq_pool_free(pool, &dst, 1), STEPQ_OK);
+    assert_int_equal(stepq_pool_copy_masked(pool, &src, &dst, NULL, 1, NULL), STEPQ_OK);
+    assert_true(holds(pool, 6, 10));
+    assert_int_equal(stepq_pool_is_allocated(pool, 6), 0);
+    assert_int_equal(stepq__pool_check(pool), STEPQ_OK);
+    assert_int_equal(stepq_pool_alloc(pool, 1, &id), STEPQ_OK);
+    assert_int_equal(id, 6);
+    assert_int_equal(stepq_pool_health_words(pool, &words), STEPQ_OK);
+    assert_int_equal(words[6], 0);
+    close_pool(pool);
+}
+
+static void copy_masked_rejects_bad_arguments_and_changes_nothing(void **state)
+{
+    const int32_t src[2] = { 1, 2 }, dst[2] = { 3, 4 };
+    stepq_pool_t *pool = open_filled();
+    struct snapshot before = snap(pool);
+    struct image ib, ia;
+    int stream_stand_in;
+
+    take_image(pool, &ib);
+    assert_int_equal(stepq_pool_copy_masked(NULL, src, dst, NULL, 2, NULL), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "stepq_pool_copy_masked: pool is NULL"));
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, -1, NULL), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_pool_last_error(pool), "n = -1"));
+    assert_int_equal(stepq_pool_copy_masked(pool, NULL, dst, NULL, 2, NULL), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_pool_last_error(pool), "src NULL"));
+    assert_int_equal(stepq_pool_copy_masked(pool, src, NULL, NULL, 2, NULL), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_pool_last_error(pool), "dst NULL"));
+    assert_int_equal(
+        stepq_pool_copy_masked(pool, src, dst, NULL, STEPQ_POOL_COPY_MASKED_MAX + 1, NULL),
+        STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_pool_last_error(pool), "STEPQ_POOL_COPY_MASKED_MAX"));
+    assert_non_null(strstr(stepq_last_error(), "stepq_pool_copy_masked"));
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 2, &stream_stand_in),
+                     STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_pool_last_error(pool), "host-backend"));
+    take_image(pool, &ia);
+    assert_memory_equal(&ib, &ia, sizeof(ib));
+    assert_unchanged(pool, &before);
+    close_pool(pool);
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 2, NULL), STEPQ_EBADF);
+}
+
 /* --- host copies, buffers ------------------------------------------------- */
 
 static void pages_survive_an_offload_round_trip(void **state)
@@ -853,6 +1021,11 @@ int main(void)
         cmocka_unit_test(clear_on_alloc_zeroes_reused_pages),
         cmocka_unit_test(copy_duplicates_whole_pages_and_health_words),
         cmocka_unit_test(copy_rejects_overlap_repeated_destinations_and_free_slots),
+        cmocka_unit_test(copy_masked_copies_only_the_entries_the_mask_selects),
+        cmocka_unit_test(copy_masked_skips_entries_with_bad_ids),
+        cmocka_unit_test(copy_masked_moves_what_copy_moves),
+        cmocka_unit_test(copy_masked_does_not_consult_the_allocator),
+        cmocka_unit_test(copy_masked_rejects_bad_arguments_and_changes_nothing),
         cmocka_unit_test(pages_survive_an_offload_round_trip),
         cmocka_unit_test(buffer_infos_describe_the_contiguous_pages),
         cmocka_unit_test(stats_account_every_byte_and_the_high_water_mark),

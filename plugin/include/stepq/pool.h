@@ -54,7 +54,8 @@
  * Stream semantics (CUDA backend): alloc/free are host bookkeeping and take
  * effect at once; clear, copy, host copies and the health-word reset of
  * alloc are enqueued on the configured stream and are ordered with the
- * server's kernels on that stream. A slot freed while the stream still has
+ * server's kernels on that stream (stepq_pool_copy_masked() on the stream it
+ * is given). A slot freed while the stream still has
  * work reading it may be reallocated at once: its next user's clear/copy is
  * enqueued behind that work, so this is safe for work on the pool's stream.
  * Host backend: every operation completes before the call returns.
@@ -245,6 +246,63 @@ STEPQ_API int stepq_pool_clear(stepq_pool_t *pool, const int32_t *ids, int32_t n
  */
 STEPQ_API int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int32_t *dst,
                               int32_t n);
+
+/** Largest n stepq_pool_copy_masked() accepts (the entries of one launch). */
+#define STEPQ_POOL_COPY_MASKED_MAX 65536
+
+/**
+ * Copies whole pages src[i] -> dst[i] for the entries i < n with
+ * mask[i] != 0, with the lists read on the device: the graph-capturable
+ * form of stepq_pool_copy() for a decode step's conditional copies
+ * (SGLang's extra-buffer track, track_mamba_states_if_needed). What moves
+ * is what stepq_pool_copy() moves: the whole page as stored (packed blocks,
+ * conv state, padding) and the health word (the destination takes the
+ * source's).
+ *
+ * src, dst and mask are n int32 each in the backend's memory (device memory
+ * on the CUDA backend, host memory on the host backend); mask may be NULL
+ * (every entry). stream is a cudaStream_t of the pool's device (NULL = the
+ * pool's stream); the host backend takes NULL only and copies before it
+ * returns. CUDA backend: one kernel launch (none for n = 0) on stream; no
+ * host synchronisation, no allocation, and no host read of src, dst or mask,
+ * so the call can be captured into a CUDA graph and the graph replayed with
+ * new contents in the same buffers (each replay reads them when it runs).
+ * A stream of another device is STEPQ_EINVAL outside a capture, a failed
+ * launch inside one (as for stepq_pool_decode_step()).
+ *
+ * The ids cannot be checked when the call is made (on the CUDA backend they
+ * are read only when the kernel runs), so each entry is checked where it is
+ * read, by these rules, and no entry is an error:
+ *   - masked off (mask[i] == 0): skipped; mask is read first, so src[i] and
+ *     dst[i] of such an entry are not read and may hold anything;
+ *   - src[i] or dst[i] outside 1..slots (the sentinel 0, padding -1, any
+ *     other value): skipped;
+ *   - src[i] == dst[i]: skipped (the page is left as it is);
+ *   - otherwise dst[i] gets src[i]'s page and health word.
+ * Unlike stepq_pool_copy(), the allocator's view is not checked: which slots
+ * are allocated is host state at the time of the call, while the ids are
+ * read later, at each run or replay, and reading them on the host would
+ * need a synchronisation. Ids of slots that are not allocated are the
+ * caller's responsibility: such a copy overwrites the page (a free slot's
+ * page and health word are reset when it is next allocated, so the
+ * allocator itself is not harmed; an allocated slot of another request is).
+ * Entries run concurrently and in no order, so these are caller bugs with
+ * unspecified results: a slot that is the destination of two active entries
+ * (its page may end up mixing both sources' bytes, its health word either
+ * source's), and a slot that is the destination of one active entry and
+ * the source of another (the other reads old, new or mixed bytes). A source
+ * may appear in several active entries.
+ *
+ * Errors (nothing is enqueued or changed): STEPQ_EINVAL for n < 0,
+ * n > STEPQ_POOL_COPY_MASKED_MAX, src or dst NULL with n > 0, a stream on
+ * the host backend or a stream the pool's device does not own; STEPQ_ECUDA
+ * when the launch fails; STEPQ_EBADF for a closed handle. A fault while the
+ * kernel runs (lists that are not n int32 of device memory) is reported by a
+ * later call on the stream, as for every kernel. Thread safety: as every
+ * pool call (the pool's mutex is held while the launch is enqueued).
+ */
+STEPQ_API int stepq_pool_copy_masked(stepq_pool_t *pool, const int32_t *src, const int32_t *dst,
+                                     const int32_t *mask, int32_t n, void *stream);
 
 /**
  * Copies the pages of ids[0..n-1] to host memory (offload): page i goes to
