@@ -694,11 +694,6 @@ int stepq_pool_copy_masked(stepq_pool_t *h, const int32_t *src, const int32_t *d
                                n, STEPQ_POOL_COPY_MASKED_MAX);
         goto out;
     }
-    if (stream && pool->backend == STEPQ_POOL_BACKEND_HOST) {
-        ret = stepq__error_obj(pool->err, STEPQ_EINVAL,
-                               "stream %p given to a host-backend pool (pass NULL)", stream);
-        goto out;
-    }
     if (n > 0)
         ret = pool->ops->copy_masked(pool, src, dst, mask, n, stream);
 out:

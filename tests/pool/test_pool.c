@@ -550,12 +550,11 @@ static void copy_masked_rejects_bad_arguments_and_changes_nothing(void **state)
         STEPQ_EINVAL);
     assert_non_null(strstr(stepq_pool_last_error(pool), "STEPQ_POOL_COPY_MASKED_MAX"));
     assert_non_null(strstr(stepq_last_error(), "stepq_pool_copy_masked"));
-    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 2, &stream_stand_in),
-                     STEPQ_EINVAL);
-    assert_non_null(strstr(stepq_pool_last_error(pool), "host-backend"));
     take_image(pool, &ia);
     assert_memory_equal(&ib, &ia, sizeof(ib));
     assert_unchanged(pool, &before);
+    /* the host backend ignores a stream, as its decode step and prefill calls do */
+    assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 2, &stream_stand_in), STEPQ_OK);
     close_pool(pool);
     assert_int_equal(stepq_pool_copy_masked(pool, src, dst, NULL, 2, NULL), STEPQ_EBADF);
 }

@@ -262,8 +262,8 @@ STEPQ_API int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int3
  * src, dst and mask are n int32 each in the backend's memory (device memory
  * on the CUDA backend, host memory on the host backend); mask may be NULL
  * (every entry). stream is a cudaStream_t of the pool's device (NULL = the
- * pool's stream); the host backend takes NULL only and copies before it
- * returns. CUDA backend: one kernel launch (none for n = 0) on stream; no
+ * pool's stream); the host backend ignores it (as its decode step does) and
+ * copies before it returns. CUDA backend: one kernel launch (none for n = 0) on stream; no
  * host synchronisation, no allocation, and no host read of src, dst or mask,
  * so the call can be captured into a CUDA graph and the graph replayed with
  * new contents in the same buffers (each replay reads them when it runs).
@@ -294,8 +294,8 @@ STEPQ_API int stepq_pool_copy(stepq_pool_t *pool, const int32_t *src, const int3
  * may appear in several active entries.
  *
  * Errors (nothing is enqueued or changed): STEPQ_EINVAL for n < 0,
- * n > STEPQ_POOL_COPY_MASKED_MAX, src or dst NULL with n > 0, a stream on
- * the host backend or a stream the pool's device does not own; STEPQ_ECUDA
+ * n > STEPQ_POOL_COPY_MASKED_MAX, src or dst NULL with n > 0, or a stream
+ * the pool's device does not own (CUDA backend); STEPQ_ECUDA
  * when the launch fails; STEPQ_EBADF for a closed handle. A fault while the
  * kernel runs (lists that are not n int32 of device memory) is reported by a
  * later call on the stream, as for every kernel. Thread safety: as every
