@@ -18,24 +18,21 @@ import os
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_checks import check, failed  # noqa: E402
+
 EXE, ROOT = sys.argv[1], sys.argv[2]
 MAP = os.path.join(ROOT, "config", "examples", "qwen3.8-27b.stepq-6-layout.json")
 FP32 = os.path.join(ROOT, "config", "examples", "qwen3.8-27b.fp32.json")
 ENV = dict(os.environ, STEPQ_PROGRESS="off")
 SMALL = ["--backend", "host", "--batch", "1,3", "--tokens", "3", "--layers", "1"]
 TIMINGS = {"tokens_per_s", "ms_per_step", "decode_s", "run_s", "speedup_vs_fp32"}
-bad = 0
 
 
 def run(args):
     return subprocess.run([EXE, "bench", "decode"] + args, capture_output=True, text=True,
                           env=ENV, timeout=300)
 
-
-def check(ok, what, detail=""):
-    global bad
-    print("%s %s%s" % ("ok  " if ok else "FAIL", what, "" if ok else ": " + detail))
-    bad += not ok
 
 
 def untimed(d):
@@ -173,7 +170,7 @@ def main():
         check(p.returncode != 0 and len(lines) == 1 and want in lines[0] and p.stdout == "",
               "bench decode %s: refused in one line" % " ".join(args[1:] or args),
               "rc %d, %r" % (p.returncode, p.stderr))
-    return 1 if bad else 0
+    return 1 if failed() else 0
 
 
 if __name__ == "__main__":

@@ -18,6 +18,9 @@ import json
 import os
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_checks import check, failed  # noqa: E402
 import tempfile
 
 EXE, ROOT = sys.argv[1], sys.argv[2]
@@ -26,18 +29,12 @@ EX = os.path.join(ROOT, "config", "examples")
 ENV = dict(os.environ, STEPQ_PROGRESS="off")
 SMALL = ["--backend", "host", "--layers", "1", "--batch", "1", "--tokens", "2"]
 LABEL = "fla fp32 (peer)"
-bad = 0
 
 
 def run(args, env=ENV):
     return subprocess.run([EXE, "bench", "decode"] + args, capture_output=True, text=True,
                           env=env, timeout=300)
 
-
-def check(ok, what, detail=""):
-    global bad
-    print("%s %s%s" % ("ok  " if ok else "FAIL", what, "" if ok else ": " + detail))
-    bad += not ok
 
 
 def doc(args):
@@ -197,7 +194,7 @@ def main():
     with tempfile.TemporaryDirectory() as d:
         with_file(d)
     refusals()
-    return 1 if bad else 0
+    return 1 if failed() else 0
 
 
 if __name__ == "__main__":

@@ -19,6 +19,9 @@ import json
 import os
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_checks import check, failed  # noqa: E402
 import tempfile
 
 EXE, ROOT = sys.argv[1], sys.argv[2]
@@ -28,13 +31,7 @@ SCRIPT = os.path.join(ROOT, "tools", "scripts", "bench_peer_fla.py")
 ENV = dict(os.environ, STEPQ_PROGRESS="off")
 SMALL = ["--backend", "host", "--batch", "1,3", "--tokens", "3", "--layers", "1"]
 LABEL = "fla fp32 (peer)"
-bad = 0
 
-
-def check(ok, what, detail=""):
-    global bad
-    print("%s %s%s" % ("ok  " if ok else "FAIL", what, "" if ok else ": " + detail))
-    bad += not ok
 
 
 def run(args, env=ENV):
@@ -320,7 +317,7 @@ def main():
         with_peer(d)
         refusals(d)
         stand_in(d)
-    return 1 if bad else 0
+    return 1 if failed() else 0
 
 
 if __name__ == "__main__":

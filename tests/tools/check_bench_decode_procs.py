@@ -20,6 +20,9 @@ import os
 import re
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_decode_checks import check, failed  # noqa: E402
 import time
 import uuid
 
@@ -31,13 +34,7 @@ CUDA = ["--backend", "cuda", "--batch", "1", "--tokens", "2", "--layers", "1", "
         "--warmup", "0"]
 # Long enough that rank 0 is still running when rank 1 fails (minutes on the host).
 LONG = ["--backend", "host", "--batch", "8", "--tokens", "5000", "--layers", "4"]
-bad = 0
 
-
-def check(ok, what, detail=""):
-    global bad
-    print("%s %s%s" % ("ok  " if ok else "FAIL", what, "" if ok else ": " + detail))
-    bad += not ok
 
 
 def run(args, tag, **env):
@@ -165,7 +162,7 @@ def main():
               "bench decode --tp 2 %s: refused in one line before any rank" % " ".join(args),
               "rc %d, %r" % (p.returncode, p.stderr))
     cuda_procs()
-    return 1 if bad else 0
+    return 1 if failed() else 0
 
 
 def cuda_procs():
