@@ -19,7 +19,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_checks import check, failed  # noqa: E402
+from bench_decode_checks import bench, check, failed  # noqa: E402
 
 EXE, ROOT = sys.argv[1], sys.argv[2]
 MAP = os.path.join(ROOT, "config", "examples", "qwen3.8-27b.stepq-6-layout.json")
@@ -30,8 +30,7 @@ TIMINGS = {"tokens_per_s", "ms_per_step", "decode_s", "run_s", "speedup_vs_fp32"
 
 
 def run(args):
-    return subprocess.run([EXE, "bench", "decode"] + args, capture_output=True, text=True,
-                          env=ENV, timeout=300)
+    return bench(EXE, args, ENV)
 
 
 

@@ -21,7 +21,7 @@ import subprocess
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_decode_checks import check, failed  # noqa: E402
+from bench_decode_checks import bench, check, failed  # noqa: E402
 import tempfile
 
 EXE, ROOT = sys.argv[1], sys.argv[2]
@@ -35,8 +35,7 @@ LABEL = "fla fp32 (peer)"
 
 
 def run(args, env=ENV):
-    return subprocess.run([EXE, "bench", "decode"] + args, capture_output=True, text=True,
-                          env=env, timeout=300)
+    return bench(EXE, args, env)
 
 
 def peer_doc(H=16, HV=48, layers=1, tokens=3, arch="gdn", dtype="bf16", batches=((1, 0.01),)):
