@@ -375,6 +375,7 @@ _SIGNATURES = {
     "stepq_pool_free": (c_int, [c_void_p, _i32p, c_int32]),
     "stepq_pool_clear": (c_int, [c_void_p, _i32p, c_int32]),
     "stepq_pool_copy": (c_int, [c_void_p, _i32p, _i32p, c_int32]),
+    "stepq_pool_copy_masked": (c_int, [c_void_p, c_void_p, c_void_p, c_void_p, c_int32, c_void_p]),
     "stepq_pool_copy_to_host": (c_int, [c_void_p, _i32p, c_int32, c_void_p, c_size_t]),
     "stepq_pool_copy_from_host": (c_int, [c_void_p, _i32p, c_int32, c_void_p, c_size_t]),
     "stepq_pool_sync": (c_int, [c_void_p]),

@@ -242,6 +242,31 @@ class StatePool:
             raise bad_arg("src, dst: %d and %d ids; the lists pair up" % (ns, nd), "STEPQ_ESHAPE")
         check(lib.stepq_pool_copy(self.handle, s, d, ns))
 
+    def copy_masked(self, src, dst, mask=None, stream=None):
+        """Copies whole pages src[i] -> dst[i] where mask[i] != 0
+        (stepq_pool_copy_masked): the extra-buffer strategy's track copy as
+        a CUDA graph can capture it. src, dst (and mask) are n int32 in the
+        pool's memory: int32 tensors on the pool's device for a CUDA pool,
+        read when the copy runs, with no host synchronisation; numpy arrays
+        or lists for a host pool. Entries whose ids are outside 1..size or
+        equal are skipped; the allocator is not consulted, so the ids are
+        the caller's to keep valid (stepq/pool.h says what overlapping
+        destinations leave). stream: a cudaStream_t, None = torch's current
+        stream of the pool's device when torch is loaded."""
+        s = self._slot_ids(src, "src")
+        d = self._slot_ids(dst, "dst")
+        if s.shape[0] != d.shape[0]:
+            raise bad_arg("src, dst: %d and %d ids; the lists pair up" % (s.shape[0], d.shape[0]),
+                          "STEPQ_ESHAPE")
+        m = None
+        if mask is not None:
+            m = self._slot_ids(mask, "mask")
+            if m.shape[0] != s.shape[0]:
+                raise bad_arg("mask: %d entries for %d ids" % (m.shape[0], s.shape[0]), "STEPQ_ESHAPE")
+        check(lib.stepq_pool_copy_masked(self.handle, s.ptr or None, d.ptr or None,
+                                         m.ptr if m is not None else None, s.shape[0],
+                                         self._stream(stream)))
+
     def fork_from(self, src):
         """Allocates one slot and copies slot src's page into it (radix
         copy-on-write); the new slot id, or None when the pool is full."""

@@ -140,6 +140,26 @@ def test_clear_slots_zeroes_only_the_listed_pages():
     pool.close(force=True)
 
 
+def test_copy_masked_copies_the_selected_pages():
+    np = _harness.need_numpy()
+    pool = _pool(6)
+    a, b, c, d = pool.alloc(4)
+    _fill(pool, [a], 3)
+    _fill(pool, [b], 4)
+    before = pool.get_cpu_copy([a, b, c, d])
+    pool.copy_masked([a, b, a], [c, d, 99], mask=[1, 0, 1])  # b -> d masked off, 99 skipped
+    after = pool.get_cpu_copy([a, b, c, d])
+    assert np.array_equal(after[2], before[0]) and np.array_equal(after[3], before[3])
+    pool.copy_masked(np.array([b], np.int32), np.array([d], np.int32))  # no mask: every entry
+    assert np.array_equal(pool.get_cpu_copy([d])[0], before[1])
+    pool.copy_masked([], [])
+    with raises(ValueError):
+        pool.copy_masked([a, b], [c])
+    with raises(ValueError):
+        pool.copy_masked([a], [c], mask=[1, 1])
+    pool.close(force=True)
+
+
 def test_copy_from_duplicates_whole_pages():
     np = _harness.need_numpy()
     pool = _pool(6)
