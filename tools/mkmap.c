@@ -104,7 +104,7 @@ static const struct preset presets[] = {
 static void mkmap_usage(FILE *f)
 {
     fprintf(f, "usage: stepq mkmap --shape NAME --method METHOD [--bits B] [--pivots P]\n"
-               "                   [--out FILE | -o FILE] [--name TEXT]\n"
+               "                   [--row-split A] [--out FILE | -o FILE] [--name TEXT]\n"
                "Builds an uncalibrated precision map for a built-in model shape.\n"
                "  --shape    one of:");
     for (size_t i = 0; i < N_PRESETS; i++)
@@ -120,6 +120,8 @@ static void mkmap_usage(FILE *f)
                "             units get a fixed {lower, B, higher} mix summing exactly to\n"
                "             the budget: a synthetic layout example, not a calibration\n"
                "  --out, -o  output file (default: standard output), written whole or not at all\n"
+               "  --row-split  dsq, spatial, stepq: the map field row_split, the dual-axis\n"
+               "             fit's row-scale exponent in (0, 1] (default 0.5: not written)\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 
@@ -335,6 +337,7 @@ int stepq_tool_mkmap(int argc, char **argv)
     const char *shape_key = NULL, *method_name = NULL, *out = NULL, *name = NULL;
     int bits = 0;
     long long pivots = 0;
+    double row_split = 0.0; /* 0: the default 0.5, not written */
     stepq_method method;
 
     for (int i = 1; i < argc; i++) {
@@ -349,8 +352,9 @@ int stepq_tool_mkmap(int argc, char **argv)
             return 2;
         }
         if (!v) {
-            static const char *const value_opts[] = { "--bits",   "--method", "--name", "--out",
-                                                      "--pivots", "--shape",  "-o",     NULL };
+            static const char *const value_opts[] = { "--bits",  "--method", "--name",
+                                                      "--out",   "--pivots", "--row-split",
+                                                      "--shape", "-o",       NULL };
             return stepq_tool_missing_value("mkmap", a, value_opts);
         }
         long long n;
@@ -368,6 +372,9 @@ int stepq_tool_mkmap(int argc, char **argv)
             }
         } else if (!strcmp(a, "--pivots")) {
             if (stepq_tool_int("mkmap", a, v, 0, INT32_MAX, &pivots) < 0)
+                return 2;
+        } else if (!strcmp(a, "--row-split")) {
+            if (stepq_tool_real("mkmap", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &row_split) < 0)
                 return 2;
         } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
             out = v;
@@ -411,10 +418,22 @@ int stepq_tool_mkmap(int argc, char **argv)
         return 2;
     }
 
+    if (row_split > 0.0 && !stepq_method_has_col_scales(method)) {
+        fprintf(stderr,
+                "stepq mkmap: --row-split: method %s has no dual-axis fit (only dsq, "
+                "spatial and stepq)\n",
+                method_name);
+        return 2;
+    }
+
     stepq_map_t *map = NULL;
     int st = stepq_tool_mkmap_build("mkmap", shape_key, method, bits, pivots, name, &map);
     if (st)
         return st;
+    if (row_split > 0.0 && (st = stepq_map_set_row_split(map, row_split)) < 0) {
+        stepq_map_close(map);
+        return die("mkmap", "--row-split", st);
+    }
 
     /* Written whole or not at all; a write error names the file (not its temporary name). */
     char *buf;

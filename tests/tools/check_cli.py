@@ -41,8 +41,23 @@ def main():
         print("%s %s: rc %d, %r" % ("ok  " if ok else "FAIL", " ".join(cmd), p.returncode,
                                     p.stderr.strip()))
         bad += not ok
-    # bench pool --json: one JSON document on stdout, tables and messages elsewhere.
+    # mkmap --row-split: written into the map for a dual-axis method, refused elsewhere.
     import json
+    base = [exe, "mkmap", "--shape", "tiny-gdn", "--bits", "6"]
+    p = subprocess.run(base + ["--method", "stepq", "--row-split", "0.75"], capture_output=True,
+                       text=True)
+    ok = p.returncode == 0 and json.loads(p.stdout).get("row_split") == 0.75
+    p0 = subprocess.run(base + ["--method", "stepq"], capture_output=True, text=True)
+    ok = ok and p0.returncode == 0 and "row_split" not in json.loads(p0.stdout)
+    for bad_args in (["--method", "temporal", "--row-split", "0.75"],
+                     ["--method", "stepq", "--row-split", "0"],
+                     ["--method", "stepq", "--row-split", "1.5"]):
+        q = subprocess.run(base + bad_args, capture_output=True, text=True)
+        ok = ok and q.returncode == 2 and "--row-split" in q.stderr and not q.stdout
+    print("%s mkmap --row-split: written for stepq, absent by default, refused for temporal, 0, 1.5"
+          % ("ok  " if ok else "FAIL"))
+    bad += not ok
+    # bench pool --json: one JSON document on stdout, tables and messages elsewhere.
     p = subprocess.run([exe, "bench", "pool", "--backend", "host", "--page-bytes", "4096", "--slots",
                         "1,2", "--min-ms", "1", "--json"], capture_output=True, text=True)
     try:
