@@ -124,19 +124,26 @@ def excess_table(results, bits_per_value):
         el = ms(d[:, -256:].mean(dim=1).tolist())
         n = ms(r["nll"].mean(dim=1).tolist())
         bpv = bits_per_value(name, r["path"])
-        # Paired difference against stepq at the same nominal budget (per-stream differences, so
-        # the stream-to-stream spread of the text cancels).
+        # Paired difference against stepq (per-stream differences, so the stream-to-stream spread
+        # of the text cancels): at the same nominal budget, else (fp8, bf16, uniform@8: no stepq of
+        # that budget) against the largest stepq budget present; the row names which.
         vs, vs_m, vs_se = None, None, None
-        if "@" in name and not name.startswith("stepq@"):
-            ref_name = "stepq@" + name.rsplit("@", 1)[1]
-            if ref_name in results:
-                dd = (r["nll"] - results[ref_name]["nll"]).mean(dim=1).tolist()
-                vs = ref_name
-                vs_m, vs_se = ms(dd)
+        ref_name = None
+        if name != "fp32" and not name.startswith("stepq@"):
+            same = "stepq@" + name.rsplit("@", 1)[1] if "@" in name else None
+            budgets = sorted((n for n in results if n.startswith("stepq@")),
+                             key=lambda n: float(n.split("@", 1)[1]) if n.split("@", 1)[1].replace(
+                                 ".", "", 1).isdigit() else -1.0)
+            ref_name = same if same in results else (budgets[-1] if budgets else None)
+        if ref_name:
+            dd = (r["nll"] - results[ref_name]["nll"]).mean(dim=1).tolist()
+            vs = ref_name
+            vs_m, vs_se = ms(dd)
         table.append({"method": name, "map": r["path"], "bits_per_value": bpv, "nll": n[0], "nll_se": n[1],
                       "excess": e[0], "excess_se": e[1], "excess_first256": ef[0], "excess_first256_se": ef[1],
                       "excess_last256": el[0], "excess_last256_se": el[1], "seconds": r["seconds"],
-                      "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs})
+                      "minus_stepq": vs_m, "minus_stepq_se": vs_se, "stepq_ref": vs,
+                      "excess_per_stream": d.mean(dim=1).tolist()})
     return table
 
 
@@ -147,6 +154,8 @@ def excess_markdown(table, streams, text, prefill, decode):
              "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for t in table:
         pair = "%+.5f +- %.5f" % (t["minus_stepq"], t["minus_stepq_se"]) if t["stepq_ref"] else ""
+        if pair and ("@" not in t["method"] or t["method"].rsplit("@", 1)[1] != t["stepq_ref"].split("@", 1)[1]):
+            pair += " (vs %s)" % t["stepq_ref"]
         lines.append("| %s | %.3f | %.4f | %+.5f | %.5f | %+.5f | %+.5f | %s |" % (
             t["method"], t["bits_per_value"], t["nll"], t["excess"], t["excess_se"], t["excess_first256"],
             t["excess_last256"], pair))
