@@ -152,18 +152,27 @@ static int cuda_fail(struct stepq_tp_comm *c, cudaError_t e, const char *what)
 
 /* --- waits --- */
 
+/* One look at the communicator's asynchronous state: a status for an error, 1 while an
+ * operation is in progress, 0 when it is idle. */
+static int poll_comm(struct stepq_tp_comm *c, const char *what)
+{
+    ncclResult_t a = ncclSuccess, r = ncclCommGetAsyncError(c->nccl, &a);
+
+    if (r != ncclSuccess)
+        return nccl_fail(c, r, what);
+    if (a != ncclSuccess && a != ncclInProgress)
+        return nccl_fail(c, a, what);
+    return a == ncclInProgress;
+}
+
 /* The communicator's state, polled until it leaves ncclInProgress. */
 static int wait_ready(struct stepq_tp_comm *c, uint64_t deadline, const char *what)
 {
     for (;;) {
-        ncclResult_t a = ncclSuccess, r = ncclCommGetAsyncError(c->nccl, &a);
+        int busy = poll_comm(c, what);
 
-        if (r != ncclSuccess)
-            return nccl_fail(c, r, what);
-        if (a == ncclSuccess)
-            return STEPQ_OK;
-        if (a != ncclInProgress)
-            return nccl_fail(c, a, what);
+        if (busy <= 0)
+            return busy;
         if (now_ms() > deadline)
             return timed_out(c, what);
         poll_pause();
@@ -176,17 +185,14 @@ static int wait_stream(struct stepq_tp_comm *c, cudaStream_t stream, uint64_t de
 {
     for (;;) {
         cudaError_t e = cudaStreamQuery(stream);
-        ncclResult_t a = ncclSuccess, r;
+        int busy;
 
         if (e == cudaSuccess)
             return STEPQ_OK;
         if (e != cudaErrorNotReady)
             return cuda_fail(c, e, what);
-        r = ncclCommGetAsyncError(c->nccl, &a);
-        if (r != ncclSuccess)
-            return nccl_fail(c, r, what);
-        if (a != ncclSuccess && a != ncclInProgress)
-            return nccl_fail(c, a, what);
+        if ((busy = poll_comm(c, what)) < 0)
+            return busy;
         if (now_ms() > deadline)
             return timed_out(c, what);
         poll_pause();
@@ -1064,8 +1070,9 @@ int stepq_tp_exchange_slots(stepq_tp_comm_t *comm, const stepq_tp_slots *send,
 
 #endif
 
-int stepq_tp_send_slots(stepq_tp_comm_t *comm, stepq_pool_t *pool, uint64_t page_fingerprint,
-                        int peer, const int32_t *slot_ids, int32_t n, void *stream)
+/* One side of a page exchange as stepq_tp_exchange_slots takes it. */
+static stepq_tp_slots one_side(stepq_pool_t *pool, uint64_t page_fingerprint, int peer,
+                               const int32_t *slot_ids, int32_t n)
 {
     stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
 
@@ -1074,18 +1081,19 @@ int stepq_tp_send_slots(stepq_tp_comm_t *comm, stepq_pool_t *pool, uint64_t page
     s.peer = peer;
     s.slot_ids = slot_ids;
     s.n = n;
+    return s;
+}
+
+int stepq_tp_send_slots(stepq_tp_comm_t *comm, stepq_pool_t *pool, uint64_t page_fingerprint,
+                        int peer, const int32_t *slot_ids, int32_t n, void *stream)
+{
+    stepq_tp_slots s = one_side(pool, page_fingerprint, peer, slot_ids, n);
     return stepq_tp_exchange_slots(comm, &s, NULL, stream);
 }
 
 int stepq_tp_recv_slots(stepq_tp_comm_t *comm, stepq_pool_t *pool, uint64_t page_fingerprint,
                         int peer, const int32_t *slot_ids, int32_t n, void *stream)
 {
-    stepq_tp_slots s = STEPQ_TP_SLOTS_INITIALIZER;
-
-    s.pool = pool;
-    s.page_fingerprint = page_fingerprint;
-    s.peer = peer;
-    s.slot_ids = slot_ids;
-    s.n = n;
+    stepq_tp_slots s = one_side(pool, page_fingerprint, peer, slot_ids, n);
     return stepq_tp_exchange_slots(comm, NULL, &s, stream);
 }

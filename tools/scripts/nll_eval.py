@@ -108,6 +108,14 @@ def text_streams(path, streams, prefill, decode, offset, who):
     return [list(data[offset + i * seg:offset + (i + 1) * seg]) for i in range(streams)]
 
 
+def _budget(name):
+    """The nominal bits of a NAME@B method name (-1 when B is not a number)."""
+    try:
+        return float(name.rsplit("@", 1)[1])
+    except (IndexError, ValueError):
+        return -1.0
+
+
 def excess_table(results, bits_per_value):
     """The result rows (one per method, in the order of results) from per-stream NLLs.
 
@@ -131,10 +139,8 @@ def excess_table(results, bits_per_value):
         ref_name = None
         if name != "fp32" and not name.startswith("stepq@"):
             same = "stepq@" + name.rsplit("@", 1)[1] if "@" in name else None
-            budgets = sorted((n for n in results if n.startswith("stepq@")),
-                             key=lambda n: float(n.split("@", 1)[1]) if n.split("@", 1)[1].replace(
-                                 ".", "", 1).isdigit() else -1.0)
-            ref_name = same if same in results else (budgets[-1] if budgets else None)
+            stepqs = [n for n in results if n.startswith("stepq@")]
+            ref_name = same if same in results else max(stepqs, key=_budget, default=None)
         if ref_name:
             dd = (r["nll"] - results[ref_name]["nll"]).mean(dim=1).tolist()
             vs = ref_name
