@@ -28,6 +28,7 @@ EXE, ROOT = sys.argv[1], sys.argv[2]
 TORCH_PY = sys.argv[3] if len(sys.argv) > 3 else sys.executable
 MAP = os.path.join(ROOT, "config", "examples", "qwen3.8-27b.stepq-6-layout.json")
 SCRIPT = os.path.join(ROOT, "tools", "scripts", "bench_peer_fla.py")
+os.environ["STEPQ_EXE"] = EXE  # the script resolves presets through this build's stepq mkmap
 ENV = dict(os.environ, STEPQ_PROGRESS="off")
 SMALL = ["--backend", "host", "--batch", "1,3", "--tokens", "3", "--layers", "1"]
 LABEL = "fla fp32 (peer)"

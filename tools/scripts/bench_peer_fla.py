@@ -40,16 +40,13 @@ import json
 import math
 import os
 import statistics
+import subprocess
 import sys
 
-# bench decode's presets (tools/mkmap.c's table; tests/tools/check_bench_decode_peer.py checks
-# these against `stepq mkmap --shape`): arch, q/k heads, value heads, K, V, recurrent layers.
-PRESETS = {
-    "qwen3.8-27b": ("Qwen3.8-27B", "gdn", 16, 48, 128, 128, 48),
-    "qwen3-next-80b-a3b": ("Qwen3-Next-80B-A3B", "gdn", 16, 32, 128, 128, 36),
-    "kimi-linear-48b-a3b": ("Kimi-Linear-48B-A3B", "kda", 32, 32, 128, 128, 20),
-    "tiny-gdn": ("tiny-gdn", "gdn", 4, 8, 128, 128, 6),
-}
+# Where a preset's shape comes from: `stepq mkmap --shape PRESET` (tools/mkmap.c's table, the
+# one bench decode uses), run from --stepq, $STEPQ_EXE or the repository's build folders.
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEPQ_BUILDS = ("build-gpu", "build")
 # bench decode's protocol (tools/bench_decode.c).
 PAPER_BATCHES = [32, 64, 128, 256, 512]
 PAPER_TOKENS = 1024
@@ -101,7 +98,10 @@ def parse_args(argv=None):
     k.add_argument("--shape", choices=["gdn", "kda", "both"], help="default both")
     d = p.add_argument_group("decode mode (stepq bench decode --peer)")
     d.add_argument("--decode", metavar="PRESET|MAP",
-                   help="a bench decode preset (%s) or a map file" % ", ".join(PRESETS))
+                   help="a bench decode preset (`stepq mkmap --help` lists them) or a map file")
+    d.add_argument("--stepq", metavar="EXE",
+                   help="the stepq command that resolves a preset (default: $STEPQ_EXE, else "
+                        "build-gpu/ or build/ of the repository)")
     d.add_argument("--heads", metavar="H,HV,LAYERS,ARCH",
                    help="the shape by hand (K = V = 128), e.g. 8,24,48,gdn for one rank of "
                         "qwen3.8-27b at --tp 2")
@@ -148,6 +148,22 @@ def parse_args(argv=None):
     return a
 
 
+def preset_model(a):
+    """The "model" section of `stepq mkmap --shape PRESET`'s map: the preset's shape exactly as
+    bench decode builds it."""
+    cands = [a.stepq, os.environ.get("STEPQ_EXE")] + [os.path.join(ROOT, b, "tools", "stepq")
+                                                       for b in STEPQ_BUILDS]
+    exe = next((c for c in cands if c and os.access(c, os.X_OK)), None)
+    if not exe:
+        fail("--decode '%s': a preset needs the stepq command (--stepq EXE or $STEPQ_EXE; none in "
+             "%s of the repository), or give a map file" % (a.decode, " or ".join(STEPQ_BUILDS)))
+    r = subprocess.run([exe, "mkmap", "--shape", a.decode, "--method", "fp32"], capture_output=True,
+                       text=True)
+    if r.returncode:
+        fail("--decode '%s': not a preset nor a map file (%s)" % (a.decode, r.stderr.strip()))
+    return json.loads(r.stdout)["model"]
+
+
 def decode_shape(a):
     """The model shape decode mode times: a preset, a map's "model", or --heads."""
     if a.heads:
@@ -161,14 +177,13 @@ def decode_shape(a):
                  % a.heads)
         shape = {"name": "heads %s" % a.heads, "model": "", "arch": f[3], "num_k_heads": H,
                  "num_v_heads": HV, "head_k_dim": 128, "head_v_dim": 128, "model_layers": L}
-    elif a.decode in PRESETS:
-        model, arch, H, HV, K, V, L = PRESETS[a.decode]
-        shape = {"name": a.decode, "model": model, "arch": arch, "num_k_heads": H, "num_v_heads": HV,
-                 "head_k_dim": K, "head_v_dim": V, "model_layers": L}
-    elif "/" in a.decode or a.decode.endswith(".json"):
+    else:
         try:
-            with open(a.decode) as f:
-                m = json.load(f)["model"]
+            if "/" in a.decode or a.decode.endswith(".json"):
+                with open(a.decode) as f:
+                    m = json.load(f)["model"]
+            else:
+                m = preset_model(a)
             shape = {"name": a.decode, "model": m.get("name", ""), "arch": m["arch"],
                      "num_k_heads": int(m["num_k_heads"]), "num_v_heads": int(m["num_v_heads"]),
                      "head_k_dim": int(m["head_k_dim"]), "head_v_dim": int(m["head_v_dim"]),
@@ -177,8 +192,6 @@ def decode_shape(a):
             fail("--decode %s: not a readable stepq map (%s)" % (a.decode, e))
         if shape["arch"] not in ("gdn", "kda"):
             fail("--decode %s: arch '%s': the peer has gdn and kda" % (a.decode, shape["arch"]))
-    else:
-        fail("--decode '%s': not a preset (%s) nor a map file" % (a.decode, ", ".join(PRESETS)))
     L = shape["model_layers"]
     if a.layers is not None and not 1 <= a.layers <= L:
         fail("--layers %d: the shape has %d recurrent layers" % (a.layers, L))
