@@ -105,6 +105,7 @@ static void usage(FILE *f)
                "                          [--tp N] [--rank R] [--procs] [--timeout-s S]\n"
                "                          [--batch 32,64,...] [--tokens T] [--prompt P]\n"
                "                          [--layers N|all] [--full] [--runs R] [--warmup W]\n"
+               "                          [--warmup-tokens N]\n"
                "                          [--budget-gib G] [--policy extra_buffer] [--graph]\n"
                "                          [--dtype bf16|fp32] [--peer FILE] [--json] [-o FILE]\n"
                "Decode throughput of the recurrent-state path through the public API: per\n"
@@ -144,6 +145,9 @@ static void usage(FILE *f)
             "alone, on device R mod the device count). Host: the ranks run alone, as\n"
             "processes of this machine. A rank that fails stops every other; --timeout-s S\n"
             "stops them all after S seconds (default: no limit).\n"
+            "--warmup-tokens N: each warm-up run generates N tokens, not T (default T):\n"
+            "the warm-up only loads modules and warms clocks and caches, so a short one\n"
+            "saves a quarter of the protocol's time; the timed runs are unchanged.\n"
             "--layers: the first N recurrent layers.\n"
             "--dtype: of q, k, v, g, beta and o (default bf16, as servers hold them).\n"
             "--graph (CUDA): each token's steps captured into a CUDA graph and replayed,\n"
@@ -171,6 +175,7 @@ struct opts {
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
     int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
     int runs, warmup, full, json, budget_given, graph;
+    int warmup_tokens; /* --warmup-tokens: a warm-up run's tokens (0: --tokens) */
     int procs, child;    /* --procs: one process per rank; --rank-child: one of them */
     const char *nccl_id; /* --nccl-id: the communicator's unique id in hex (a child) */
     double timeout_s;    /* --procs: the whole run's limit, 0 none */
@@ -293,7 +298,8 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             static const char *const value_opts[] = {
                 "--backend",   "--batch",   "--budget-gib", "--layers", "--policy", "--prompt",
                 "--rank",      "--runs",    "--tokens",     "--tp",     "--warmup", "-o",
-                "--timeout-s", "--nccl-id", "--peer",       "--bits",   NULL
+                "--timeout-s", "--nccl-id", "--peer",       "--bits",   "--warmup-tokens",
+                NULL
             };
             return stepq_tool_missing_value(TOOL, a, value_opts);
         }
@@ -341,6 +347,10 @@ static int parse_opts(int argc, char **argv, struct opts *o)
             if (stepq_tool_int(TOOL, a, v, 1, MAX_RUNS, &n) < 0)
                 return 2;
             o->runs = (int)n;
+        } else if (!strcmp(a, "--warmup-tokens")) {
+            if (stepq_tool_int(TOOL, a, v, 1, 1 << 20, &n) < 0)
+                return 2;
+            o->warmup_tokens = (int)n;
         } else if (!strcmp(a, "--warmup")) {
             if (stepq_tool_int(TOOL, a, v, 0, MAX_RUNS, &n) < 0)
                 return 2;
@@ -815,6 +825,18 @@ static int64_t run_work(const struct bench *bn, int B)
     return (int64_t)B * bn->tokens;
 }
 
+/* A run's tokens: the warm-up runs generate --warmup-tokens (resolved to at most T), the rest T. */
+static int run_tokens_of(const struct bench *bn, int run)
+{
+    return run < bn->o->warmup ? bn->o->warmup_tokens : bn->tokens;
+}
+
+/* The progress of batch B's warm-up and timed runs, in request tokens. */
+static int64_t variant_work(const struct bench *bn, int B)
+{
+    return run_work(bn, B) * bn->o->runs + (int64_t)B * bn->o->warmup_tokens * bn->o->warmup;
+}
+
 /* Prefill: the synthetic prompt states packed into every slot of every timed layer. */
 static int pack_prompt(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B)
 {
@@ -858,19 +880,19 @@ static int token_steps(const struct bench *bn, stepq_pool_t *pool, const int32_t
  * sum of the intervals between consecutive token starts and an end mark.
  */
 static int run_tokens_host(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
-                           double *stamps, double *seconds)
+                           int T, double *stamps, double *seconds)
 {
     int ret = STEPQ_OK;
 
-    for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
+    for (int t = 0; t < T && ret == STEPQ_OK; t++) {
         stamps[t] = now_s();
         ret = token_steps(bn, pool, ids, B, t);
     }
     if (ret < 0)
         return ret;
-    stamps[bn->tokens] = now_s();
+    stamps[T] = now_s();
     *seconds = 0;
-    for (int t = 0; t < bn->tokens; t++)
+    for (int t = 0; t < T; t++)
         *seconds += stamps[t + 1] - stamps[t];
     return STEPQ_OK;
 }
@@ -883,13 +905,13 @@ static int run_tokens_host(const struct bench *bn, stepq_pool_t *pool, const int
  * replays graph t mod N_BANK instead of calling the steps.
  */
 static int run_tokens_cuda(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
-                           cudaEvent_t *ev, const cudaGraphExec_t *graphs, double *seconds)
+                           int T, cudaEvent_t *ev, const cudaGraphExec_t *graphs, double *seconds)
 {
     cudaStream_t s = (cudaStream_t)bn->d->stream;
     cudaError_t e = cudaSuccess;
     int ret = STEPQ_OK;
 
-    for (int t = 0; t < bn->tokens && ret == STEPQ_OK; t++) {
+    for (int t = 0; t < T && ret == STEPQ_OK; t++) {
         if ((e = cudaEventRecord(ev[t], s)) != cudaSuccess)
             return cu_fail(e, "cudaEventRecord");
         if (!graphs)
@@ -900,10 +922,10 @@ static int run_tokens_cuda(const struct bench *bn, stepq_pool_t *pool, const int
     if (ret < 0)
         return ret;
     *seconds = 0;
-    e = cudaEventRecord(ev[bn->tokens], s);
+    e = cudaEventRecord(ev[T], s);
     if (e == cudaSuccess)
-        e = cudaEventSynchronize(ev[bn->tokens]);
-    for (int t = 0; t < bn->tokens && e == cudaSuccess; t++) {
+        e = cudaEventSynchronize(ev[T]);
+    for (int t = 0; t < T && e == cudaSuccess; t++) {
         float ms = 0;
         e = cudaEventElapsedTime(&ms, ev[t], ev[t + 1]);
         *seconds += ms * 1e-3;
@@ -913,15 +935,15 @@ static int run_tokens_cuda(const struct bench *bn, stepq_pool_t *pool, const int
 #endif
 
 /* One run on the pool's backend: marks are the host stamps or the CUDA events. */
-static int run_tokens(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B,
+static int run_tokens(const struct bench *bn, stepq_pool_t *pool, const int32_t *ids, int B, int T,
                       void *marks, void *graphs, double *seconds)
 {
 #if STEPQ_HAVE_CUDA
     if (bn->d->cuda)
-        return run_tokens_cuda(bn, pool, ids, B, marks, graphs, seconds);
+        return run_tokens_cuda(bn, pool, ids, B, T, marks, graphs, seconds);
 #endif
     (void)graphs;
-    return run_tokens_host(bn, pool, ids, B, marks, seconds);
+    return run_tokens_host(bn, pool, ids, B, T, marks, seconds);
 }
 
 #if STEPQ_HAVE_CUDA
@@ -994,7 +1016,7 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: not run: %s\n", va->label, B,
                     stepq_pool_last_error(pool));
             r->over = UNSUPPORTED;
-            stepq_tool_progress_add(bn->prog, run_work(bn, B) * (bn->o->warmup + bn->o->runs));
+            stepq_tool_progress_add(bn->prog, variant_work(bn, B));
             ret = STEPQ_OK;
             goto out;
         }
@@ -1038,13 +1060,14 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         double sec = 0;
         /* Every run starts from the same prompt states: the runs time the same work. */
         if ((ret = pack_prompt(bn, pool, step_ids, B)) < 0 || (ret = stepq_pool_sync(pool)) < 0 ||
-            (ret = run_tokens(bn, pool, step_ids, B, marks, graphs, &sec)) < 0) {
+            (ret = run_tokens(bn, pool, step_ids, B, run_tokens_of(bn, run), marks, graphs,
+                              &sec)) < 0) {
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, fail_text());
             goto out;
         }
         if (run >= bn->o->warmup)
             r->run_s[run - bn->o->warmup] = sec;
-        stepq_tool_progress_add(bn->prog, run_work(bn, B));
+        stepq_tool_progress_add(bn->prog, (int64_t)B * run_tokens_of(bn, run));
     }
     {
         double sorted[MAX_RUNS];
@@ -2114,6 +2137,8 @@ int stepq_tool_bench_decode(int argc, char **argv)
         o.tokens = reduce ? HOST_TOKENS : PAPER_TOKENS;
     if (!o.prompt)
         o.prompt = PAPER_PROMPT;
+    if (!o.warmup_tokens || o.warmup_tokens > o.tokens)
+        o.warmup_tokens = o.tokens;
     if (o.layers > sh.n_layers) {
         fprintf(stderr, "stepq " TOOL ": --layers %d: %s has %d recurrent layers\n", o.layers,
                 model, sh.n_layers);
@@ -2305,6 +2330,9 @@ int stepq_tool_bench_decode(int argc, char **argv)
 #endif
     const int Hl = sh.num_k_heads / o.tp, HVl = sh.num_v_heads / o.tp;
     char batches_txt[256] = "";
+    char wu_txt[48] = ""; /* " (N tokens)" for a short warm-up */
+    if (o.warmup && o.warmup_tokens < o.tokens)
+        snprintf(wu_txt, sizeof(wu_txt), " (%d tokens)", o.warmup_tokens);
     for (int i = 0, n = 0; i < o.n_b; i++)
         n += snprintf(batches_txt + n, sizeof(batches_txt) - (size_t)n, "%s%d", i ? "," : "",
                       o.batches[i]);
@@ -2328,9 +2356,9 @@ int stepq_tool_bench_decode(int argc, char **argv)
         "tensors", stepq_dtype_name(o.dtype));
     stepq_tool_printf(tout,
                       "%-8s %s%d of %d layers, batches %s, %d tokens after a %d-token prompt,\n"
-                      "%-8s %d warm-up + %d runs, median\n",
+                      "%-8s %d warm-up%s + %d runs, median\n",
                       "run", reduced ? "REDUCED: " : "", layers, sh.n_layers, batches_txt, o.tokens,
-                      o.prompt, "", o.warmup, o.runs);
+                      o.prompt, "", o.warmup, wu_txt, o.runs);
     if (reduced && !cuda)
         stepq_tool_printf(
             tout,
@@ -2376,7 +2404,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
     struct bench bn = { &o, base, &in, &d, layers, o.tokens, &prog, comm };
     int64_t work = 0;
     for (int i = 0; i < o.n_b; i++)
-        work += n_va * run_work(&bn, o.batches[i]) * (o.warmup + o.runs);
+        work += n_va * variant_work(&bn, o.batches[i]);
     stepq_tool_progress_begin(&prog, TOOL, "tokens", work);
     int failed = 0;
     for (int i = 0; i < o.n_b && !failed; i++) {
@@ -2392,7 +2420,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
             struct result *r = &res[(size_t)i * n_va + v];
             const double need = (double)(B + 1) * (double)va[v].plan.page_bytes;
             if ((r->over = over(need, budget, machine))) {
-                stepq_tool_progress_add(&prog, run_work(&bn, B) * (o.warmup + o.runs));
+                stepq_tool_progress_add(&prog, variant_work(&bn, B));
                 continue; /* not run, said in the table */
             }
             failed = run_variant(&bn, &va[v], B, r) < 0;
@@ -2439,6 +2467,7 @@ int stepq_tool_bench_decode(int argc, char **argv)
         cJSON_AddNumberToObject(root, "prompt_tokens", o.prompt);
         cJSON_AddNumberToObject(root, "generated_tokens", o.tokens);
         cJSON_AddNumberToObject(root, "warmup", o.warmup);
+        cJSON_AddNumberToObject(root, "warmup_tokens", o.warmup_tokens);
         cJSON_AddNumberToObject(root, "runs", o.runs);
         cJSON_AddStringToObject(root, "gates", from_map ? "map statistics" : "fallback half-lives");
         if (from_map)

@@ -108,6 +108,8 @@ def parse_args(argv=None):
     d.add_argument("--layers", type=int, help="the first N recurrent layers (default all)")
     d.add_argument("--tokens", type=int, help="generated tokens per request (default %d)" % PAPER_TOKENS)
     d.add_argument("--warmup", type=int, help="untimed runs first (default 1)")
+    d.add_argument("--warmup-tokens", type=int,
+                   help="tokens of each warm-up run (default --tokens; the timed runs keep --tokens)")
     d.add_argument("--dtype", choices=["bf16", "fp32"], help="of q, k, v, g, beta, o (default bf16)")
     d.add_argument("--print-shape", action="store_true",
                    help="print the shape's JSON and stop (no torch needed)")
@@ -117,9 +119,9 @@ def parse_args(argv=None):
     if a.decode and a.heads:
         fail("--decode and --heads: want one of them")
     if a.mode == "kernels":
-        for opt in ("layers", "tokens", "warmup", "dtype"):
+        for opt in ("layers", "tokens", "warmup", "warmup_tokens", "dtype"):
             if getattr(a, opt) is not None:
-                fail("--%s is decode mode's: add --decode PRESET|MAP or --heads" % opt)
+                fail("--%s is decode mode's: add --decode PRESET|MAP or --heads" % opt.replace("_", "-"))
         if a.print_shape:
             fail("--print-shape is decode mode's: add --decode PRESET|MAP or --heads")
         a.shape = a.shape or "both"
@@ -140,6 +142,9 @@ def parse_args(argv=None):
             fail("--runs %d: want an integer in [1, 100]" % a.runs)
         if not 0 <= a.warmup <= 100:
             fail("--warmup %d: want an integer in [0, 100]" % a.warmup)
+        if a.warmup_tokens is not None and not 1 <= a.warmup_tokens <= 1 << 20:
+            fail("--warmup-tokens %d: want an integer in [1, %d]" % (a.warmup_tokens, 1 << 20))
+        a.warmup_tokens = min(a.warmup_tokens or a.tokens, a.tokens)
         if len(set(a.batch)) != len(a.batch):
             fail("--batch: a batch size twice")
         a.decode_shape = decode_shape(a)
@@ -323,6 +328,7 @@ def decode_batch(torch, a, sh, B, step):
         for s in states:
             s.copy_(prompt)
         torch.cuda.synchronize()
+        T = a.warmup_tokens if run < a.warmup else a.tokens
         for t in range(T):
             ev[t].record()
             for l in range(L):
@@ -374,7 +380,8 @@ def decode_main(a, torch):
           (sh["name"], sh["arch"], L, sh["model_layers"], sh["num_k_heads"], HV, K, V))
     print("device   %s; CUDA events, eager launches; %s q, k, v, g, beta and o, fp32 states" %
           (device, a.dtype))
-    print("run      %d tokens, %d warm-up + %d runs, median\n" % (a.tokens, a.warmup, a.runs))
+    wu = " (%d tokens)" % a.warmup_tokens if a.warmup and a.warmup_tokens < a.tokens else ""
+    print("run      %d tokens, %d warm-up%s + %d runs, median\n" % (a.tokens, a.warmup, wu, a.runs))
     print("%6s  %-16s %12s %10s %12s" % ("batch", "state", "tokens/s", "ms/step", "state MiB"))
     rows = []
     for B in a.batch:
@@ -400,7 +407,8 @@ def decode_main(a, torch):
                "fla": a.fla, "fla_version": fla_version, "kernel": kernel, "device": device,
                "torch": torch.__version__,
                "measures": "recurrent-state path only: every timed layer's one-token step",
-               "shape": sh, "tokens": a.tokens, "warmup": a.warmup, "runs": a.runs,
+               "shape": sh, "tokens": a.tokens, "warmup": a.warmup,
+               "warmup_tokens": a.warmup_tokens, "runs": a.runs,
                "dtype": a.dtype, "state_dtype": "fp32", "launch": "eager",
                "timing": "cuda events: sum of the intervals between consecutive token starts",
                "gates": "fallback half-lives (the values do not change the kernels' work)",
