@@ -150,6 +150,25 @@ def main():
     check(job.startswith("./build/tools/stepq bench decode ") and job in ci,
           "README command 1's main job is .ci/run's", job)
 
+    # A short warm-up (--warmup-tokens): the header and the JSON say so, the timed runs keep T.
+    p = run([MAP, "--batch", "1", "--tokens", "6", "--warmup-tokens", "2", "--layers", "1",
+             "--runs", "1", "--json"])
+    try:
+        j = json.loads(p.stdout) if p.returncode == 0 else {}
+    except ValueError:
+        j = {}
+    check(j.get("warmup_tokens") == 2 and j.get("generated_tokens") == 6 and j.get("warmup") == 1,
+          "bench decode --warmup-tokens 2: recorded in the JSON", p.stderr[-300:])
+    p = run([MAP, "--batch", "1", "--tokens", "6", "--warmup-tokens", "2", "--layers", "1",
+             "--runs", "1"])
+    check(p.returncode == 0 and "1 warm-up (2 tokens) + 1 runs" in p.stdout,
+          "bench decode --warmup-tokens 2: the header says the warm-up's length", p.stdout[:600])
+    p = run([MAP, "--batch", "1", "--tokens", "4", "--warmup-tokens", "9", "--layers", "1",
+             "--runs", "1", "--json"])
+    j = json.loads(p.stdout) if p.returncode == 0 else {}
+    check(j.get("warmup_tokens") == 4, "bench decode --warmup-tokens above --tokens: the warm-up is T",
+          p.stderr[-300:])
+
     # Refusals before any work: one line, non-zero exit, nothing on stdout.
     cases = [
         (["qwen9-1b"], "unknown preset"),

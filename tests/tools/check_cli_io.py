@@ -208,7 +208,8 @@ def main():
         (["bench", "pool"], ["--slots"], ["nan", "0", "1,x", "", "1,,2", ",".join(["1"] * 17)]),
         (["bench", "kernels"], ["--batch"], ["nan", "0", "8x", ""]),
         (["bench", "decode", MAP27], ["--tp", "--rank", "--tokens", "--prompt", "--runs",
-                                      "--warmup", "--budget-gib", "--batch", "--layers"],
+                                      "--warmup", "--warmup-tokens", "--budget-gib", "--batch",
+                                      "--layers"],
          ["nan", "-1", "1x", ""]),
     ]
     for base, opts, values in numbers:
