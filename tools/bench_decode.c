@@ -175,7 +175,7 @@ struct opts {
     int batches[MAX_BATCHES], n_b; /* n_b 0: the backend's default */
     int tokens, prompt, layers;    /* 0: the backend's default (layers -1: all) */
     int runs, warmup, full, json, budget_given, graph;
-    int warmup_tokens; /* --warmup-tokens: a warm-up run's tokens (0: --tokens) */
+    int warmup_tokens;   /* --warmup-tokens: a warm-up run's tokens (0: --tokens) */
     int procs, child;    /* --procs: one process per rank; --rank-child: one of them */
     const char *nccl_id; /* --nccl-id: the communicator's unique id in hex (a child) */
     double timeout_s;    /* --procs: the whole run's limit, 0 none */
@@ -296,10 +296,11 @@ static int parse_opts(int argc, char **argv, struct opts *o)
         }
         if (!v) {
             static const char *const value_opts[] = {
-                "--backend",   "--batch",   "--budget-gib", "--layers", "--policy", "--prompt",
-                "--rank",      "--runs",    "--tokens",     "--tp",     "--warmup", "-o",
-                "--timeout-s", "--nccl-id", "--peer",       "--bits",   "--warmup-tokens",
-                NULL
+                "--backend",       "--batch",   "--budget-gib", "--layers",
+                "--policy",        "--prompt",  "--rank",       "--runs",
+                "--tokens",        "--tp",      "--warmup",     "-o",
+                "--timeout-s",     "--nccl-id", "--peer",       "--bits",
+                "--warmup-tokens", NULL
             };
             return stepq_tool_missing_value(TOOL, a, value_opts);
         }
@@ -1060,8 +1061,8 @@ static int run_variant(const struct bench *bn, const struct variant *va, int B, 
         double sec = 0;
         /* Every run starts from the same prompt states: the runs time the same work. */
         if ((ret = pack_prompt(bn, pool, step_ids, B)) < 0 || (ret = stepq_pool_sync(pool)) < 0 ||
-            (ret = run_tokens(bn, pool, step_ids, B, run_tokens_of(bn, run), marks, graphs,
-                              &sec)) < 0) {
+            (ret = run_tokens(bn, pool, step_ids, B, run_tokens_of(bn, run), marks, graphs, &sec)) <
+                0) {
             fprintf(stderr, "stepq " TOOL ": %s, batch %d: %s\n", va->label, B, fail_text());
             goto out;
         }
