@@ -281,6 +281,15 @@ static int parse_dtype(const char *s, void *out)
     return 0;
 }
 
+static int parse_decode_fit(const char *s, void *out)
+{
+    stepq_decode_fit fit;
+    if (stepq_decode_fit_from_name(s, &fit) < 0)
+        return -1;
+    *(int *)out = (int)fit;
+    return 0;
+}
+
 static int parse_method(const char *s, void *out)
 {
     for (int i = 0; i < STEPQ_METHOD_COUNT; i++) {
@@ -1025,10 +1034,21 @@ done:
 /* --- document --- */
 
 static const char *const root_keys[] = {
-    "format",      "schema_version", "model",      "method",
-    "budget_bits", "row_split",      "provenance", "layers",
+    "format",    "schema_version", "model",      "method", "budget_bits",
+    "row_split", "decode_fit",     "provenance", "layers",
 };
-enum { R_FORMAT, R_VERSION, R_MODEL, R_METHOD, R_BUDGET, R_SPLIT, R_PROV, R_LAYERS, R_COUNT };
+enum {
+    R_FORMAT,
+    R_VERSION,
+    R_MODEL,
+    R_METHOD,
+    R_BUDGET,
+    R_SPLIT,
+    R_FIT,
+    R_PROV,
+    R_LAYERS,
+    R_COUNT
+};
 
 static int load_doc(const cJSON *root, stepq_map_t **out)
 {
@@ -1038,7 +1058,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     stepq_map_t *m = NULL;
     int *ids = NULL;
     const char *name = NULL;
-    int st, v = 0;
+    int st, v = 0, fit = STEPQ_DECODE_FIT_EXACT;
     int64_t ver = 0;
     double budget = 0.0, split = STEPQ__ROW_SPLIT_DEFAULT;
     size_t old;
@@ -1116,6 +1136,22 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
         if (st < 0 || (st = stepq__row_split_check(c.method, split)) < 0)
             goto done;
     }
+    /* Optional likewise: only a method with the column refit can skip it ("exact" elsewhere
+     * would claim a choice the method does not have). */
+    if (f[R_FIT]) {
+        old = push_key(&c, "decode_fit");
+        if (!stepq_method_has_col_scales(c.method)) {
+            st = fail(&c, STEPQ_ESCHEMA,
+                      "not allowed for method %s (only dsq, spatial and stepq have the dual-axis "
+                      "fit's column refit)",
+                      stepq_method_name(c.method));
+            goto done;
+        }
+        st = get_enum(&c, f[R_FIT], parse_decode_fit, "exact, norefit", &fit);
+        pop(&c, old);
+        if (st < 0)
+            goto done;
+    }
 
     if (!stepq__method_has_units(c.method)) {
         if (f[R_LAYERS]) {
@@ -1138,6 +1174,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     if ((st = stepq__map_alloc(&shape, c.method, budget, &m)) < 0)
         goto done;
     m->row_split = split;
+    m->decode_fit = (stepq_decode_fit)fit;
     if (name && (st = stepq__map_set_name(m, name)) < 0)
         goto done;
     if (f[R_PROV]) {

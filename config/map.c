@@ -156,6 +156,18 @@ int stepq__row_split_check(stepq_method method, double v)
     return STEPQ_OK;
 }
 
+int stepq__decode_fit_check(stepq_method method, stepq_decode_fit fit)
+{
+    if ((unsigned)fit >= STEPQ_DECODE_FIT_COUNT)
+        return stepq__error(STEPQ_EINVAL, "decode_fit: %d is not a decode fit", (int)fit);
+    if (fit != STEPQ_DECODE_FIT_EXACT && !stepq_method_has_col_scales(method))
+        return stepq__error(STEPQ_ESCHEMA,
+                            "decode_fit: %s is not allowed for method %s (only dsq, spatial and "
+                            "stepq have the dual-axis fit's column refit; its default is exact)",
+                            stepq_decode_fit_name(fit), stepq_method_name(method));
+    return STEPQ_OK;
+}
+
 /* The largest integer width <= budget: where a fresh quantized map starts. */
 static int initial_bits(double budget)
 {
@@ -181,6 +193,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
     m->method = method;
     m->budget_bits = budget;
     m->row_split = STEPQ__ROW_SPLIT_DEFAULT;
+    m->decode_fit = STEPQ_DECODE_FIT_EXACT;
     m->n_candidates = -1;
     m->units_per_layer =
         shape->arch == STEPQ_ARCH_GDN ? shape->num_v_heads : shape->num_v_heads * shape->head_k_dim;
@@ -442,6 +455,26 @@ int stepq_map_set_row_split(stepq_map_t *h, double alpha)
     if ((st = stepq__row_split_check(map->method, alpha)) < 0)
         return map_fail(map, st);
     map->row_split = alpha;
+    return STEPQ_OK;
+}
+
+int stepq_map_set_decode_fit(stepq_map_t *h, stepq_decode_fit fit)
+{
+    stepq_map_t *map;
+    int st = stepq__map_resolve(h, "stepq_map_set_decode_fit", &map);
+
+    if (st < 0)
+        return st;
+    if ((unsigned)fit >= STEPQ_DECODE_FIT_COUNT)
+        return stepq__error_obj(map->err, STEPQ_EINVAL,
+                                "stepq_map_set_decode_fit: %d is not a decode fit (exact, norefit)",
+                                (int)fit);
+    if (fit != STEPQ_DECODE_FIT_EXACT && !stepq_method_has_col_scales(map->method))
+        return stepq__error_obj(map->err, STEPQ_EINVAL,
+                                "stepq_map_set_decode_fit: method %s has no column scales (only "
+                                "dsq, spatial and stepq have the dual-axis fit's column refit)",
+                                stepq_method_name(map->method));
+    map->decode_fit = fit;
     return STEPQ_OK;
 }
 
@@ -791,6 +824,8 @@ int stepq__map_check(const stepq_map_t *m)
         return st;
     if ((st = stepq__row_split_check(m->method, m->row_split)) < 0)
         return st;
+    if ((st = stepq__decode_fit_check(m->method, m->decode_fit)) < 0)
+        return st;
     if (!stepq__method_has_units(m->method))
         return STEPQ_OK;
 
@@ -926,6 +961,12 @@ double stepq_map_row_split(const stepq_map_t *h)
 {
     stepq_map_t *map = stepq__map_of(h, "stepq_map_row_split");
     return map ? map->row_split : 0.0;
+}
+
+stepq_decode_fit stepq_map_decode_fit(const stepq_map_t *h)
+{
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_decode_fit");
+    return map ? map->decode_fit : STEPQ_DECODE_FIT_COUNT;
 }
 
 const char *stepq_map_model_name(const stepq_map_t *h)
@@ -1253,6 +1294,12 @@ int stepq_map_fingerprint(const stepq_map_t *handle, uint64_t *out)
         h = stepq__fnv1a(h, split_tag, sizeof(split_tag) - 1);
         h = fnv_double(h, map->row_split);
     }
+    /* Likewise the decode fit: only one other than exact is hashed. */
+    if (map->decode_fit != STEPQ_DECODE_FIT_EXACT) {
+        static const char fit_tag[] = "decode_fit";
+        h = stepq__fnv1a(h, fit_tag, sizeof(fit_tag) - 1);
+        h = fnv_u64(h, (uint64_t)map->decode_fit);
+    }
     if (map->bits)
         h = stepq__fnv1a(h, map->bits, (size_t)map->n_units);
     if (map->row_impact) {
@@ -1294,7 +1341,7 @@ bool stepq__map_equal(const stepq_map_t *ha, const stepq_map_t *hb)
     if (sa->conv_rank && sa->conv_dtype != sb->conv_dtype)
         return false;
     if (a->method != b->method || memcmp(&a->budget_bits, &b->budget_bits, sizeof(double)) ||
-        memcmp(&a->row_split, &b->row_split, sizeof(double)))
+        memcmp(&a->row_split, &b->row_split, sizeof(double)) || a->decode_fit != b->decode_fit)
         return false;
     if (!str_eq(a->model_name, b->model_name))
         return false;

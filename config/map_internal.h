@@ -74,6 +74,8 @@ struct stepq_map {
     stepq_method method;
     double budget_bits;
     double row_split; /* the dual-axis fit's row split: 0.5 unless dsq/spatial/stepq say else */
+    stepq_decode_fit
+        decode_fit;   /* the decode step's fit: exact unless dsq/spatial/stepq say else */
     char *model_name; /* NULL when absent */
 
     int units_per_layer; /* HV (GDN) or HV * d_k (KDA) */
@@ -121,10 +123,17 @@ int stepq__budget_check(stepq_method method, double budget_bits);
 int stepq__row_split_check(stepq_method method, double row_split);
 
 /**
+ * Checks a decode fit for a method ("decode_fit: ..."): one of the list
+ * (else STEPQ_EINVAL), and exact unless the method has column scales (else
+ * STEPQ_ESCHEMA). Thread error only.
+ */
+int stepq__decode_fit_check(stepq_method method, stepq_decode_fit fit);
+
+/**
  * Allocates a map for a checked shape, method and budget: every unit at the
  * budget width (quantized methods), unit row impact where the method has
- * it, row split 0.5, no statistics, no provenance. Returns STEPQ_ENOMEM or STEPQ_ERANGE
- * (too many units) with a thread error.
+ * it, row split 0.5, exact decode fit, no statistics, no provenance. Returns STEPQ_ENOMEM or
+ * STEPQ_ERANGE (too many units) with a thread error.
  */
 int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double budget_bits,
                      stepq_map_t **out);

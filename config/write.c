@@ -316,6 +316,8 @@ int stepq_map_write_buffer(const stepq_map_t *h, char **out, size_t *len)
         puts_(&o, ",\n  \"row_split\": ");
         put_double(&o, map->row_split);
     }
+    if (map->decode_fit != STEPQ_DECODE_FIT_EXACT) /* nor is the default fit */
+        printf_(&o, ",\n  \"decode_fit\": \"%s\"", stepq_decode_fit_name(map->decode_fit));
     write_provenance(&o, map);
     if (stepq__method_has_units(map->method))
         write_layers(&o, map);

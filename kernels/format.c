@@ -95,6 +95,7 @@ int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, 
     hl->d_v = d_v;
     hl->align = align;
     hl->row_split = 0.5;
+    hl->decode_fit = STEPQ_DECODE_FIT_EXACT;
     hl->quantized = !dense;
     hl->has_col = method_has_col(method);
 

@@ -132,6 +132,14 @@ struct stepq__head_layout {
      * 0.5; the pool's layout sets its map's. Unused by the other methods.
      */
     double row_split;
+    /**
+     * dsq / spatial / stepq: the fit of a decode step's new state (the map
+     * field decode_fit; kernels/quant.h): STEPQ_DECODE_FIT_NOREFIT skips the
+     * fixed-code column refit. Packs fit exactly whatever it says, and the
+     * block format and its decoding do not depend on it. Init sets exact;
+     * the pool's layout sets its map's. Unused by the other methods.
+     */
+    stepq_decode_fit decode_fit;
 
     /** d_k bit widths (2..8 or STEPQ_BITS_PIVOT); all 0 for dense methods. */
     uint8_t *row_bits;

@@ -195,8 +195,11 @@ double stepq__quant_row_split_of(const struct stepq__head_layout *hl)
     return row_split_override > 0.0 ? row_split_override : hl->row_split;
 }
 
-/* dsq / spatial / stepq: the key-row-aware dual-axis fit (w NULL = all 1). */
-static void fit_dual(const struct stepq__head_layout *hl, const float *x, const float *w,
+/*
+ * dsq / spatial / stepq: the key-row-aware dual-axis fit (w NULL = all 1); without
+ * `refit` (STEPQ_DECODE_FIT_NOREFIT) steps 1-3 only, the step-2 column scales stored.
+ */
+static void fit_dual(const struct stepq__head_layout *hl, const float *x, const float *w, int refit,
                      uint8_t *blk, uint32_t *flags)
 {
     int d_k = hl->d_k, d_v = hl->d_v;
@@ -270,6 +273,8 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
                 yrow[j] = xr[j] / r[i];
         quant_row(yr, c, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
+        if (!refit)
+            continue; /* no sums: step 4 stores the step-2 scales */
         float *zt = p < 0 ? zt_a : zt_b;
         for (int j = 0; j < d_v; j++)
             zt[j] = (float)z[j] / qf;
@@ -296,7 +301,7 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
         }
     }
 
-    /* Step 4: fixed-code column refit (weighted least squares). */
+    /* Step 4: fixed-code column refit (weighted least squares); den stays 0 without it. */
     for (int j = 0; j < d_v; j++) {
         uint16_t ch;
         if (den[j] > 0.0)
@@ -361,6 +366,12 @@ static void dequant_fp8(const struct stepq__head_layout *hl, const uint8_t *blk,
 int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, const float *w,
                          void *block, uint32_t *flags)
 {
+    return stepq__quantize_head_fit(hl, x, w, block, flags, STEPQ_DECODE_FIT_EXACT);
+}
+
+int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x, const float *w,
+                             void *block, uint32_t *flags, stepq_decode_fit fit)
+{
     uint32_t dummy = 0;
     int rc = check_layout(hl);
 
@@ -368,6 +379,8 @@ int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, co
         return rc;
     if (!x || !block)
         return stepq__error(STEPQ_EINVAL, "quantize head: NULL state or block");
+    if ((unsigned)fit >= STEPQ_DECODE_FIT_COUNT)
+        return stepq__error(STEPQ_EINVAL, "quantize head: unknown fit %d", (int)fit);
     if (!flags)
         flags = &dummy;
 
@@ -405,7 +418,7 @@ int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, co
     else if (hl->method == STEPQ_METHOD_FP8)
         fit_fp8(hl, x, blk);
     else if (stepq_method_has_col_scales(hl->method))
-        fit_dual(hl, x, use_w ? w : NULL, blk, flags);
+        fit_dual(hl, x, use_w ? w : NULL, fit == STEPQ_DECODE_FIT_EXACT, blk, flags);
     else
         fit_rowmax(hl, x, blk, flags);
     free(clean);

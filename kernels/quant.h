@@ -29,6 +29,15 @@
  *          c_j = den_j > 0 ? fp16(num_j / den_j) : c_j (step 2)
  *     x^_ij = (r_i * c_j) * ((float)z_ij / (float)qmax_i)
  *
+ *   The decode fit "norefit" (the map's decode_fit, hl->decode_fit; a decode
+ *   step's new state only: stepq__quantize_head_fit below) is steps 1-3
+ *   without step 4: no num_j / den_j, and the stored column scale is step
+ *   2's c_j = fp16(max_i |y_ij|) over the integer rows, the scale the codes
+ *   were rounded with (so a column of all-zero codes keeps it, as the exact
+ *   fit's den_j = 0 does). Row scales, codes, pivot rows and the block
+ *   format are the exact fit's; a head without integer rows stores column
+ *   scales 0 either way. Packs and calibration always fit exactly.
+ *
  *   fp8 (kernels/format.h): per tile t of 32 columns over all rows,
  *     s_t = m_t / 240 (m_t = max |x| of the tile, stored as fp32, not clamped)
  *     c_ij = e4m3_rne(clamp(x_ij / s_t, +-240)) (s_t = 0: c_ij = 0)
@@ -64,6 +73,18 @@ int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, co
                          void *block, uint32_t *flags);
 
 /**
+ * stepq__quantize_head with the dual-axis fit `fit` (the other methods
+ * ignore it): STEPQ_DECODE_FIT_EXACT is stepq__quantize_head,
+ * STEPQ_DECODE_FIT_NOREFIT skips step 4 (above). The decode step of the C
+ * reference (kernels/step.c) passes its head layout's decode_fit; packs
+ * and calibration call stepq__quantize_head.
+ *
+ * @return as stepq__quantize_head; STEPQ_EINVAL for a fit outside the list.
+ */
+int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x, const float *w,
+                             void *block, uint32_t *flags, stepq_decode_fit fit);
+
+/**
  * Reconstructs one head from its block into x, fp32 [d_k][d_v].
  * @return STEPQ_OK or STEPQ_EINVAL for a bad layout.
  */
@@ -92,9 +113,9 @@ double stepq__weighted_sq_error(const float *x, const float *y, const float *w, 
  * (`nll_eval.py --row-split`), to measure another split on maps calibrated
  * with theirs; a map that should keep a split carries it in row_split
  * instead (`stepq calibrate --row-split`). Unset by default. The CUDA
- * kernels do not see it (they fit with 0.5 and refuse maps of another
- * split), so a CUDA pool and a host pool agree only while it is unset (or
- * 0.5 on maps of 0.5).
+ * kernels do not see it (they fit with the head layout's split, which
+ * their per-head descriptor carries), so a CUDA pool and a host pool agree
+ * only while it is unset (or equal to the map's own split).
  *
  * @return STEPQ_OK, or STEPQ_EINVAL (setting unchanged) outside (0, 1].
  * Thread-safety: process-wide; set or clear it before any quantization starts.

@@ -33,6 +33,12 @@ static const struct {
 #undef XX
 };
 
+static const char *const fit_names[STEPQ_DECODE_FIT_COUNT] = {
+#define XX(n, value, text, desc) [value] = text,
+    STEPQ_DECODE_FIT_MAP(XX)
+#undef XX
+};
+
 #define N_ARCH  (sizeof(arch_names) / sizeof(arch_names[0]))
 #define N_DTYPE (sizeof(dtypes) / sizeof(dtypes[0]))
 
@@ -54,6 +60,11 @@ const char *stepq_arch_name(stepq_arch arch)
 const char *stepq_dtype_name(stepq_dtype dtype)
 {
     return (unsigned)dtype < N_DTYPE ? dtypes[dtype].name : "?";
+}
+
+const char *stepq_decode_fit_name(stepq_decode_fit fit)
+{
+    return (unsigned)fit < STEPQ_DECODE_FIT_COUNT ? fit_names[fit] : "?";
 }
 
 size_t stepq_dtype_size(stepq_dtype dtype)
@@ -162,5 +173,14 @@ int stepq_dtype_from_name(const char *name, stepq_dtype *out)
         st = from_name("dtype", name, &dtypes[0].name, N_DTYPE, sizeof(dtypes[0]), out ? &v : NULL);
     if (st == STEPQ_OK)
         *out = (stepq_dtype)v;
+    return st;
+}
+
+int stepq_decode_fit_from_name(const char *name, stepq_decode_fit *out)
+{
+    int v = 0, st = from_name("decode_fit", name, fit_names, STEPQ_DECODE_FIT_COUNT,
+                              sizeof(fit_names[0]), out ? &v : NULL);
+    if (st == STEPQ_OK)
+        *out = (stepq_decode_fit)v;
     return st;
 }

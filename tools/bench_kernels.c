@@ -11,7 +11,10 @@
  * (stepq_pool_decode_step, stepq_pool_prefill_pack / _unpack), as a server
  * calls them; the dense fp32 / bf16 rows, the two-stage row and the "(old)"
  * thread-per-column rows through the internal entries, on the pool's layer
- * where there is one, the kernel chosen by an explicit argument.
+ * where there is one, the kernel chosen by an explicit argument. The
+ * "stepq@4 norefit" / "stepq@6 norefit" rows are the stepq@4 / stepq@6 rows
+ * on the same maps with the decode fit norefit (map field decode_fit): the
+ * A/B of the column refit in one run.
  *
  * Bytes moved = state bytes read + written (packed head blocks incl. their
  * alignment, from the pool's layout, or the dense state; the two-stage rows
@@ -320,13 +323,19 @@ static void make_bits(uint8_t *out, int n, const int *w, const int *cnt, int nw)
 struct method {
     const char *name;
     stepq_method m;
-    int budget; /* 0 dense */
+    int budget;           /* 0 dense */
+    stepq_decode_fit fit; /* the map's decode_fit: the "norefit" rows' A/B against exact */
 };
 
 static const struct method methods[] = {
-    { "fp32", STEPQ_METHOD_FP32, 0 },         { "bf16", STEPQ_METHOD_BF16, 0 },
-    { "uniform@6", STEPQ_METHOD_UNIFORM, 6 }, { "stepq@4", STEPQ_METHOD_STEPQ, 4 },
-    { "stepq@6", STEPQ_METHOD_STEPQ, 6 },     { "fp8", STEPQ_METHOD_FP8, 8 },
+    { "fp32", STEPQ_METHOD_FP32, 0, STEPQ_DECODE_FIT_EXACT },
+    { "bf16", STEPQ_METHOD_BF16, 0, STEPQ_DECODE_FIT_EXACT },
+    { "uniform@6", STEPQ_METHOD_UNIFORM, 6, STEPQ_DECODE_FIT_EXACT },
+    { "stepq@4", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_EXACT },
+    { "stepq@6", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_EXACT },
+    { "fp8", STEPQ_METHOD_FP8, 8, STEPQ_DECODE_FIT_EXACT },
+    { "stepq@4 norefit", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_NOREFIT },
+    { "stepq@6 norefit", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_NOREFIT },
 };
 
 /*
@@ -387,6 +396,7 @@ static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cu
         .n_layers = 1,
         .w_lo = 0.75f,
         .w_hi = 1.25f,
+        .decode_fit = me->fit,
     };
     const stepq_pool_layout *lay;
     int ret;
@@ -424,6 +434,9 @@ static const struct row rows[] = {
     { "uniform@6", 2, K_PACKED, 0 },
     { "stepq@4", 3, K_PACKED, 0 },
     { "stepq@6", 4, K_PACKED, 0 },
+    /* the decode fit norefit (map field decode_fit), the same maps otherwise: A/B of the refit */
+    { "stepq@4 norefit", 6, K_PACKED, 0 },
+    { "stepq@6 norefit", 7, K_PACKED, 0 },
     { "fp8", 5, K_PACKED, 0 },
     { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
     { "stepq@6 pack", 4, K_PACK, 0 },

@@ -63,6 +63,7 @@ struct copts {
     double w_floor;
     const char *report;
     double row_split; /* the dual-axis fit's row split (dsq, spatial, stepq): 0.5 by default */
+    stepq_decode_fit decode_fit; /* recorded in the map only: calibration fits exactly */
 };
 
 struct head_res {
@@ -288,6 +289,9 @@ static void usage(FILE *f)
            "                       max|x_i|^A / sqrt(w_i), A in (0, 1] (default 0.5); the\n"
            "                       distortions are measured with it and the map records it\n"
            "                       as row_split (the CUDA kernels serve 0.5 only)\n"
+           "  --decode-fit F       dsq, spatial, stepq: the map's decode_fit, exact (default)\n"
+           "                       or norefit (decode steps skip the column refit); the\n"
+           "                       distortions are still measured with the exact fit\n"
            "  --threads N          default: online CPUs, at most one per head\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
@@ -328,9 +332,11 @@ static int cmp_risk_q(const void *a, const void *b)
 int stepq_tool_calibrate(int argc, char **argv)
 {
     struct copts o = {
-        STEPQ_METHOD_STEPQ, -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL, 0.5
+        STEPQ_METHOD_STEPQ,    -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL, 0.5,
+        STEPQ_DECODE_FIT_EXACT
     };
     const char *out = NULL, *model_name = NULL, *candidates_arg = NULL;
+    int fit_given = 0; /* --decode-fit, exact included: refused for methods without the refit */
     const char *traces[4096];
     int n_traces = 0, conv_kernel = 4, have_method = 0, lifetime_set = 0, json = 0, threads_set = 0;
     o.threads = stepq__calib_default_threads();
@@ -352,25 +358,12 @@ int stepq_tool_calibrate(int argc, char **argv)
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            static const char *const value_opts[] = { "--budget",
-                                                      "--candidates",
-                                                      "--conv-kernel",
-                                                      "--distortion",
-                                                      "--horizon",
-                                                      "--lifetime",
-                                                      "--method",
-                                                      "--model-name",
-                                                      "--normalize",
-                                                      "--out",
-                                                      "--pivot-fraction",
-                                                      "--prop-steps",
-                                                      "--report",
-                                                      "--row-split",
-                                                      "--samples",
-                                                      "--threads",
-                                                      "--w-floor",
-                                                      "-o",
-                                                      NULL };
+            static const char *const value_opts[] = {
+                "--budget",         "--candidates", "--conv-kernel", "--distortion", "--horizon",
+                "--lifetime",       "--method",     "--model-name",  "--normalize",  "--out",
+                "--pivot-fraction", "--prop-steps", "--report",      "--row-split",  "--decode-fit",
+                "--samples",        "--threads",    "--w-floor",     "-o",           NULL
+            };
             return stepq_tool_missing_value("calibrate", a, value_opts);
         }
         i++;
@@ -452,6 +445,12 @@ int stepq_tool_calibrate(int argc, char **argv)
         } else if (!strcmp(a, "--row-split")) {
             if (stepq_tool_real("calibrate", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &o.row_split) < 0)
                 return 2;
+        } else if (!strcmp(a, "--decode-fit")) {
+            if (stepq_decode_fit_from_name(v, &o.decode_fit) < 0) {
+                fprintf(stderr, "stepq calibrate: --decode-fit: '%s' is not exact or norefit\n", v);
+                return 2;
+            }
+            fit_given = 1;
         } else {
             fprintf(stderr, "stepq calibrate: unknown option '%s' (see stepq calibrate --help)\n",
                     a);
@@ -471,6 +470,13 @@ int stepq_tool_calibrate(int argc, char **argv)
                 "stepq calibrate: --row-split %g: method %s has no column scales (only dsq, "
                 "spatial and stepq have the dual-axis fit it splits)\n",
                 o.row_split, stepq_method_name(o.method));
+        return 2;
+    }
+    if (fit_given && !stepq_method_has_col_scales(o.method)) {
+        fprintf(stderr,
+                "stepq calibrate: --decode-fit %s: method %s has no column refit (only dsq, "
+                "spatial and stepq)\n",
+                stepq_decode_fit_name(o.decode_fit), stepq_method_name(o.method));
         return 2;
     }
     int single = o.method != STEPQ_METHOD_TEMPORAL && o.method != STEPQ_METHOD_STEPQ;
@@ -648,6 +654,8 @@ int stepq_tool_calibrate(int argc, char **argv)
         int st = stepq_map_create(&sh, o.method, o.budget, &map);
         if (st >= 0)
             st = stepq_map_set_row_split(map, o.row_split);
+        if (st >= 0)
+            st = stepq_map_set_decode_fit(map, o.decode_fit);
         const char *nm = model_name ? model_name : stepq__trace_set_meta(ts, "model");
         if (st >= 0 && nm)
             st = stepq_map_set_model_name(map, nm);
@@ -672,9 +680,14 @@ int stepq_tool_calibrate(int argc, char **argv)
                    *split = stepq__trace_set_meta(ts, "split");
         snprintf(data, sizeof(data), "%s (%s), %d streams x %d tokens", src ? src : "?",
                  split ? split : "?", I->n_streams, I->T);
-        char split_detail[48] = ""; /* only another split than the default: same text as before */
+        char split_detail[80] = ""; /* only another split or fit than the default: as before */
         if (o.row_split != 0.5)
             snprintf(split_detail, sizeof(split_detail), " row_split=%g", o.row_split);
+        if (o.decode_fit != STEPQ_DECODE_FIT_EXACT) {
+            size_t at = strlen(split_detail);
+            snprintf(split_detail + at, sizeof(split_detail) - at, " decode_fit=%s",
+                     stepq_decode_fit_name(o.decode_fit));
+        }
         snprintf(detail, sizeof(detail),
                  "distortion=%s lifetime=%s normalize=%s samples=%d prop_steps=%d w_floor=%g "
                  "solver=%s pivots=%d%s",
@@ -735,6 +748,8 @@ int stepq_tool_calibrate(int argc, char **argv)
                     o.horizon);
             if (o.row_split != 0.5)
                 fprintf(f, "\"row_split\": %g, ", o.row_split);
+            if (o.decode_fit != STEPQ_DECODE_FIT_EXACT)
+                fprintf(f, "\"decode_fit\": \"%s\", ", stepq_decode_fit_name(o.decode_fit));
             fprintf(f, "\"candidates\": [");
             for (int c = 0; c < m; c++)
                 fprintf(f, "%s%d", c ? ", " : "", o.cand[c]);
@@ -776,10 +791,12 @@ int stepq_tool_calibrate(int argc, char **argv)
         if (json) {
             fputs("{\"map\": ", stdout);
             stepq_tool_json_str(stdout, out);
-            printf(", \"method\": \"%s\", \"budget\": %g, \"row_split\": %g, \"units\": %lld, "
+            printf(", \"method\": \"%s\", \"budget\": %g, \"row_split\": %g, \"decode_fit\": "
+                   "\"%s\", \"units\": %lld, "
                    "\"pivots\": %d, \"distortion\": \"%s\", \"solver\": \"%s\", \"threads\": %d, "
                    "\"seconds\": %.3f, \"widths\": {",
-                   stepq_method_name(o.method), o.budget, o.row_split, U, n_piv, dist_names[o.dist],
+                   stepq_method_name(o.method), o.budget, o.row_split,
+                   stepq_decode_fit_name(o.decode_fit), U, n_piv, dist_names[o.dist],
                    single        ? "none"
                    : solver == 0 ? "exact-dp"
                                  : "lagrangian",

@@ -23,7 +23,8 @@ static void inspect_usage(FILE *f)
                "FP32 state bytes, compact bytes (codes + fp16 scales + fp16 pivots; fp8:\n"
                "e4m3 codes + fp32 tile scales), allocated bytes (head blocks with\n"
                "alignment), conv bytes, bits per value and the ratio against FP32.\n"
-               "A row split other than 0.5 (the map's row_split) is shown with the method.\n"
+               "A row split other than 0.5 (the map's row_split) and a decode fit other\n"
+               "than exact (decode_fit) are shown with the method.\n"
                "--tp N: also each GPU's heads and page when N GPUs split the model, every\n"
                "page padded to the largest, and that padding per GPU and per replica.\n"
                "--json: the numbers as JSON; -o: into FILE.\n");
@@ -209,6 +210,9 @@ int stepq_tool_inspect(int argc, char **argv)
                 (unsigned long long)mem.conv_bytes, mem.bits_per_value, mem.ratio_vs_fp32);
         if (stepq_map_row_split(map) != 0.5) /* as in the map: only another split than 0.5 */
             fprintf(f, ", \"row_split\": %.15g", stepq_map_row_split(map));
+        if (stepq_map_decode_fit(map) != STEPQ_DECODE_FIT_EXACT) /* likewise */
+            fprintf(f, ", \"decode_fit\": \"%s\"",
+                    stepq_decode_fit_name(stepq_map_decode_fit(map)));
         if (tp)
             print_tp_json(f, tp, sh, tpp);
         fputs("}\n", f);
@@ -226,6 +230,11 @@ int stepq_tool_inspect(int argc, char **argv)
                     "row split      %g (the dual-axis fit's row scale max|x_i|^%g / sqrt(w_i); "
                     "the CUDA kernels serve 0.5 only: host pools)\n",
                     stepq_map_row_split(map), stepq_map_row_split(map));
+        if (stepq_map_decode_fit(map) != STEPQ_DECODE_FIT_EXACT)
+            fprintf(f,
+                    "decode fit     %s (decode steps store the step-2 column scales, no "
+                    "refit; packs fit exactly)\n",
+                    stepq_decode_fit_name(stepq_map_decode_fit(map)));
         fprintf(f, "per request:\n");
         fprintf(f, "  state fp32       %12llu B  %10.4f MiB\n",
                 (unsigned long long)mem.state_bytes_fp32, mib(mem.state_bytes_fp32));

@@ -104,7 +104,8 @@ static const struct preset presets[] = {
 static void mkmap_usage(FILE *f)
 {
     fprintf(f, "usage: stepq mkmap --shape NAME --method METHOD [--bits B] [--pivots P]\n"
-               "                   [--row-split A] [--out FILE | -o FILE] [--name TEXT]\n"
+               "                   [--row-split A] [--decode-fit F] [--out FILE | -o FILE]\n"
+               "                   [--name TEXT]\n"
                "Builds an uncalibrated precision map for a built-in model shape.\n"
                "  --shape    one of:");
     for (size_t i = 0; i < N_PRESETS; i++)
@@ -122,6 +123,9 @@ static void mkmap_usage(FILE *f)
                "  --out, -o  output file (default: standard output), written whole or not at all\n"
                "  --row-split  dsq, spatial, stepq: the map field row_split, the dual-axis\n"
                "             fit's row-scale exponent in (0, 1] (default 0.5: not written)\n"
+               "  --decode-fit  dsq, spatial, stepq: the map field decode_fit, the decode\n"
+               "             step's fit: exact (default: not written) or norefit (no\n"
+               "             column refit)\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 
@@ -337,7 +341,9 @@ int stepq_tool_mkmap(int argc, char **argv)
     const char *shape_key = NULL, *method_name = NULL, *out = NULL, *name = NULL;
     int bits = 0;
     long long pivots = 0;
-    double row_split = 0.0; /* 0: the default 0.5, not written */
+    double row_split = 0.0;      /* 0: the default 0.5, not written */
+    const char *fit_name = NULL; /* NULL: the default exact, not written */
+    stepq_decode_fit fit = STEPQ_DECODE_FIT_EXACT;
     stepq_method method;
 
     for (int i = 1; i < argc; i++) {
@@ -352,9 +358,10 @@ int stepq_tool_mkmap(int argc, char **argv)
             return 2;
         }
         if (!v) {
-            static const char *const value_opts[] = { "--bits",  "--method", "--name",
-                                                      "--out",   "--pivots", "--row-split",
-                                                      "--shape", "-o",       NULL };
+            static const char *const value_opts[] = {
+                "--bits",   "--decode-fit", "--method", "--name", "--out",
+                "--pivots", "--row-split",  "--shape",  "-o",     NULL,
+            };
             return stepq_tool_missing_value("mkmap", a, value_opts);
         }
         long long n;
@@ -376,6 +383,12 @@ int stepq_tool_mkmap(int argc, char **argv)
         } else if (!strcmp(a, "--row-split")) {
             if (stepq_tool_real("mkmap", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &row_split) < 0)
                 return 2;
+        } else if (!strcmp(a, "--decode-fit")) {
+            if (stepq_decode_fit_from_name(v, &fit) < 0) {
+                fprintf(stderr, "stepq mkmap: --decode-fit: '%s' is not exact or norefit\n", v);
+                return 2;
+            }
+            fit_name = v;
         } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
             out = v;
         } else if (!strcmp(a, "--name")) {
@@ -426,6 +439,14 @@ int stepq_tool_mkmap(int argc, char **argv)
         return 2;
     }
 
+    if (fit_name && !stepq_method_has_col_scales(method)) {
+        fprintf(stderr,
+                "stepq mkmap: --decode-fit %s: method %s has no column refit (only dsq, "
+                "spatial and stepq)\n",
+                fit_name, method_name);
+        return 2;
+    }
+
     stepq_map_t *map = NULL;
     int st = stepq_tool_mkmap_build("mkmap", shape_key, method, bits, pivots, name, &map);
     if (st)
@@ -433,6 +454,10 @@ int stepq_tool_mkmap(int argc, char **argv)
     if (row_split > 0.0 && (st = stepq_map_set_row_split(map, row_split)) < 0) {
         stepq_map_close(map);
         return die("mkmap", "--row-split", st);
+    }
+    if ((st = stepq_map_set_decode_fit(map, fit)) < 0) {
+        stepq_map_close(map);
+        return die("mkmap", "--decode-fit", st);
     }
 
     /* Written whole or not at all; a write error names the file (not its temporary name). */

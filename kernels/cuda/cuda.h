@@ -80,12 +80,15 @@ int stepq__cuda_device_count(void);
  * `flags`: 0 or STEPQ__CUDA_COLUMN, kept in the handle for its steps, packs
  * and unpacks. Synchronous (a blocking copy). Release with
  * stepq__cuda_layer_release.
+ * The dual-axis heads' decode_fit (all the same: one template variant per
+ * launch) selects the fit of the handle's decode steps (fused and two-stage
+ * stage 2): norefit launches SQ_V_NOREFIT / the column kernel's NOREFIT;
+ * packs always fit exactly.
  * @return STEPQ_OK; STEPQ_EINVAL (bad layout, w not finite > 0, head block
- *         outside the page, unknown flags), STEPQ_ENOTSUP (d_k or d_v !=
- *         128; a dsq / spatial / stepq head whose row_split is not 0.5, the
- *         only split the kernels' fit implements: refused before any CUDA
- *         call, the message naming row_split and its value), STEPQ_ENOMEM,
- *         STEPQ_ENODEV or STEPQ_ECUDA.
+ *         outside the page, unknown flags, dual-axis heads whose decode_fit
+ *         differs: refused before any CUDA call, naming decode_fit),
+ *         STEPQ_ENOTSUP (d_k or d_v != 128), STEPQ_ENOMEM, STEPQ_ENODEV or
+ *         STEPQ_ECUDA.
  */
 int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl, unsigned flags,
                                  stepq__cuda_layer **out);

@@ -185,9 +185,13 @@ struct __align__(16) sq_smem
  * Decode of a slot's block is done from shared memory (`buf`, the block
  * staged with 16-byte loads); the encode writes the new block into the same
  * buffer (codes built word-parallel from the byte codes in `zb`) and copies
- * it out whole, so each packed byte is read and written once.
+ * it out whole, so each packed byte is read and written once. NOREFIT (the
+ * decode fit norefit; the column handle's decode steps only) stores the
+ * step-2 column scales c_j instead of the refit: no refit sums and no
+ * exchange of them (the barrier before the encode stays: the encode reads
+ * every thread's byte codes).
  */
-template <int SRC, bool UPDATE, int SINK>
+template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_step st, sq_io io)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
@@ -565,7 +569,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 float y = dual ? sq_div(x[r], cj, cinv) : x[r];
                 float z = fminf(fmaxf(rintf(y * qmf), -qmf), qmf);
                 zb[i * SQ_D + j] = (uint8_t)((int)z + qm);
-                if (dual) {
+                if (dual && !NOREFIT) {
                     float zt = z * iqm;
                     float a = sm.w2r2[i] * zt;
                     num = fmaf(a, x[r], num);
@@ -587,7 +591,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 z = fminf(fmaxf(z, (float)-qm), (float)qm);
                 int u = (int)z + qm;
                 zb[i * SQ_D + j] = (uint8_t)u;
-                if (dual) {
+                if (dual && !NOREFIT) {
                     float zt = sm.lut[(b - 2) * 256 + u];
                     float a = sm.w2r2[i] * zt;
                     num = fmaf(a, x[r], num);
@@ -596,15 +600,17 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             }
         }
 
-        /* 4. fixed-code column refit */
-        if (dual) {
+        /* 4. fixed-code column refit (NOREFIT, the decode fit norefit: c_j of step 2) */
+        if (dual && !NOREFIT) {
             sm.fit[0][half][j] = num;
             sm.fit[1][half][j] = den;
         }
         __syncthreads();
         if (t < SQ_D) {
             ((uint16_t *)(buf + hd->row_scale_off))[t] = sm.rh[t];
-            if (dual && hd->any_int) {
+            if (NOREFIT && dual && hd->any_int) {
+                ((uint16_t *)(buf + hd->col_scale_off))[j] = sq_scale_h(cj);
+            } else if (dual && hd->any_int) {
                 float nm = sm.fit[0][0][j] + sm.fit[0][1][j];
                 float dn = sm.fit[1][0][j] + sm.fit[1][1][j];
                 uint16_t h;

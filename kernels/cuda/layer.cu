@@ -32,6 +32,7 @@ struct stepq__cuda_layer {
     int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
     int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
+    int norefit;      /* the dual heads' decode fit is norefit: the steps' SQ_V_NOREFIT */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
      * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
@@ -169,13 +170,30 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
         return stepq__error(STEPQ_EINVAL, "%s: NULL or empty packed layer", who);
     sq_head_desc *h = (sq_head_desc *)calloc((size_t)pl->n_heads, sizeof(*h));
     stepq__cuda_layer *L = (stepq__cuda_layer *)calloc(1, sizeof(*L));
-    int rc;
+    int rc, decode_norefit = -1;
     if (!h || !L) {
         rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
         goto fail;
     }
     if ((rc = build_desc(pl, h, &L->max_block, &L->offsets16, who)) < 0)
         goto fail;
+    /* One decode fit per launch (a template bit): the dual heads of a layer must agree. */
+    for (int hv = 0; hv < pl->n_heads; hv++) {
+        const int nr = pl->heads[hv].decode_fit == STEPQ_DECODE_FIT_NOREFIT;
+        if (!h[hv].dual)
+            continue;
+        if (decode_norefit < 0) {
+            decode_norefit = nr;
+        } else if (decode_norefit != nr) {
+            rc = stepq__error(STEPQ_EINVAL,
+                              "%s: head %d's decode_fit is %s, an earlier head's %s (one decode "
+                              "fit per layer)",
+                              who, hv, stepq_decode_fit_name(pl->heads[hv].decode_fit),
+                              nr ? "exact" : "norefit");
+            goto fail;
+        }
+    }
+    decode_norefit = decode_norefit > 0;
     if (dyn_smem(L->max_block) > SQ_DYN_SMEM_MAX) {
         rc = stepq__error(STEPQ_ENOTSUP, "%s: a head block of %zu B exceeds the kernel's buffer",
                           who, L->max_block);
@@ -199,6 +217,7 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     }
     L->n_heads = pl->n_heads;
     L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
+    L->norefit = decode_norefit;
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
@@ -275,11 +294,21 @@ static int launch_k(dim3 grid, size_t smem, cudaStream_t s, const char *who, con
     return STEPQ_OK;
 }
 
-template <int SRC, bool UPDATE, int SINK>
+template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false>
 static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                   const char *who)
 {
-    return launch_k<sq_head_kernel<SRC, UPDATE, SINK>>(grid, smem, s, who, st, io);
+    return launch_k<sq_head_kernel<SRC, UPDATE, SINK, NOREFIT>>(grid, smem, s, who, st, io);
+}
+
+/* sq_head_kernel with the decode fit norefit when `norefit` (the column handle's decode steps). */
+template <int SRC, bool UPDATE, int SINK>
+static int launch_fit(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
+                      int norefit, const char *who)
+{
+    if (norefit)
+        return launch<SRC, UPDATE, SINK, true>(grid, smem, s, st, io, who);
+    return launch<SRC, UPDATE, SINK>(grid, smem, s, st, io, who);
 }
 
 template <int SRC, bool UPDATE, int SINK, int V>
@@ -290,27 +319,49 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 }
 
 /*
+ * The fused packed step with template bits ORDER or ORDER|RTU (v & SQ_V_RTU),
+ * IN32 or IN16 after st.in_bf16, and N (0 or SQ_V_NOREFIT); g2 is already
+ * the (batch, heads) grid.
+ */
+template <int N>
+static int launch_step_tile(dim3 g2, size_t smem, cudaStream_t s, const sq_step &st,
+                            const sq_io &io, int v, const char *who)
+{
+    constexpr int SRC = SQ_SRC_PACKED, SINK = SQ_SINK_PACKED;
+    constexpr int O = SQ_V_ORDER | N, R = SQ_V_ORDER | SQ_V_RTU | N;
+    if ((v & SQ_V_RTU) && st.in_bf16)
+        return launch_tile_v<SRC, true, SINK, R | SQ_V_IN16>(g2, smem, s, st, io, who);
+    if (v & SQ_V_RTU)
+        return launch_tile_v<SRC, true, SINK, R | SQ_V_IN32>(g2, smem, s, st, io, who);
+    if (st.in_bf16)
+        return launch_tile_v<SRC, true, SINK, O | SQ_V_IN16>(g2, smem, s, st, io, who);
+    return launch_tile_v<SRC, true, SINK, O | SQ_V_IN32>(g2, smem, s, st, io, who);
+}
+
+/*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
  * packed step ORDER and ORDER|RTU, each with IN32 or IN16 after st.in_bf16,
- * pack 0, RTU, STAGE and RTU|STAGE, dense bf16 step 0; ORDER launches the
- * grid as (batch, heads).
+ * each with or without NOREFIT; pack 0, RTU, STAGE and RTU|STAGE, and
+ * NOREFIT and RTU|NOREFIT (two-stage stage 2, whose fp32 scratch is [K,V]:
+ * never staged); dense bf16 step 0. ORDER launches the grid as (batch,
+ * heads).
  */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                        int v, const char *who)
 {
     if constexpr (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED) {
-        /* one instantiation per input dtype (SQ_V_IN32 / SQ_V_IN16) */
+        /* one instantiation per input dtype (SQ_V_IN32 / SQ_V_IN16) and decode fit */
         const dim3 g2(grid.y, grid.x);
-        constexpr int O = SQ_V_ORDER, R = SQ_V_ORDER | SQ_V_RTU;
-        if ((v & SQ_V_RTU) && st.in_bf16)
-            return launch_tile_v<SRC, UPDATE, SINK, R | SQ_V_IN16>(g2, smem, s, st, io, who);
-        if (v & SQ_V_RTU)
-            return launch_tile_v<SRC, UPDATE, SINK, R | SQ_V_IN32>(g2, smem, s, st, io, who);
-        if (st.in_bf16)
-            return launch_tile_v<SRC, UPDATE, SINK, O | SQ_V_IN16>(g2, smem, s, st, io, who);
-        return launch_tile_v<SRC, UPDATE, SINK, O | SQ_V_IN32>(g2, smem, s, st, io, who);
+        if (v & SQ_V_NOREFIT)
+            return launch_step_tile<SQ_V_NOREFIT>(g2, smem, s, st, io, v, who);
+        return launch_step_tile<0>(g2, smem, s, st, io, v, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
+        if ((v & SQ_V_NOREFIT) && (v & SQ_V_RTU))
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_NOREFIT>(grid, smem, s, st, io,
+                                                                             who);
+        if (v & SQ_V_NOREFIT)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_NOREFIT>(grid, smem, s, st, io, who);
         if ((v & SQ_V_RTU) && (v & SQ_V_STAGE))
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_STAGE>(grid, smem, s, st, io,
                                                                            who);
@@ -478,11 +529,13 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         smem = tile_smem(L->max_block);
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
-    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU);
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) |
+                   (L->norefit ? SQ_V_NOREFIT : 0); /* the map's decode_fit */
     if (variant == STEPQ__CUDA_FUSED)
         return tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
                                                                        who)
-                    : launch<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, who);
+                    : launch_fit<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io,
+                                                                      L->norefit, who);
     if (variant != STEPQ__CUDA_TWO_STAGE)
         return stepq__error(STEPQ_EINVAL, "%s: unknown variant %d", who, (int)variant);
 
@@ -520,10 +573,12 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         return rc;
     SQ_CU(cudaEventRecord(L->ev_a, s), who);
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
-    /* Stage 2 has no recurrence inputs: input health was noted by stage 1. */
+    /* Stage 2 has no recurrence inputs: input health was noted by stage 1. It is the
+     * step's fit, so it takes the decode fit (vt's SQ_V_NOREFIT), unlike a prefill pack. */
     rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
                     grid, pack_smem(L->max_block, io), L->s2, st, io, vt & ~SQ_V_ORDER, who)
-              : launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, who);
+              : launch_fit<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io,
+                                                                L->norefit, who);
     if (rc < 0)
         return rc;
     SQ_CU(cudaEventRecord(L->ev_b, L->s2), who);

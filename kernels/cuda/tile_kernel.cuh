@@ -42,6 +42,11 @@
  * multiplications by the reciprocals, y/c*qmax is y * RN(qmax/c) on uniform
  * heads, and the refit sums are fp32. The state therefore differs in the last
  * ulp, which moves codes only at ties.
+ *
+ * The decode fit norefit (SQ_V_NOREFIT, a template bit of the packed step
+ * and of two-stage stage 2) stores the step-2 column scales instead of the
+ * refit: no refit sums in the encode (4 of the ~17 operations per element),
+ * no column reduction of num and den, no barrier before it.
  */
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
@@ -156,6 +161,15 @@ __device__ __forceinline__ void sq_st_codes_rt(uint8_t *row, int tx, int b, uint
  */
 #define SQ_V_IN32 16
 #define SQ_V_IN16 32
+/*
+ * the decode fit norefit (map field decode_fit, kernels/quant.h): the column
+ * scales stored are the step-2 ones the codes were rounded with. The refit's
+ * sums in the encode (z, z w^2 r^2, two FFMA per element) are then dead
+ * code, and its column reduction and barrier are not compiled in
+ * (sq_tile_store_packed). Decode steps only: the fused step and two-stage
+ * stage 2; a prefill pack never sets it.
+ */
+#define SQ_V_NOREFIT 64
 
 /* Whether the step's inputs are bf16: fixed by the variant bits V, else st.in_bf16. */
 template <int V> __device__ __forceinline__ int sq_in_bf16(const sq_step &st)
@@ -1395,8 +1409,26 @@ __device__ __forceinline__ void sq_tile_refit(const float (&num)[8], const float
 }
 
 /*
+ * Fit without the refit (SQ_V_NOREFIT): the column scales of a dual head
+ * are step 2's, c_j of sq_tile_fit_cols (sm.cola, untouched since its
+ * barrier), into the block by thread j; 0 without integer rows, or where the
+ * layout has column scales but the head is not dual, as sq_tile_refit. The
+ * scales lie apart from the codes in the block, so no barrier is needed
+ * before the one that ends the item.
+ */
+__device__ __forceinline__ void sq_tile_cols_fixed(const sq_head_desc *hd, bool dual,
+                                                   const sq_tsmem &sm, uint8_t *buf, int t)
+{
+    if (hd->has_col && t < SQ_D)
+        ((uint16_t *)(buf + hd->col_scale_off))[t] =
+            dual && hd->any_int ? sq_scale_h(sm.cola[t]) : (uint16_t)0;
+}
+
+/*
  * Into the packed sink: the new block is assembled in buf (the old one has
- * been read by now), row scales, pivot rows, column scales, codes, refit.
+ * been read by now), row scales, pivot rows, column scales, codes, refit
+ * (SQ_V_NOREFIT: the step-2 column scales instead; num and den are then
+ * never read, so the compiler drops their sums from the encode).
  */
 template <int V>
 __device__ __forceinline__ void
@@ -1422,7 +1454,10 @@ sq_tile_store_packed(float (&x)[64], const float (&m)[8], const sq_head_desc *hd
     const bool clamp = sm.sat;
     const int ub = hd->ubits;
     sq_tile_encode<V>(x, ci, ub, clamp, sm, rowc, buf, num, den, pos);
-    sq_tile_refit(num, den, hd, dual, ub, clamp, sm, buf, fl, pos);
+    if constexpr (V & SQ_V_NOREFIT)
+        sq_tile_cols_fixed(hd, dual, sm, buf, t);
+    else
+        sq_tile_refit(num, den, hd, dual, ub, clamp, sm, buf, fl, pos);
 }
 
 /* Health, reported by one thread: one event per (request, head) and flag, as the reference. */

@@ -156,6 +156,31 @@ def main():
                  "--out", os.path.join(d, "no.json"), "--row-split", split], ok=False)
         assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
         assert not os.path.exists(os.path.join(d, "no.json"))
+    # --decode-fit: recorded in the map (and its provenance), the distortions still measured with
+    # the exact fit (the same statistics); exact is the default, written nowhere; inspect shows
+    # norefit; a method without column scales refuses it, and so does another name.
+    kf = os.path.join(d, "kda-nr.json")
+    p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
+             "--out", kf, "--pivot-fraction", "0.02", "--decode-fit", "norefit", "--json"])
+    assert json.loads(p.stdout)["decode_fit"] == "norefit", p.stdout
+    mf = json.load(open(kf))
+    assert mf["decode_fit"] == "norefit" and "decode_fit=norefit" in mf["provenance"]["method_detail"]
+    assert mf["layers"] == m["layers"] and "decode_fit" not in m
+    ke = os.path.join(d, "kda-exact.json")
+    run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4", "--out", ke,
+         "--pivot-fraction", "0.02", "--decode-fit", "exact"])
+    assert open(ke, "rb").read() == open(km, "rb").read(), "--decode-fit exact is not the default"
+    assert "decode fit     norefit" in run([exe, "inspect", kf]).stdout
+    assert json.loads(run([exe, "inspect", kf, "--json"]).stdout)["decode_fit"] == "norefit"
+    assert "decode fit" not in run([exe, "inspect", km]).stdout
+    assert "decode_fit" not in json.loads(run([exe, "inspect", km, "--json"]).stdout)
+    for meth, fit, want in (("temporal", "norefit", "--decode-fit norefit: method temporal has no column refit"),
+                            ("uniform", "exact", "--decode-fit exact: method uniform has no column refit"),
+                            ("stepq", "fast", "--decode-fit: 'fast' is not exact or norefit")):
+        p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", meth, "--budget", "4",
+                 "--out", os.path.join(d, "no.json"), "--decode-fit", fit], ok=False)
+        assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        assert not os.path.exists(os.path.join(d, "no.json"))
     # --plot creates its folder when missing and writes the chart specs there.
     pd = os.path.join(d, "plots-new")
     run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--plot", pd])

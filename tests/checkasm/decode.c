@@ -41,7 +41,8 @@ struct params {
     int huge;      /* HUGE_AMP states */
     int wild_ids;  /* the CUDA side's padding entries are ids outside 0..slots instead of -1 */
     enum via via;
-    double row_split; /* the map's row_split; 0: 0.5 */
+    double row_split;     /* the map's row_split; 0: 0.5 */
+    stepq_decode_fit fit; /* the map's decode_fit; 0: exact */
 };
 
 /* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
@@ -62,7 +63,7 @@ static int start(const struct params *p)
     if (p->row_split > 0)
         snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
+        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
         stepq_method_name(p->method), width_name(p->arch, p->method, p->bits, w, sizeof(w)), p->H,
         p->HV, p->batch, p->gate ? " in-kernel gate" : "", p->nonfinite ? " NaN in q" : "",
         p->view ? " bf16 strided" : "", p->huge ? " huge state" : "",
@@ -70,7 +71,7 @@ static int start(const struct params *p)
         p->via == VIA_TWO_STAGE ? " two-stage"
         : p->via == VIA_COLUMN  ? " column kernel"
                                 : "",
-        rs);
+        rs, p->fit == STEPQ_DECODE_FIT_NOREFIT ? " norefit" : "");
 }
 
 /* The CUDA call of a check, also what bench_new times. */
@@ -122,6 +123,7 @@ static int run(const struct params *p)
         .w_lo = 0.5f,
         .w_hi = 2.0f,
         .row_split = p->row_split,
+        .decode_fit = p->fit,
     };
     struct fx_rng *rng = checkasm_rng();
     struct fx_pools fx = { 0 };
@@ -746,6 +748,102 @@ void checkasm_check_decode(void)
                          .batch = B,
                          .row_split = 0.75,
                          .via = VIA_TWO_STAGE });
+    /*
+     * The decode fit norefit (decode_fit): the step-2 column scales, against the reference's
+     * norefit fit (kernels/quant.h), with the same tolerances. GDN stepq@6 and @4 (uniform
+     * widths), GDN stepq mixed with a pivot head, KDA stepq mixed rows (run-time widths), dsq;
+     * bf16 views, saturating scales, a NaN in q; the two-stage variant (its stage 2 takes the
+     * fit) and the column kernel.
+     */
+    {
+        const stepq_decode_fit NR = STEPQ_DECODE_FIT_NOREFIT;
+        one((struct params){
+            .arch = G, .method = SQ, .bits = 6, .H = 2, .HV = 4, .batch = B, .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .gate = 1,
+                             .fit = NR });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .fit = NR });
+        one((struct params){ .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .fit = NR });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .gate = 1,
+                             .view = 1,
+                             .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 5,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .fit = NR });
+        one((struct params){ .arch = K,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 4,
+                             .H = 1,
+                             .HV = 2,
+                             .batch = B,
+                             .gate = 1,
+                             .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_SPATIAL,
+                             .bits = 3,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .huge = 1,
+                             .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .nonfinite = 1,
+                             .fit = NR });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .row_split = 0.6, .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .via = VIA_TWO_STAGE,
+                             .fit = NR });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_TWO_STAGE,
+                             .fit = NR });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .via = VIA_COLUMN,
+                             .fit = NR });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .via = VIA_COLUMN, .fit = NR });
+    }
     /* bf16 pages step on the dense tile kernel (kernels/cuda/layer.cu): KDA, NaN, views */
     one((struct params){
         .arch = K, .method = STEPQ_METHOD_BF16, .H = 2, .HV = 2, .batch = B, .gate = 1 });

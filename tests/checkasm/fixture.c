@@ -242,6 +242,8 @@ int fx_map_create(const struct fx_map_spec *spec, struct fx_rng *rng, stepq_map_
     }
     if (spec->row_split > 0 && (ret = stepq_map_set_row_split(map, spec->row_split)) < 0)
         goto fail;
+    if ((ret = stepq_map_set_decode_fit(map, spec->decode_fit)) < 0)
+        goto fail;
     *out = map;
     return STEPQ_OK;
 fail:

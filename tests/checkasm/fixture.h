@@ -90,6 +90,8 @@ struct fx_map_spec {
     float w_lo, w_hi;
     /** The map field row_split (dual-axis methods); 0: the default 0.5. */
     double row_split;
+    /** The map field decode_fit (dual-axis methods); 0: the default exact. */
+    stepq_decode_fit decode_fit;
 };
 
 /** Builds spec's map (*out owns it). rng draws the mixed widths and the row impact. */

@@ -796,6 +796,109 @@ static void row_split_round_trips_and_is_refused_where_it_means_nothing(void **s
     assert_int_equal(stepq_map_set_row_split(NULL, 0.75), STEPQ_EINVAL);
 }
 
+/*
+ * The decode step's fit: exact by default and then neither written nor
+ * fingerprinted (maps without the field keep their bytes and fingerprints);
+ * norefit round-trips (after row_split), changes the fingerprint and the
+ * equality; values outside the list and methods without column scales are
+ * refused, changing nothing; the names parse both ways.
+ */
+static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **state)
+{
+    stepq_map_t *m = full_map(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 6), *back;
+    stepq_map_t *ref = full_map(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 6);
+    char *t0, *t1, *t2;
+    size_t n0, n1, n2;
+    uint64_t f0, f1, f2, fs;
+    stepq_decode_fit fit;
+
+    assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_EXACT);
+    assert_int_equal(stepq_map_write_buffer(m, &t0, &n0), STEPQ_OK);
+    assert_null(strstr(t0, "decode_fit"));
+    assert_int_equal(stepq_map_fingerprint(m, &f0), STEPQ_OK);
+
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_NOREFIT), STEPQ_OK);
+    assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_NOREFIT);
+    assert_false(stepq__map_equal(m, ref));
+    assert_int_equal(stepq_map_fingerprint(m, &f1), STEPQ_OK);
+    assert_true(f1 != f0);
+    back = reload(m, &t1, &n1);
+    assert_non_null(
+        strstr(t1, "\"budget_bits\": 6,\n  \"decode_fit\": \"norefit\",\n  \"provenance\""));
+    assert_true(stepq__map_equal(m, back));
+    assert_int_equal(stepq_map_decode_fit(back), STEPQ_DECODE_FIT_NOREFIT);
+    assert_int_equal(stepq_map_fingerprint(back, &f2), STEPQ_OK);
+    assert_true(f2 == f1);
+    assert_int_equal(stepq_map_write_buffer(back, &t2, &n2), STEPQ_OK);
+    assert_int_equal(n2, n1);
+    assert_memory_equal(t2, t1, n1);
+    stepq_free(t1);
+    stepq_free(t2);
+    stepq_map_close(back);
+
+    /* With a row split: both fields, in that order, and a fingerprint of its own. */
+    assert_int_equal(stepq_map_set_row_split(m, 0.75), STEPQ_OK);
+    back = reload(m, &t1, &n1);
+    assert_non_null(strstr(t1, "\"row_split\": 0.75,\n  \"decode_fit\": \"norefit\",\n"));
+    assert_true(stepq__map_equal(m, back));
+    assert_int_equal(stepq_map_fingerprint(m, &fs), STEPQ_OK);
+    assert_true(fs != f0 && fs != f1);
+    stepq_free(t1);
+    stepq_map_close(back);
+    assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_OK);
+
+    /* Back to exact: the bytes and the fingerprint of a map that never had the field. */
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
+    assert_true(stepq__map_equal(m, ref));
+    assert_int_equal(stepq_map_fingerprint(m, &f2), STEPQ_OK);
+    assert_true(f2 == f0);
+    assert_int_equal(stepq_map_write_buffer(m, &t1, &n1), STEPQ_OK);
+    assert_int_equal(n1, n0);
+    assert_memory_equal(t1, t0, n0);
+    stepq_free(t1);
+    stepq_free(t0);
+
+    /* Not a decode fit: refused naming the value, the map as it was. */
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_COUNT), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_map_last_error(m), "2 is not a decode fit"));
+    assert_int_equal(stepq_map_set_decode_fit(m, (stepq_decode_fit)-1), STEPQ_EINVAL);
+    assert_true(stepq__map_equal(m, ref));
+    stepq_map_close(ref);
+    stepq_map_close(m);
+
+    /* Methods without column scales: only exact. */
+    for (int method = 0; method < STEPQ_METHOD_COUNT; method++) {
+        if (stepq_method_has_col_scales((stepq_method)method))
+            continue;
+        stepq_model_shape sh = fx_shape_small(STEPQ_ARCH_KDA);
+        const int units = stepq__method_has_units((stepq_method)method);
+        m = create_ok(&sh, (stepq_method)method,
+                      units ? 6 : stepq__method_fixed_bits((stepq_method)method));
+        assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_EXACT);
+        assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_NOREFIT), STEPQ_EINVAL);
+        assert_non_null(strstr(stepq_map_last_error(m), "has no column scales"));
+        assert_non_null(strstr(stepq_map_last_error(m), stepq_method_name((stepq_method)method)));
+        assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_EXACT);
+        assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
+        stepq_map_close(m);
+    }
+    assert_int_equal(stepq_map_decode_fit(NULL), STEPQ_DECODE_FIT_COUNT);
+    assert_int_equal(stepq_map_set_decode_fit(NULL, STEPQ_DECODE_FIT_NOREFIT), STEPQ_EINVAL);
+
+    /* The names. */
+    assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_EXACT), "exact");
+    assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_NOREFIT), "norefit");
+    assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_COUNT), "?");
+    assert_int_equal(stepq_decode_fit_from_name("norefit", &fit), STEPQ_OK);
+    assert_int_equal(fit, STEPQ_DECODE_FIT_NOREFIT);
+    assert_int_equal(stepq_decode_fit_from_name("exact", &fit), STEPQ_OK);
+    assert_int_equal(fit, STEPQ_DECODE_FIT_EXACT);
+    assert_int_equal(stepq_decode_fit_from_name("fast", &fit), STEPQ_EINVAL);
+    assert_non_null(
+        strstr(stepq_last_error(), "unknown decode_fit \"fast\" (one of exact, norefit)"));
+    assert_int_equal(stepq_decode_fit_from_name(NULL, &fit), STEPQ_EINVAL);
+}
+
 static void extension_keys_are_ignored_and_not_written_back(void **state)
 {
     const char *doc =
@@ -992,6 +1095,8 @@ static void a_closed_map_handle_is_refused_everywhere(void **state)
     assert_int_equal(stepq_map_method(m), STEPQ_METHOD_COUNT);
     assert_true(stepq_map_row_split(m) == 0.0);
     assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_EBADF);
+    assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_COUNT);
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_EBADF);
     stepq_map_close(m); /* a double close: refused, nothing freed twice */
     assert_non_null(strstr(stepq_last_error(), "closed or not valid"));
     /* A later map may take the memory and the table entry, never the handle. */
@@ -1063,6 +1168,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(write_then_load_gives_the_same_map_for_every_method),
         cmocka_unit_test(equality_sees_every_field),
         cmocka_unit_test(row_split_round_trips_and_is_refused_where_it_means_nothing),
+        cmocka_unit_test(decode_fit_round_trips_and_is_refused_where_it_means_nothing),
         cmocka_unit_test(extension_keys_are_ignored_and_not_written_back),
         cmocka_unit_test(writer_output_does_not_depend_on_the_locale),
         cmocka_unit_test(write_file_is_atomic_and_loadable),

@@ -76,6 +76,13 @@
     DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " RS("1") "\"layers\": [" LAY( \
         3, "[]", KR(4, 4) ", " KR(4, 4)) "]")
 
+/* The decode step's fit (dsq, spatial, stepq only). */
+#define DF(v)     "\"decode_fit\": " v ", "
+#define S6_FIT(v) DOC(GDN_MODEL S6 DF(v) S6_LAYERS(HW(4), HW(16), HW(6)))
+#define KDA_DSQ_FIT                                                   \
+    DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " RS("1") \
+            DF("\"norefit\"") "\"layers\": [" LAY(3, "[]", KR(4, 4) ", " KR(4, 4)) "]")
+
 struct bad_case {
     const char *name;
     const char *doc;
@@ -96,6 +103,9 @@ static const char *const good_docs[] = {
     S6_SPLIT("0.75"),
     KDA_DSQ_SPLIT,
     S6_SPLIT("0.5"), /* the default, written out: accepted (the writer leaves it out) */
+    S6_FIT("\"norefit\""),
+    KDA_DSQ_FIT,
+    S6_FIT("\"exact\""), /* the default, written out: accepted (the writer leaves it out) */
 };
 
 static const struct bad_case cases[] = {
@@ -506,6 +516,32 @@ static const struct bad_case cases[] = {
     { "row split on fp32",
       DOC(GDN_MODEL "\"method\": \"fp32\", \"budget_bits\": 32, " RS("0.75") "\"provenance\": {}"),
       0, STEPQ_ESCHEMA, "row_split: not allowed for method fp32" },
+
+    /* --- decode fit --- */
+    { "decode fit unknown", S6_FIT("\"fast\""), 0, STEPQ_ESCHEMA,
+      "decode_fit: \"fast\" is not one of exact, norefit" },
+    { "decode fit upper case", S6_FIT("\"NOREFIT\""), 0, STEPQ_ESCHEMA,
+      "decode_fit: \"NOREFIT\" is not one of exact, norefit" },
+    { "decode fit empty", S6_FIT("\"\""), 0, STEPQ_ESCHEMA,
+      "decode_fit: \"\" is not one of exact, norefit" },
+    { "decode fit as a number", S6_FIT("1"), 0, STEPQ_ESCHEMA,
+      "decode_fit: expected a string, got a number" },
+    { "decode fit as a bool", S6_FIT("true"), 0, STEPQ_ESCHEMA,
+      "decode_fit: expected a string, got a bool" },
+    { "decode fit null", S6_FIT("null"), 0, STEPQ_ESCHEMA,
+      "decode_fit: expected a string, got null" },
+    { "decode fit twice",
+      DOC(GDN_MODEL S6 DF("\"norefit\"") DF("\"norefit\"") S6_LAYERS(HW(4), HW(16), HW(6))), 0,
+      STEPQ_ESCHEMA, "decode_fit: duplicate key" },
+    { "decode fit on temporal",
+      DOC(GDN_MODEL "\"method\": \"temporal\", \"budget_bits\": 6, " DF("\"norefit\"") U6_LAYERS),
+      0, STEPQ_ESCHEMA, "decode_fit: not allowed for method temporal" },
+    { "decode fit exact on uniform", DOC(GDN_MODEL U6 DF("\"exact\"") U6_LAYERS), 0, STEPQ_ESCHEMA,
+      "decode_fit: not allowed for method uniform" },
+    { "decode fit on fp8",
+      DOC(GDN_MODEL
+          "\"method\": \"fp8\", \"budget_bits\": 8, " DF("\"norefit\"") "\"provenance\": {}"),
+      0, STEPQ_ESCHEMA, "decode_fit: not allowed for method fp8" },
 };
 
 static void every_base_document_loads(void **state)

@@ -861,6 +861,123 @@ static void a_layouts_row_split_is_the_overrides(void **state)
     }
 }
 
+static void quantize_fit(struct head *h, const float *x, const float *w, stepq_decode_fit fit)
+{
+    uint32_t flags = 0;
+    assert_int_equal(stepq__quantize_head_fit(&h->hl, x, w, h->blk, &flags, fit), STEPQ_OK);
+    assert_int_equal(flags, 0);
+    assert_int_equal(stepq__dequantize_head(&h->hl, h->blk, h->xh), STEPQ_OK);
+}
+
+/*
+ * dsq_2x2_golden's X under the decode fit norefit: steps 1-3 as there (r = [2, 1],
+ * c = [2, 1], the same code bytes 0xBE, 0xEB), no refit: the stored column scales are
+ * step 2's, [2, 1] (0x4000, 0x3C00). x^ = r c z/7 = [[4, 8/7], [8/7, 1]].
+ */
+static void dsq_2x2_golden_norefit(void **state)
+{
+    (void)state;
+    struct head h;
+    const uint8_t bits[2] = { 4, 4 };
+    const float x[4] = { 4.0f, 1.0f, 1.0f, 1.0f };
+    head_init(&h, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize_fit(&h, x, NULL, STEPQ_DECODE_FIT_NOREFIT);
+    assert_int_equal(h.blk[0], 0xBE);
+    assert_int_equal(h.blk[1], 0xEB);
+    expect_row_scales(&h, (const uint16_t[]){ 0x4000, 0x3C00 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x4000, 0x3C00 });
+    expect_xhat(&h, (const double[]){ 4.0, 8.0 / 7, 8.0 / 7, 1.0 });
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * norefit against exact on the same head, for every dual-axis method with pivots, mixed
+ * widths and row impact: the same bytes but the column scales (row scales, codes, pivot
+ * rows, padding), the column scales fp16(max_i |x_ij / r_i|) over the integer rows with the
+ * block's own r_i (recomputed here), the exact fit's differing from them somewhere; the
+ * other methods ignore the fit; a head of pivot rows only stores column scales 0 either
+ * way; a fit outside the list is refused and leaves the block.
+ */
+static void norefit_is_the_exact_fit_without_step_4(void **state)
+{
+    (void)state;
+    enum { DK = 6, DV = 9 };
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ };
+    uint64_t rng = 23;
+    float x[DK * DV];
+    const float w[DK] = { 2.0f, 0.5f, 1.25f, 0.8f, 1.0f, 1.0f };
+
+    random_head(&rng, x, DK, DV);
+    for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+        const int stepq = methods[k] == STEPQ_METHOD_STEPQ;
+        const uint8_t bits[DK] = { 5, 5, 5, 5, 5, 5 };
+        const uint8_t mixed[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6, 4 };
+        const stepq_arch arch = stepq ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
+        const float *wk = methods[k] == STEPQ_METHOD_DSQ ? NULL : w;
+        struct head a, b;
+        head_init(&a, methods[k], arch, DK, DV, stepq ? mixed : bits);
+        head_init(&b, methods[k], arch, DK, DV, stepq ? mixed : bits);
+        quantize_fit(&a, x, wk, STEPQ_DECODE_FIT_NOREFIT);
+        quantize_fit(&b, x, wk, STEPQ_DECODE_FIT_EXACT);
+        const size_t c0 = a.hl.col_scale_offset, c1 = c0 + 2 * (size_t)DV;
+        assert_memory_equal(a.blk, b.blk, c0);
+        assert_memory_equal(a.blk + c1, b.blk + c1, a.hl.block_bytes - c1);
+        int differ = 0;
+        for (int j = 0; j < DV; j++) {
+            float m = 0.0f;
+            for (int i = 0; i < DK; i++) {
+                if (a.hl.row_bits[i] == STEPQ_BITS_PIVOT)
+                    continue;
+                float r = stepq__fp16_to_float(rd16(a.blk + a.hl.row_scale_offset + 2 * i));
+                m = fmaxf(m, fabsf(x[i * DV + j] / r));
+            }
+            assert_int_equal(rd16(a.blk + c0 + 2 * j), stepq__scale_to_fp16(m));
+            differ += rd16(a.blk + c0 + 2 * j) != rd16(b.blk + c0 + 2 * j);
+        }
+        assert_true(differ > 0);
+        /* exact is stepq__quantize_head */
+        quantize(&a, x, wk);
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        /* refused: the block as it was */
+        assert_int_equal(
+            stepq__quantize_head_fit(&a.hl, x, wk, a.blk, NULL, STEPQ_DECODE_FIT_COUNT),
+            STEPQ_EINVAL);
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+    }
+
+    /* Pivot rows only (a GDN pivot head): no integer row, column scales 0 either way. */
+    {
+        const uint8_t piv[DK] = { STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT,
+                                  STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT };
+        struct head a, b;
+        head_init(&a, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, DK, DV, piv);
+        head_init(&b, STEPQ_METHOD_STEPQ, STEPQ_ARCH_GDN, DK, DV, piv);
+        quantize_fit(&a, x, w, STEPQ_DECODE_FIT_NOREFIT);
+        quantize_fit(&b, x, w, STEPQ_DECODE_FIT_EXACT);
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        for (int j = 0; j < DV; j++)
+            assert_int_equal(rd16(a.blk + a.hl.col_scale_offset + 2 * j), 0);
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+    }
+
+    /* Methods without column scales: the fit changes nothing. */
+    {
+        const uint8_t mixed[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6, 4 };
+        struct head a, b;
+        head_init(&a, STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, DK, DV, mixed);
+        head_init(&b, STEPQ_METHOD_TEMPORAL, STEPQ_ARCH_KDA, DK, DV, mixed);
+        quantize_fit(&a, x, NULL, STEPQ_DECODE_FIT_NOREFIT);
+        quantize_fit(&b, x, NULL, STEPQ_DECODE_FIT_EXACT);
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -888,6 +1005,8 @@ int main(void)
         cmocka_unit_test(fp8_error_is_within_half_an_e4m3_ulp),
         cmocka_unit_test(row_split_one_keeps_a_small_rows_resolution),
         cmocka_unit_test(a_layouts_row_split_is_the_overrides),
+        cmocka_unit_test(dsq_2x2_golden_norefit),
+        cmocka_unit_test(norefit_is_the_exact_fit_without_step_4),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -101,8 +101,12 @@ static void fill_inputs(struct fixture *f, unsigned long long seed)
         f->dense[i] = (float)(fx_rand(&s) * 2 - 1);
 }
 
-/* A fixture whose map has the row split `split` (map field row_split) before its pool opens. */
-static void fixture_open_split(struct fixture *f, stepq_arch arch, stepq_method m, double split)
+/*
+ * A fixture whose map has the row split `split` (map field row_split) and the decode fit
+ * `fit` (decode_fit) before its pool opens.
+ */
+static void fixture_open_fit(struct fixture *f, stepq_arch arch, stepq_method m, double split,
+                             stepq_decode_fit fit)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
     stepq_model_shape sh;
@@ -111,6 +115,7 @@ static void fixture_open_split(struct fixture *f, stepq_arch arch, stepq_method 
     f->arch = arch;
     f->map = make_map(arch, m);
     assert_int_equal(stepq_map_set_row_split(f->map, split), STEPQ_OK);
+    assert_int_equal(stepq_map_set_decode_fit(f->map, fit), STEPQ_OK);
     assert_int_equal(stepq_map_shape(f->map, &sh), STEPQ_OK);
     f->H = sh.num_k_heads;
     f->HV = sh.num_v_heads;
@@ -140,6 +145,11 @@ static void fixture_open_split(struct fixture *f, stepq_arch arch, stepq_method 
     f->dt_bias = falloc((size_t)f->HV * gk);
     f->dense = falloc((size_t)BATCH * f->HV * f->K * f->V);
     fill_inputs(f, 7);
+}
+
+static void fixture_open_split(struct fixture *f, stepq_arch arch, stepq_method m, double split)
+{
+    fixture_open_fit(f, arch, m, split, STEPQ_DECODE_FIT_EXACT);
 }
 
 static void fixture_open(struct fixture *f, stepq_arch arch, stepq_method m)
@@ -217,10 +227,10 @@ static void assert_unchanged(struct fixture *f, const uint8_t *before)
     assert_memory_equal(base, before, n);
 }
 
-/* The reference kernels on the pool's own layer description. */
-static void ref_step(struct fixture *f, int layer, const stepq_step_args *p)
+/* The reference kernels' arguments of a step through the API. */
+static void kernel_args(const struct fixture *f, const stepq_step_args *p,
+                        struct stepq__step_args *out)
 {
-    struct stepq__packed_layer pl;
     struct stepq__step_args a;
 
     memset(&a, 0, sizeof(a));
@@ -234,6 +244,16 @@ static void ref_step(struct fixture *f, int layer, const stepq_step_args *p)
     a.opt.gate_in_kernel = !!(p->flags & STEPQ_STEP_GATE_IN_KERNEL);
     a.opt.beta_sigmoid = !!(p->flags & STEPQ_STEP_BETA_SIGMOID);
     a.opt.scale = p->scale;
+    *out = a;
+}
+
+/* The reference kernels on the pool's own layer description. */
+static void ref_step(struct fixture *f, int layer, const stepq_step_args *p)
+{
+    struct stepq__packed_layer pl;
+    struct stepq__step_args a;
+
+    kernel_args(f, p, &a);
     stepq__pool_packed_layer(stepq__pool_resolve(f->pool), layer, &pl);
     assert_int_equal(stepq__ref_step_packed(&a, &pl), STEPQ_OK);
 }
@@ -724,6 +744,93 @@ static void test_map_row_split_is_the_host_pools_fit(void **state)
     }
 }
 
+/*
+ * The map's decode fit is the host pool's decode step's, and only the step's: pools on a
+ * norefit map and on the exact map (dsq, spatial, stepq; GDN and KDA) pack the same pages
+ * and read out the same o, but step to other pages; every stepped block of the norefit
+ * pool is the C reference's norefit fit of the updated state (dequantize the start block,
+ * the update, stepq__quantize_head_fit), the exact pool's its exact fit, and the two
+ * differ in their column scales only.
+ */
+static void test_map_decode_fit_is_the_host_pools_step(void **state)
+{
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ };
+
+    (void)state;
+    for (int arch = 0; arch < 2; arch++) {
+        for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+            struct fixture a, b;
+            size_t n;
+            fixture_open_fit(&a, (stepq_arch)arch, methods[k], 0.5, STEPQ_DECODE_FIT_NOREFIT);
+            fixture_open(&b, (stepq_arch)arch, methods[k]);
+            stepq_pool_t *pa_ = stepq__pool_resolve(a.pool);
+            assert_int_equal(pa_->layout.heads[0].decode_fit, STEPQ_DECODE_FIT_NOREFIT);
+            assert_int_equal(stepq__pool_resolve(b.pool)->layout.heads[0].decode_fit,
+                             STEPQ_DECODE_FIT_EXACT);
+            stepq_prefill_args pa = prefill_args(&a, a.ids, BATCH, a.dense);
+            stepq_prefill_args pb = prefill_args(&b, b.ids, BATCH, b.dense);
+            for (int layer = 0; layer < a.L; layer++) {
+                assert_int_equal(stepq_pool_prefill_pack(a.pool, layer, &pa, NULL), STEPQ_OK);
+                assert_int_equal(stepq_pool_prefill_pack(b.pool, layer, &pb, NULL), STEPQ_OK);
+            }
+            const uint8_t *pg_a = pages_of(&a, &n), *pg_b = pages_of(&b, &n);
+            assert_memory_equal(pg_a, pg_b, n); /* the pack is exact */
+            uint8_t *start = snapshot(&a);
+            const size_t head = (size_t)a.K * a.V;
+            float *tile = falloc(head);
+            uint8_t *blk = malloc(n);
+            assert_non_null(blk);
+            for (int layer = 0; layer < a.L; layer++) {
+                stepq_step_args sa = step_args(&a, a.ids, BATCH), sb = step_args(&b, b.ids, BATCH);
+                fill_inputs(&a, 300 + layer);
+                fill_inputs(&b, 300 + layer);
+                assert_int_equal(stepq_pool_decode_step(a.pool, layer, &sa, NULL), STEPQ_OK);
+                assert_int_equal(stepq_pool_decode_step(b.pool, layer, &sb, NULL), STEPQ_OK);
+                assert_memory_equal(a.o, b.o, sizeof(float) * BATCH * a.HV * a.V);
+
+                struct stepq__packed_layer pl;
+                struct stepq__step_args ka;
+                float q[8], kk[8], v[8], g[8], beta, o[8];
+                int col_differ = 0;
+                stepq__pool_packed_layer(pa_, layer, &pl);
+                kernel_args(&a, &sa, &ka);
+                assert_true(a.K <= 8 && a.V <= 8);
+                for (int e = 0; e < BATCH; e++)
+                    for (int h = 0; h < a.HV; h++) {
+                        const struct stepq__head_layout *hl = &pl.heads[h];
+                        const size_t off = (size_t)a.ids[e] * pl.page_stride + pl.head_offset[h];
+                        const float *w = pl.row_impact ? pl.row_impact + (size_t)h * a.K : NULL;
+                        uint32_t fl = 0;
+                        assert_int_equal(
+                            stepq__prep_step_head(&ka, e, h, a.ids[e], q, kk, v, g, &beta), 0);
+                        assert_int_equal(stepq__dequantize_head(hl, start + off, tile), STEPQ_OK);
+                        stepq__head_update(tile, (size_t)a.V, 1, arch == STEPQ_ARCH_KDA, a.K, a.V,
+                                           q, kk, v, g, beta, o);
+                        assert_int_equal(stepq__quantize_head_fit(hl, tile, w, blk, &fl,
+                                                                  STEPQ_DECODE_FIT_NOREFIT),
+                                         STEPQ_OK);
+                        assert_memory_equal(blk, pg_a + off, hl->block_bytes);
+                        assert_int_equal(stepq__quantize_head(hl, tile, w, blk, &fl), STEPQ_OK);
+                        assert_memory_equal(blk, pg_b + off, hl->block_bytes);
+                        /* row scales, codes and pivots alike; column scales differ */
+                        const size_t c0 = hl->col_scale_offset, c1 = c0 + 2 * (size_t)a.V;
+                        assert_memory_equal(pg_a + off, pg_b + off, c0);
+                        assert_memory_equal(pg_a + off + c1, pg_b + off + c1, hl->block_bytes - c1);
+                        col_differ += memcmp(pg_a + off + c0, pg_b + off + c0, c1 - c0) != 0;
+                    }
+                assert_true(col_differ > 0);
+            }
+            assert_true(memcmp(pg_a, pg_b, n) != 0);
+            free(blk);
+            free(tile);
+            free(start);
+            fixture_close(&a);
+            fixture_close(&b);
+        }
+    }
+}
+
 /* --- bad input: status, a message naming the argument, nothing changed ------ */
 
 struct bad_case {
@@ -905,6 +1012,7 @@ int main(void)
         cmocka_unit_test(test_step_bf16_strided_equals_fp32),
         cmocka_unit_test(test_supports_host_and_conv_view),
         cmocka_unit_test(test_map_row_split_is_the_host_pools_fit),
+        cmocka_unit_test(test_map_decode_fit_is_the_host_pools_step),
         cmocka_unit_test(test_step_bad_arguments_change_nothing),
         cmocka_unit_test(test_step_gdn_fp8),
         cmocka_unit_test(test_step_kda_fp8_in_kernel_gate),

@@ -57,6 +57,28 @@ def main():
     print("%s mkmap --row-split: written for stepq, absent by default, refused for temporal, 0, 1.5"
           % ("ok  " if ok else "FAIL"))
     bad += not ok
+    # mkmap --decode-fit: written into the map for a dual-axis method, refused elsewhere and for
+    # another name, each refusal one line naming the option.
+    p = subprocess.run(base + ["--method", "stepq", "--decode-fit", "norefit"], capture_output=True,
+                       text=True)
+    ok = p.returncode == 0 and json.loads(p.stdout).get("decode_fit") == "norefit"
+    p = subprocess.run(base + ["--method", "dsq", "--decode-fit", "norefit"], capture_output=True,
+                       text=True)
+    ok = ok and p.returncode == 0 and json.loads(p.stdout).get("decode_fit") == "norefit"
+    p = subprocess.run(base + ["--method", "stepq", "--decode-fit", "exact"], capture_output=True,
+                       text=True)
+    ok = ok and p.returncode == 0 and p.stdout == p0.stdout
+    ok = ok and "decode_fit" not in json.loads(p0.stdout)
+    for bad_args in (["--method", "temporal", "--decode-fit", "norefit"],
+                     ["--method", "uniform", "--decode-fit", "exact"],
+                     ["--method", "stepq", "--decode-fit", "fast"],
+                     ["--method", "stepq", "--decode-fit"]):
+        q = subprocess.run(base + bad_args, capture_output=True, text=True)
+        ok = ok and q.returncode == 2 and "--decode-fit" in q.stderr and not q.stdout
+        ok = ok and len(q.stderr.strip().splitlines()) == 1
+    print("%s mkmap --decode-fit: written for stepq and dsq, exact = no option, refused for "
+          "temporal, uniform, an unknown name, no value" % ("ok  " if ok else "FAIL"))
+    bad += not ok
     # bench pool --json: one JSON document on stdout, tables and messages elsewhere.
     p = subprocess.run([exe, "bench", "pool", "--backend", "host", "--page-bytes", "4096", "--slots",
                         "1,2", "--min-ms", "1", "--json"], capture_output=True, text=True)

@@ -515,6 +515,23 @@ static void every_slice_keeps_the_row_split(void **state)
     stepq_map_close(map);
 }
 
+/* Every rank's slice keeps the map's decode fit (a property of the fit, not of a head). */
+static void every_slice_keeps_the_decode_fit(void **state)
+{
+    stepq_model_shape s = toy(4, 4);
+    stepq_map_t *map = NULL, *shard = NULL;
+
+    assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_STEPQ, 6, &map), STEPQ_OK);
+    assert_int_equal(stepq_map_set_decode_fit(map, STEPQ_DECODE_FIT_NOREFIT), STEPQ_OK);
+    for (int tp = 1; tp <= 4; tp *= 2)
+        for (int r = 0; r < tp; r++) {
+            assert_int_equal(stepq_map_shard(map, tp, r, &shard), STEPQ_OK);
+            assert_int_equal(stepq_map_decode_fit(shard), STEPQ_DECODE_FIT_NOREFIT);
+            stepq_map_close(shard);
+        }
+    stepq_map_close(map);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -526,6 +543,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(a_slice_over_the_budget_takes_what_it_spends),
         cmocka_unit_test(kda_pivots_are_renumbered_per_rank),
         cmocka_unit_test(every_slice_keeps_the_row_split),
+        cmocka_unit_test(every_slice_keeps_the_decode_fit),
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s REPOSITORY_ROOT\n", argv[0]);

@@ -65,6 +65,17 @@ typedef struct stepq_map stepq_map_t;
        "e4m3 codes, one fp32 scale amax/240 per (head, 32 value channels) over all key rows "     \
        "(SGLang's proposed float8 state pool)")
 
+/*
+ * The fit of a decode step's new state (map field `decode_fit`, dsq /
+ * spatial / stepq only; kernels/quant.h has the arithmetic):
+ * XX(NAME, value, "name", description)
+ */
+#define STEPQ_DECODE_FIT_MAP(XX)                                                          \
+    XX(EXACT, 0, "exact", "the full dual-axis fit with the fixed-code column refit")      \
+    XX(NOREFIT, 1, "norefit",                                                             \
+       "the dual-axis fit without the column refit: column scales fp16(max |y|) (decode " \
+       "steps only; packs stay exact)")
+
 /* Element types of dense tensors: XX(NAME, value, "name", bytes) */
 #define STEPQ_DTYPE_MAP(XX) \
     XX(FP32, 0, "fp32", 4)  \
@@ -94,6 +105,14 @@ typedef enum stepq_dtype {
     STEPQ_DTYPE_MAP(STEPQ__XX)
 #undef STEPQ__XX
 } stepq_dtype;
+
+/** The decode step's fit of a dual-axis map (STEPQ_DECODE_FIT_MAP). */
+typedef enum stepq_decode_fit {
+#define STEPQ__XX(name, value, text, desc) STEPQ_DECODE_FIT_##name = (value),
+    STEPQ_DECODE_FIT_MAP(STEPQ__XX)
+#undef STEPQ__XX
+        STEPQ_DECODE_FIT_COUNT
+} stepq_decode_fit;
 
 /**
  * Largest head dimension (head_k_dim, head_v_dim) of a map: the limit the
@@ -233,6 +252,25 @@ STEPQ_API int stepq_map_set_row_impact(stepq_map_t *map, int layer, int head, co
  */
 STEPQ_API int stepq_map_set_row_split(stepq_map_t *map, double alpha);
 
+/**
+ * Sets the fit a decode step uses for the new state of a dual-axis map
+ * (dsq, spatial, stepq; the map field `decode_fit`, config/SCHEMA.md):
+ * STEPQ_DECODE_FIT_EXACT, every map's default, is the full fit of
+ * kernels/quant.h; STEPQ_DECODE_FIT_NOREFIT skips its step 4 (the
+ * fixed-code column refit) and stores the column scales it quantized with,
+ * c_j = fp16(max_i |x_ij / r_i|), which saves the decode step's refit sums
+ * and their reduction. Prefill packs and calibration keep the exact fit;
+ * the blocks decode the same way either way. It
+ * changes what a decode step writes, so it is part of the map's
+ * fingerprint (when not exact) but not of the page layout. Both backends
+ * serve both fits.
+ *
+ * @return STEPQ_OK; STEPQ_EINVAL for a value outside the list, or for
+ *         NOREFIT on a map whose method has no column scales. The map is
+ *         unchanged on failure.
+ */
+STEPQ_API int stepq_map_set_decode_fit(stepq_map_t *map, stepq_decode_fit fit);
+
 /** Per-unit calibration statistics (what the calibrator measured for a unit). */
 typedef struct stepq_unit_stats {
     double log_retention; /**< l_u = E[log retention] (<= 0) */
@@ -310,6 +348,12 @@ STEPQ_API double stepq_map_budget_bits(const stepq_map_t *map);
  * scales); 0 for a NULL or closed map.
  */
 STEPQ_API double stepq_map_row_split(const stepq_map_t *map);
+/**
+ * The decode step's fit (stepq_map_set_decode_fit()): STEPQ_DECODE_FIT_EXACT
+ * unless the map's `decode_fit` says otherwise (always exact for methods
+ * without column scales); STEPQ_DECODE_FIT_COUNT for a NULL or closed map.
+ */
+STEPQ_API stepq_decode_fit stepq_map_decode_fit(const stepq_map_t *map);
 /** Model name, or "" when the map has none. */
 STEPQ_API const char *stepq_map_model_name(const stepq_map_t *map);
 /** Index (0..n_layers-1) of a model layer id; STEPQ_ENOENT when it is not recurrent. */
@@ -353,8 +397,9 @@ STEPQ_API int stepq_map_provenance_candidates(const stepq_map_t *map, int *bits,
 /**
  * A 64-bit fingerprint of everything that decides the stored bytes and their
  * reconstruction: shape (conv state included), method, budget, unit widths,
- * row impact, and the row split when it is not 0.5 (so the fingerprints of
- * maps without a `row_split` field are what they were before it). Calibration statistics,
+ * row impact, the row split when it is not 0.5 and the decode fit when it
+ * is not exact (so the fingerprints of maps without a `row_split` or
+ * `decode_fit` field are what they were before them). Calibration statistics,
  * provenance and the model name are not included. Two maps with the same fingerprint produce the
  * same pages (tensor-parallel ranks compare it when a pool opens). The value does not depend on the
  * platform.
@@ -365,6 +410,10 @@ STEPQ_API int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out);
 STEPQ_API const char *stepq_method_name(stepq_method method);
 STEPQ_API const char *stepq_arch_name(stepq_arch arch);
 STEPQ_API const char *stepq_dtype_name(stepq_dtype dtype);
+/** Name of a decode fit ("exact", "norefit"); "?" for unknown values. */
+STEPQ_API const char *stepq_decode_fit_name(stepq_decode_fit fit);
+/** Parses a decode fit name; STEPQ_EINVAL for unknown names. */
+STEPQ_API int stepq_decode_fit_from_name(const char *name, stepq_decode_fit *out);
 /** Parses a method name; STEPQ_EINVAL for unknown names. */
 STEPQ_API int stepq_method_from_name(const char *name, stepq_method *out);
 /** Parses an arch name ("gdn", "kda"); STEPQ_EINVAL for unknown names. */

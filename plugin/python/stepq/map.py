@@ -21,7 +21,9 @@ class Map:
     ``num_v_heads`` (HV), ``head_k_dim`` (K), ``head_v_dim`` (V),
     ``conv_shape`` (tuple), ``conv_dtype`` ("bf16", ...); and ``method``,
     ``budget_bits``, ``row_split`` (the dual-axis fit's row split: 0.5 unless
-    the map's ``row_split`` field says otherwise), ``model_name``.
+    the map's ``row_split`` field says otherwise), ``decode_fit`` (the decode
+    step's fit, "exact" or "norefit": "exact" unless the map's ``decode_fit``
+    field says otherwise), ``model_name``.
     """
 
     def __init__(self, handle, path=None):
@@ -40,6 +42,7 @@ class Map:
         self.method = _lib._text(lib.stepq_method_name(lib.stepq_map_method(self._h)))
         self.budget_bits = lib.stepq_map_budget_bits(self._h)
         self.row_split = lib.stepq_map_row_split(self._h)
+        self.decode_fit = _lib._text(lib.stepq_decode_fit_name(lib.stepq_map_decode_fit(self._h)))
         self.model_name = _lib._text(lib.stepq_map_model_name(self._h))
 
     @property

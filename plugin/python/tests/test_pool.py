@@ -344,6 +344,23 @@ def test_row_split_is_read_from_the_map_and_served_on_the_host():
         stepq.load_map_buffer(text.replace('"row_split": 0.75', '"row_split": 0'))
 
 
+def test_decode_fit_is_read_from_the_map_and_served_on_the_host():
+    with stepq.load_map(GDN6) as m:
+        assert m.decode_fit == "exact"
+        text = m.to_json()
+        assert '"decode_fit"' not in text
+        f = m.fingerprint()
+    text = text.replace('"budget_bits": 6,', '"budget_bits": 6,\n  "decode_fit": "norefit",', 1)
+    with stepq.load_map_buffer(text) as m:
+        assert m.decode_fit == "norefit" and m.fingerprint() != f
+        assert '"decode_fit": "norefit"' in m.to_json()
+        pool = stepq.StatePool(m, size=2)
+        assert pool.supports("pack") == (True, "") and pool.supports("decode") == (True, "")
+        pool.close()
+    with raises(stepq.StepqError, name="STEPQ_ESCHEMA", match="decode_fit"):
+        stepq.load_map_buffer(text.replace('"decode_fit": "norefit"', '"decode_fit": "fast"'))
+
+
 def test_concurrent_alloc_and_free_never_share_a_slot():
     pool = _pool(16)
     held, errors = [], []
