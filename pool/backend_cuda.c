@@ -27,7 +27,7 @@ struct cuda_data {
     /*
      * One prepared device descriptor per recurrent layer, built at open so a
      * step uploads nothing. NULL where the kernels cannot run the layer
-     * (heads other than 128x128, a map whose row_split is not 0.5): then
+     * (heads other than 128x128): then
      * `unsupported` says why, the pool still opens (its slots and copies
      * work) and steps, packs and unpacks return STEPQ_ENOTSUP, as
      * stepq_pool_supports() says.

@@ -288,7 +288,7 @@ static void usage(FILE *f)
            "  --row-split A        dsq, spatial, stepq: the dual-axis fit divides row i by\n"
            "                       max|x_i|^A / sqrt(w_i), A in (0, 1] (default 0.5); the\n"
            "                       distortions are measured with it and the map records it\n"
-           "                       as row_split (the CUDA kernels serve 0.5 only)\n"
+           "                       as row_split (both backends fit with it)\n"
            "  --decode-fit F       dsq, spatial, stepq: the map's decode_fit, exact (default)\n"
            "                       or norefit (decode steps skip the column refit); the\n"
            "                       distortions are still measured with the exact fit\n"
@@ -785,8 +785,7 @@ int stepq_tool_calibrate(int argc, char **argv)
             if (hist[b])
                 fprintf(stderr, " %s%d x%d", b == 16 ? "fp16 " : "", b == 16 ? 16 : b, hist[b]);
         if (o.row_split != 0.5)
-            fprintf(stderr, "; row_split %g (the CUDA kernels serve 0.5 only: host pools)",
-                    o.row_split);
+            fprintf(stderr, "; row_split %g", o.row_split);
         fprintf(stderr, "\n");
         if (json) {
             fputs("{\"map\": ", stdout);

@@ -227,8 +227,7 @@ int stepq_tool_inspect(int argc, char **argv)
                 (unsigned long long)mem.n_units, (unsigned long long)mem.n_pivots);
         if (stepq_map_row_split(map) != 0.5)
             fprintf(f,
-                    "row split      %g (the dual-axis fit's row scale max|x_i|^%g / sqrt(w_i); "
-                    "the CUDA kernels serve 0.5 only: host pools)\n",
+                    "row split      %g (the dual-axis fit's row scale max|x_i|^%g / sqrt(w_i))\n",
                     stepq_map_row_split(map), stepq_map_row_split(map));
         if (stepq_map_decode_fit(map) != STEPQ_DECODE_FIT_EXACT)
             fprintf(f,
