@@ -9,6 +9,9 @@
  *     and over the first / last 256 steps;
  *   - relative state error sum_t ||S^ - S||^2 / sum_t ||S||^2 per lifetime
  *     class (heads split in thirds by the gate half-life of these traces);
+ *   - the gains, whether the error is biased: readout sum <o^, o> / sum ||o||^2
+ *     and store sum <Q(S^), S^> / sum ||S^||^2 over every store (1: unbiased;
+ *     below 1 the stored state shrinks, which acts as extra decay);
  * and, independent of the maps:
  *   - Spearman correlation between per-unit accumulated state error
  *     D_u = sum_t ||S^_t - S_t||^2 under uniform@6 and the half-life;
@@ -359,7 +362,7 @@ int stepq_tool_eval(int argc, char **argv)
         goto done;
 
     /* Lifetime classes: thirds of heads by half-life (ties by head index). */
-    double *hl = malloc(sizeof(double) * H), *tmp = malloc(sizeof(double) * (S > H ? S : H) * 7);
+    double *hl = malloc(sizeof(double) * H), *tmp = malloc(sizeof(double) * (S > H ? S : H) * 9);
     int *cls = malloc(sizeof(int) * H), *order = malloc(sizeof(int) * H);
     for (int h = 0; h < H; h++) {
         hl[h] = stepq__calib_half_life(c.lret[h]);
@@ -393,11 +396,13 @@ int stepq_tool_eval(int argc, char **argv)
         json_num(jf, stepq__quant_row_split() > 0.0 ? stepq__quant_row_split() : NAN);
         fputs(", \"methods\": [\n", jf);
     }
+    struct ms gain[STEPQ__EVAL_MAX_MAPS + 1][2]; /* readout, store: printed after the table */
+    char glabel[STEPQ__EVAL_MAX_MAPS + 1][128];
     for (int m = 0; m < M; m++) {
-        struct ms v[7];
+        struct ms v[9];
         for (int s = 0; s < S; s++) {
             double e = 0, r = 0, ea = 0, ra = 0, eb = 0, rb2 = 0, hs = 0, se[3] = { 0 },
-                   sr[3] = { 0 };
+                   sr[3] = { 0 }, od = 0, qd = 0, qr = 0;
             for (int h = 0; h < H; h++) {
                 const struct stepq__eval_acc *a = &c.acc[((size_t)m * H + h) * S + s];
                 e += a->err;
@@ -409,6 +414,9 @@ int stepq_tool_eval(int argc, char **argv)
                 hs += a->ref > 0 ? a->err / a->ref : 0;
                 se[cls[h]] += a->serr;
                 sr[cls[h]] += a->sref;
+                od += a->odot;
+                qd += a->qdot;
+                qr += a->qref;
             }
             tmp[0 * S + s] = r > 0 ? e / r : 0;
             tmp[1 * S + s] = hs / H;
@@ -416,8 +424,10 @@ int stepq_tool_eval(int argc, char **argv)
             tmp[3 * S + s] = rb2 > 0 ? eb / rb2 : 0;
             for (int k = 0; k < 3; k++)
                 tmp[(4 + k) * S + s] = sr[k] > 0 ? se[k] / sr[k] : 0;
+            tmp[7 * S + s] = r > 0 ? od / r : 0;
+            tmp[8 * S + s] = qr > 0 ? qd / qr : 0;
         }
-        for (int k = 0; k < 7; k++) {
+        for (int k = 0; k < 9; k++) {
             double *x = malloc(sizeof(double) * S);
             for (int s = 0; s < S; s++)
                 x[s] = tmp[k * S + s];
@@ -434,6 +444,9 @@ int stepq_tool_eval(int argc, char **argv)
         } else {
             snprintf(name, sizeof(name), "uniform@6 (internal)");
         }
+        gain[m][0] = v[7];
+        gain[m][1] = v[8];
+        snprintf(glabel[m], sizeof(glabel[m]), "%s", name);
         stepq_tool_printf(tf, "%-22s %6.3f", name, bpv);
         for (int k = 0; k < (classes ? 7 : 4); k++) {
             char cell[64];
@@ -460,6 +473,8 @@ int stepq_tool_eval(int argc, char **argv)
             json_ms(jf, "state_rel_short", v[4], 0);
             json_ms(jf, "state_rel_middle", v[5], 0);
             json_ms(jf, "state_rel_long", v[6], 0);
+            json_ms(jf, "readout_gain", v[7], 0);
+            json_ms(jf, "store_gain", v[8], 0);
             fprintf(jf, "\"curve\": [");
             for (int b = 0; b < nb; b++) {
                 double e = 0, r = 0;
@@ -569,6 +584,13 @@ int stepq_tool_eval(int argc, char **argv)
         classes ? "; state short / middle / long: sum |S^ - S|^2 / sum |S|^2 of the third of\n"
                   "  the heads with the shortest / middle / longest gate half-lives"
                 : "");
+    stepq_tool_printf(tf,
+                      "gain (readout sum <o^, o> / sum |o|^2; store sum <Q(S), S> / sum |S|^2 over "
+                      "the stores):\n  1 is unbiased, below 1 the stored state shrinks (a "
+                      "least-squares column refit\n  of noisy codes does)\n");
+    for (int m = 0; m < M; m++)
+        stepq_tool_printf(tf, "  %-22s readout %.6f+-%.0e  store %.6f+-%.0e\n", glabel[m],
+                          gain[m][0].mean, gain[m][0].se, gain[m][1].mean, gain[m][1].se);
     stepq_tool_printf(
         tf,
         "Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "

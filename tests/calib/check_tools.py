@@ -84,6 +84,13 @@ def main():
     e = json.load(open(ej))
     r = {x["name"]: x for x in e["methods"]}
     assert r["fp32@4"]["readout_rel"]["mean"] == 0.0  # names are the map files' names
+    # Gains (<o^, o> / |o|^2, <Q(S), S> / |S|^2): exactly 1 for fp32; rint with a row absmax
+    # scale is nearly unbiased, while the least-squares column refit of the dual-axis fits
+    # shrinks what it stores (regression of x on noisy codes), on these traces by ~0.4-0.6%.
+    g = {k: (r[k]["readout_gain"]["mean"], r[k]["store_gain"]["mean"]) for k in order}
+    assert g["fp32@4"] == (1.0, 1.0), g
+    assert abs(g["uniform@4"][1] - 1.0) < 1e-3 and abs(g["temporal@4"][1] - 1.0) < 1e-3, g
+    assert all(g[k][1] < g["uniform@4"][1] - 2e-3 for k in ("dsq@4", "spatial@4", "stepq@4")), g
     assert r["stepq@4"]["readout_rel_head"]["mean"] < r["uniform@4"]["readout_rel_head"]["mean"], p.stdout
     assert r["stepq@6"]["readout_rel_head"]["mean"] < r["stepq@4"]["readout_rel_head"]["mean"], p.stdout
     # fp8 (e4m3: 3 mantissa bits, ~2^-5 relative per value) sits between the 4-bit maps and exact.

@@ -74,11 +74,12 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
     double e2[STEPQ__EVAL_MAX_MAPS + 1], se[STEPQ__EVAL_MAX_MAPS + 1];
     float *Sr = malloc(sizeof(float) * KV), *Sq = malloc(sizeof(float) * KV * (size_t)M);
     float *E = malloc(sizeof(float) * KV * 4), *orf = malloc(sizeof(float) * (size_t)V);
-    float *oq = malloc(sizeof(float) * (size_t)V);
+    float *oq = malloc(sizeof(float) * (size_t)V), *Xb = malloc(sizeof(float) * KV);
+    double od[STEPQ__EVAL_MAX_MAPS + 1], qd[STEPQ__EVAL_MAX_MAPS + 1], qr[STEPQ__EVAL_MAX_MAPS + 1];
     int nq = 0, ni = 0;
     memset(qz, 0, sizeof(qz));
     memset(qi, 0, sizeof(qi));
-    if (!Sr || !Sq || !E || !orf || !oq) {
+    if (!Sr || !Sq || !E || !orf || !oq || !Xb) {
         c->rc[job] = stepq__error(STEPQ_ENOMEM, "eval: out of memory");
         goto out;
     }
@@ -126,11 +127,23 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
             for (int m = 0; m < M; m++) {
                 float *X = Sq + KV * m;
                 stepq__calib_step(X, &h, t, oq);
-                double e2m = 0.0;
-                for (int j = 0; j < V; j++)
+                double e2m = 0.0, odm = 0.0, qdm = 0.0, qrm = 0.0;
+                for (int j = 0; j < V; j++) {
                     e2m += ((double)oq[j] - orf[j]) * ((double)oq[j] - orf[j]);
+                    odm += (double)oq[j] * orf[j];
+                }
                 e2[m] = e2m;
+                od[m] = odm;
+                /* The store's gain: how much of the state a store keeps along itself (a
+                 * shrinking quantizer, e.g. a least-squares refit of noisy codes, gives < 1). */
+                memcpy(Xb, X, sizeof(float) * KV);
                 stepq__calib_quant_apply(&qz[m], X);
+                for (size_t e = 0; e < KV; e++) {
+                    qdm += (double)X[e] * Xb[e];
+                    qrm += (double)Xb[e] * Xb[e];
+                }
+                qd[m] = qdm;
+                qr[m] = qrm;
             }
             if (kda && c->row_serr) { /* per key row, the internal uniform@6 (method n_maps) */
                 const float *X = Sq + KV * c->n_maps;
@@ -160,6 +173,9 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 }
                 a->serr += se[m];
                 a->sref += s2;
+                a->odot += od[m];
+                a->qdot += qd[m];
+                a->qref += qr[m];
                 size_t ci = (((size_t)m * H + job) * S + s) * c->nb + bk;
                 c->curve_err[ci] += e2[m];
                 c->curve_ref[ci] += r2;
@@ -194,4 +210,5 @@ out:
     free(E);
     free(orf);
     free(oq);
+    free(Xb);
 }

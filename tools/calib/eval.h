@@ -19,6 +19,8 @@ struct stepq__eval_acc {               /* per (method, head, stream) */
     double err, ref;                   /* readout, all steps */
     double err_a, ref_a, err_b, ref_b; /* first / last EDGE steps */
     double serr, sref;                 /* state */
+    double odot;                       /* sum_t <o^, o>: the readout gain's numerator (/ ref) */
+    double qdot, qref;                 /* sum_t <Q(S^), S^>, sum_t <S^, S^> over the stores */
 };
 
 struct stepq__eval {
