@@ -21,7 +21,7 @@ fused decode step. Checks (--check, comma-separated; default all):
             requests whose prompt was prefilled before. Each --batching-map
             map in turn (default stepq@4, then fp32 as the control).
             Replay at the stepq boundary (the pass criterion): for the
-            requests compared (--alone), the batched run records every
+            requests replayed (--replay, default all), the batched run records every
             StatePool.decode call's rows of their working slots (inputs and
             output, moved to the host) and each one's page right after its
             admission and right before its free; each request is then
@@ -109,10 +109,12 @@ def parse_args(argv=None):
     g.add_argument("--track-interval", type=int, default=64,
                    help="copy the working slot into a ping-pong track slot every N tokens (0: never)")
     g.add_argument("--alone", type=int, default=0,
-                   help="replay and compare with their alone run only the first N requests (by id) (0: all; the "
-                        "alone runs are B = 1 decode steps through the model, the slowest part of the check; the "
-                        "replay keeps their decode inputs on the host, about 12-20 KB per request, token and "
-                        "recurrent layer on tiny-gdn / tiny-kda)")
+                   help="compare with their alone run through the model only the first N requests (by id) (0: all; "
+                        "the alone runs are B = 1 decode steps through the model, the slowest part of the check)")
+    g.add_argument("--replay", type=int, default=0,
+                   help="replay at the stepq boundary only the first N requests (by id) (0: all; cheap: no model, "
+                        "but the record of their decode inputs is kept on the host, about 12-20 KB per request, "
+                        "token and recurrent layer on tiny-gdn / tiny-kda)")
     g.add_argument("--batching-map", default="stepq@4,fp32",
                    help="maps NAME (comma list) run through the same workload one after another (default "
                         "stepq@4,fp32: the fp32 map is the control that measures the model's own batch-dependent "
@@ -729,8 +731,9 @@ def batching_one(env, a, name, tol, mismatch_frac, end_to_end):
                                          "extra_buffer", name))
     # The requests compared alone, and the decode calls of their slots recorded for the replay.
     alone = sorted(reqs, key=lambda r: r.rid)[:a.alone or len(reqs)]
+    replayed = sorted(reqs, key=lambda r: r.rid)[:a.replay or len(reqs)]
     io = TorchIO(torch, "cpu" if pool.device == "cpu" else "cuda:%d" % pool.device[1])
-    recorder = DecodeRecorder([r.rid for r in alone], io)
+    recorder = DecodeRecorder([r.rid for r in replayed], io)
     unwrap = record_decode(pool, recorder)
     start = pool.stats()
     held = set()  # every slot the scheduler holds, for the leak check
@@ -889,7 +892,7 @@ def batching_one(env, a, name, tol, mismatch_frac, end_to_end):
         "each replayed at B = 1 from its admission page on a second %s pool" % (
             len(recorder.tracked), sum(len(c) for c in recorder.calls.values()), recorder.nbytes / 2 ** 20, name))
     replay_pool = env.pool(model, path, 1)
-    rep = replay(replay_pool, recorder, io, {r.rid: r.n_new - 1 for r in alone})
+    rep = replay(replay_pool, recorder, io, {r.rid: r.n_new - 1 for r in replayed})
     replay_pool.close()
     rep["recorded_bytes"] = recorder.nbytes
     rep["seconds"] = time.time() - t2
