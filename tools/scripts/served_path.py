@@ -135,6 +135,10 @@ def parse_args(argv=None):
     g.add_argument("--decode", type=int, default=1536)
     g.add_argument("--offset", type=int, default=0, help="byte offset of the first stream (as nll_eval.py)")
     g.add_argument("--model-dtype", choices=["bf16", "fp32"], default="bf16", help="model dtype of drift and greedy")
+    g.add_argument("--compare-nll", action="append", default=[], metavar="FILE",
+                   help="nll_eval.py's table of the same streams (its --json, or its --markdown): each method in "
+                        "both is compared, served excess minus the table's, within one of the table's standard "
+                        "errors or not (repeatable: the first file naming a method is used)")
     g = p.add_argument_group("greedy")
     g.add_argument("--greedy-prompts", type=int, default=16)
     g.add_argument("--greedy-prompt-len", type=int, default=256)
@@ -1073,7 +1077,69 @@ def check_drift(env, a):
     log("drift: %d methods x %d streams in %.0f s; fp32 map decode vs full forward %.2e" % (M, S, dt, dvf))
     md = ne.excess_markdown(table, S, meta["text"], P, D).replace(
         "teacher-forced;", "teacher-forced through StepqCache (served path);")
-    return {"meta": meta, "results": table}, md
+    res = {"meta": meta, "results": table}
+    if a.compare_nll:
+        cmp = compare_nll(table, [(p, read_nll_table(p)) for p in a.compare_nll])
+        res["vs_nll_eval"] = cmp
+        log("drift: against nll_eval's tables: %d of %d methods within one s.e."
+            % (sum(r["within_one_se"] for r in cmp["rows"]), len(cmp["rows"])))
+        md += "\nAgainst nll_eval.py's table of the same streams (%s):\n\n%s" % (
+            ", ".join(a.compare_nll), compare_markdown(cmp))
+    return res, md
+
+
+def read_nll_table(path):
+    """nll_eval.py's excess NLL per method from its --json (results: method, excess, excess_se) or its
+    --markdown table (| method | bits/value | NLL | excess NLL | s.e. | ...): {method: (excess, se)}."""
+    with open(path) as f:
+        text = f.read()
+    if text.lstrip().startswith("{"):
+        doc = json.loads(text)
+        return {r["method"]: (float(r["excess"]), float(r["excess_se"])) for r in doc["results"]}
+    out = {}
+    for line in text.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if len(cells) < 5 or cells[0] in ("method", "") or cells[0].startswith("---"):
+            continue
+        try:
+            out[cells[0]] = (float(cells[3]), float(cells[4]))
+        except ValueError:
+            continue
+    if not out:
+        raise SystemExit("served_path: --compare-nll %s: no table rows (want nll_eval.py's --json or --markdown)"
+                         % path)
+    return out
+
+
+def compare_nll(table, refs):
+    """The served drift table's rows against nll_eval's (refs: [(path, {method: (excess, se)})], the first
+    naming a method wins): per method in both, the difference and whether it is within the reference's
+    standard error (the issue's criterion); methods absent from every reference are listed as such."""
+    rows, missing = [], []
+    for t in table:
+        m = t["method"]
+        src = next(((p, r[m]) for p, r in refs if m in r), None)
+        if m == "fp32":
+            continue
+        if src is None:
+            missing.append(m)
+            continue
+        path, (ex, se) = src
+        d = t["excess"] - ex
+        rows.append({"method": m, "served_excess": t["excess"], "served_se": t["excess_se"], "table_excess": ex,
+                     "table_se": se, "difference": d, "within_one_se": abs(d) <= se, "table": path})
+    return {"rows": rows, "not_in_tables": missing, "all_within": all(r["within_one_se"] for r in rows)}
+
+
+def compare_markdown(cmp):
+    lines = ["| method | served excess | nll_eval excess | difference | within 1 s.e. of nll_eval |",
+             "|---|---:|---:|---:|---|"]
+    for r in cmp["rows"]:
+        lines.append("| %s | %+.5f +- %.5f | %+.5f +- %.5f | %+.5f | %s |" % (
+            r["method"], r["served_excess"], r["served_se"], r["table_excess"], r["table_se"], r["difference"],
+            "yes" if r["within_one_se"] else "NO"))
+    tail = "\nNot in the nll_eval tables: %s.\n" % ", ".join(cmp["not_in_tables"]) if cmp["not_in_tables"] else ""
+    return "\n".join(lines) + "\n" + tail
 
 
 # ----------------------------------------------------------------------------- greedy
