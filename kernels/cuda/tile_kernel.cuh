@@ -1038,11 +1038,14 @@ __device__ __forceinline__ bool sq_tile_decode(float (&x)[64], const uint8_t *bu
         float d = UPDATE ? sm.dec[t] : 1.0f;
         float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
         sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
-        const uint16_t ch = hd->has_col ? ((const uint16_t *)(buf + hd->col_scale_off))[t] : 0;
-        sm.cold[t] = hd->has_col ? sq_h2f(ch) : 1.0f;
-        if (ROWS) {
+        if constexpr (ROWS) {
+            const uint16_t ch = hd->has_col ? ((const uint16_t *)(buf + hd->col_scale_off))[t] : 0;
+            sm.cold[t] = hd->has_col ? sq_h2f(ch) : 1.0f;
             sm.ad[t] = __frcp_rn(sq_h2f(ch)); /* rc_j = RN(1/c_j), once per column */
             bad = !sq_rows_col_ok(ch);
+        } else {
+            sm.cold[t] =
+                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
         }
     }
     /* the block-wide flag of the fit rows rides on the barrier the decode needs anyway */
@@ -1513,7 +1516,7 @@ template <int B>
 __device__ __forceinline__ void sq_quant_tile_rows_e(const float (&y)[64], uint8_t *buf, int R0,
                                                      int tx, const float (&s)[8])
 {
-    float num[8], den[8];
+    float num[8] = {}, den[8] = {}; /* the refit sums: dead, dropped by the compiler */
 #pragma unroll
     for (int r = 0; r < 8; r++) {
         const float q[8] = { s[r], s[r], s[r], s[r], s[r], s[r], s[r], s[r] };
@@ -1602,7 +1605,7 @@ __device__ __forceinline__ void sq_tile_store_rows(float (&x)[64], const float (
     if (ub && !RTU) {
         sq_quant_tile_rows_ub(x, buf, R0, tx, s, ub);
     } else {
-        float num[8], den[8];
+        float num[8] = {}, den[8] = {}; /* dead likewise */
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const int i = R0 + r;
