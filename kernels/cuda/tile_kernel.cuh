@@ -47,6 +47,16 @@
  * and of two-stage stage 2) stores the step-2 column scales instead of the
  * refit: no refit sums in the encode (4 of the ~17 operations per element),
  * no column reduction of num and den, no barrier before it.
+ *
+ * The decode fit rows (SQ_V_ROWS, likewise) keeps the old block's column
+ * scales and refits only the row scales to them (r_i = fp16(max_j |x_ij|
+ * RN(1/c_j)), codes at (x RN(1/c_j)) (qmax_i / r_i)): no column max, no
+ * refit sums, no column reduction or barrier at all; the row max becomes
+ * that of |x| RN(1/c_j) (one FMUL more) and the vote on whether the old
+ * block can serve rides on the barriers of the decode and the non-finite
+ * check. Where it cannot (a column scale not positive finite, no integer
+ * rows, a non-finite element, a saturating row) the head takes the exact
+ * fit in the same call, as the reference does (kernels/cuda/README.md).
  */
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
