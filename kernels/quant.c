@@ -324,8 +324,8 @@ static int rows_col_ok(uint16_t h)
 
 /*
  * The decode fit rows (kernels/quant.h): the column scales ch (fp16, the old block's) are
- * kept, the row scales refitted to them. x is finite. Returns 0, having written nothing,
- * where the old block cannot serve (a column scale not positive finite, no integer row, a
+ * kept, the row scales refitted to them. x is finite (sanitised). Returns 0, having written
+ * nothing, where the old block cannot serve (a column scale not positive finite, no integer row, a
  * row scale that would saturate): the caller then fits exactly.
  */
 static int fit_rows(const struct stepq__head_layout *hl, const float *x, const uint16_t *ch,
@@ -498,8 +498,8 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
         store_dense(hl, x, blk, flags);
     else if (hl->method == STEPQ_METHOD_FP8)
         fit_fp8(hl, x, blk);
-    else if (rows && !nonfinite && fit_rows(hl, x, ch, blk, flags))
-        ; /* served by the old column scales; else the exact fit below */
+    else if (rows && fit_rows(hl, x, ch, blk, flags))
+        ; /* served by the old column scales (x sanitised above); else the exact fit below */
     else if (stepq_method_has_col_scales(hl->method))
         fit_dual(hl, x, use_w ? w : NULL, fit != STEPQ_DECODE_FIT_NOREFIT, blk, flags);
     else

@@ -54,9 +54,14 @@
  *   is always valid) where the old block cannot serve: a c_j that is not a
  *   positive finite fp16 (0 included: a fresh zero page, or a head whose
  *   last fit had no integer rows; a column of a fit never holds anything
- *   else), a head without integer rows, a non-finite element of x (the
- *   exact fit sanitises it), or an m_i > 65504 (r_i would saturate). The
- *   CUDA kernels take the same decisions (kernels/cuda/README.md). The
+ *   else), a head without integer rows, or an m_i > 65504 (r_i would
+ *   saturate). Non-finite elements of x are zeroed first (health STATE),
+ *   as for every fit, and do not decide it: in a decode step the update
+ *   has zeroed them before the fit (kernels/recurrence.c), and the CUDA
+ *   kernels zero them before theirs (in the tile kernel's non-finite
+ *   check; two-stage stage 2 only ever sees stage 1's zeroed scratch), so
+ *   every path decides on the same sanitised state. The CUDA kernels take
+ *   the same decisions (kernels/cuda/README.md). The
  *   column scales are those of the last exact fit (the pack, or a
  *   fallback): they drift from the state's columns as decoding goes on.
  *

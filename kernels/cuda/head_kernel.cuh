@@ -192,8 +192,8 @@ struct __align__(16) sq_smem
  * every thread's byte codes). ROWS (the decode fit rows, likewise) keeps
  * the old block's column scales (read from the page, which is still the
  * old block in both the fused step and two-stage stage 2) and refits the
- * row scales to them; a block-wide vote first decides whether the old
- * block can serve (kernels/quant.h), else the head takes the exact fit.
+ * row scales to them; block-wide votes first decide whether the old block
+ * can serve (kernels/quant.h), else the head takes the exact fit.
  */
 template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false, bool ROWS = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_step st, sq_io io)
@@ -492,10 +492,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         /*
          * 0. ROWS: the old column scale c_j of the page (global: the block
          * staged in buf may be overwritten below), rc_j = RN(1/c_j), the row
-         * maxima of |x| rc_j and one vote: the head takes the exact fit where
-         * a column scale is not positive finite, the head has no integer
-         * row, an element was not finite (health STATE) or a row scale would
-         * saturate. Otherwise the row maxima stay in sm.rowpart for step 1.
+         * maxima of |x| rc_j and two votes: the head takes the exact fit where
+         * a column scale is not positive finite or the head has no integer
+         * row, then where a row scale would saturate. Otherwise the row
+         * maxima stay in sm.rowpart for step 1.
          */
         bool rows = false;
         uint16_t chj = 0;
@@ -503,8 +503,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         if (ROWS) {
             chj = hd->has_col ? ((const uint16_t *)(blk + hd->col_scale_off))[j] : 0;
             rcj = __frcp_rn(sq_h2f(chj));
-            bool bad =
-                !sq_rows_col_ok(chj) || !(dual && hd->any_int) || (fl & STEPQ_HEALTH_STATE) != 0;
+            /* non-finite elements were zeroed by now (the update, or the dense load) */
+            bool bad = !sq_rows_col_ok(chj) || !(dual && hd->any_int);
             if (!__syncthreads_or(bad)) {
 #pragma unroll
                 for (int c = 0; c < SQ_NR / 16; c++) {

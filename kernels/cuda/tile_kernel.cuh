@@ -55,8 +55,9 @@
  * that of |x| RN(1/c_j) (one FMUL more) and the vote on whether the old
  * block can serve rides on the barriers of the decode and the non-finite
  * check. Where it cannot (a column scale not positive finite, no integer
- * rows, a non-finite element, a saturating row) the head takes the exact
- * fit in the same call, as the reference does (kernels/cuda/README.md).
+ * rows, a saturating row; non-finite elements are zeroed first and do not
+ * decide it) the head takes the exact fit in the same call, as the
+ * reference does (kernels/cuda/README.md).
  */
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
@@ -1215,15 +1216,43 @@ __device__ __forceinline__ bool sq_tile_finite(float (&x)[64], float (&m)[8], sq
 }
 
 /*
- * SQ_V_ROWS: the row maxima the fit rows needs, m_i = max_j |x_ij| rc_j
- * (rc_j = RN(1/c_j) in sm.ad; pivot rows: max |x_ij|), NaN-propagating,
- * and one block-wide vote on whether the old block can serve: colbad (a
- * column scale not positive finite, or no integer rows), a non-finite
- * element (NaN or Inf in a maximum) or a row scale that would saturate
- * (m_i > 65504; a finite x whose product overflows lands here too). Where
- * it cannot (rare), *exact is set and sq_tile_finite runs as in the exact
- * variants: the head is fitted exactly, as the reference does. The vote
- * replaces sq_tile_finite's barrier on the common path.
+ * The thread's partial row maxima of the fit rows, m_i = max_j |x_ij| rc_j
+ * (rc_j = RN(1/c_j) in sm.ad; pivot rows: max |x_ij|), NaN-propagating;
+ * returns whether one would not serve: not finite, or above 65504 on an
+ * integer row (its scale would saturate; a finite x whose product
+ * overflows lands here too).
+ */
+__device__ __forceinline__ bool sq_rows_maxima(const float (&x)[64], float (&m)[8],
+                                               const sq_tsmem &sm, int R0, int C0)
+{
+    float4 a = *(const float4 *)(sm.ad + C0), b = *(const float4 *)(sm.ad + C0 + 4);
+    const float rc[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+    bool v = false;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const bool piv = sm.bits[R0 + r] == STEPQ_BITS_PIVOT;
+        float p[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            p[c] = piv ? fabsf(x[r * 8 + c]) : fabsf(x[r * 8 + c]) * rc[c];
+        const float e = sq_maxnan(sq_maxnan(p[0], p[1]), sq_maxnan(p[2], p[3]));
+        const float f = sq_maxnan(sq_maxnan(p[4], p[5]), sq_maxnan(p[6], p[7]));
+        m[r] = sq_maxnan(e, f);
+        v |= !(m[r] <= (piv ? 3.402823466e38f : STEPQ__SCALE_MAX));
+    }
+    return v;
+}
+
+/*
+ * SQ_V_ROWS: the row maxima the fit rows needs (sq_rows_maxima) and one
+ * block-wide vote, in place of sq_tile_finite's barrier on the common
+ * path, on colbad (a column scale not positive finite, or no integer rows),
+ * a non-finite element or a saturating row. Where it says no (rare),
+ * sq_tile_finite runs as in the exact variants; where that zeroed
+ * non-finite elements (health STATE, the readout recomputed), the rows fit
+ * may still serve the sanitised state (the reference's update zeroes them
+ * before its fit: kernels/quant.h), which a second vote on its maxima
+ * decides. *exact: the head takes the exact fit.
  */
 template <bool UPDATE>
 __device__ __forceinline__ bool sq_tile_finite_rows(float (&x)[64], float (&m)[8], sq_tsmem &sm,
@@ -1232,26 +1261,21 @@ __device__ __forceinline__ bool sq_tile_finite_rows(float (&x)[64], float (&m)[8
 {
     const int R0 = pos.R0, C0 = pos.C0;
     bool v = colbad; /* uniform over the block */
-    if (!colbad) {
-        float4 a = *(const float4 *)(sm.ad + C0), b = *(const float4 *)(sm.ad + C0 + 4);
-        const float rc[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const bool piv = sm.bits[R0 + r] == STEPQ_BITS_PIVOT;
-            float p[8];
-#pragma unroll
-            for (int c = 0; c < 8; c++)
-                p[c] = piv ? fabsf(x[r * 8 + c]) : fabsf(x[r * 8 + c]) * rc[c];
-            const float e = sq_maxnan(sq_maxnan(p[0], p[1]), sq_maxnan(p[2], p[3]));
-            const float f = sq_maxnan(sq_maxnan(p[4], p[5]), sq_maxnan(p[6], p[7]));
-            m[r] = sq_maxnan(e, f);
-            v |= !(m[r] <= (piv ? 3.402823466e38f : STEPQ__SCALE_MAX));
-        }
-    }
+    if (!colbad)
+        v = sq_rows_maxima(x, m, sm, R0, C0);
     exact = __syncthreads_or(v);
     if (!exact)
         return false;
-    return sq_tile_finite<UPDATE>(x, m, sm, fl, pos);
+    const bool slow = sq_tile_finite<UPDATE>(x, m, sm, fl, pos);
+    if (slow && !colbad) { /* rare: non-finite elements were zeroed */
+        float m2[8];
+        exact = __syncthreads_or(sq_rows_maxima(x, m2, sm, R0, C0));
+        if (!exact)
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                m[r] = m2[r];
+    }
+    return slow;
 }
 
 /* Readout o of column t (bf16 when bfi); a non-finite one is stored as 0 (health OUTPUT). */

@@ -44,6 +44,7 @@ struct params {
     double row_split;     /* the map's row_split; 0: 0.5 */
     stepq_decode_fit fit; /* the map's decode_fit; 0: exact */
     int zero_col;         /* one column scale 0 in a head of every start page (pivot heads aside) */
+    int nan_state;        /* one fp16 NaN in a pivot row of a head of every start page */
 };
 
 /* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
@@ -64,7 +65,7 @@ static int start(const struct params *p)
     if (p->row_split > 0)
         snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
+        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
         stepq_method_name(p->method), width_name(p->arch, p->method, p->bits, w, sizeof(w)), p->H,
         p->HV, p->batch, p->gate ? " in-kernel gate" : "", p->nonfinite ? " NaN in q" : "",
         p->view ? " bf16 strided" : "", p->huge ? " huge state" : "",
@@ -76,7 +77,7 @@ static int start(const struct params *p)
         p->fit == STEPQ_DECODE_FIT_NOREFIT ? " norefit"
         : p->fit == STEPQ_DECODE_FIT_ROWS  ? " rows"
                                            : "",
-        p->zero_col ? " zero column scale" : "");
+        p->zero_col ? " zero column scale" : "", p->nan_state ? " NaN in a pivot row" : "");
 }
 
 /* The CUDA call of a check, also what bench_new times. */
@@ -155,6 +156,23 @@ static int run(const struct params *p)
             uint8_t *c = fx.hpl.base + (size_t)s * fx.hpl.page_stride + fx.hpl.head_offset[h] +
                          hl->col_scale_offset + 2 * (size_t)((7 * s + 3) % hl->d_v);
             c[0] = c[1] = 0;
+        }
+        CA_OK(fx_pools_upload(&fx));
+    }
+    if (p->nan_state) {
+        /* head s % HV of page s: a NaN in its first pivot row, column (5 s + 1) % d_v */
+        for (int32_t s = 0; s <= fx.slots; s++) {
+            const int h = s % fx.HV;
+            const struct stepq__head_layout *hl = &fx.hpl.heads[h];
+            int i = 0;
+            while (i < hl->d_k && hl->row_bits[i] != STEPQ_BITS_PIVOT)
+                i++;
+            if (i == hl->d_k)
+                continue;
+            uint8_t *c = fx.hpl.base + (size_t)s * fx.hpl.page_stride + fx.hpl.head_offset[h] +
+                         hl->row_bitoff[i] / 8 + 2 * (size_t)((5 * s + 1) % hl->d_v);
+            c[0] = 0x00;
+            c[1] = 0x7e; /* fp16 NaN, little endian */
         }
         CA_OK(fx_pools_upload(&fx));
     }
@@ -867,9 +885,11 @@ void checkasm_check_decode(void)
      * to them, against the reference's rows fit (kernels/quant.h), with the same tolerances.
      * GDN stepq@6 and @4 (uniform widths), GDN stepq mixed with a pivot head, KDA stepq mixed
      * rows (run-time widths), dsq GDN and KDA, spatial@3; the fallback to the exact fit: a
-     * zero column scale in the start pages, huge states (rows that would saturate), a NaN in
-     * q; bf16 views; the two-stage variant (its stage 2 reads the old scales from the page)
-     * and the column kernel.
+     * zero column scale in the start pages, huge states (scales at the saturation limit:
+     * heads may serve or fall back); a NaN in q; a NaN in a pivot row of the start pages (the
+     * state's non-finite elements zeroed first, then the rows fit; the exact fit's case too);
+     * bf16 views; the two-stage variant (its stage 2 reads the old scales from the page) and
+     * the column kernel.
      */
     {
         const stepq_decode_fit RW = STEPQ_DECODE_FIT_ROWS;
@@ -943,6 +963,26 @@ void checkasm_check_decode(void)
                              .HV = 4,
                              .batch = B,
                              .nonfinite = 1,
+                             .fit = RW });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .nan_state = 1 });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .nan_state = 1, .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_TWO_STAGE,
+                             .nan_state = 1,
+                             .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_COLUMN,
+                             .nan_state = 1,
                              .fit = RW });
         one((struct params){ .arch = G,
                              .method = SQ,

@@ -1127,9 +1127,10 @@ static void rows_keeps_the_old_columns_and_refits_the_rows(void **state)
 
 /*
  * Where the old block cannot serve, the fit rows is the exact fit, bytes and flags: a zero
- * page, one column scale 0, one Inf or negative, a non-finite element of the state (flag
- * STATE), a row whose scale would saturate (m_i = 1e9 rc_j; the exact fit's sqrt split does
- * not saturate: no flag), a head of pivot rows only.
+ * page, one column scale 0, one Inf or negative, a row whose scale would saturate (m_i = 1e9
+ * rc_j; the exact fit's sqrt split does not saturate: no flag), a head of pivot rows only. A
+ * non-finite element does not decide it: it is zeroed (flag STATE) and the rows fit serves
+ * the sanitised state, the bytes of the rows fit of the state with a 0 there.
  */
 static void rows_falls_back_to_the_exact_fit(void **state)
 {
@@ -1179,7 +1180,19 @@ static void rows_falls_back_to_the_exact_fit(void **state)
         }
         quantize_rows(&a, xs, w, o.blk, &fa);
         fb = 0;
-        assert_int_equal(stepq__quantize_head(&b.hl, xs, w, b.blk, &fb), STEPQ_OK);
+        if (kase == 4) { /* the rows fit of the sanitised state, flagged */
+            xs[3 * DV + 1] = 0.0f;
+            quantize_rows(&b, xs, w, o.blk, &fb);
+            assert_int_equal(fb, 0);
+            fb = STEPQ_HEALTH_STATE;
+            struct head e;
+            head_init(&e, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, bk);
+            quantize(&e, xs, w);
+            assert_true(memcmp(e.blk, b.blk, e.hl.block_bytes) != 0); /* not the exact fit */
+            stepq__head_layout_free(&e.hl);
+        } else {
+            assert_int_equal(stepq__quantize_head(&b.hl, xs, w, b.blk, &fb), STEPQ_OK);
+        }
         assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
         assert_int_equal(fa, fb);
         assert_int_equal(fa, kase == 4 ? STEPQ_HEALTH_STATE : 0);
