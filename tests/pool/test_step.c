@@ -837,7 +837,8 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
  * pool steps to pages of its own (other than both); every stepped block is the C
  * reference's rows fit of the updated state against the start block (dequantize, the
  * update, stepq__quantize_head_fit with the start block as the old one), and keeps the
- * start block's column scales.
+ * start block's column scales. On fresh slots (zero pages) the rows pool steps to the exact
+ * pool's pages.
  */
 static void test_map_decode_fit_rows_is_the_host_pools_step(void **state)
 {
@@ -916,6 +917,25 @@ static void test_map_decode_fit_rows_is_the_host_pools_step(void **state)
             fixture_close(&a);
             fixture_close(&b);
             fixture_close(&c);
+
+            /* Fresh slots (zero pages: column scales 0) cannot serve: the exact fit's pages. */
+            fixture_open_fit(&a, (stepq_arch)arch, methods[k], 0.5, STEPQ_DECODE_FIT_ROWS);
+            fixture_open(&b, (stepq_arch)arch, methods[k]);
+            const uint8_t *z_a = pages_of(&a, &n), *z_b = pages_of(&b, &n);
+            for (size_t q = 0; q < n; q++)
+                assert_int_equal(z_a[q], 0);
+            stepq_step_args za = step_args(&a, a.ids, BATCH), zb = step_args(&b, b.ids, BATCH);
+            fill_inputs(&a, 400);
+            fill_inputs(&b, 400);
+            assert_int_equal(stepq_pool_decode_step(a.pool, 0, &za, NULL), STEPQ_OK);
+            assert_int_equal(stepq_pool_decode_step(b.pool, 0, &zb, NULL), STEPQ_OK);
+            assert_memory_equal(z_a, z_b, n);
+            int nonzero = 0;
+            for (size_t q = 0; q < n; q++)
+                nonzero |= z_a[q] != 0;
+            assert_true(nonzero);
+            fixture_close(&a);
+            fixture_close(&b);
         }
     }
 }
