@@ -1147,7 +1147,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
                       stepq_method_name(c.method));
             goto done;
         }
-        st = get_enum(&c, f[R_FIT], parse_decode_fit, "exact, norefit", &fit);
+        st = get_enum(&c, f[R_FIT], parse_decode_fit, "exact, norefit, rows", &fit);
         pop(&c, old);
         if (st < 0)
             goto done;

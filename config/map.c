@@ -466,9 +466,9 @@ int stepq_map_set_decode_fit(stepq_map_t *h, stepq_decode_fit fit)
     if (st < 0)
         return st;
     if ((unsigned)fit >= STEPQ_DECODE_FIT_COUNT)
-        return stepq__error_obj(map->err, STEPQ_EINVAL,
-                                "stepq_map_set_decode_fit: %d is not a decode fit (exact, norefit)",
-                                (int)fit);
+        return stepq__error_obj(
+            map->err, STEPQ_EINVAL,
+            "stepq_map_set_decode_fit: %d is not a decode fit (exact, norefit, rows)", (int)fit);
     if (fit != STEPQ_DECODE_FIT_EXACT && !stepq_method_has_col_scales(map->method))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_decode_fit: method %s has no column scales (only "

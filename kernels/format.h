@@ -135,8 +135,9 @@ struct stepq__head_layout {
     /**
      * dsq / spatial / stepq: the fit of a decode step's new state (the map
      * field decode_fit; kernels/quant.h): STEPQ_DECODE_FIT_NOREFIT skips the
-     * fixed-code column refit. Packs fit exactly whatever it says, and the
-     * block format and its decoding do not depend on it. Init sets exact;
+     * fixed-code column refit, STEPQ_DECODE_FIT_ROWS keeps the old block's
+     * column scales and refits the row scales. Packs fit exactly whatever
+     * it says, and the block format and its decoding do not depend on it. Init sets exact;
      * the pool's layout sets its map's. Unused by the other methods.
      */
     stepq_decode_fit decode_fit;

@@ -314,6 +314,78 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
 }
 
 /*
+ * Whether the fp16 column scale h can serve the decode fit rows: a positive finite value
+ * (0, a negative value, Inf and NaN cannot; the exact fit stores 0 or [2^-14, 65504]).
+ */
+static int rows_col_ok(uint16_t h)
+{
+    return (uint16_t)(h - 1u) < 0x7bffu;
+}
+
+/*
+ * The decode fit rows (kernels/quant.h): the column scales ch (fp16, the old block's) are
+ * kept, the row scales refitted to them. x is finite (sanitised). Returns 0, having written
+ * nothing, where the old block cannot serve (a column scale not positive finite, no integer row, a
+ * row scale that would saturate): the caller then fits exactly.
+ */
+static int fit_rows(const struct stepq__head_layout *hl, const float *x, const uint16_t *ch,
+                    uint8_t *blk, uint32_t *flags)
+{
+    int d_k = hl->d_k, d_v = hl->d_v, any_int = 0;
+    float rc[STEPQ__MAX_HEAD_DIM], m[STEPQ__MAX_HEAD_DIM];
+    int8_t z[STEPQ__MAX_HEAD_DIM];
+
+    for (int j = 0; j < d_v; j++) {
+        if (!rows_col_ok(ch[j]))
+            return 0;
+        rc[j] = 1.0f / stepq__fp16_to_float(ch[j]); /* RN(1/c_j), once per column */
+    }
+    /* Step 1: every row maximum first, so that a saturating one falls back unwritten. */
+    for (int i = 0; i < d_k; i++) {
+        if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+            continue;
+        const float *xr = x + (size_t)i * d_v;
+        float mi = 0.0f;
+        for (int j = 0; j < d_v; j++)
+            mi = max_keep(mi, fabsf(xr[j]) * rc[j]);
+        if (!(mi <= STEPQ__SCALE_MAX))
+            return 0;
+        m[i] = mi;
+        any_int = 1;
+    }
+    if (!any_int)
+        return 0;
+
+    /* Steps 2 and 3: r_i = fp16(m_i) (never 0: the conversion clamps to [2^-14, 65504]),
+     * codes at (x_ij RN(1/c_j)) (qmax_i / r_i), the factor one float division per row. */
+    for (int i = 0; i < d_k; i++) {
+        const float *xr = x + (size_t)i * d_v;
+        int b = hl->row_bits[i];
+        if (b == STEPQ_BITS_PIVOT) {
+            store_pivot_row(xr, d_v, blk + hl->row_bitoff[i] / 8, flags);
+            continue;
+        }
+        uint16_t rh;
+        const float r = scale_value(m[i], &rh, flags);
+        const int qmax = stepq__qmax(b);
+        const float qf = (float)qmax, s = qf / r, magic = 12582912.0f;
+        wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
+        for (int j = 0; j < d_v; j++) { /* as quant_row: clamp, then round half to even */
+            float t = (xr[j] * rc[j]) * s;
+            t = qf < t ? qf : t;
+            t = -qf > t ? -qf : t;
+            t = (t + magic) - magic;
+            z[j] = (int8_t)(int)t;
+        }
+        stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
+    }
+    /* Step 4: the column scales as they were. */
+    for (int j = 0; j < d_v; j++)
+        wr16(blk + hl->col_scale_offset + 2 * (size_t)j, ch[j]);
+    return 1;
+}
+
+/*
  * fp8: per tile of 32 columns over all rows, s = amax / 240 (fp32, stored as is), codes
  * e4m3(clamp(x / s, +-240)) with round to nearest even (kernels/format.h). A tile whose
  * scale is 0 (all zero, or amax / 240 below the smallest float) keeps codes 0; a
@@ -366,11 +438,11 @@ static void dequant_fp8(const struct stepq__head_layout *hl, const uint8_t *blk,
 int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, const float *w,
                          void *block, uint32_t *flags)
 {
-    return stepq__quantize_head_fit(hl, x, w, block, flags, STEPQ_DECODE_FIT_EXACT);
+    return stepq__quantize_head_fit(hl, x, w, NULL, block, flags, STEPQ_DECODE_FIT_EXACT);
 }
 
 int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x, const float *w,
-                             void *block, uint32_t *flags, stepq_decode_fit fit)
+                             const void *old, void *block, uint32_t *flags, stepq_decode_fit fit)
 {
     uint32_t dummy = 0;
     int rc = check_layout(hl);
@@ -381,6 +453,9 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
         return stepq__error(STEPQ_EINVAL, "quantize head: NULL state or block");
     if ((unsigned)fit >= STEPQ_DECODE_FIT_COUNT)
         return stepq__error(STEPQ_EINVAL, "quantize head: unknown fit %d", (int)fit);
+    const int rows = fit == STEPQ_DECODE_FIT_ROWS && stepq_method_has_col_scales(hl->method);
+    if (rows && !old)
+        return stepq__error(STEPQ_EINVAL, "quantize head: the fit rows needs the old block");
     if (!flags)
         flags = &dummy;
 
@@ -411,14 +486,22 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
         x = clean;
     }
 
+    /* rows: the old column scales, read before the block is cleared (old may be block) */
+    uint16_t ch[STEPQ__MAX_HEAD_DIM];
+    if (rows)
+        for (int j = 0; j < hl->d_v; j++)
+            ch[j] = rd16((const uint8_t *)old + hl->col_scale_offset + 2 * (size_t)j);
+
     uint8_t *blk = block;
     memset(blk, 0, hl->block_bytes);
     if (!hl->quantized)
         store_dense(hl, x, blk, flags);
     else if (hl->method == STEPQ_METHOD_FP8)
         fit_fp8(hl, x, blk);
+    else if (rows && fit_rows(hl, x, ch, blk, flags))
+        ; /* served by the old column scales (x sanitised above); else the exact fit below */
     else if (stepq_method_has_col_scales(hl->method))
-        fit_dual(hl, x, use_w ? w : NULL, fit == STEPQ_DECODE_FIT_EXACT, blk, flags);
+        fit_dual(hl, x, use_w ? w : NULL, fit != STEPQ_DECODE_FIT_NOREFIT, blk, flags);
     else
         fit_rowmax(hl, x, blk, flags);
     free(clean);

@@ -38,6 +38,33 @@
  *   format are the exact fit's; a head without integer rows stores column
  *   scales 0 either way. Packs and calibration always fit exactly.
  *
+ *   The decode fit "rows" (decode_fit "rows"; a decode step's new state
+ *   only) keeps the column scales c_j of the OLD block (the one the step
+ *   decoded, the float of its fp16) and refits only the row scales; the
+ *   row impact w and the row split are not used (they only balance the two
+ *   axes of the exact fit). Pivot rows are stored as always:
+ *     rc_j = RN(1 / c_j)                                  (once per column)
+ *     1. m_i = max_j |x_ij| * rc_j;  r_i = fp16(m_i)  (the same conversion;
+ *        never 0: it clamps to [2^-14, 65504])
+ *     2. s_i = qmax_i / r_i            (one float division per row, RN)
+ *        z_ij = clamp(rint((x_ij * rc_j) * s_i), +-qmax_i)
+ *     3. the column scales are written back unchanged
+ *     x^_ij = (r_i * c_j) * ((float)z_ij / (float)qmax_i)
+ *   The whole head is fitted exactly instead (in the same call: the block
+ *   is always valid) where the old block cannot serve: a c_j that is not a
+ *   positive finite fp16 (0 included: a fresh zero page, or a head whose
+ *   last fit had no integer rows; a column of a fit never holds anything
+ *   else), a head without integer rows, or an m_i > 65504 (r_i would
+ *   saturate). Non-finite elements of x are zeroed first (health STATE),
+ *   as for every fit, and do not decide it: in a decode step the update
+ *   has zeroed them before the fit (kernels/recurrence.c), and the CUDA
+ *   kernels zero them before theirs (in the tile kernel's non-finite
+ *   check; two-stage stage 2 only ever sees stage 1's zeroed scratch), so
+ *   every path decides on the same sanitised state. The CUDA kernels take
+ *   the same decisions (kernels/cuda/README.md). The
+ *   column scales are those of the last exact fit (the pack, or a
+ *   fallback): they drift from the state's columns as decoding goes on.
+ *
  *   fp8 (kernels/format.h): per tile t of 32 columns over all rows,
  *     s_t = m_t / 240 (m_t = max |x| of the tile, stored as fp32, not clamped)
  *     c_ij = e4m3_rne(clamp(x_ij / s_t, +-240)) (s_t = 0: c_ij = 0)
@@ -75,14 +102,19 @@ int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, co
 /**
  * stepq__quantize_head with the dual-axis fit `fit` (the other methods
  * ignore it): STEPQ_DECODE_FIT_EXACT is stepq__quantize_head,
- * STEPQ_DECODE_FIT_NOREFIT skips step 4 (above). The decode step of the C
- * reference (kernels/step.c) passes its head layout's decode_fit; packs
- * and calibration call stepq__quantize_head.
+ * STEPQ_DECODE_FIT_NOREFIT skips step 4, STEPQ_DECODE_FIT_ROWS keeps the
+ * column scales of `old` (above). The decode step of the C reference
+ * (kernels/step.c) passes its head layout's decode_fit and the block it
+ * decoded; packs and calibration call stepq__quantize_head.
  *
- * @return as stepq__quantize_head; STEPQ_EINVAL for a fit outside the list.
+ * @param old   the old block (hl's layout) whose column scales the fit rows
+ *              keeps; may be `block` itself (read before it is written);
+ *              ignored (may be NULL) by the other fits and methods.
+ * @return as stepq__quantize_head; STEPQ_EINVAL for a fit outside the list,
+ *         or ROWS on a dual-axis head without `old` (block untouched).
  */
 int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x, const float *w,
-                             void *block, uint32_t *flags, stepq_decode_fit fit);
+                             const void *old, void *block, uint32_t *flags, stepq_decode_fit fit);
 
 /**
  * Reconstructs one head from its block into x, fp32 [d_k][d_v].

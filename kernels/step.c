@@ -92,8 +92,10 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
             uint32_t fl = stepq__head_update(tile, (size_t)a->d_v, 1, a->arch == STEPQ_ARCH_KDA,
                                              a->d_k, a->d_v, q, k, v, g, beta, o);
             /* Cannot fail: layout and w were validated above, the tile is finite. The
-             * decode step's fit is the layout's (the map's decode_fit); packs fit exactly. */
-            stepq__quantize_head_fit(hl, tile, head_w(pl, h, a->d_k), blk, &fl, hl->decode_fit);
+             * decode step's fit is the layout's (the map's decode_fit); packs fit exactly.
+             * The fit rows reads the column scales of blk, the old block, before writing it. */
+            stepq__quantize_head_fit(hl, tile, head_w(pl, h, a->d_k), blk, blk, &fl,
+                                     hl->decode_fit);
             stepq__store_out(a, b, h, o);
             stepq__health_note(a->health, a->counts, s, fl);
         }

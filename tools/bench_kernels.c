@@ -14,7 +14,9 @@
  * where there is one, the kernel chosen by an explicit argument. The
  * "stepq@4 norefit" / "stepq@6 norefit" rows are the stepq@4 / stepq@6 rows
  * on the same maps with the decode fit norefit (map field decode_fit): the
- * A/B of the column refit in one run.
+ * A/B of the column refit in one run; "stepq@4 rows" / "stepq@6 rows" the
+ * same with the decode fit rows (the old column scales kept: no column
+ * reduction; the start pages are the pack's, so every head is served).
  *
  * Bytes moved = state bytes read + written (packed head blocks incl. their
  * alignment, from the pool's layout, or the dense state; the two-stage rows
@@ -324,7 +326,7 @@ struct method {
     const char *name;
     stepq_method m;
     int budget;           /* 0 dense */
-    stepq_decode_fit fit; /* the map's decode_fit: the "norefit" rows' A/B against exact */
+    stepq_decode_fit fit; /* the map's decode_fit: the norefit / rows rows' A/B against exact */
 };
 
 static const struct method methods[] = {
@@ -336,6 +338,8 @@ static const struct method methods[] = {
     { "fp8", STEPQ_METHOD_FP8, 8, STEPQ_DECODE_FIT_EXACT },
     { "stepq@4 norefit", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_NOREFIT },
     { "stepq@6 norefit", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_NOREFIT },
+    { "stepq@4 rows", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_ROWS },
+    { "stepq@6 rows", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_ROWS },
 };
 
 /*
@@ -437,6 +441,9 @@ static const struct row rows[] = {
     /* the decode fit norefit (map field decode_fit), the same maps otherwise: A/B of the refit */
     { "stepq@4 norefit", 6, K_PACKED, 0 },
     { "stepq@6 norefit", 7, K_PACKED, 0 },
+    /* the decode fit rows, likewise: the old column scales kept, no column reduction */
+    { "stepq@4 rows", 8, K_PACKED, 0 },
+    { "stepq@6 rows", 9, K_PACKED, 0 },
     { "fp8", 5, K_PACKED, 0 },
     { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
     { "stepq@6 pack", 4, K_PACK, 0 },

@@ -289,9 +289,11 @@ static void usage(FILE *f)
            "                       max|x_i|^A / sqrt(w_i), A in (0, 1] (default 0.5); the\n"
            "                       distortions are measured with it and the map records it\n"
            "                       as row_split (both backends fit with it)\n"
-           "  --decode-fit F       dsq, spatial, stepq: the map's decode_fit, exact (default)\n"
-           "                       or norefit (decode steps skip the column refit); the\n"
-           "                       distortions are still measured with the exact fit\n"
+           "  --decode-fit F       dsq, spatial, stepq: the map's decode_fit, exact (default),\n"
+           "                       norefit (decode steps skip the column refit) or rows\n"
+           "                       (decode steps keep the page's column scales and refit\n"
+           "                       the row scales); the distortions are still measured\n"
+           "                       with the exact fit\n"
            "  --threads N          default: online CPUs, at most one per head\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
@@ -447,7 +449,8 @@ int stepq_tool_calibrate(int argc, char **argv)
                 return 2;
         } else if (!strcmp(a, "--decode-fit")) {
             if (stepq_decode_fit_from_name(v, &o.decode_fit) < 0) {
-                fprintf(stderr, "stepq calibrate: --decode-fit: '%s' is not exact or norefit\n", v);
+                fprintf(stderr,
+                        "stepq calibrate: --decode-fit: '%s' is not exact, norefit or rows\n", v);
                 return 2;
             }
             fit_given = 1;

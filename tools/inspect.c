@@ -229,10 +229,15 @@ int stepq_tool_inspect(int argc, char **argv)
             fprintf(f,
                     "row split      %g (the dual-axis fit's row scale max|x_i|^%g / sqrt(w_i))\n",
                     stepq_map_row_split(map), stepq_map_row_split(map));
-        if (stepq_map_decode_fit(map) != STEPQ_DECODE_FIT_EXACT)
+        if (stepq_map_decode_fit(map) == STEPQ_DECODE_FIT_NOREFIT)
             fprintf(f,
                     "decode fit     %s (decode steps store the step-2 column scales, no "
                     "refit; packs fit exactly)\n",
+                    stepq_decode_fit_name(stepq_map_decode_fit(map)));
+        else if (stepq_map_decode_fit(map) == STEPQ_DECODE_FIT_ROWS)
+            fprintf(f,
+                    "decode fit     %s (decode steps keep the page's column scales and refit "
+                    "the row scales; packs fit exactly)\n",
                     stepq_decode_fit_name(stepq_map_decode_fit(map)));
         fprintf(f, "per request:\n");
         fprintf(f, "  state fp32       %12llu B  %10.4f MiB\n",

@@ -124,8 +124,9 @@ static void mkmap_usage(FILE *f)
                "  --row-split  dsq, spatial, stepq: the map field row_split, the dual-axis\n"
                "             fit's row-scale exponent in (0, 1] (default 0.5: not written)\n"
                "  --decode-fit  dsq, spatial, stepq: the map field decode_fit, the decode\n"
-               "             step's fit: exact (default: not written) or norefit (no\n"
-               "             column refit)\n"
+               "             step's fit: exact (default: not written), norefit (no\n"
+               "             column refit) or rows (the page's column scales kept, the\n"
+               "             row scales refitted)\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 
@@ -385,7 +386,8 @@ int stepq_tool_mkmap(int argc, char **argv)
                 return 2;
         } else if (!strcmp(a, "--decode-fit")) {
             if (stepq_decode_fit_from_name(v, &fit) < 0) {
-                fprintf(stderr, "stepq mkmap: --decode-fit: '%s' is not exact or norefit\n", v);
+                fprintf(stderr, "stepq mkmap: --decode-fit: '%s' is not exact, norefit or rows\n",
+                        v);
                 return 2;
             }
             fit_name = v;

@@ -92,6 +92,15 @@ __device__ __forceinline__ float sq_h2f(uint16_t h)
     return __half2float(__ushort_as_half(h));
 }
 
+/*
+ * Whether an old fp16 column scale can serve the decode fit rows: positive
+ * and finite (kernels/quant.c, rows_col_ok).
+ */
+__device__ __forceinline__ bool sq_rows_col_ok(uint16_t h)
+{
+    return (uint16_t)(h - 1u) < 0x7bffu;
+}
+
 /* stepq__scale_to_fp16 */
 __device__ __forceinline__ uint16_t sq_scale_h(float s)
 {

@@ -82,8 +82,8 @@ int stepq__cuda_device_count(void);
  * stepq__cuda_layer_release.
  * The dual-axis heads' decode_fit (all the same: one template variant per
  * launch) selects the fit of the handle's decode steps (fused and two-stage
- * stage 2): norefit launches SQ_V_NOREFIT / the column kernel's NOREFIT;
- * packs always fit exactly.
+ * stage 2): norefit launches SQ_V_NOREFIT / the column kernel's NOREFIT,
+ * rows SQ_V_ROWS / ROWS; packs always fit exactly.
  * @return STEPQ_OK; STEPQ_EINVAL (bad layout, w not finite > 0, head block
  *         outside the page, unknown flags, dual-axis heads whose decode_fit
  *         differs: refused before any CUDA call, naming decode_fit),

@@ -189,9 +189,13 @@ struct __align__(16) sq_smem
  * decode fit norefit; the column handle's decode steps only) stores the
  * step-2 column scales c_j instead of the refit: no refit sums and no
  * exchange of them (the barrier before the encode stays: the encode reads
- * every thread's byte codes).
+ * every thread's byte codes). ROWS (the decode fit rows, likewise) keeps
+ * the old block's column scales (read from the page, which is still the
+ * old block in both the fused step and two-stage stage 2) and refits the
+ * row scales to them; block-wide votes first decide whether the old block
+ * can serve (kernels/quant.h), else the head takes the exact fit.
  */
-template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false>
+template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false, bool ROWS = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_step st, sq_io io)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
@@ -485,19 +489,71 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         uint8_t *zb = buf + ((hd->block_bytes + 16 + 15) & ~15u);
         const bool dual = hd->dual;
 
-        /* 1. row absmax over this half's rows, 16 at a time */
+        /*
+         * 0. ROWS: the old column scale c_j of the page (global: the block
+         * staged in buf may be overwritten below), rc_j = RN(1/c_j), the row
+         * maxima of |x| rc_j and two votes: the head takes the exact fit where
+         * a column scale is not positive finite or the head has no integer
+         * row, then where a row scale would saturate. Otherwise the row
+         * maxima stay in sm.rowpart for step 1.
+         */
+        bool rows = false;
+        uint16_t chj = 0;
+        float rcj = 1.0f;
+        if (ROWS) {
+            chj = hd->has_col ? ((const uint16_t *)(blk + hd->col_scale_off))[j] : 0;
+            rcj = __frcp_rn(sq_h2f(chj));
+            /* non-finite elements were zeroed by now (the update, or the dense load) */
+            bool bad = !sq_rows_col_ok(chj) || !(dual && hd->any_int);
+            if (!__syncthreads_or(bad)) {
 #pragma unroll
-        for (int c = 0; c < SQ_NR / 16; c++) {
-            float v[16];
+                for (int c = 0; c < SQ_NR / 16; c++) {
+                    float v[16];
 #pragma unroll
-            for (int k = 0; k < 16; k++)
-                v[k] = fabsf(x[c * 16 + k]);
-            float m = sq_rowmax16(v, lane);
-            if (lane < 16)
-                sm.rowpart[wih][half * SQ_NR + c * 16 + lane] = m;
+                    for (int k = 0; k < 16; k++)
+                        v[k] = fabsf(x[c * 16 + k]) * rcj;
+                    float m = sq_rowmax16(v, lane);
+                    if (lane < 16)
+                        sm.rowpart[wih][half * SQ_NR + c * 16 + lane] = m;
+                }
+                __syncthreads();
+                bool sat = false;
+                if (t < SQ_D && sm.bits[t] != STEPQ_BITS_PIVOT)
+                    sat = !(fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
+                                  fmaxf(sm.rowpart[2][t], sm.rowpart[3][t])) <= STEPQ__SCALE_MAX);
+                rows = !__syncthreads_or(sat);
+            }
+        }
+
+        /* 1. row absmax over this half's rows, 16 at a time (ROWS: of |x| rc_j, above) */
+        if (!rows) {
+#pragma unroll
+            for (int c = 0; c < SQ_NR / 16; c++) {
+                float v[16];
+#pragma unroll
+                for (int k = 0; k < 16; k++)
+                    v[k] = fabsf(x[c * 16 + k]);
+                float m = sq_rowmax16(v, lane);
+                if (lane < 16)
+                    sm.rowpart[wih][half * SQ_NR + c * 16 + lane] = m;
+            }
         }
         __syncthreads(); /* also: every read of buf (the old block) is done */
-        if (t < SQ_D) {
+        if (ROWS && rows && t < SQ_D) {
+            /* the fit rows: r_i = fp16(m_i), s_i = qmax_i / r_i in sm.rr[i].y */
+            int b = sm.bits[t];
+            float r = 0.0f, s = 0.0f;
+            uint16_t h = 0;
+            if (b != STEPQ_BITS_PIVOT) {
+                float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
+                                fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
+                h = sq_scale_h(m);
+                r = sq_h2f(h);
+                s = __fdiv_rn((float)((1 << (b - 1)) - 1), r);
+            }
+            sm.rr[t] = make_float2(r, s);
+            sm.rh[t] = h;
+        } else if (t < SQ_D) {
             int b = sm.bits[t];
             float r = 0.0f;
             uint16_t h = 0;
@@ -523,7 +579,22 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         /* 2. Y = X / r in place of X (integer rows); column scales of Y */
         const int ub = hd->ubits; /* every row one integer width: no per-row checks */
         float cm = 0.0f;
-        if (ub) {
+        if (ROWS && rows) {
+            /* 2-3 of the fit rows: z = clamp(rint((x rc_j) s_i)); pivot rows as below */
+#pragma unroll
+            for (int r = 0; r < SQ_NR; r++) {
+                int i = half * SQ_NR + r;
+                int b = sm.bits[i];
+                if (b == STEPQ_BITS_PIVOT) {
+                    ((uint16_t *)(buf + sm.roff[i]))[j] = sq_f16_sat(x[r], &fl);
+                    continue;
+                }
+                const float qm = (float)((1 << (b - 1)) - 1);
+                float z = rintf((x[r] * rcj) * sm.rr[i].y);
+                z = fminf(fmaxf(z, -qm), qm);
+                zb[i * SQ_D + j] = (uint8_t)((int)z + ((1 << (b - 1)) - 1));
+            }
+        } else if (ub) {
 #pragma unroll
             for (int r = 0; r < SQ_NR; r++) {
                 float2 rr = sm.rr[half * SQ_NR + r];
@@ -542,7 +613,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             }
         }
         float cj = 1.0f, cinv = 1.0f;
-        if (dual) {
+        if (dual && !(ROWS && rows)) {
             sm.red[0][half][j] = cm;
             __syncthreads();
             float c = fmaxf(sm.red[0][0][j], sm.red[0][1][j]);
@@ -560,7 +631,9 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
          * ulp, which is the stated tolerance).
          */
         float num = 0.0f, den = 0.0f;
-        if (ub) {
+        if (ROWS && rows) {
+            /* the codes are in zb already (step 2 of the fit rows) */
+        } else if (ub) {
             const int qm = (1 << (ub - 1)) - 1;
             const float qmf = (float)qm, iqm = 1.0f / qmf;
 #pragma unroll
@@ -601,14 +674,16 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         }
 
         /* 4. fixed-code column refit (NOREFIT, the decode fit norefit: c_j of step 2) */
-        if (dual && !NOREFIT) {
+        if (dual && !NOREFIT && !(ROWS && rows)) {
             sm.fit[0][half][j] = num;
             sm.fit[1][half][j] = den;
         }
         __syncthreads();
         if (t < SQ_D) {
             ((uint16_t *)(buf + hd->row_scale_off))[t] = sm.rh[t];
-            if (NOREFIT && dual && hd->any_int) {
+            if (ROWS && rows) {
+                ((uint16_t *)(buf + hd->col_scale_off))[j] = chj; /* kept as it was */
+            } else if (NOREFIT && dual && hd->any_int) {
                 ((uint16_t *)(buf + hd->col_scale_off))[j] = sq_scale_h(cj);
             } else if (dual && hd->any_int) {
                 float nm = sm.fit[0][0][j] + sm.fit[0][1][j];

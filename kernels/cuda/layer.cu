@@ -33,6 +33,7 @@ struct stepq__cuda_layer {
     int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
     int norefit;      /* the dual heads' decode fit is norefit: the steps' SQ_V_NOREFIT */
+    int rows;         /* the dual heads' decode fit is rows: the steps' SQ_V_ROWS */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
      * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
@@ -170,7 +171,7 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
         return stepq__error(STEPQ_EINVAL, "%s: NULL or empty packed layer", who);
     sq_head_desc *h = (sq_head_desc *)calloc((size_t)pl->n_heads, sizeof(*h));
     stepq__cuda_layer *L = (stepq__cuda_layer *)calloc(1, sizeof(*L));
-    int rc, decode_norefit = -1;
+    int rc, decode_fit = -1;
     if (!h || !L) {
         rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
         goto fail;
@@ -179,21 +180,20 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
         goto fail;
     /* One decode fit per launch (a template bit): the dual heads of a layer must agree. */
     for (int hv = 0; hv < pl->n_heads; hv++) {
-        const int nr = pl->heads[hv].decode_fit == STEPQ_DECODE_FIT_NOREFIT;
+        const int f = (int)pl->heads[hv].decode_fit;
         if (!h[hv].dual)
             continue;
-        if (decode_norefit < 0) {
-            decode_norefit = nr;
-        } else if (decode_norefit != nr) {
+        if (decode_fit < 0) {
+            decode_fit = f;
+        } else if (decode_fit != f) {
             rc = stepq__error(STEPQ_EINVAL,
                               "%s: head %d's decode_fit is %s, an earlier head's %s (one decode "
                               "fit per layer)",
-                              who, hv, stepq_decode_fit_name(pl->heads[hv].decode_fit),
-                              nr ? "exact" : "norefit");
+                              who, hv, stepq_decode_fit_name((stepq_decode_fit)f),
+                              stepq_decode_fit_name((stepq_decode_fit)decode_fit));
             goto fail;
         }
     }
-    decode_norefit = decode_norefit > 0;
     if (dyn_smem(L->max_block) > SQ_DYN_SMEM_MAX) {
         rc = stepq__error(STEPQ_ENOTSUP, "%s: a head block of %zu B exceeds the kernel's buffer",
                           who, L->max_block);
@@ -217,7 +217,8 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     }
     L->n_heads = pl->n_heads;
     L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
-    L->norefit = decode_norefit;
+    L->norefit = decode_fit == STEPQ_DECODE_FIT_NOREFIT;
+    L->rows = decode_fit == STEPQ_DECODE_FIT_ROWS;
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
@@ -294,20 +295,25 @@ static int launch_k(dim3 grid, size_t smem, cudaStream_t s, const char *who, con
     return STEPQ_OK;
 }
 
-template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false>
+template <int SRC, bool UPDATE, int SINK, bool NOREFIT = false, bool ROWS = false>
 static int launch(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                   const char *who)
 {
-    return launch_k<sq_head_kernel<SRC, UPDATE, SINK, NOREFIT>>(grid, smem, s, who, st, io);
+    return launch_k<sq_head_kernel<SRC, UPDATE, SINK, NOREFIT, ROWS>>(grid, smem, s, who, st, io);
 }
 
-/* sq_head_kernel with the decode fit norefit when `norefit` (the column handle's decode steps). */
+/*
+ * sq_head_kernel with the layer's decode fit (the column handle's decode steps): NOREFIT
+ * for norefit, ROWS for rows.
+ */
 template <int SRC, bool UPDATE, int SINK>
 static int launch_fit(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
-                      int norefit, const char *who)
+                      const stepq__cuda_layer *L, const char *who)
 {
-    if (norefit)
+    if (L->norefit)
         return launch<SRC, UPDATE, SINK, true>(grid, smem, s, st, io, who);
+    if (L->rows)
+        return launch<SRC, UPDATE, SINK, false, true>(grid, smem, s, st, io, who);
     return launch<SRC, UPDATE, SINK>(grid, smem, s, st, io, who);
 }
 
@@ -320,7 +326,7 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 
 /*
  * The fused packed step with template bits ORDER or ORDER|RTU (v & SQ_V_RTU),
- * IN32 or IN16 after st.in_bf16, and N (0 or SQ_V_NOREFIT); g2 is already
+ * IN32 or IN16 after st.in_bf16, and N (0, SQ_V_NOREFIT or SQ_V_ROWS); g2 is already
  * the (batch, heads) grid.
  */
 template <int N>
@@ -341,9 +347,9 @@ static int launch_step_tile(dim3 g2, size_t smem, cudaStream_t s, const sq_step 
 /*
  * The tile kernel with template bits v (SQ_V_*) among the instantiated sets:
  * packed step ORDER and ORDER|RTU, each with IN32 or IN16 after st.in_bf16,
- * each with or without NOREFIT; pack 0, RTU, STAGE and RTU|STAGE, and
- * NOREFIT and RTU|NOREFIT (two-stage stage 2, whose fp32 scratch is [K,V]:
- * never staged); dense bf16 step 0. ORDER launches the grid as (batch,
+ * each exact, NOREFIT or ROWS; pack 0, RTU, STAGE and RTU|STAGE, and
+ * NOREFIT, RTU|NOREFIT, ROWS and RTU|ROWS (two-stage stage 2, whose fp32
+ * scratch is [K,V]: never staged); dense bf16 step 0. ORDER launches the grid as (batch,
  * heads).
  */
 template <int SRC, bool UPDATE, int SINK>
@@ -355,6 +361,8 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
         const dim3 g2(grid.y, grid.x);
         if (v & SQ_V_NOREFIT)
             return launch_step_tile<SQ_V_NOREFIT>(g2, smem, s, st, io, v, who);
+        if (v & SQ_V_ROWS)
+            return launch_step_tile<SQ_V_ROWS>(g2, smem, s, st, io, v, who);
         return launch_step_tile<0>(g2, smem, s, st, io, v, who);
     } else if constexpr (SINK == SQ_SINK_PACKED) {
         if ((v & SQ_V_NOREFIT) && (v & SQ_V_RTU))
@@ -362,6 +370,11 @@ static int launch_tile(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st
                                                                              who);
         if (v & SQ_V_NOREFIT)
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_NOREFIT>(grid, smem, s, st, io, who);
+        if ((v & SQ_V_ROWS) && (v & SQ_V_RTU))
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_ROWS>(grid, smem, s, st, io,
+                                                                          who);
+        if (v & SQ_V_ROWS)
+            return launch_tile_v<SRC, UPDATE, SINK, SQ_V_ROWS>(grid, smem, s, st, io, who);
         if ((v & SQ_V_RTU) && (v & SQ_V_STAGE))
             return launch_tile_v<SRC, UPDATE, SINK, SQ_V_RTU | SQ_V_STAGE>(grid, smem, s, st, io,
                                                                            who);
@@ -529,13 +542,13 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         smem = tile_smem(L->max_block);
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
-    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) |
-                   (L->norefit ? SQ_V_NOREFIT : 0); /* the map's decode_fit */
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) | (L->norefit ? SQ_V_NOREFIT : 0) |
+                   (L->rows ? SQ_V_ROWS : 0); /* the map's decode_fit */
     if (variant == STEPQ__CUDA_FUSED)
-        return tile ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
-                                                                       who)
-                    : launch_fit<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io,
-                                                                      L->norefit, who);
+        return tile
+                   ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
+                                                                      who)
+                   : launch_fit<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, L, who);
     if (variant != STEPQ__CUDA_TWO_STAGE)
         return stepq__error(STEPQ_EINVAL, "%s: unknown variant %d", who, (int)variant);
 
@@ -574,11 +587,12 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     SQ_CU(cudaEventRecord(L->ev_a, s), who);
     SQ_CU(cudaStreamWaitEvent(L->s2, L->ev_a, 0), who);
     /* Stage 2 has no recurrence inputs: input health was noted by stage 1. It is the
-     * step's fit, so it takes the decode fit (vt's SQ_V_NOREFIT), unlike a prefill pack. */
+     * step's fit, so it takes the decode fit (vt's SQ_V_NOREFIT / SQ_V_ROWS: the latter
+     * reads the old column scales from the page, which stage 1 left as it was), unlike a
+     * prefill pack. */
     rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
                     grid, pack_smem(L->max_block, io), L->s2, st, io, vt & ~SQ_V_ORDER, who)
-              : launch_fit<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io,
-                                                                L->norefit, who);
+              : launch_fit<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, L, who);
     if (rc < 0)
         return rc;
     SQ_CU(cudaEventRecord(L->ev_b, L->s2), who);

@@ -47,6 +47,17 @@
  * and of two-stage stage 2) stores the step-2 column scales instead of the
  * refit: no refit sums in the encode (4 of the ~17 operations per element),
  * no column reduction of num and den, no barrier before it.
+ *
+ * The decode fit rows (SQ_V_ROWS, likewise) keeps the old block's column
+ * scales and refits only the row scales to them (r_i = fp16(max_j |x_ij|
+ * RN(1/c_j)), codes at (x RN(1/c_j)) (qmax_i / r_i)): no column max, no
+ * refit sums, no column reduction or barrier at all; the row max becomes
+ * that of |x| RN(1/c_j) (one FMUL more) and the vote on whether the old
+ * block can serve rides on the barriers of the decode and the non-finite
+ * check. Where it cannot (a column scale not positive finite, no integer
+ * rows, a saturating row; non-finite elements are zeroed first and do not
+ * decide it) the head takes the exact fit in the same call, as the
+ * reference does (kernels/cuda/README.md).
  */
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
@@ -170,6 +181,15 @@ __device__ __forceinline__ void sq_st_codes_rt(uint8_t *row, int tx, int b, uint
  * stage 2; a prefill pack never sets it.
  */
 #define SQ_V_NOREFIT 64
+/*
+ * the decode fit rows (map field decode_fit, kernels/quant.h): the column
+ * scales of the block read are kept, the row scales refitted to them
+ * (sq_tile_store_rows). No column max, no refit sums, no column reduction
+ * or barrier for them; the exact fit stays compiled in for the heads whose
+ * old block cannot serve (a block-wide vote: sq_tile_finite_rows). Decode
+ * steps only, as SQ_V_NOREFIT.
+ */
+#define SQ_V_ROWS 128
 
 /* Whether the step's inputs are bf16: fixed by the variant bits V, else st.in_bf16. */
 template <int V> __device__ __forceinline__ int sq_in_bf16(const sq_step &st)
@@ -1017,20 +1037,34 @@ __device__ __forceinline__ void sq_dec_tile_rows(float (&x)[64], const uint8_t *
  * codes at the head's uniform width or row by row.
  */
 template <bool UPDATE, int V>
-__device__ __forceinline__ void sq_tile_decode(float (&x)[64], const uint8_t *buf,
+__device__ __forceinline__ bool sq_tile_decode(float (&x)[64], const uint8_t *buf,
                                                const sq_head_desc *hd, sq_tsmem &sm,
                                                const sq_rowc *rowc, const sq_tpos &pos)
 {
     const int t = pos.t, tx = pos.tx, R0 = pos.R0, C0 = pos.C0;
-    constexpr bool RTU = V & SQ_V_RTU, ROWC = V & SQ_V_RTU;
+    constexpr bool RTU = V & SQ_V_RTU, ROWC = V & SQ_V_RTU, ROWS = V & SQ_V_ROWS;
+    bool bad = false; /* SQ_V_ROWS: column t's old scale cannot serve */
     if (t < SQ_D) {
         int b = sm.bits[t];
         float d = UPDATE ? sm.dec[t] : 1.0f;
         float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
         sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
-        sm.cold[t] = hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
+        if constexpr (ROWS) {
+            const uint16_t ch = hd->has_col ? ((const uint16_t *)(buf + hd->col_scale_off))[t] : 0;
+            sm.cold[t] = hd->has_col ? sq_h2f(ch) : 1.0f;
+            sm.ad[t] = __frcp_rn(sq_h2f(ch)); /* rc_j = RN(1/c_j), once per column */
+            bad = !sq_rows_col_ok(ch);
+        } else {
+            sm.cold[t] =
+                hd->has_col ? sq_h2f(((const uint16_t *)(buf + hd->col_scale_off))[t]) : 1.0f;
+        }
     }
-    __syncthreads();
+    /* the block-wide flag of the fit rows rides on the barrier the decode needs anyway */
+    bool colbad = false;
+    if (ROWS)
+        colbad = __syncthreads_or(bad);
+    else
+        __syncthreads();
     float cc[8];
     {
         float4 a = *(const float4 *)(sm.cold + C0), b = *(const float4 *)(sm.cold + C0 + 4);
@@ -1042,6 +1076,26 @@ __device__ __forceinline__ void sq_tile_decode(float (&x)[64], const uint8_t *bu
         sq_dec_tile_ub(x, buf, R0, tx, sm.rowf, cc, ub);
     else
         sq_dec_tile_rows<ROWC>(x, buf, sm, rowc, R0, tx, cc);
+    return colbad;
+}
+
+/*
+ * SQ_V_ROWS with a dense source (two-stage stage 2): the old column scales
+ * from the page itself (blk, global memory: stage 1 left it as it was),
+ * as sq_tile_decode loads them from the staged block. Returns the
+ * block-wide flag that one cannot serve.
+ */
+__device__ __forceinline__ bool sq_tile_rows_cols(const uint8_t *blk, const sq_head_desc *hd,
+                                                  sq_tsmem &sm, int t)
+{
+    bool bad = false;
+    if (t < SQ_D) {
+        const uint16_t ch = hd->has_col ? ((const uint16_t *)(blk + hd->col_scale_off))[t] : 0;
+        sm.cold[t] = sq_h2f(ch);
+        sm.ad[t] = __frcp_rn(sq_h2f(ch));
+        bad = !sq_rows_col_ok(ch);
+    }
+    return __syncthreads_or(bad);
 }
 
 /* The decay of a dense source (a packed one has it in its row factors). */
@@ -1157,6 +1211,69 @@ __device__ __forceinline__ bool sq_tile_finite(float (&x)[64], float (&m)[8], sq
                 sm.colb[t] = sq_col_total<false>(sm.part[1], t);
             __syncthreads();
         }
+    }
+    return slow;
+}
+
+/*
+ * The thread's partial row maxima of the fit rows, m_i = max_j |x_ij| rc_j
+ * (rc_j = RN(1/c_j) in sm.ad; pivot rows: max |x_ij|), NaN-propagating;
+ * returns whether one would not serve: not finite, or above 65504 on an
+ * integer row (its scale would saturate; a finite x whose product
+ * overflows lands here too).
+ */
+__device__ __forceinline__ bool sq_rows_maxima(const float (&x)[64], float (&m)[8],
+                                               const sq_tsmem &sm, int R0, int C0)
+{
+    float4 a = *(const float4 *)(sm.ad + C0), b = *(const float4 *)(sm.ad + C0 + 4);
+    const float rc[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+    bool v = false;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const bool piv = sm.bits[R0 + r] == STEPQ_BITS_PIVOT;
+        float p[8];
+#pragma unroll
+        for (int c = 0; c < 8; c++)
+            p[c] = piv ? fabsf(x[r * 8 + c]) : fabsf(x[r * 8 + c]) * rc[c];
+        const float e = sq_maxnan(sq_maxnan(p[0], p[1]), sq_maxnan(p[2], p[3]));
+        const float f = sq_maxnan(sq_maxnan(p[4], p[5]), sq_maxnan(p[6], p[7]));
+        m[r] = sq_maxnan(e, f);
+        v |= !(m[r] <= (piv ? 3.402823466e38f : STEPQ__SCALE_MAX));
+    }
+    return v;
+}
+
+/*
+ * SQ_V_ROWS: the row maxima the fit rows needs (sq_rows_maxima) and one
+ * block-wide vote, in place of sq_tile_finite's barrier on the common
+ * path, on colbad (a column scale not positive finite, or no integer rows),
+ * a non-finite element or a saturating row. Where it says no (rare),
+ * sq_tile_finite runs as in the exact variants; where that zeroed
+ * non-finite elements (health STATE, the readout recomputed), the rows fit
+ * may still serve the sanitised state (the reference's update zeroes them
+ * before its fit: kernels/quant.h), which a second vote on its maxima
+ * decides. *exact: the head takes the exact fit.
+ */
+template <bool UPDATE>
+__device__ __forceinline__ bool sq_tile_finite_rows(float (&x)[64], float (&m)[8], sq_tsmem &sm,
+                                                    unsigned &fl, const sq_tpos &pos, bool colbad,
+                                                    bool &exact)
+{
+    const int R0 = pos.R0, C0 = pos.C0;
+    bool v = colbad; /* uniform over the block */
+    if (!colbad)
+        v = sq_rows_maxima(x, m, sm, R0, C0);
+    exact = __syncthreads_or(v);
+    if (!exact)
+        return false;
+    const bool slow = sq_tile_finite<UPDATE>(x, m, sm, fl, pos);
+    if (slow && !colbad) { /* rare: non-finite elements were zeroed */
+        float m2[8];
+        exact = __syncthreads_or(sq_rows_maxima(x, m2, sm, R0, C0));
+        if (!exact)
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                m[r] = m2[r];
     }
     return slow;
 }
@@ -1425,18 +1542,138 @@ __device__ __forceinline__ void sq_tile_cols_fixed(const sq_head_desc *hd, bool 
 }
 
 /*
+ * Codes of the fit rows at a uniform width B (the templates): row factor
+ * s_i = qmax_i / r_i for all 8 codes of a row (sq_quant_row_e with a per-row
+ * broadcast instead of the per-column qmax / c_j; its refit sums are dead).
+ */
+template <int B>
+__device__ __forceinline__ void sq_quant_tile_rows_e(const float (&y)[64], uint8_t *buf, int R0,
+                                                     int tx, const float (&s)[8])
+{
+    float num[8] = {}, den[8] = {}; /* the refit sums: dead, dropped by the compiler */
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float q[8] = { s[r], s[r], s[r], s[r], s[r], s[r], s[r], s[r] };
+        sq_quant_row_e<B>(y + 8 * r, buf + (R0 + r) * 16 * B, tx, q, 0.0f, num, den);
+    }
+}
+
+__device__ __forceinline__ void sq_quant_tile_rows_ub(const float (&y)[64], uint8_t *buf, int R0,
+                                                      int tx, const float (&s)[8], int ub)
+{
+    switch (ub) { /* 8 is the one width left */
+    case 2:
+        sq_quant_tile_rows_e<2>(y, buf, R0, tx, s);
+        break;
+    case 3:
+        sq_quant_tile_rows_e<3>(y, buf, R0, tx, s);
+        break;
+    case 4:
+        sq_quant_tile_rows_e<4>(y, buf, R0, tx, s);
+        break;
+    case 5:
+        sq_quant_tile_rows_e<5>(y, buf, R0, tx, s);
+        break;
+    case 6:
+        sq_quant_tile_rows_e<6>(y, buf, R0, tx, s);
+        break;
+    default:
+        sq_quant_tile_rows_e<8>(y, buf, R0, tx, s);
+        break;
+    }
+}
+
+/*
+ * The fit rows into the packed sink (SQ_V_ROWS, the old block served:
+ * sq_tile_finite_rows): m holds the thread's partial maxima of |x_ij| rc_j.
+ * Row scale r_i = fp16(m_i) on lanes tx even with s_i = qmax_i / r_i (a
+ * correctly rounded division, as the reference) into sm.rinv; pivot rows;
+ * y = x rc in place; codes t = fmaf(y, s_i, 1.5*2^23) (no clamp: nothing
+ * saturated, and |y s_i| <= qmax_i (1 + 2^-10)); the old column scales
+ * back into the block by thread j (exact: the fp16 of the float of an
+ * fp16). No column reduction and no barrier: the half-warp's rows come
+ * from its own lanes (__syncwarp), and the item's closing barrier orders
+ * the block before the copy-out.
+ */
+template <int V>
+__device__ __forceinline__ void sq_tile_store_rows(float (&x)[64], const float (&m)[8],
+                                                   const sq_head_desc *hd, sq_tsmem &sm,
+                                                   uint8_t *buf, unsigned &fl, const sq_tpos &pos)
+{
+    const int t = pos.t, tx = pos.tx, R0 = pos.R0, C0 = pos.C0;
+    constexpr bool RTU = V & SQ_V_RTU;
+    if (hd->needs_zero) {
+        for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
+            ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
+        __syncthreads();
+    }
+    const float mr = sq_row_max(m, tx);
+    if (!(tx & 1)) {
+        const int i = R0 + (tx >> 1);
+        const int b = sm.bits[i];
+        float s = 0.0f;
+        uint16_t h = 0;
+        if (b != STEPQ_BITS_PIVOT) {
+            h = sq_scale_h(mr);
+            s = __fdiv_rn((float)((1 << (b - 1)) - 1), sq_h2f(h));
+        }
+        sm.rinv[i] = s;
+        ((uint16_t *)(buf + hd->row_scale_off))[i] = h;
+    }
+    sq_tile_store_pivots(x, hd, sm, buf, fl, R0, tx);
+    __syncwarp(); /* sm.rinv of a half-warp's rows comes from its own lanes */
+    float s[8];
+    {
+        float4 a = *(const float4 *)(sm.rinv + R0), b = *(const float4 *)(sm.rinv + R0 + 4);
+        s[0] = a.x, s[1] = a.y, s[2] = a.z, s[3] = a.w;
+        s[4] = b.x, s[5] = b.y, s[6] = b.z, s[7] = b.w;
+        float4 c = *(const float4 *)(sm.ad + C0), d = *(const float4 *)(sm.ad + C0 + 4);
+        const float rc[8] = { c.x, c.y, c.z, c.w, d.x, d.y, d.z, d.w };
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+#pragma unroll
+            for (int k = 0; k < 8; k++)
+                x[r * 8 + k] *= rc[k];
+    }
+    const int ub = hd->ubits;
+    if (ub && !RTU) {
+        sq_quant_tile_rows_ub(x, buf, R0, tx, s, ub);
+    } else {
+        float num[8] = {}, den[8] = {}; /* dead likewise */
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const int i = R0 + r;
+            const int b = ub ? ub : sm.bits[i];
+            const float q[8] = { s[r], s[r], s[r], s[r], s[r], s[r], s[r], s[r] };
+            if (b != STEPQ_BITS_PIVOT)
+                sq_quant_row_rt<false, true>(x + 8 * r, buf + sm.roff[i], tx, b, q, 0.0f, 0.0f, num,
+                                             den);
+        }
+    }
+    if (t < SQ_D)
+        ((uint16_t *)(buf + hd->col_scale_off))[t] = __half_as_ushort(__float2half_rn(sm.cold[t]));
+}
+
+/*
  * Into the packed sink: the new block is assembled in buf (the old one has
  * been read by now), row scales, pivot rows, column scales, codes, refit
  * (SQ_V_NOREFIT: the step-2 column scales instead; num and den are then
  * never read, so the compiler drops their sums from the encode).
  */
 template <int V>
-__device__ __forceinline__ void
-sq_tile_store_packed(float (&x)[64], const float (&m)[8], const sq_head_desc *hd, sq_tsmem &sm,
-                     const sq_rowc *rowc, uint8_t *buf, unsigned &fl, const sq_tpos &pos)
+__device__ __forceinline__ void sq_tile_store_packed(float (&x)[64], const float (&m)[8],
+                                                     const sq_head_desc *hd, sq_tsmem &sm,
+                                                     const sq_rowc *rowc, uint8_t *buf,
+                                                     unsigned &fl, const sq_tpos &pos, bool exact)
 {
     const int t = pos.t;
     const bool dual = hd->dual;
+    if constexpr (V & SQ_V_ROWS) {
+        if (!exact) { /* the old block serves (sq_tile_finite_rows); else the exact fit below */
+            sq_tile_store_rows<V>(x, m, hd, sm, buf, fl, pos);
+            return;
+        }
+    }
     if (hd->needs_zero) {
         for (uint32_t n = t; n < hd->block_bytes / 16; n += SQ_THREADS)
             ((uint4 *)buf)[n] = make_uint4(0, 0, 0, 0);
@@ -1524,20 +1761,30 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
         sq_cp_async_wait_all();
         __syncthreads();
     }
+    constexpr bool ROWS = (V & SQ_V_ROWS) && SINK == SQ_SINK_PACKED;
+    bool colbad = false; /* SQ_V_ROWS: the old block's column scales cannot serve */
     if (SRC == SQ_SRC_PACKED)
-        sq_tile_decode<UPDATE, V>(x, buf, hd, sm, rowc, pos);
-    else if (UPDATE)
+        colbad = sq_tile_decode<UPDATE, V>(x, buf, hd, sm, rowc, pos);
+    else if (ROWS)
+        colbad = sq_tile_rows_cols(blk, hd, sm, t);
+    if (UPDATE && SRC != SQ_SRC_PACKED)
         sq_tile_decay(x, sm, pos.R0);
     if (UPDATE)
         sq_tile_update(x, sm, pos);
     float m[8];
-    const bool slow = sq_tile_finite<UPDATE>(x, m, sm, fl, pos);
+    bool exact = true; /* SQ_V_ROWS: the head takes the exact fit (sq_tile_finite_rows) */
+    bool slow;
+    if constexpr (ROWS)
+        slow = sq_tile_finite_rows<UPDATE>(x, m, sm, fl, pos, colbad || !(hd->dual && hd->any_int),
+                                           exact);
+    else
+        slow = sq_tile_finite<UPDATE>(x, m, sm, fl, pos);
     if (UPDATE)
         sq_tile_readout(st, sm, kq, slow, e, hv, bfi, fl, t);
     if (SINK == SQ_SINK_DENSE)
         sq_tile_store_dense(x, m, io, slot, e, hv, fl, pos);
     else
-        sq_tile_store_packed<V>(x, m, hd, sm, rowc, buf, fl, pos);
+        sq_tile_store_packed<V>(x, m, hd, sm, rowc, buf, fl, pos, exact);
 
     /* every thread's health bits are in sm.fl before the block leaves and thread 0 reports */
     if (fl)

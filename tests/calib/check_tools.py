@@ -180,10 +180,20 @@ def main():
     assert "decode fit     norefit" in run([exe, "inspect", kf]).stdout
     assert json.loads(run([exe, "inspect", kf, "--json"]).stdout)["decode_fit"] == "norefit"
     assert "decode fit" not in run([exe, "inspect", km]).stdout
+    kr = os.path.join(d, "kda-rows.json")
+    p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
+             "--out", kr, "--pivot-fraction", "0.02", "--decode-fit", "rows", "--json"])
+    assert json.loads(p.stdout)["decode_fit"] == "rows", p.stdout
+    mr = json.load(open(kr))
+    assert mr["decode_fit"] == "rows" and "decode_fit=rows" in mr["provenance"]["method_detail"]
+    assert mr["layers"] == m["layers"]
+    assert "decode fit     rows (decode steps keep the page's column scales" in run([exe, "inspect", kr]).stdout
+    assert json.loads(run([exe, "inspect", kr, "--json"]).stdout)["decode_fit"] == "rows"
     assert "decode_fit" not in json.loads(run([exe, "inspect", km, "--json"]).stdout)
     for meth, fit, want in (("temporal", "norefit", "--decode-fit norefit: method temporal has no column refit"),
                             ("uniform", "exact", "--decode-fit exact: method uniform has no column refit"),
-                            ("stepq", "fast", "--decode-fit: 'fast' is not exact or norefit")):
+                            ("temporal", "rows", "--decode-fit rows: method temporal has no column refit"),
+                            ("stepq", "fast", "--decode-fit: 'fast' is not exact, norefit or rows")):
         p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", meth, "--budget", "4",
                  "--out", os.path.join(d, "no.json"), "--decode-fit", fit], ok=False)
         assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr

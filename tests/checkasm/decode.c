@@ -43,6 +43,8 @@ struct params {
     enum via via;
     double row_split;     /* the map's row_split; 0: 0.5 */
     stepq_decode_fit fit; /* the map's decode_fit; 0: exact */
+    int zero_col;         /* one column scale 0 in a head of every start page (pivot heads aside) */
+    int nan_state;        /* one fp16 NaN in a pivot row of a head of every start page */
 };
 
 /* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
@@ -63,7 +65,7 @@ static int start(const struct params *p)
     if (p->row_split > 0)
         snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
+        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
         stepq_method_name(p->method), width_name(p->arch, p->method, p->bits, w, sizeof(w)), p->H,
         p->HV, p->batch, p->gate ? " in-kernel gate" : "", p->nonfinite ? " NaN in q" : "",
         p->view ? " bf16 strided" : "", p->huge ? " huge state" : "",
@@ -71,7 +73,11 @@ static int start(const struct params *p)
         p->via == VIA_TWO_STAGE ? " two-stage"
         : p->via == VIA_COLUMN  ? " column kernel"
                                 : "",
-        rs, p->fit == STEPQ_DECODE_FIT_NOREFIT ? " norefit" : "");
+        rs,
+        p->fit == STEPQ_DECODE_FIT_NOREFIT ? " norefit"
+        : p->fit == STEPQ_DECODE_FIT_ROWS  ? " rows"
+                                           : "",
+        p->zero_col ? " zero column scale" : "", p->nan_state ? " NaN in a pivot row" : "");
 }
 
 /* The CUDA call of a check, also what bench_new times. */
@@ -140,6 +146,36 @@ static int run(const struct params *p)
 
     CA_OK(fx_pools_open(&fx, &spec, p->batch + 2, rng));
     CA_OK(fx_pools_fill(&fx, p->huge ? HUGE_AMP : AMP, rng));
+    if (p->zero_col) {
+        /* head s % HV of page s: column (7 s + 3) % d_v's scale 0, in both pools */
+        for (int32_t s = 0; s <= fx.slots; s++) {
+            const int h = s % fx.HV;
+            const struct stepq__head_layout *hl = &fx.hpl.heads[h];
+            if (!hl->has_col)
+                continue;
+            uint8_t *c = fx.hpl.base + (size_t)s * fx.hpl.page_stride + fx.hpl.head_offset[h] +
+                         hl->col_scale_offset + 2 * (size_t)((7 * s + 3) % hl->d_v);
+            c[0] = c[1] = 0;
+        }
+        CA_OK(fx_pools_upload(&fx));
+    }
+    if (p->nan_state) {
+        /* head s % HV of page s: a NaN in its first pivot row, column (5 s + 1) % d_v */
+        for (int32_t s = 0; s <= fx.slots; s++) {
+            const int h = s % fx.HV;
+            const struct stepq__head_layout *hl = &fx.hpl.heads[h];
+            int i = 0;
+            while (i < hl->d_k && hl->row_bits[i] != STEPQ_BITS_PIVOT)
+                i++;
+            if (i == hl->d_k)
+                continue;
+            uint8_t *c = fx.hpl.base + (size_t)s * fx.hpl.page_stride + fx.hpl.head_offset[h] +
+                         hl->row_bitoff[i] / 8 + 2 * (size_t)((5 * s + 1) % hl->d_v);
+            c[0] = 0x00;
+            c[1] = 0x7e; /* fp16 NaN, little endian */
+        }
+        CA_OK(fx_pools_upload(&fx));
+    }
     CA_OK(fx_inputs_alloc(&in, p->arch, p->batch, p->H, p->HV));
     CA_OK(fx_inputs_gen(&in, fx.slots + 1, p->gate, rng));
     if (p->nonfinite)
@@ -843,6 +879,143 @@ void checkasm_check_decode(void)
                              .fit = NR });
         one((struct params){
             .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .via = VIA_COLUMN, .fit = NR });
+    }
+    /*
+     * The decode fit rows (decode_fit): the old column scales kept, the row scales refitted
+     * to them, against the reference's rows fit (kernels/quant.h), with the same tolerances.
+     * GDN stepq@6 and @4 (uniform widths), GDN stepq mixed with a pivot head, KDA stepq mixed
+     * rows (run-time widths), dsq GDN and KDA, spatial@3; the fallback to the exact fit: a
+     * zero column scale in the start pages, huge states (scales at the saturation limit:
+     * heads may serve or fall back); a NaN in q; a NaN in a pivot row of the start pages (the
+     * state's non-finite elements zeroed first, then the rows fit; the exact fit's case too);
+     * bf16 views; the two-stage variant (its stage 2 reads the old scales from the page) and
+     * the column kernel.
+     */
+    {
+        const stepq_decode_fit RW = STEPQ_DECODE_FIT_ROWS;
+        one((struct params){
+            .arch = G, .method = SQ, .bits = 6, .H = 2, .HV = 4, .batch = B, .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .gate = 1,
+                             .fit = RW });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .fit = RW });
+        one((struct params){ .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .gate = 1,
+                             .view = 1,
+                             .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 5,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 4,
+                             .H = 1,
+                             .HV = 2,
+                             .batch = B,
+                             .gate = 1,
+                             .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_SPATIAL,
+                             .bits = 3,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .zero_col = 1,
+                             .fit = RW });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .zero_col = 1, .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .huge = 1,
+                             .fit = RW });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .huge = 1, .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .nonfinite = 1,
+                             .fit = RW });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .nan_state = 1 });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .nan_state = 1, .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_TWO_STAGE,
+                             .nan_state = 1,
+                             .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_COLUMN,
+                             .nan_state = 1,
+                             .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .via = VIA_TWO_STAGE,
+                             .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_TWO_STAGE,
+                             .zero_col = 1,
+                             .fit = RW });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .via = VIA_COLUMN,
+                             .fit = RW });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .via = VIA_COLUMN,
+                             .zero_col = 1,
+                             .fit = RW });
     }
     /* bf16 pages step on the dense tile kernel (kernels/cuda/layer.cu): KDA, NaN, views */
     one((struct params){

@@ -799,9 +799,10 @@ static void row_split_round_trips_and_is_refused_where_it_means_nothing(void **s
 /*
  * The decode step's fit: exact by default and then neither written nor
  * fingerprinted (maps without the field keep their bytes and fingerprints);
- * norefit round-trips (after row_split), changes the fingerprint and the
- * equality; values outside the list and methods without column scales are
- * refused, changing nothing; the names parse both ways.
+ * norefit and rows round-trip (norefit after row_split too), change the
+ * fingerprint (each its own) and the equality; values outside the list and
+ * methods without column scales are refused, changing nothing; the names
+ * parse both ways.
  */
 static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **state)
 {
@@ -847,6 +848,19 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
     stepq_map_close(back);
     assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_OK);
 
+    /* rows: written, reloaded, a fingerprint other than exact's and norefit's. */
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_ROWS), STEPQ_OK);
+    assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_ROWS);
+    back = reload(m, &t1, &n1);
+    assert_non_null(
+        strstr(t1, "\"budget_bits\": 6,\n  \"decode_fit\": \"rows\",\n  \"provenance\""));
+    assert_true(stepq__map_equal(m, back));
+    assert_int_equal(stepq_map_decode_fit(back), STEPQ_DECODE_FIT_ROWS);
+    assert_int_equal(stepq_map_fingerprint(back, &fs), STEPQ_OK);
+    assert_true(fs != f0 && fs != f1);
+    stepq_free(t1);
+    stepq_map_close(back);
+
     /* Back to exact: the bytes and the fingerprint of a map that never had the field. */
     assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
     assert_true(stepq__map_equal(m, ref));
@@ -860,7 +874,7 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
 
     /* Not a decode fit: refused naming the value, the map as it was. */
     assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_COUNT), STEPQ_EINVAL);
-    assert_non_null(strstr(stepq_map_last_error(m), "2 is not a decode fit"));
+    assert_non_null(strstr(stepq_map_last_error(m), "3 is not a decode fit"));
     assert_int_equal(stepq_map_set_decode_fit(m, (stepq_decode_fit)-1), STEPQ_EINVAL);
     assert_true(stepq__map_equal(m, ref));
     stepq_map_close(ref);
@@ -876,6 +890,7 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
                       units ? 6 : stepq__method_fixed_bits((stepq_method)method));
         assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_EXACT);
         assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_NOREFIT), STEPQ_EINVAL);
+        assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_ROWS), STEPQ_EINVAL);
         assert_non_null(strstr(stepq_map_last_error(m), "has no column scales"));
         assert_non_null(strstr(stepq_map_last_error(m), stepq_method_name((stepq_method)method)));
         assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_EXACT);
@@ -888,14 +903,17 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
     /* The names. */
     assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_EXACT), "exact");
     assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_NOREFIT), "norefit");
+    assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_ROWS), "rows");
     assert_string_equal(stepq_decode_fit_name(STEPQ_DECODE_FIT_COUNT), "?");
+    assert_int_equal(stepq_decode_fit_from_name("rows", &fit), STEPQ_OK);
+    assert_int_equal(fit, STEPQ_DECODE_FIT_ROWS);
     assert_int_equal(stepq_decode_fit_from_name("norefit", &fit), STEPQ_OK);
     assert_int_equal(fit, STEPQ_DECODE_FIT_NOREFIT);
     assert_int_equal(stepq_decode_fit_from_name("exact", &fit), STEPQ_OK);
     assert_int_equal(fit, STEPQ_DECODE_FIT_EXACT);
     assert_int_equal(stepq_decode_fit_from_name("fast", &fit), STEPQ_EINVAL);
     assert_non_null(
-        strstr(stepq_last_error(), "unknown decode_fit \"fast\" (one of exact, norefit)"));
+        strstr(stepq_last_error(), "unknown decode_fit \"fast\" (one of exact, norefit, rows)"));
     assert_int_equal(stepq_decode_fit_from_name(NULL, &fit), STEPQ_EINVAL);
 }
 

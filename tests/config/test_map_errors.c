@@ -104,6 +104,7 @@ static const char *const good_docs[] = {
     KDA_DSQ_SPLIT,
     S6_SPLIT("0.5"), /* the default, written out: accepted (the writer leaves it out) */
     S6_FIT("\"norefit\""),
+    S6_FIT("\"rows\""),
     KDA_DSQ_FIT,
     S6_FIT("\"exact\""), /* the default, written out: accepted (the writer leaves it out) */
 };
@@ -519,11 +520,15 @@ static const struct bad_case cases[] = {
 
     /* --- decode fit --- */
     { "decode fit unknown", S6_FIT("\"fast\""), 0, STEPQ_ESCHEMA,
-      "decode_fit: \"fast\" is not one of exact, norefit" },
+      "decode_fit: \"fast\" is not one of exact, norefit, rows" },
+    { "decode fit rows upper case", S6_FIT("\"ROWS\""), 0, STEPQ_ESCHEMA,
+      "decode_fit: \"ROWS\" is not one of exact, norefit, rows" },
+    { "decode fit rows on uniform", DOC(GDN_MODEL U6 DF("\"rows\"") U6_LAYERS), 0, STEPQ_ESCHEMA,
+      "decode_fit: not allowed for method uniform" },
     { "decode fit upper case", S6_FIT("\"NOREFIT\""), 0, STEPQ_ESCHEMA,
-      "decode_fit: \"NOREFIT\" is not one of exact, norefit" },
+      "decode_fit: \"NOREFIT\" is not one of exact, norefit, rows" },
     { "decode fit empty", S6_FIT("\"\""), 0, STEPQ_ESCHEMA,
-      "decode_fit: \"\" is not one of exact, norefit" },
+      "decode_fit: \"\" is not one of exact, norefit, rows" },
     { "decode fit as a number", S6_FIT("1"), 0, STEPQ_ESCHEMA,
       "decode_fit: expected a string, got a number" },
     { "decode fit as a bool", S6_FIT("true"), 0, STEPQ_ESCHEMA,

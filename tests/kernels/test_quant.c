@@ -864,7 +864,7 @@ static void a_layouts_row_split_is_the_overrides(void **state)
 static void quantize_fit(struct head *h, const float *x, const float *w, stepq_decode_fit fit)
 {
     uint32_t flags = 0;
-    assert_int_equal(stepq__quantize_head_fit(&h->hl, x, w, h->blk, &flags, fit), STEPQ_OK);
+    assert_int_equal(stepq__quantize_head_fit(&h->hl, x, w, NULL, h->blk, &flags, fit), STEPQ_OK);
     assert_int_equal(flags, 0);
     assert_int_equal(stepq__dequantize_head(&h->hl, h->blk, h->xh), STEPQ_OK);
 }
@@ -941,7 +941,7 @@ static void norefit_is_the_exact_fit_without_step_4(void **state)
         assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
         /* refused: the block as it was */
         assert_int_equal(
-            stepq__quantize_head_fit(&a.hl, x, wk, a.blk, NULL, STEPQ_DECODE_FIT_COUNT),
+            stepq__quantize_head_fit(&a.hl, x, wk, NULL, a.blk, NULL, STEPQ_DECODE_FIT_COUNT),
             STEPQ_EINVAL);
         assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
         stepq__head_layout_free(&a.hl);
@@ -978,6 +978,230 @@ static void norefit_is_the_exact_fit_without_step_4(void **state)
     }
 }
 
+static void wr16(uint8_t *p, uint16_t v)
+{
+    memcpy(p, &v, 2);
+}
+
+/* The fit rows of x against the column scales of `old`; the flags it raised in *fl. */
+static void quantize_rows(struct head *h, const float *x, const float *w, const uint8_t *old,
+                          uint32_t *fl)
+{
+    *fl = 0;
+    assert_int_equal(stepq__quantize_head_fit(&h->hl, x, w, old, h->blk, fl, STEPQ_DECODE_FIT_ROWS),
+                     STEPQ_OK);
+    assert_int_equal(stepq__dequantize_head(&h->hl, h->blk, h->xh), STEPQ_OK);
+}
+
+/*
+ * The decode fit rows on a dsq GDN 2x2 head at 4 bits (qmax 7), the old block's column
+ * scales c = [2, 0.5] (0x4000, 0x3800), so rc = RN(1/c) = [0.5, 2], X = [[2, 0.25], [1, -1]]:
+ * 1. |X| rc = [[1, 0.5], [0.5, 2]]: m = [1, 2], r = [1, 2] (0x3C00, 0x4000).
+ * 2. s = 7 / r = [7, 3.5]; z = rint(X rc s) = [[7, rint(3.5) = 4], [rint(1.75) = 2, -7]];
+ *    u = z + 7 = 14, 11, 9, 0 -> bytes 0xBE, 0x09.
+ * 3. c as it was: 0x4000, 0x3800.
+ * x^ = r c z/7 = [[2, 2/7], [8/7, -1]]. The row impact does not enter: the same bytes with w.
+ */
+static void dsq_2x2_golden_rows(void **state)
+{
+    (void)state;
+    struct head h;
+    uint8_t old[MAXB];
+    uint32_t fl;
+    const uint8_t bits[2] = { 4, 4 };
+    const float x[4] = { 2.0f, 0.25f, 1.0f, -1.0f }, w[2] = { 4.0f, 0.25f };
+    head_init(&h, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, 2, 2, bits);
+    memset(old, 0, sizeof(old));
+    wr16(old + h.hl.col_scale_offset, 0x4000);
+    wr16(old + h.hl.col_scale_offset + 2, 0x3800);
+    quantize_rows(&h, x, NULL, old, &fl);
+    assert_int_equal(fl, 0);
+    assert_int_equal(h.blk[0], 0xBE);
+    assert_int_equal(h.blk[1], 0x09);
+    expect_row_codes(&h, 0, (const int8_t[]){ 7, 4 });
+    expect_row_codes(&h, 1, (const int8_t[]){ 2, -7 });
+    expect_row_scales(&h, (const uint16_t[]){ 0x3C00, 0x4000 });
+    expect_col_scales(&h, (const uint16_t[]){ 0x4000, 0x3800 });
+    expect_xhat(&h, (const double[]){ 2.0, 2.0 / 7, 8.0 / 7, -1.0 });
+    /* spatial with w: w is not used */
+    struct head g;
+    head_init(&g, STEPQ_METHOD_SPATIAL, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize_rows(&g, x, w, old, &fl);
+    assert_memory_equal(g.blk, h.blk, h.hl.block_bytes);
+    /* in place: old is the block itself */
+    memcpy(g.blk, old, g.hl.block_bytes);
+    assert_int_equal(
+        stepq__quantize_head_fit(&g.hl, x, w, g.blk, g.blk, &fl, STEPQ_DECODE_FIT_ROWS), STEPQ_OK);
+    assert_memory_equal(g.blk, h.blk, h.hl.block_bytes);
+    stepq__head_layout_free(&g.hl);
+    stepq__head_layout_free(&h.hl);
+}
+
+/*
+ * The fit rows for every dual-axis method with pivots, mixed widths and row impact, the old
+ * block the exact fit of another state: the column scales are the old block's, bit for bit;
+ * every integer row's scale is fp16(max_j |x_ij| RN(1/c_j)) (recomputed here), its codes
+ * within +-qmax_i, and every element reconstructed within half a step r_i c_j / qmax_i (an
+ * element at the clamp, within 2^-10 |x| of it); the pivot rows are the exact fit's; the
+ * block differs from both the exact and the norefit fit of the same state.
+ */
+static void rows_keeps_the_old_columns_and_refits_the_rows(void **state)
+{
+    (void)state;
+    enum { DK = 6, DV = 9 };
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ };
+    uint64_t rng = 41;
+    float x0[DK * DV], x[DK * DV];
+    const float w[DK] = { 2.0f, 0.5f, 1.25f, 0.8f, 1.0f, 1.0f };
+
+    random_head(&rng, x0, DK, DV);
+    for (int e = 0; e < DK * DV; e++) /* the next state: near the old one, columns drifted */
+        x[e] = x0[e] * (1.0f + 0.3f * rng_sym(&rng)) * ((e % DV) == 5 ? 1.7f : 1.0f);
+    for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+        const int stepq = methods[k] == STEPQ_METHOD_STEPQ;
+        const uint8_t bits[DK] = { 5, 5, 5, 5, 5, 5 };
+        const uint8_t mixed[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6, 4 };
+        const stepq_arch arch = stepq ? STEPQ_ARCH_KDA : STEPQ_ARCH_GDN;
+        const uint8_t *bk = stepq ? mixed : bits;
+        const float *wk = methods[k] == STEPQ_METHOD_DSQ ? NULL : w;
+        struct head o, a, b, n;
+        uint32_t fl;
+        head_init(&o, methods[k], arch, DK, DV, bk);
+        head_init(&a, methods[k], arch, DK, DV, bk);
+        head_init(&b, methods[k], arch, DK, DV, bk);
+        head_init(&n, methods[k], arch, DK, DV, bk);
+        quantize(&o, x0, wk);
+        quantize_rows(&a, x, wk, o.blk, &fl);
+        assert_int_equal(fl, 0);
+        quantize(&b, x, wk);
+        quantize_fit(&n, x, wk, STEPQ_DECODE_FIT_NOREFIT);
+        const size_t c0 = a.hl.col_scale_offset;
+        assert_memory_equal(a.blk + c0, o.blk + c0, 2 * (size_t)DV);
+        float c[DV], rc[DV];
+        for (int j = 0; j < DV; j++) {
+            c[j] = stepq__fp16_to_float(rd16(o.blk + c0 + 2 * j));
+            rc[j] = 1.0f / c[j];
+        }
+        for (int i = 0; i < DK; i++) {
+            const int bi = a.hl.row_bits[i];
+            if (bi == STEPQ_BITS_PIVOT) {
+                assert_memory_equal(a.blk + a.hl.row_bitoff[i] / 8, b.blk + b.hl.row_bitoff[i] / 8,
+                                    2 * (size_t)DV);
+                continue;
+            }
+            float m = 0.0f;
+            for (int j = 0; j < DV; j++)
+                m = fmaxf(m, fabsf(x[i * DV + j]) * rc[j]);
+            const uint16_t rh = rd16(a.blk + a.hl.row_scale_offset + 2 * i);
+            assert_int_equal(rh, stepq__scale_to_fp16(m));
+            const float r = stepq__fp16_to_float(rh);
+            const int qmax = stepq__qmax(bi);
+            int8_t z[DV];
+            stepq__unpack_codes(a.blk, a.hl.row_bitoff[i], z, DV, bi);
+            for (int j = 0; j < DV; j++) {
+                assert_true(z[j] >= -qmax && z[j] <= qmax);
+                const double step = (double)r * c[j] / qmax;
+                const double err = fabs((double)x[i * DV + j] - a.xh[i * DV + j]);
+                const double y = fabs((double)x[i * DV + j] * rc[j] * qmax / r);
+                if (y <= qmax)
+                    assert_true(err <= step * (0.5 + 1e-5));
+                else
+                    assert_true(err <= fabs((double)x[i * DV + j]) / 1024);
+            }
+        }
+        assert_true(memcmp(a.blk, b.blk, a.hl.block_bytes) != 0);
+        assert_true(memcmp(a.blk, n.blk, a.hl.block_bytes) != 0);
+        /* without the old block: refused, the block as it was */
+        memcpy(n.blk, a.blk, a.hl.block_bytes);
+        assert_int_equal(
+            stepq__quantize_head_fit(&n.hl, x, wk, NULL, n.blk, NULL, STEPQ_DECODE_FIT_ROWS),
+            STEPQ_EINVAL);
+        assert_memory_equal(n.blk, a.blk, a.hl.block_bytes);
+        stepq__head_layout_free(&o.hl);
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+        stepq__head_layout_free(&n.hl);
+    }
+}
+
+/*
+ * Where the old block cannot serve, the fit rows is the exact fit, bytes and flags: a zero
+ * page, one column scale 0, one Inf or negative, a row whose scale would saturate (m_i = 1e9
+ * rc_j; the exact fit's sqrt split does not saturate: no flag), a head of pivot rows only. A
+ * non-finite element does not decide it: it is zeroed (flag STATE) and the rows fit serves
+ * the sanitised state, the bytes of the rows fit of the state with a 0 there.
+ */
+static void rows_falls_back_to_the_exact_fit(void **state)
+{
+    (void)state;
+    enum { DK = 6, DV = 9 };
+    uint64_t rng = 43;
+    float x0[DK * DV], x[DK * DV];
+    const float w[DK] = { 2.0f, 0.5f, 1.25f, 0.8f, 1.0f, 1.0f };
+    const uint8_t mixed[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6, 4 };
+    const uint8_t piv[DK] = { STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT,
+                              STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT, STEPQ_BITS_PIVOT };
+    struct head o, a, b;
+    uint32_t fa, fb;
+
+    random_head(&rng, x0, DK, DV);
+    random_head(&rng, x, DK, DV);
+    for (int kase = 0; kase < 7; kase++) {
+        const uint8_t *bk = kase == 6 ? piv : mixed;
+        float xs[DK * DV];
+        memcpy(xs, x, sizeof(xs));
+        head_init(&o, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, bk);
+        head_init(&a, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, bk);
+        head_init(&b, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, bk);
+        quantize(&o, x0, w);
+        const size_t c0 = o.hl.col_scale_offset;
+        switch (kase) {
+        case 0:
+            memset(o.blk, 0, o.hl.block_bytes);
+            break;
+        case 1:
+            wr16(o.blk + c0 + 2 * 4, 0x0000);
+            break;
+        case 2:
+            wr16(o.blk + c0 + 2 * 8, 0x7C00);
+            break;
+        case 3:
+            wr16(o.blk + c0 + 2 * 2, 0xBC00);
+            break;
+        case 4:
+            xs[3 * DV + 1] = NAN;
+            break;
+        case 5:
+            xs[2 * DV + 7] = 1e9f;
+            break;
+        default:
+            break;
+        }
+        quantize_rows(&a, xs, w, o.blk, &fa);
+        fb = 0;
+        if (kase == 4) { /* the rows fit of the sanitised state, flagged */
+            xs[3 * DV + 1] = 0.0f;
+            quantize_rows(&b, xs, w, o.blk, &fb);
+            assert_int_equal(fb, 0);
+            fb = STEPQ_HEALTH_STATE;
+            struct head e;
+            head_init(&e, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, bk);
+            quantize(&e, xs, w);
+            assert_true(memcmp(e.blk, b.blk, e.hl.block_bytes) != 0); /* not the exact fit */
+            stepq__head_layout_free(&e.hl);
+        } else {
+            assert_int_equal(stepq__quantize_head(&b.hl, xs, w, b.blk, &fb), STEPQ_OK);
+        }
+        assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        assert_int_equal(fa, fb);
+        assert_int_equal(fa, kase == 4 ? STEPQ_HEALTH_STATE : 0);
+        stepq__head_layout_free(&o.hl);
+        stepq__head_layout_free(&a.hl);
+        stepq__head_layout_free(&b.hl);
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1007,6 +1231,9 @@ int main(void)
         cmocka_unit_test(a_layouts_row_split_is_the_overrides),
         cmocka_unit_test(dsq_2x2_golden_norefit),
         cmocka_unit_test(norefit_is_the_exact_fit_without_step_4),
+        cmocka_unit_test(dsq_2x2_golden_rows),
+        cmocka_unit_test(rows_keeps_the_old_columns_and_refits_the_rows),
+        cmocka_unit_test(rows_falls_back_to_the_exact_fit),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }

@@ -807,7 +807,7 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
                         assert_int_equal(stepq__dequantize_head(hl, start + off, tile), STEPQ_OK);
                         stepq__head_update(tile, (size_t)a.V, 1, arch == STEPQ_ARCH_KDA, a.K, a.V,
                                            q, kk, v, g, beta, o);
-                        assert_int_equal(stepq__quantize_head_fit(hl, tile, w, blk, &fl,
+                        assert_int_equal(stepq__quantize_head_fit(hl, tile, w, NULL, blk, &fl,
                                                                   STEPQ_DECODE_FIT_NOREFIT),
                                          STEPQ_OK);
                         assert_memory_equal(blk, pg_a + off, hl->block_bytes);
@@ -825,6 +825,115 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
             free(blk);
             free(tile);
             free(start);
+            fixture_close(&a);
+            fixture_close(&b);
+        }
+    }
+}
+
+/*
+ * The decode fit rows on the host pool (dsq, spatial, stepq; GDN and KDA): pools on a rows,
+ * an exact and a norefit map pack the same pages and read out the same o, but the rows
+ * pool steps to pages of its own (other than both); every stepped block is the C
+ * reference's rows fit of the updated state against the start block (dequantize, the
+ * update, stepq__quantize_head_fit with the start block as the old one), and keeps the
+ * start block's column scales. On fresh slots (zero pages) the rows pool steps to the exact
+ * pool's pages.
+ */
+static void test_map_decode_fit_rows_is_the_host_pools_step(void **state)
+{
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ };
+
+    (void)state;
+    for (int arch = 0; arch < 2; arch++) {
+        for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+            struct fixture a, b, c;
+            size_t n;
+            fixture_open_fit(&a, (stepq_arch)arch, methods[k], 0.5, STEPQ_DECODE_FIT_ROWS);
+            fixture_open(&b, (stepq_arch)arch, methods[k]);
+            fixture_open_fit(&c, (stepq_arch)arch, methods[k], 0.5, STEPQ_DECODE_FIT_NOREFIT);
+            stepq_pool_t *pa_ = stepq__pool_resolve(a.pool);
+            assert_int_equal(pa_->layout.heads[0].decode_fit, STEPQ_DECODE_FIT_ROWS);
+            stepq_prefill_args pa = prefill_args(&a, a.ids, BATCH, a.dense);
+            stepq_prefill_args pb = prefill_args(&b, b.ids, BATCH, b.dense);
+            stepq_prefill_args pc = prefill_args(&c, c.ids, BATCH, c.dense);
+            for (int layer = 0; layer < a.L; layer++) {
+                assert_int_equal(stepq_pool_prefill_pack(a.pool, layer, &pa, NULL), STEPQ_OK);
+                assert_int_equal(stepq_pool_prefill_pack(b.pool, layer, &pb, NULL), STEPQ_OK);
+                assert_int_equal(stepq_pool_prefill_pack(c.pool, layer, &pc, NULL), STEPQ_OK);
+            }
+            const uint8_t *pg_a = pages_of(&a, &n), *pg_b = pages_of(&b, &n),
+                          *pg_c = pages_of(&c, &n);
+            assert_memory_equal(pg_a, pg_b, n); /* the pack is exact */
+            assert_memory_equal(pg_a, pg_c, n);
+            uint8_t *start = snapshot(&a);
+            const size_t head = (size_t)a.K * a.V;
+            float *tile = falloc(head);
+            uint8_t *blk = malloc(n);
+            assert_non_null(blk);
+            for (int layer = 0; layer < a.L; layer++) {
+                stepq_step_args sa = step_args(&a, a.ids, BATCH), sb = step_args(&b, b.ids, BATCH);
+                stepq_step_args sc = step_args(&c, c.ids, BATCH);
+                fill_inputs(&a, 300 + layer);
+                fill_inputs(&b, 300 + layer);
+                fill_inputs(&c, 300 + layer);
+                assert_int_equal(stepq_pool_decode_step(a.pool, layer, &sa, NULL), STEPQ_OK);
+                assert_int_equal(stepq_pool_decode_step(b.pool, layer, &sb, NULL), STEPQ_OK);
+                assert_int_equal(stepq_pool_decode_step(c.pool, layer, &sc, NULL), STEPQ_OK);
+                assert_memory_equal(a.o, b.o, sizeof(float) * BATCH * a.HV * a.V);
+                assert_memory_equal(a.o, c.o, sizeof(float) * BATCH * a.HV * a.V);
+
+                struct stepq__packed_layer pl;
+                struct stepq__step_args ka;
+                float q[8], kk[8], v[8], g[8], beta, o[8];
+                stepq__pool_packed_layer(pa_, layer, &pl);
+                kernel_args(&a, &sa, &ka);
+                assert_true(a.K <= 8 && a.V <= 8);
+                for (int e = 0; e < BATCH; e++)
+                    for (int h = 0; h < a.HV; h++) {
+                        const struct stepq__head_layout *hl = &pl.heads[h];
+                        const size_t off = (size_t)a.ids[e] * pl.page_stride + pl.head_offset[h];
+                        const float *w = pl.row_impact ? pl.row_impact + (size_t)h * a.K : NULL;
+                        uint32_t fl = 0;
+                        assert_int_equal(
+                            stepq__prep_step_head(&ka, e, h, a.ids[e], q, kk, v, g, &beta), 0);
+                        assert_int_equal(stepq__dequantize_head(hl, start + off, tile), STEPQ_OK);
+                        stepq__head_update(tile, (size_t)a.V, 1, arch == STEPQ_ARCH_KDA, a.K, a.V,
+                                           q, kk, v, g, beta, o);
+                        assert_int_equal(stepq__quantize_head_fit(hl, tile, w, start + off, blk,
+                                                                  &fl, STEPQ_DECODE_FIT_ROWS),
+                                         STEPQ_OK);
+                        assert_memory_equal(blk, pg_a + off, hl->block_bytes);
+                        const size_t c0 = hl->col_scale_offset;
+                        assert_memory_equal(pg_a + off + c0, start + off + c0, 2 * (size_t)a.V);
+                    }
+            }
+            assert_true(memcmp(pg_a, pg_b, n) != 0);
+            assert_true(memcmp(pg_a, pg_c, n) != 0);
+            free(blk);
+            free(tile);
+            free(start);
+            fixture_close(&a);
+            fixture_close(&b);
+            fixture_close(&c);
+
+            /* Fresh slots (zero pages: column scales 0) cannot serve: the exact fit's pages. */
+            fixture_open_fit(&a, (stepq_arch)arch, methods[k], 0.5, STEPQ_DECODE_FIT_ROWS);
+            fixture_open(&b, (stepq_arch)arch, methods[k]);
+            const uint8_t *z_a = pages_of(&a, &n), *z_b = pages_of(&b, &n);
+            for (size_t q = 0; q < n; q++)
+                assert_int_equal(z_a[q], 0);
+            stepq_step_args za = step_args(&a, a.ids, BATCH), zb = step_args(&b, b.ids, BATCH);
+            fill_inputs(&a, 400);
+            fill_inputs(&b, 400);
+            assert_int_equal(stepq_pool_decode_step(a.pool, 0, &za, NULL), STEPQ_OK);
+            assert_int_equal(stepq_pool_decode_step(b.pool, 0, &zb, NULL), STEPQ_OK);
+            assert_memory_equal(z_a, z_b, n);
+            int nonzero = 0;
+            for (size_t q = 0; q < n; q++)
+                nonzero |= z_a[q] != 0;
+            assert_true(nonzero);
             fixture_close(&a);
             fixture_close(&b);
         }
@@ -1013,6 +1122,7 @@ int main(void)
         cmocka_unit_test(test_supports_host_and_conv_view),
         cmocka_unit_test(test_map_row_split_is_the_host_pools_fit),
         cmocka_unit_test(test_map_decode_fit_is_the_host_pools_step),
+        cmocka_unit_test(test_map_decode_fit_rows_is_the_host_pools_step),
         cmocka_unit_test(test_step_bad_arguments_change_nothing),
         cmocka_unit_test(test_step_gdn_fp8),
         cmocka_unit_test(test_step_kda_fp8_in_kernel_gate),

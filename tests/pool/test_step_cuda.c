@@ -354,6 +354,23 @@ static void test_cuda_matches_host_kda(void **state)
 }
 
 /*
+ * The decode fit rows (map field decode_fit): the same comparison on the same maps, the
+ * pages synced before every token, so that both backends keep the same old column scales
+ * (checkasm's decode cases compare them code by code).
+ */
+static void test_cuda_matches_host_rows(void **state)
+{
+    stepq_map_t *map = gdn_map();
+    assert_int_equal(stepq_map_set_decode_fit(map, STEPQ_DECODE_FIT_ROWS), STEPQ_OK);
+    cuda_matches_host(map, "gdn stepq@6 rows");
+    stepq_map_close(map);
+    map = kda_map();
+    assert_int_equal(stepq_map_set_decode_fit(map, STEPQ_DECODE_FIT_ROWS), STEPQ_OK);
+    cuda_matches_host(map, "kda stepq@6 mixed+pivot rows");
+    stepq_map_close(map);
+}
+
+/*
  * Every page byte and health word of a CUDA pool but the sentinel's, on the
  * host. The sentinel is excluded: two sentinel entries of one batch are two
  * kernels' blocks updating one page at once, so what it holds is undefined.
@@ -528,6 +545,7 @@ int main(void)
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cuda_matches_host_gdn),
         cmocka_unit_test(test_cuda_matches_host_kda),
+        cmocka_unit_test(test_cuda_matches_host_rows),
         cmocka_unit_test(test_graph_replay_equals_eager_gdn),
         cmocka_unit_test(test_graph_replay_equals_eager_kda),
         cmocka_unit_test(test_cuda_supports),

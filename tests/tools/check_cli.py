@@ -65,19 +65,28 @@ def main():
     p = subprocess.run(base + ["--method", "dsq", "--decode-fit", "norefit"], capture_output=True,
                        text=True)
     ok = ok and p.returncode == 0 and json.loads(p.stdout).get("decode_fit") == "norefit"
+    p = subprocess.run(base + ["--method", "stepq", "--decode-fit", "rows"], capture_output=True,
+                       text=True)
+    ok = ok and p.returncode == 0 and json.loads(p.stdout).get("decode_fit") == "rows"
+    p = subprocess.run(base + ["--method", "spatial", "--decode-fit", "rows"], capture_output=True,
+                       text=True)
+    ok = ok and p.returncode == 0 and json.loads(p.stdout).get("decode_fit") == "rows"
     p = subprocess.run(base + ["--method", "stepq", "--decode-fit", "exact"], capture_output=True,
                        text=True)
     ok = ok and p.returncode == 0 and p.stdout == p0.stdout
     ok = ok and "decode_fit" not in json.loads(p0.stdout)
     for bad_args in (["--method", "temporal", "--decode-fit", "norefit"],
+                     ["--method", "temporal", "--decode-fit", "rows"],
+                     ["--method", "stepq", "--decode-fit", "Rows"],
                      ["--method", "uniform", "--decode-fit", "exact"],
                      ["--method", "stepq", "--decode-fit", "fast"],
                      ["--method", "stepq", "--decode-fit"]):
         q = subprocess.run(base + bad_args, capture_output=True, text=True)
         ok = ok and q.returncode == 2 and "--decode-fit" in q.stderr and not q.stdout
         ok = ok and len(q.stderr.strip().splitlines()) == 1
-    print("%s mkmap --decode-fit: written for stepq and dsq, exact = no option, refused for "
-          "temporal, uniform, an unknown name, no value" % ("ok  " if ok else "FAIL"))
+    print("%s mkmap --decode-fit: norefit written for stepq and dsq, rows for stepq and spatial, "
+          "exact = no option, refused for temporal, uniform, an unknown name, no value"
+          % ("ok  " if ok else "FAIL"))
     bad += not ok
     # bench pool --json: one JSON document on stdout, tables and messages elsewhere.
     p = subprocess.run([exe, "bench", "pool", "--backend", "host", "--page-bytes", "4096", "--slots",

@@ -522,13 +522,15 @@ static void every_slice_keeps_the_decode_fit(void **state)
     stepq_map_t *map = NULL, *shard = NULL;
 
     assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_STEPQ, 6, &map), STEPQ_OK);
-    assert_int_equal(stepq_map_set_decode_fit(map, STEPQ_DECODE_FIT_NOREFIT), STEPQ_OK);
-    for (int tp = 1; tp <= 4; tp *= 2)
-        for (int r = 0; r < tp; r++) {
-            assert_int_equal(stepq_map_shard(map, tp, r, &shard), STEPQ_OK);
-            assert_int_equal(stepq_map_decode_fit(shard), STEPQ_DECODE_FIT_NOREFIT);
-            stepq_map_close(shard);
-        }
+    for (int fit = STEPQ_DECODE_FIT_NOREFIT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+        assert_int_equal(stepq_map_set_decode_fit(map, (stepq_decode_fit)fit), STEPQ_OK);
+        for (int tp = 1; tp <= 4; tp *= 2)
+            for (int r = 0; r < tp; r++) {
+                assert_int_equal(stepq_map_shard(map, tp, r, &shard), STEPQ_OK);
+                assert_int_equal(stepq_map_decode_fit(shard), fit);
+                stepq_map_close(shard);
+            }
+    }
     stepq_map_close(map);
 }
 

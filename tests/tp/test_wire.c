@@ -195,12 +195,14 @@ static void a_decode_fit_changes_every_fingerprint_unless_it_is_exact(void **sta
     for (size_t i = 0; i < 2; i++) {
         stepq_map_t *a = load(maps[i]), *b = load(maps[i]);
 
-        assert_int_equal(stepq_map_set_decode_fit(b, STEPQ_DECODE_FIT_NOREFIT), STEPQ_OK);
-        for (int r = 0; r < 2; r++) {
-            stepq_tp_fingerprint_info fa = fp_of(a, 2, r), fb = fp_of(b, 2, r);
-            assert_true(fa.map != fb.map);
-            assert_true(fa.group != fb.group);
-            assert_true(fa.page != fb.page);
+        for (int fit = STEPQ_DECODE_FIT_NOREFIT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+            assert_int_equal(stepq_map_set_decode_fit(b, (stepq_decode_fit)fit), STEPQ_OK);
+            for (int r = 0; r < 2; r++) {
+                stepq_tp_fingerprint_info fa = fp_of(a, 2, r), fb = fp_of(b, 2, r);
+                assert_true(fa.map != fb.map);
+                assert_true(fa.group != fb.group);
+                assert_true(fa.page != fb.page);
+            }
         }
         assert_int_equal(stepq_map_set_decode_fit(b, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
         for (int r = 0; r < 2; r++) {

@@ -74,7 +74,10 @@ typedef struct stepq_map stepq_map_t;
     XX(EXACT, 0, "exact", "the full dual-axis fit with the fixed-code column refit")      \
     XX(NOREFIT, 1, "norefit",                                                             \
        "the dual-axis fit without the column refit: column scales fp16(max |y|) (decode " \
-       "steps only; packs stay exact)")
+       "steps only; packs stay exact)")                                                   \
+    XX(ROWS, 2, "rows",                                                                   \
+       "row scales only: the column scales of the page read are kept, the row scales "    \
+       "refitted to them (decode steps only; packs stay exact)")
 
 /* Element types of dense tensors: XX(NAME, value, "name", bytes) */
 #define STEPQ_DTYPE_MAP(XX) \
@@ -259,14 +262,17 @@ STEPQ_API int stepq_map_set_row_split(stepq_map_t *map, double alpha);
  * kernels/quant.h; STEPQ_DECODE_FIT_NOREFIT skips its step 4 (the
  * fixed-code column refit) and stores the column scales it quantized with,
  * c_j = fp16(max_i |x_ij / r_i|), which saves the decode step's refit sums
- * and their reduction. Prefill packs and calibration keep the exact fit;
+ * and their reduction; STEPQ_DECODE_FIT_ROWS keeps the column scales of
+ * the page the step read and refits only the row scales to them (no column
+ * reduction at all; the exact fit for the whole head where the page cannot
+ * serve: kernels/quant.h). Prefill packs and calibration keep the exact fit;
  * the blocks decode the same way either way. It
  * changes what a decode step writes, so it is part of the map's
  * fingerprint (when not exact) but not of the page layout. Both backends
- * serve both fits.
+ * serve every fit.
  *
  * @return STEPQ_OK; STEPQ_EINVAL for a value outside the list, or for
- *         NOREFIT on a map whose method has no column scales. The map is
+ *         a fit other than EXACT on a map whose method has no column scales. The map is
  *         unchanged on failure.
  */
 STEPQ_API int stepq_map_set_decode_fit(stepq_map_t *map, stepq_decode_fit fit);
@@ -410,7 +416,7 @@ STEPQ_API int stepq_map_fingerprint(const stepq_map_t *map, uint64_t *out);
 STEPQ_API const char *stepq_method_name(stepq_method method);
 STEPQ_API const char *stepq_arch_name(stepq_arch arch);
 STEPQ_API const char *stepq_dtype_name(stepq_dtype dtype);
-/** Name of a decode fit ("exact", "norefit"); "?" for unknown values. */
+/** Name of a decode fit ("exact", "norefit", "rows"); "?" for unknown values. */
 STEPQ_API const char *stepq_decode_fit_name(stepq_decode_fit fit);
 /** Parses a decode fit name; STEPQ_EINVAL for unknown names. */
 STEPQ_API int stepq_decode_fit_from_name(const char *name, stepq_decode_fit *out);

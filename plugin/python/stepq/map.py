@@ -22,7 +22,7 @@ class Map:
     ``conv_shape`` (tuple), ``conv_dtype`` ("bf16", ...); and ``method``,
     ``budget_bits``, ``row_split`` (the dual-axis fit's row split: 0.5 unless
     the map's ``row_split`` field says otherwise), ``decode_fit`` (the decode
-    step's fit, "exact" or "norefit": "exact" unless the map's ``decode_fit``
+    step's fit, "exact", "norefit" or "rows": "exact" unless the map's ``decode_fit``
     field says otherwise), ``model_name``.
     """
 

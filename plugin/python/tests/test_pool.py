@@ -359,6 +359,12 @@ def test_decode_fit_is_read_from_the_map_and_served_on_the_host():
         pool.close()
     with raises(stepq.StepqError, name="STEPQ_ESCHEMA", match="decode_fit"):
         stepq.load_map_buffer(text.replace('"decode_fit": "norefit"', '"decode_fit": "fast"'))
+    rows = text.replace('"decode_fit": "norefit"', '"decode_fit": "rows"')
+    with stepq.load_map_buffer(rows) as m:
+        assert m.decode_fit == "rows" and m.fingerprint() != f
+        pool = stepq.StatePool(m, size=2)
+        assert pool.supports("decode") == (True, "")
+        pool.close()
 
 
 def test_concurrent_alloc_and_free_never_share_a_slot():
