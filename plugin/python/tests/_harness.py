@@ -57,6 +57,17 @@ def data(*parts):
     return os.path.join(SOURCE_ROOT, *parts)
 
 
+def script(name):
+    """The module tools/scripts/NAME.py of the source tree (the GPU host's scripts, whose pure
+    parts these tests exercise without torch)."""
+    d = data("tools", "scripts")
+    sys.path.insert(0, d)
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(d)
+
+
 @contextlib.contextmanager
 def raises(exc, name=None, match=None):
     """Like pytest.raises: the block must raise `exc`; `name` checks a

@@ -9,16 +9,8 @@ import tempfile
 
 import _harness
 
-SCRIPTS = _harness.data("tools", "scripts")
-
-
 def _served_path():
-    sys.path.insert(0, SCRIPTS)
-    try:
-        import served_path
-    finally:
-        sys.path.remove(SCRIPTS)
-    return served_path
+    return _harness.script("served_path")
 
 
 def test_reader_json_and_markdown_agree():

@@ -12,16 +12,8 @@ import _harness
 
 import stepq
 
-SCRIPTS = _harness.data("tools", "scripts")
-
-
 def _served_path():
-    sys.path.insert(0, SCRIPTS)
-    try:
-        import served_path
-    finally:
-        sys.path.remove(SCRIPTS)
-    return served_path
+    return _harness.script("served_path")
 
 
 def _map(arch, name="stepq@4.json"):
