@@ -1,7 +1,9 @@
 /*
  * stepq eval: replays traces with each map's storage method in the loop
  * (paper Eq. 4: the state is quantized after every update and the output is
- * read before quantization) against the fp32 reference, and reports per map
+ * read before quantization; each store fits as the pool's decode step does,
+ * with the map's decode_fit, from a fresh zero page per stream) against the
+ * fp32 reference, and reports per map
  * (means with standard errors over streams):
  *   - relative readout error sum ||o^ - o||^2 / sum ||o||^2 over all heads
  *     ("global") and the mean over heads of the same ratio per head ("head":
@@ -116,6 +118,8 @@ static void usage(FILE *f)
                "                  [--row-split A]\n"
                "Replays the traces with every map's method in the loop against the fp32\n"
                "reference and prints a table of readout errors (a legend follows it).\n"
+               "Each store fits as the pool's decode step does: the map's decode_fit\n"
+               "(exact unless it says norefit or rows), from a fresh page per stream.\n"
                "  --json         every detail (curves, per-head and per-class errors) as JSON\n"
                "                 on stdout instead of the table\n"
                "  --json FILE    the JSON into FILE and the table on stdout as well\n"

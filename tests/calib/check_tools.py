@@ -91,6 +91,29 @@ def main():
     assert g["fp32@4"] == (1.0, 1.0), g
     assert abs(g["uniform@4"][1] - 1.0) < 1e-3 and abs(g["temporal@4"][1] - 1.0) < 1e-3, g
     assert all(g[k][1] < g["uniform@4"][1] - 2e-3 for k in ("dsq@4", "spatial@4", "stepq@4")), g
+    # The decode fits: eval stores as the pool's decode step does, so a map with decode_fit norefit
+    # or rows is evaluated with that fit. Without the least-squares refit (norefit) rint on the
+    # small codes of the dual-axis split amplifies what it stores (store gain > 1: a value in
+    # (0.5, 1) steps rounds up to 1, one in (0, 0.5) down to 0, and the energy-weighted mean is
+    # above 1), which the recurrence compounds; the exact fit's refit shrinks instead (< 1).
+    fits = {}
+    for f in ("norefit", "rows"):
+        m = json.load(open(maps["stepq@4"]))
+        m["decode_fit"] = f
+        fits[f] = os.path.join(d, "stepq-%s@4.json" % f)
+        json.dump(m, open(fits[f], "w"))
+    ejf = os.path.join(d, "eval-fits.json")
+    run([exe, "eval", "--map", maps["stepq@4"], fits["norefit"], fits["rows"], "--trace"] + traces +
+        ["--json", ejf, "--threads", "2"])
+    rf = {x["name"]: x for x in json.load(open(ejf))["methods"]}
+    ex, nr, ro = rf["stepq@4"], rf["stepq-norefit@4"], rf["stepq-rows@4"]
+    assert ex["readout_rel"] == r["stepq@4"]["readout_rel"], (ex["readout_rel"], r["stepq@4"]["readout_rel"])
+    assert nr["store_gain"]["mean"] > 1.0 > ex["store_gain"]["mean"], (nr["store_gain"], ex["store_gain"])
+    assert len({ex["readout_rel"]["mean"], nr["readout_rel"]["mean"], ro["readout_rel"]["mean"]}) == 3
+    print("decode fits, stepq@4 on the synthetic traces: readout error exact %.4g, norefit %.4g, rows %.4g; "
+          "store gain %.5f, %.5f, %.5f" % (ex["readout_rel"]["mean"], nr["readout_rel"]["mean"],
+                                            ro["readout_rel"]["mean"], ex["store_gain"]["mean"],
+                                            nr["store_gain"]["mean"], ro["store_gain"]["mean"]))
     assert r["stepq@4"]["readout_rel_head"]["mean"] < r["uniform@4"]["readout_rel_head"]["mean"], p.stdout
     assert r["stepq@6"]["readout_rel_head"]["mean"] < r["stepq@4"]["readout_rel_head"]["mean"], p.stdout
     # fp8 (e4m3: 3 mantissa bits, ~2^-5 relative per value) sits between the 4-bit maps and exact.

@@ -218,9 +218,24 @@ void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x)
 {
     if (qz->dense_fp32)
         return;
-    /* Both calls only fail on a bad layout, which init already rejected. */
-    stepq__quantize_head(&qz->hl, x, qz->w, qz->block, NULL);
+    /* The calls only fail on a bad layout or fit, which init already rejected. */
+    if (qz->decode_fit)
+        stepq__quantize_head_fit(&qz->hl, x, qz->w, qz->block, qz->block, NULL, qz->hl.decode_fit);
+    else
+        stepq__quantize_head(&qz->hl, x, qz->w, qz->block, NULL);
     stepq__dequantize_head(&qz->hl, qz->block, x);
+}
+
+void stepq__calib_quant_use_decode_fit(struct stepq__calib_quant *qz)
+{
+    qz->decode_fit = !qz->dense_fp32;
+    stepq__calib_quant_reset(qz);
+}
+
+void stepq__calib_quant_reset(struct stepq__calib_quant *qz)
+{
+    if (!qz->dense_fp32 && qz->block)
+        memset(qz->block, 0, qz->hl.block_bytes);
 }
 
 int stepq__calib_quant_init_layout(struct stepq__calib_quant *qz,

@@ -41,6 +41,7 @@ struct stepq__calib_quant {
     uint8_t *block;
     const float *w; /* row impact (spatial, stepq) or NULL */
     int dense_fp32; /* nothing to do */
+    int decode_fit; /* stepq__calib_quant_use_decode_fit: stores fit as a decode step does */
 };
 
 /** row_bits: K widths (NULL for dense methods). */
@@ -53,6 +54,17 @@ int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, 
 int stepq__calib_quant_init_layout(struct stepq__calib_quant *qz,
                                    const struct stepq__head_layout *hl, const float *w);
 void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x);
+/**
+ * From now on each store fits as the pool's decode step does (the layout's
+ * decode_fit, kernels/quant.h: exact, norefit, or rows against the previous
+ * store's block), not as a prefill pack (always exact). Starts a stream.
+ */
+void stepq__calib_quant_use_decode_fit(struct stepq__calib_quant *qz);
+/**
+ * A new stream: the previous store is forgotten, as a fresh zero page (the
+ * rows fit's first store then falls back to the exact fit).
+ */
+void stepq__calib_quant_reset(struct stepq__calib_quant *qz);
 void stepq__calib_quant_free(struct stepq__calib_quant *qz);
 
 /* ---------------------------------------------------------------- threads */

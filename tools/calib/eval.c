@@ -90,6 +90,10 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
             stepq__pool_packed_layer(stepq__pool_resolve(c->pools[m]), li, &pl);
             c->rc[job] = stepq__calib_quant_init_layout(
                 &qz[m], &pl.heads[hv], pl.row_impact ? pl.row_impact + (size_t)hv * K : NULL);
+            /* Every store here follows a recurrent update: the map's decode fit, as the pool's
+             * decode step (exact unless the map says decode_fit norefit or rows). */
+            if (c->rc[job] == STEPQ_OK)
+                stepq__calib_quant_use_decode_fit(&qz[m]);
         } else {
             uint8_t rb[STEPQ__MAX_HEAD_DIM];
             memset(rb, 6, sizeof(rb)); /* the internal uniform@6 of the lifetime statistics */
@@ -114,6 +118,8 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
             goto out;
         memset(Sr, 0, sizeof(float) * KV);
         memset(Sq, 0, sizeof(float) * KV * (size_t)M);
+        for (int m = 0; m < M; m++)
+            stepq__calib_quant_reset(&qz[m]); /* a fresh page per stream */
         double *inj = c->inj + ((size_t)job * S + s) * 4;
         for (int t = 0; t < T; t++) {
             const float *g = h.g + (size_t)t * (kda ? K : 1);
