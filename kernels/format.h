@@ -102,6 +102,15 @@
 #define STEPQ__SCALE_MAX 65504.0f
 
 /*
+ * The decode fit rows' growth trigger (kernels/quant.h): the head falls back to the exact fit
+ * where a non-pivot row's new maximum m_i = max_j |x_ij| RN(1/c_j) exceeds ROWS_GROW times the
+ * float of the old block's fp16 row scale (compared in float, m_i > 1.5f * r_i, so that every
+ * backend takes the same decision). A column that outgrew its stale scale shows up as a jump of
+ * the rows it dominates. Chosen on synthetic traces (tools/results/decode-fit-synthetic.md).
+ */
+#define STEPQ__ROWS_GROW 1.5f
+
+/*
  * Health flags: the public STEPQ_HEALTH_* bits of stepq/pool.h, OR-ed per
  * slot into a uint32_t word the pool exposes to the server. A flag never
  * clears itself; the owner of the word resets it.

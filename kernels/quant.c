@@ -326,10 +326,11 @@ static int rows_col_ok(uint16_t h)
  * The decode fit rows (kernels/quant.h): the column scales ch (fp16, the old block's) are
  * kept, the row scales refitted to them. x is finite (sanitised). Returns 0, having written
  * nothing, where the old block cannot serve (a column scale not positive finite, no integer row, a
- * row scale that would saturate): the caller then fits exactly.
+ * row scale that would saturate, a row maximum above STEPQ__ROWS_GROW times the old row scale
+ * rh of that row): the caller then fits exactly.
  */
 static int fit_rows(const struct stepq__head_layout *hl, const float *x, const uint16_t *ch,
-                    uint8_t *blk, uint32_t *flags)
+                    const uint16_t *rh, uint8_t *blk, uint32_t *flags)
 {
     int d_k = hl->d_k, d_v = hl->d_v, any_int = 0;
     float rc[STEPQ__MAX_HEAD_DIM], m[STEPQ__MAX_HEAD_DIM];
@@ -349,6 +350,8 @@ static int fit_rows(const struct stepq__head_layout *hl, const float *x, const u
         for (int j = 0; j < d_v; j++)
             mi = max_keep(mi, fabsf(xr[j]) * rc[j]);
         if (!(mi <= STEPQ__SCALE_MAX))
+            return 0;
+        if (mi > STEPQ__ROWS_GROW * stepq__fp16_to_float(rh[i])) /* the growth trigger */
             return 0;
         m[i] = mi;
         any_int = 1;
@@ -486,11 +489,14 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
         x = clean;
     }
 
-    /* rows: the old column scales, read before the block is cleared (old may be block) */
-    uint16_t ch[STEPQ__MAX_HEAD_DIM];
-    if (rows)
+    /* rows: the old column and row scales, read before the block is cleared (old may be block) */
+    uint16_t ch[STEPQ__MAX_HEAD_DIM], rh[STEPQ__MAX_HEAD_DIM];
+    if (rows) {
         for (int j = 0; j < hl->d_v; j++)
             ch[j] = rd16((const uint8_t *)old + hl->col_scale_offset + 2 * (size_t)j);
+        for (int i = 0; i < hl->d_k; i++)
+            rh[i] = rd16((const uint8_t *)old + hl->row_scale_offset + 2 * (size_t)i);
+    }
 
     uint8_t *blk = block;
     memset(blk, 0, hl->block_bytes);
@@ -498,7 +504,7 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
         store_dense(hl, x, blk, flags);
     else if (hl->method == STEPQ_METHOD_FP8)
         fit_fp8(hl, x, blk);
-    else if (rows && fit_rows(hl, x, ch, blk, flags))
+    else if (rows && fit_rows(hl, x, ch, rh, blk, flags))
         ; /* served by the old column scales (x sanitised above); else the exact fit below */
     else if (stepq_method_has_col_scales(hl->method))
         fit_dual(hl, x, use_w ? w : NULL, fit != STEPQ_DECODE_FIT_NOREFIT, blk, flags);

@@ -494,8 +494,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
          * staged in buf may be overwritten below), rc_j = RN(1/c_j), the row
          * maxima of |x| rc_j and two votes: the head takes the exact fit where
          * a column scale is not positive finite or the head has no integer
-         * row, then where a row scale would saturate. Otherwise the row
-         * maxima stay in sm.rowpart for step 1.
+         * row, then where a row scale would saturate or a row maximum exceeds
+         * STEPQ__ROWS_GROW times its old row scale (the page's, global, as
+         * c_j: the growth trigger). Otherwise the row maxima stay in
+         * sm.rowpart for step 1.
          */
         bool rows = false;
         uint16_t chj = 0;
@@ -518,9 +520,12 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 }
                 __syncthreads();
                 bool sat = false;
-                if (t < SQ_D && sm.bits[t] != STEPQ_BITS_PIVOT)
-                    sat = !(fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
-                                  fmaxf(sm.rowpart[2][t], sm.rowpart[3][t])) <= STEPQ__SCALE_MAX);
+                if (t < SQ_D && sm.bits[t] != STEPQ_BITS_PIVOT) {
+                    const float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
+                                          fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
+                    const float ro = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[t]);
+                    sat = !(m <= STEPQ__SCALE_MAX) || m > STEPQ__ROWS_GROW * ro; /* growth */
+                }
                 rows = !__syncthreads_or(sat);
             }
         }

@@ -1050,6 +1050,8 @@ __device__ __forceinline__ bool sq_tile_decode(float (&x)[64], const uint8_t *bu
         float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
         sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
         if constexpr (ROWS) {
+            sm.ar[t] =
+                r; /* the old row scale, for the growth trigger (unused until an exact fit) */
             const uint16_t ch = hd->has_col ? ((const uint16_t *)(buf + hd->col_scale_off))[t] : 0;
             sm.cold[t] = hd->has_col ? sq_h2f(ch) : 1.0f;
             sm.ad[t] = __frcp_rn(sq_h2f(ch)); /* rc_j = RN(1/c_j), once per column */
@@ -1081,8 +1083,9 @@ __device__ __forceinline__ bool sq_tile_decode(float (&x)[64], const uint8_t *bu
 
 /*
  * SQ_V_ROWS with a dense source (two-stage stage 2): the old column scales
- * from the page itself (blk, global memory: stage 1 left it as it was),
- * as sq_tile_decode loads them from the staged block. Returns the
+ * and row scales (the latter into sm.ar, for the growth trigger) from the
+ * page itself (blk, global memory: stage 1 left it as it was), as
+ * sq_tile_decode loads them from the staged block. Returns the
  * block-wide flag that one cannot serve.
  */
 __device__ __forceinline__ bool sq_tile_rows_cols(const uint8_t *blk, const sq_head_desc *hd,
@@ -1091,6 +1094,7 @@ __device__ __forceinline__ bool sq_tile_rows_cols(const uint8_t *blk, const sq_h
     bool bad = false;
     if (t < SQ_D) {
         const uint16_t ch = hd->has_col ? ((const uint16_t *)(blk + hd->col_scale_off))[t] : 0;
+        sm.ar[t] = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[t]); /* the old r_i */
         sm.cold[t] = sq_h2f(ch);
         sm.ad[t] = __frcp_rn(sq_h2f(ch));
         bad = !sq_rows_col_ok(ch);
@@ -1220,13 +1224,17 @@ __device__ __forceinline__ bool sq_tile_finite(float (&x)[64], float (&m)[8], sq
  * (rc_j = RN(1/c_j) in sm.ad; pivot rows: max |x_ij|), NaN-propagating;
  * returns whether one would not serve: not finite, or above 65504 on an
  * integer row (its scale would saturate; a finite x whose product
- * overflows lands here too).
+ * overflows lands here too), or above STEPQ__ROWS_GROW times the row's
+ * old scale (sm.ar: the growth trigger; a partial maximum exceeds it
+ * exactly where the row's maximum does, so no row reduction first).
  */
 __device__ __forceinline__ bool sq_rows_maxima(const float (&x)[64], float (&m)[8],
                                                const sq_tsmem &sm, int R0, int C0)
 {
     float4 a = *(const float4 *)(sm.ad + C0), b = *(const float4 *)(sm.ad + C0 + 4);
     const float rc[8] = { a.x, a.y, a.z, a.w, b.x, b.y, b.z, b.w };
+    float4 g = *(const float4 *)(sm.ar + R0), h = *(const float4 *)(sm.ar + R0 + 4);
+    const float ro[8] = { g.x, g.y, g.z, g.w, h.x, h.y, h.z, h.w };
     bool v = false;
 #pragma unroll
     for (int r = 0; r < 8; r++) {
@@ -1239,6 +1247,7 @@ __device__ __forceinline__ bool sq_rows_maxima(const float (&x)[64], float (&m)[
         const float f = sq_maxnan(sq_maxnan(p[4], p[5]), sq_maxnan(p[6], p[7]));
         m[r] = sq_maxnan(e, f);
         v |= !(m[r] <= (piv ? 3.402823466e38f : STEPQ__SCALE_MAX));
+        v |= !piv && m[r] > STEPQ__ROWS_GROW * ro[r]; /* the growth trigger */
     }
     return v;
 }

@@ -995,12 +995,17 @@ static void quantize_rows(struct head *h, const float *x, const float *w, const 
 
 /*
  * The decode fit rows on a dsq GDN 2x2 head at 4 bits (qmax 7), the old block's column
- * scales c = [2, 0.5] (0x4000, 0x3800), so rc = RN(1/c) = [0.5, 2], X = [[2, 0.25], [1, -1]]:
- * 1. |X| rc = [[1, 0.5], [0.5, 2]]: m = [1, 2], r = [1, 2] (0x3C00, 0x4000).
+ * scales c = [2, 0.5] (0x4000, 0x3800), so rc = RN(1/c) = [0.5, 2], its row scales
+ * [1, 0x3D56 = 1.333984375], X = [[2, 0.25], [1, -1]]:
+ * 1. |X| rc = [[1, 0.5], [0.5, 2]]: m = [1, 2], r = [1, 2] (0x3C00, 0x4000); row 1 grew by
+ *    2 / 1.333984375 = 1.49927, not past 1.5 (2 <= 1.5f * 1.333984375 = 2.0009765625).
  * 2. s = 7 / r = [7, 3.5]; z = rint(X rc s) = [[7, rint(3.5) = 4], [rint(1.75) = 2, -7]];
  *    u = z + 7 = 14, 11, 9, 0 -> bytes 0xBE, 0x09.
  * 3. c as it was: 0x4000, 0x3800.
  * x^ = r c z/7 = [[2, 2/7], [8/7, -1]]. The row impact does not enter: the same bytes with w.
+ * The growth trigger: with row 1's old scale one fp16 step lower, 0x3D55 = 1.3330078125
+ * (1.5f * it = 1.99951171875 < 2 = m_1), the head takes the exact fit (its bytes); an old row
+ * scale 0 (here with valid column scales) falls back likewise.
  */
 static void dsq_2x2_golden_rows(void **state)
 {
@@ -1014,6 +1019,8 @@ static void dsq_2x2_golden_rows(void **state)
     memset(old, 0, sizeof(old));
     wr16(old + h.hl.col_scale_offset, 0x4000);
     wr16(old + h.hl.col_scale_offset + 2, 0x3800);
+    wr16(old + h.hl.row_scale_offset, 0x3C00);
+    wr16(old + h.hl.row_scale_offset + 2, 0x3D56);
     quantize_rows(&h, x, NULL, old, &fl);
     assert_int_equal(fl, 0);
     assert_int_equal(h.blk[0], 0xBE);
@@ -1033,13 +1040,27 @@ static void dsq_2x2_golden_rows(void **state)
     assert_int_equal(
         stepq__quantize_head_fit(&g.hl, x, w, g.blk, g.blk, &fl, STEPQ_DECODE_FIT_ROWS), STEPQ_OK);
     assert_memory_equal(g.blk, h.blk, h.hl.block_bytes);
+    /* row 1 grew past 1.5x its old scale (or the old scale is 0): the exact fit's bytes */
+    struct head e;
+    head_init(&e, STEPQ_METHOD_DSQ, STEPQ_ARCH_GDN, 2, 2, bits);
+    quantize(&e, x, NULL);
+    assert_true(memcmp(e.blk, h.blk, e.hl.block_bytes) != 0);
+    static const uint16_t grown[2] = { 0x3D55, 0x0000 };
+    for (int k = 0; k < 2; k++) {
+        wr16(old + h.hl.row_scale_offset + 2, grown[k]);
+        quantize_rows(&h, x, NULL, old, &fl);
+        assert_int_equal(fl, 0);
+        assert_memory_equal(h.blk, e.blk, e.hl.block_bytes);
+    }
+    stepq__head_layout_free(&e.hl);
     stepq__head_layout_free(&g.hl);
     stepq__head_layout_free(&h.hl);
 }
 
 /*
  * The fit rows for every dual-axis method with pivots, mixed widths and row impact, the old
- * block the exact fit of another state: the column scales are the old block's, bit for bit;
+ * block the exact fit of a nearby state (no row grows past STEPQ__ROWS_GROW times its old scale,
+ * asserted): the column scales are the old block's, bit for bit;
  * every integer row's scale is fp16(max_j |x_ij| RN(1/c_j)) (recomputed here), its codes
  * within +-qmax_i, and every element reconstructed within half a step r_i c_j / qmax_i (an
  * element at the clamp, within 2^-10 |x| of it); the pivot rows are the exact fit's; the
@@ -1056,8 +1077,8 @@ static void rows_keeps_the_old_columns_and_refits_the_rows(void **state)
     const float w[DK] = { 2.0f, 0.5f, 1.25f, 0.8f, 1.0f, 1.0f };
 
     random_head(&rng, x0, DK, DV);
-    for (int e = 0; e < DK * DV; e++) /* the next state: near the old one, columns drifted */
-        x[e] = x0[e] * (1.0f + 0.3f * rng_sym(&rng)) * ((e % DV) == 5 ? 1.7f : 1.0f);
+    for (int e = 0; e < DK * DV; e++) /* the next state: near the old one, a column drifted */
+        x[e] = x0[e] * (1.0f + 0.1f * rng_sym(&rng)) * ((e % DV) == 5 ? 1.2f : 1.0f);
     for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
         const int stepq = methods[k] == STEPQ_METHOD_STEPQ;
         const uint8_t bits[DK] = { 5, 5, 5, 5, 5, 5 };
@@ -1093,6 +1114,9 @@ static void rows_keeps_the_old_columns_and_refits_the_rows(void **state)
             float m = 0.0f;
             for (int j = 0; j < DV; j++)
                 m = fmaxf(m, fabsf(x[i * DV + j]) * rc[j]);
+            /* within the growth trigger (else the exact fit): the rows path ran */
+            const float ro = stepq__fp16_to_float(rd16(o.blk + o.hl.row_scale_offset + 2 * i));
+            assert_true(m <= STEPQ__ROWS_GROW * ro);
             const uint16_t rh = rd16(a.blk + a.hl.row_scale_offset + 2 * i);
             assert_int_equal(rh, stepq__scale_to_fp16(m));
             const float r = stepq__fp16_to_float(rh);
@@ -1130,7 +1154,8 @@ static void rows_keeps_the_old_columns_and_refits_the_rows(void **state)
  * page, one column scale 0, one Inf or negative, a row whose scale would saturate (m_i = 1e9
  * rc_j; the exact fit's sqrt split does not saturate: no flag), a head of pivot rows only. A
  * non-finite element does not decide it: it is zeroed (flag STATE) and the rows fit serves
- * the sanitised state, the bytes of the rows fit of the state with a 0 there.
+ * the sanitised state (a state near the old block's: no row grows past the trigger), the bytes
+ * of the rows fit of the state with a 0 there.
  */
 static void rows_falls_back_to_the_exact_fit(void **state)
 {
@@ -1146,7 +1171,8 @@ static void rows_falls_back_to_the_exact_fit(void **state)
     uint32_t fa, fb;
 
     random_head(&rng, x0, DK, DV);
-    random_head(&rng, x, DK, DV);
+    for (int e = 0; e < DK * DV; e++) /* near x0: the rows fit serves it (kase 4) */
+        x[e] = x0[e] * (1.0f + 0.1f * rng_sym(&rng));
     for (int kase = 0; kase < 7; kase++) {
         const uint8_t *bk = kase == 6 ? piv : mixed;
         float xs[DK * DV];
@@ -1202,6 +1228,66 @@ static void rows_falls_back_to_the_exact_fit(void **state)
     }
 }
 
+/*
+ * The growth trigger: the old block the exact fit of x0, the new state x0 with row 2 scaled so
+ * that its m_2 = max_j |x_2j| RN(1/c_j) is 1.5 (1 +- 1e-3) times the old r_2 (every other row
+ * within 1.5x, asserted). Past it: the exact fit's bytes; just below: the rows fit (the old
+ * column scales, r_2 = fp16(m_2), not the exact fit's bytes). Pivot rows do not take part: a
+ * pivot row scaled by 10 changes nothing in the decision.
+ */
+static void rows_falls_back_where_a_row_grows_past_its_old_scale(void **state)
+{
+    (void)state;
+    enum { DK = 6, DV = 9 };
+    uint64_t rng = 47;
+    float x0[DK * DV];
+    const float w[DK] = { 2.0f, 0.5f, 1.25f, 0.8f, 1.0f, 1.0f };
+    const uint8_t mixed[DK] = { 3, STEPQ_BITS_PIVOT, 5, 2, 6, 4 };
+    struct head o, a, b;
+
+    random_head(&rng, x0, DK, DV);
+    head_init(&o, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, mixed);
+    head_init(&a, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, mixed);
+    head_init(&b, STEPQ_METHOD_STEPQ, STEPQ_ARCH_KDA, DK, DV, mixed);
+    quantize(&o, x0, w);
+    float rc[DV], m[DK], ro[DK];
+    for (int j = 0; j < DV; j++)
+        rc[j] = 1.0f / stepq__fp16_to_float(rd16(o.blk + o.hl.col_scale_offset + 2 * j));
+    for (int i = 0; i < DK; i++) {
+        m[i] = 0.0f;
+        for (int j = 0; j < DV; j++)
+            m[i] = fmaxf(m[i], fabsf(x0[i * DV + j]) * rc[j]);
+        ro[i] = stepq__fp16_to_float(rd16(o.blk + o.hl.row_scale_offset + 2 * i));
+        if (mixed[i] != STEPQ_BITS_PIVOT)
+            assert_true(m[i] <= 1.4f * ro[i]); /* the old state itself: the rows fit serves */
+    }
+    for (int kase = 0; kase < 2; kase++) {
+        float x[DK * DV];
+        const float f = 1.5f * ro[2] / m[2] * (kase ? 1.001f : 0.999f);
+        for (int e = 0; e < DK * DV; e++)
+            x[e] = x0[e] * (e / DV == 2 ? f : e / DV == 1 ? 10.0f : 1.0f);
+        float m2 = 0.0f;
+        for (int j = 0; j < DV; j++)
+            m2 = fmaxf(m2, fabsf(x[2 * DV + j]) * rc[j]);
+        assert_true(kase ? m2 > STEPQ__ROWS_GROW * ro[2] : m2 <= STEPQ__ROWS_GROW * ro[2]);
+        uint32_t fa, fb = 0;
+        quantize_rows(&a, x, w, o.blk, &fa);
+        assert_int_equal(stepq__quantize_head(&b.hl, x, w, b.blk, &fb), STEPQ_OK);
+        assert_int_equal(fa, fb);
+        if (kase) { /* grown: the exact fit */
+            assert_memory_equal(a.blk, b.blk, a.hl.block_bytes);
+        } else { /* the rows fit */
+            const size_t c0 = a.hl.col_scale_offset;
+            assert_memory_equal(a.blk + c0, o.blk + c0, 2 * (size_t)DV);
+            assert_int_equal(rd16(a.blk + a.hl.row_scale_offset + 4), stepq__scale_to_fp16(m2));
+            assert_true(memcmp(a.blk, b.blk, a.hl.block_bytes) != 0);
+        }
+    }
+    stepq__head_layout_free(&o.hl);
+    stepq__head_layout_free(&a.hl);
+    stepq__head_layout_free(&b.hl);
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -1234,6 +1320,7 @@ int main(void)
         cmocka_unit_test(dsq_2x2_golden_rows),
         cmocka_unit_test(rows_keeps_the_old_columns_and_refits_the_rows),
         cmocka_unit_test(rows_falls_back_to_the_exact_fit),
+        cmocka_unit_test(rows_falls_back_where_a_row_grows_past_its_old_scale),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
 }
