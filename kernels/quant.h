@@ -54,8 +54,13 @@
  *   is always valid) where the old block cannot serve: a c_j that is not a
  *   positive finite fp16 (0 included: a fresh zero page, or a head whose
  *   last fit had no integer rows; a column of a fit never holds anything
- *   else), a head without integer rows, or an m_i > 65504 (r_i would
- *   saturate). Non-finite elements of x are zeroed first (health STATE),
+ *   else), a head without integer rows, an m_i > 65504 (r_i would
+ *   saturate), or the growth trigger: an integer row whose m_i exceeds
+ *   STEPQ__ROWS_GROW (1.5, kernels/format.h) times the float of its OLD
+ *   fp16 row scale, compared in float as m_i > 1.5f * r_i_old (a column
+ *   that outgrew its stale scale shows up as a jump of the rows it
+ *   dominates; an old row scale 0 is a fresh page, which the column rule
+ *   already sends there). Non-finite elements of x are zeroed first (health STATE),
  *   as for every fit, and do not decide it: in a decode step the update
  *   has zeroed them before the fit (kernels/recurrence.c), and the CUDA
  *   kernels zero them before theirs (in the tile kernel's non-finite
