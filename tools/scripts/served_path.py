@@ -650,11 +650,9 @@ def replay(pool, recorder, io, expected_steps=None):
                     wb, gb = io.bits(want).reshape(len(calls), -1), io.bits(got).reshape(len(calls), -1)
                     rep["differing_calls"] += int((wb != gb).any(axis=1).sum())
                     if rep["first_difference"] is None:
+                        import numpy
                         c, e = divmod(i, per)
-                        index, rest = [], e
-                        for d in reversed(tuple(want.shape[1:])):
-                            index.insert(0, rest % d)
-                            rest //= d
+                        index = [int(v) for v in numpy.unravel_index(e, tuple(want.shape[1:]))]
                         rep["first_difference"] = {
                             "rid": rid, "step": calls[c]["step"], "layer": calls[c]["layer"], "call": c,
                             "element": e, "index": index, "batched": bv, "replayed": rv}
