@@ -41,25 +41,33 @@ static float scale_value(float s, uint16_t *h, uint32_t *flags)
 }
 
 /*
- * The codes of a row: z[j] = clamp(rintf((y[j] / c[j]) * qmax), +-qmax) (c NULL:
- * y[j] * qmax), y the row divided by its row scale, in a loop the compiler
- * vectorises. Clamping before rounding gives the same code (rint is monotonic
- * and fixes the integers +-qmax), and on [-127, 127] adding and subtracting
- * 1.5 * 2^23 rounds to the nearest integer, ties to even, exactly as rintf
- * does in the default rounding mode (the program never changes it); only the
- * sign of a zero can differ, which the conversion to int8_t drops.
+ * The code clamp(rintf(t), +-qf) of a scaled element t (qf = (float)qmax), inlined into
+ * loops the compiler vectorises. Clamping before rounding gives the same code (rint is
+ * monotonic and fixes the integers +-qmax), and on [-127, 127] adding and subtracting
+ * 1.5 * 2^23 rounds to the nearest integer, ties to even, exactly as rintf does in the
+ * default rounding mode (the program never changes it); only the sign of a zero can
+ * differ, which the conversion to int8_t drops.
+ */
+static inline int8_t code_of(float t, float qf)
+{
+    const float magic = 12582912.0f;
+
+    t = qf < t ? qf : t;
+    t = -qf > t ? -qf : t;
+    t = (t + magic) - magic;
+    return (int8_t)(int)t;
+}
+
+/*
+ * The codes of a row: z[j] = code_of((y[j] / c[j]) * qmax) (c NULL: y[j] * qmax), y the
+ * row divided by its row scale.
  */
 static void quant_row(const float *y, const float *c, int d_v, int qmax, int8_t *z)
 {
-    const float qf = (float)qmax, magic = 12582912.0f;
+    const float qf = (float)qmax;
 
-    for (int j = 0; j < d_v; j++) {
-        float t = (c ? y[j] / c[j] : y[j]) * qf;
-        t = qf < t ? qf : t;
-        t = -qf > t ? -qf : t;
-        t = (t + magic) - magic;
-        z[j] = (int8_t)(int)t;
-    }
+    for (int j = 0; j < d_v; j++)
+        z[j] = code_of((c ? y[j] / c[j] : y[j]) * qf, qf);
 }
 
 static void store_dense(const struct stepq__head_layout *hl, const float *x, uint8_t *blk,
@@ -371,15 +379,10 @@ static int fit_rows(const struct stepq__head_layout *hl, const float *x, const u
         uint16_t rh;
         const float r = scale_value(m[i], &rh, flags);
         const int qmax = stepq__qmax(b);
-        const float qf = (float)qmax, s = qf / r, magic = 12582912.0f;
+        const float qf = (float)qmax, s = qf / r;
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
-        for (int j = 0; j < d_v; j++) { /* as quant_row: clamp, then round half to even */
-            float t = (xr[j] * rc[j]) * s;
-            t = qf < t ? qf : t;
-            t = -qf > t ? -qf : t;
-            t = (t + magic) - magic;
-            z[j] = (int8_t)(int)t;
-        }
+        for (int j = 0; j < d_v; j++)
+            z[j] = code_of((xr[j] * rc[j]) * s, qf);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
     }
     /* Step 4: the column scales as they were. */
