@@ -1050,6 +1050,13 @@ enum {
     R_COUNT
 };
 
+/* A root field the document's method does not have: "PATH: not allowed for method M (WHY)". */
+static int not_allowed(const struct ctx *c, const char *why)
+{
+    return fail(c, STEPQ_ESCHEMA, "not allowed for method %s (%s)", stepq_method_name(c->method),
+                why);
+}
+
 static int load_doc(const cJSON *root, stepq_map_t **out)
 {
     struct ctx c = { .len = 0 };
@@ -1125,10 +1132,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     if (f[R_SPLIT]) {
         old = push_key(&c, "row_split");
         if (!stepq_method_has_col_scales(c.method)) {
-            st = fail(&c, STEPQ_ESCHEMA,
-                      "not allowed for method %s (only dsq, spatial and stepq have the dual-axis "
-                      "fit it splits)",
-                      stepq_method_name(c.method));
+            st = not_allowed(&c, "only dsq, spatial and stepq have the dual-axis fit it splits");
             goto done;
         }
         st = get_number(&c, f[R_SPLIT], &split);
@@ -1141,10 +1145,8 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     if (f[R_FIT]) {
         old = push_key(&c, "decode_fit");
         if (!stepq_method_has_col_scales(c.method)) {
-            st = fail(&c, STEPQ_ESCHEMA,
-                      "not allowed for method %s (only dsq, spatial and stepq have the dual-axis "
-                      "fit's column refit)",
-                      stepq_method_name(c.method));
+            st = not_allowed(&c,
+                             "only dsq, spatial and stepq have the dual-axis fit's column refit");
             goto done;
         }
         st = get_enum(&c, f[R_FIT], parse_decode_fit, "exact, norefit, rows", &fit);
@@ -1156,9 +1158,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     if (!stepq__method_has_units(c.method)) {
         if (f[R_LAYERS]) {
             old = push_key(&c, "layers");
-            st = fail(&c, STEPQ_ESCHEMA,
-                      "not allowed for method %s (its one format has no per-unit choices)",
-                      stepq_method_name(c.method));
+            st = not_allowed(&c, "its one format has no per-unit choices");
             goto done;
         }
     } else {
