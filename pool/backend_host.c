@@ -75,8 +75,7 @@ static int host_copy_masked(stepq_pool_t *pool, const int32_t *src, const int32_
             continue;
         if (s < 1 || s > pool->slots || d < 1 || d > pool->slots || s == d)
             continue;
-        memcpy(page(pool, d), page(pool, s), pool->page_bytes);
-        pool->health[d] = pool->health[s];
+        host_copy(pool, &src[i], &dst[i], 1);
     }
     return STEPQ_OK;
 }
