@@ -448,11 +448,8 @@ int stepq_tool_calibrate(int argc, char **argv)
             if (stepq_tool_real("calibrate", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &o.row_split) < 0)
                 return 2;
         } else if (!strcmp(a, "--decode-fit")) {
-            if (stepq_decode_fit_from_name(v, &o.decode_fit) < 0) {
-                fprintf(stderr,
-                        "stepq calibrate: --decode-fit: '%s' is not exact, norefit or rows\n", v);
+            if (stepq_tool_decode_fit("calibrate", a, v, &o.decode_fit) < 0)
                 return 2;
-            }
             fit_given = 1;
         } else {
             fprintf(stderr, "stepq calibrate: unknown option '%s' (see stepq calibrate --help)\n",

@@ -56,6 +56,15 @@ int stepq_tool_real(const char *tool, const char *opt, const char *v, double lo,
     return 0;
 }
 
+int stepq_tool_decode_fit(const char *tool, const char *opt, const char *v, stepq_decode_fit *out)
+{
+    if (stepq_decode_fit_from_name(v, out) < 0) {
+        fprintf(stderr, "stepq %s: %s: '%s' is not exact, norefit or rows\n", tool, opt, v);
+        return -1;
+    }
+    return 0;
+}
+
 /* --- progress on stderr ------------------------------------------------------ */
 
 #define BAR_PERIOD_S   0.2 /* seconds between redraws of the bar: smooth, yet cheap */

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <stdio.h>
 
+#include "stepq/map.h"
+
 /* --- number options ---------------------------------------------------------- */
 
 /**
@@ -30,6 +32,12 @@ int stepq_tool_int(const char *tool, const char *opt, const char *v, long long l
  */
 int stepq_tool_real(const char *tool, const char *opt, const char *v, double lo, double hi,
                     int flags, double *out);
+
+/**
+ * The same for a decode fit name (stepq_decode_fit_from_name()): "stepq
+ * TOOL: OPT: 'V' is not exact, norefit or rows" on stderr for another.
+ */
+int stepq_tool_decode_fit(const char *tool, const char *opt, const char *v, stepq_decode_fit *out);
 
 /* --- progress on stderr ------------------------------------------------------ */
 

@@ -385,11 +385,8 @@ int stepq_tool_mkmap(int argc, char **argv)
             if (stepq_tool_real("mkmap", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &row_split) < 0)
                 return 2;
         } else if (!strcmp(a, "--decode-fit")) {
-            if (stepq_decode_fit_from_name(v, &fit) < 0) {
-                fprintf(stderr, "stepq mkmap: --decode-fit: '%s' is not exact, norefit or rows\n",
-                        v);
+            if (stepq_tool_decode_fit("mkmap", a, v, &fit) < 0)
                 return 2;
-            }
             fit_name = v;
         } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
             out = v;
