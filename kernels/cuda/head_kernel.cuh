@@ -181,6 +181,13 @@ struct __align__(16) sq_smem
     float beta, dec0;
 };
 
+/* Row i's maximum of step 1: the max of the partials of the 4 warps of its half. */
+__device__ __forceinline__ float sq_rowpart_max(const sq_smem &sm, int i)
+{
+    return fmaxf(fmaxf(sm.rowpart[0][i], sm.rowpart[1][i]),
+                 fmaxf(sm.rowpart[2][i], sm.rowpart[3][i]));
+}
+
 /*
  * Decode of a slot's block is done from shared memory (`buf`, the block
  * staged with 16-byte loads); the encode writes the new block into the same
@@ -521,8 +528,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
                 __syncthreads();
                 bool sat = false;
                 if (t < SQ_D && sm.bits[t] != STEPQ_BITS_PIVOT) {
-                    const float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
-                                          fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
+                    const float m = sq_rowpart_max(sm, t);
                     const float ro = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[t]);
                     sat = !(m <= STEPQ__SCALE_MAX) || m > STEPQ__ROWS_GROW * ro; /* growth */
                 }
@@ -550,8 +556,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             float r = 0.0f, s = 0.0f;
             uint16_t h = 0;
             if (b != STEPQ_BITS_PIVOT) {
-                float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
-                                fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
+                float m = sq_rowpart_max(sm, t);
                 h = sq_scale_h(m);
                 r = sq_h2f(h);
                 s = __fdiv_rn((float)((1 << (b - 1)) - 1), r);
@@ -563,8 +568,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
             float r = 0.0f;
             uint16_t h = 0;
             if (b != STEPQ_BITS_PIVOT) {
-                float m = fmaxf(fmaxf(sm.rowpart[0][t], sm.rowpart[1][t]),
-                                fmaxf(sm.rowpart[2][t], sm.rowpart[3][t]));
+                float m = sq_rowpart_max(sm, t);
                 float s = dual ? sq_dual_row_scale(m, hd->w[t], hd->row_split) : m;
                 if (s > STEPQ__SCALE_MAX)
                     fl |= STEPQ_HEALTH_SATURATED;
