@@ -194,6 +194,8 @@ int stepq_tool_inspect(int argc, char **argv)
     }
     stepq_model_shape shape;
     stepq_map_shape(map, &shape);
+    const double split = stepq_map_row_split(map);
+    const stepq_decode_fit fit = stepq_map_decode_fit(map);
     if (json) {
         fputs("{\"map\": ", f);
         stepq_tool_json_str(f, path);
@@ -208,11 +210,10 @@ int stepq_tool_inspect(int argc, char **argv)
                 (unsigned long long)mem.state_bytes_fp32,
                 (unsigned long long)mem.state_bytes_compact, (unsigned long long)plan.state_bytes,
                 (unsigned long long)mem.conv_bytes, mem.bits_per_value, mem.ratio_vs_fp32);
-        if (stepq_map_row_split(map) != 0.5) /* as in the map: only another split than 0.5 */
-            fprintf(f, ", \"row_split\": %.15g", stepq_map_row_split(map));
-        if (stepq_map_decode_fit(map) != STEPQ_DECODE_FIT_EXACT) /* likewise */
-            fprintf(f, ", \"decode_fit\": \"%s\"",
-                    stepq_decode_fit_name(stepq_map_decode_fit(map)));
+        if (split != 0.5) /* as in the map: only another split than 0.5 */
+            fprintf(f, ", \"row_split\": %.15g", split);
+        if (fit != STEPQ_DECODE_FIT_EXACT) /* likewise */
+            fprintf(f, ", \"decode_fit\": \"%s\"", stepq_decode_fit_name(fit));
         if (tp)
             print_tp_json(f, tp, sh, tpp);
         fputs("}\n", f);
@@ -225,20 +226,20 @@ int stepq_tool_inspect(int argc, char **argv)
         fprintf(f, "method         %s @ %g bits nominal, %llu units, %llu pivots\n",
                 stepq_method_name(stepq_map_method(map)), stepq_map_budget_bits(map),
                 (unsigned long long)mem.n_units, (unsigned long long)mem.n_pivots);
-        if (stepq_map_row_split(map) != 0.5)
+        if (split != 0.5)
             fprintf(f,
                     "row split      %g (the dual-axis fit's row scale max|x_i|^%g / sqrt(w_i))\n",
-                    stepq_map_row_split(map), stepq_map_row_split(map));
-        if (stepq_map_decode_fit(map) == STEPQ_DECODE_FIT_NOREFIT)
+                    split, split);
+        if (fit == STEPQ_DECODE_FIT_NOREFIT)
             fprintf(f,
                     "decode fit     %s (decode steps store the step-2 column scales, no "
                     "refit; packs fit exactly)\n",
-                    stepq_decode_fit_name(stepq_map_decode_fit(map)));
-        else if (stepq_map_decode_fit(map) == STEPQ_DECODE_FIT_ROWS)
+                    stepq_decode_fit_name(fit));
+        else if (fit == STEPQ_DECODE_FIT_ROWS)
             fprintf(f,
                     "decode fit     %s (decode steps keep the page's column scales and refit "
                     "the row scales; packs fit exactly)\n",
-                    stepq_decode_fit_name(stepq_map_decode_fit(map)));
+                    stepq_decode_fit_name(fit));
         fprintf(f, "per request:\n");
         fprintf(f, "  state fp32       %12llu B  %10.4f MiB\n",
                 (unsigned long long)mem.state_bytes_fp32, mib(mem.state_bytes_fp32));
