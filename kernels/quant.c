@@ -99,14 +99,21 @@ static void store_dense(const struct stepq__head_layout *hl, const float *x, uin
         *flags |= STEPQ_HEALTH_SATURATED;
 }
 
-static void store_pivot_row(const float *xr, int d_v, uint8_t *dst, uint32_t *flags)
+/* Stores row i of x as fp16 where it is a pivot row; returns whether it was one. */
+static int store_pivot_row(const struct stepq__head_layout *hl, const float *x, int i, uint8_t *blk,
+                           uint32_t *flags)
 {
+    if (hl->row_bits[i] != STEPQ_BITS_PIVOT)
+        return 0;
+    const float *xr = x + (size_t)i * hl->d_v;
+    uint8_t *dst = blk + hl->row_bitoff[i] / 8;
     int sat = 0;
 
-    for (int j = 0; j < d_v; j++)
+    for (int j = 0; j < hl->d_v; j++)
         wr16(dst + 2 * (size_t)j, stepq__fp16_from_float_sat(xr[j], &sat));
     if (sat)
         *flags |= STEPQ_HEALTH_SATURATED;
+    return 1;
 }
 
 /*
@@ -160,12 +167,10 @@ static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint
     float y[STEPQ__MAX_HEAD_DIM];
 
     for (int i = 0; i < d_k; i++) {
+        if (store_pivot_row(hl, x, i, blk, flags))
+            continue;
         const float *xr = x + (size_t)i * d_v;
         int b = hl->row_bits[i];
-        if (b == STEPQ_BITS_PIVOT) {
-            store_pivot_row(xr, d_v, blk + hl->row_bitoff[i] / 8, flags);
-            continue;
-        }
         int qmax = stepq__qmax(b);
         uint16_t rh;
         float r = scale_value(row_absmax(xr, d_v), &rh, flags);
@@ -220,11 +225,9 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
 
     /* Step 1: row scales; pivot rows are stored as they are. */
     for (int i = 0; i < d_k; i++) {
-        const float *xr = x + (size_t)i * d_v;
-        if (hl->row_bits[i] == STEPQ_BITS_PIVOT) {
-            store_pivot_row(xr, d_v, blk + hl->row_bitoff[i] / 8, flags);
+        if (store_pivot_row(hl, x, i, blk, flags))
             continue;
-        }
+        const float *xr = x + (size_t)i * d_v;
         any_int = 1;
         float wi = w ? w[i] : 1.0f;
         uint16_t rh;
@@ -370,12 +373,10 @@ static int fit_rows(const struct stepq__head_layout *hl, const float *x, const u
     /* Steps 2 and 3: r_i = fp16(m_i) (never 0: the conversion clamps to [2^-14, 65504]),
      * codes at (x_ij RN(1/c_j)) (qmax_i / r_i), the factor one float division per row. */
     for (int i = 0; i < d_k; i++) {
+        if (store_pivot_row(hl, x, i, blk, flags))
+            continue;
         const float *xr = x + (size_t)i * d_v;
         int b = hl->row_bits[i];
-        if (b == STEPQ_BITS_PIVOT) {
-            store_pivot_row(xr, d_v, blk + hl->row_bitoff[i] / 8, flags);
-            continue;
-        }
         uint16_t rh;
         const float r = scale_value(m[i], &rh, flags);
         const int qmax = stepq__qmax(b);
