@@ -320,6 +320,23 @@ def row_split_check(shim, maps, rng):
         os.unlink(f.name)
 
 
+def check_decode_fit(path, who="nll_eval"):
+    """Refuses a map whose decode_fit is not the exact fit (config/SCHEMA.md).
+
+    This harness stores every state through the library's prefill pack and unpack
+    (the shim's roundtrip), and a prefill pack always takes the exact dual-axis fit:
+    decode_fit norefit or rows only change the decode step's fit. Measuring such a map
+    here would silently measure the exact fit under its name, so it is refused; the
+    served path's drift probe (tools/scripts/served_path.py --check drift) runs real
+    decode steps and measures them."""
+    with open(path) as f:
+        fit = json.load(f).get("decode_fit", "exact")
+    if fit != "exact":
+        raise SystemExit("%s: %s: decode_fit \"%s\": this harness stores states through the prefill "
+                         "pack, which always fits exactly, so the map's decode fit would not be measured; "
+                         "use tools/scripts/served_path.py --check drift for it" % (who, path, fit))
+
+
 def self_test(a):
     """The parts that need no torch: the shim's entry points and checks, the maps, the accounting."""
     import glob
@@ -336,6 +353,7 @@ def self_test(a):
     rng = np.random.default_rng(1)
     errs = {}
     for name, path in specs:
+        check_decode_fit(path)
         with open(path) as f:
             m = json.load(f)
         bpv = shim.bits_per_value(path)
@@ -482,6 +500,7 @@ def main(argv=None):
             raise SystemExit("nll_eval: --map %s: method name %s is taken" % (spec, name))
         if not os.path.isfile(path):
             raise SystemExit("nll_eval: --map %s: no such file" % spec)
+        check_decode_fit(path)
         methods.append((name, path))
 
     def make_fn(name, path):
