@@ -203,9 +203,14 @@ double stepq__quant_row_split(void)
     return row_split_override;
 }
 
+double stepq__quant_row_split_or(double own)
+{
+    return row_split_override > 0.0 ? row_split_override : own;
+}
+
 double stepq__quant_row_split_of(const struct stepq__head_layout *hl)
 {
-    return row_split_override > 0.0 ? row_split_override : hl->row_split;
+    return stepq__quant_row_split_or(hl->row_split);
 }
 
 /*
@@ -377,11 +382,11 @@ static int fit_rows(const struct stepq__head_layout *hl, const float *x, const u
             continue;
         const float *xr = x + (size_t)i * d_v;
         int b = hl->row_bits[i];
-        uint16_t rh;
-        const float r = scale_value(m[i], &rh, flags);
+        uint16_t r16; /* the new row scale (rh holds the old ones) */
+        const float r = scale_value(m[i], &r16, flags);
         const int qmax = stepq__qmax(b);
         const float qf = (float)qmax, s = qf / r;
-        wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
+        wr16(blk + hl->row_scale_offset + 2 * (size_t)i, r16);
         for (int j = 0; j < d_v; j++)
             z[j] = code_of((xr[j] * rc[j]) * s, qf);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);

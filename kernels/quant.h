@@ -162,7 +162,9 @@ int stepq__quant_set_row_split(double alpha);
 void stepq__quant_clear_row_split(void);
 /** The override, or 0 when none is set. */
 double stepq__quant_row_split(void);
-/** The row split a fit of hl uses: the override when set, else hl->row_split. */
+/** The row split a fit with its own split `own` uses: the override when set, else own. */
+double stepq__quant_row_split_or(double own);
+/** The row split a fit of hl uses: stepq__quant_row_split_or(hl->row_split). */
 double stepq__quant_row_split_of(const struct stepq__head_layout *hl);
 
 #endif /* STEPQ_KERNELS_QUANT_H */

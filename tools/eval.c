@@ -466,8 +466,7 @@ int stepq_tool_eval(int argc, char **argv)
             fprintf(jf, ", \"bits_per_value\": %.6g, \"row_split\": ", bpv);
             /* The split the fit ran with: the override, else the map's; null without one. */
             json_num(jf, m < n_maps && stepq_method_has_col_scales(stepq_map_method(maps[m]))
-                             ? (stepq__quant_row_split() > 0.0 ? stepq__quant_row_split()
-                                                               : stepq_map_row_split(maps[m]))
+                             ? stepq__quant_row_split_or(stepq_map_row_split(maps[m]))
                              : NAN);
             fputs(", ", jf);
             json_ms(jf, "readout_rel", v[0], 0);

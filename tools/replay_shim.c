@@ -266,8 +266,8 @@ void stepq_shim_close(void *h)
 }
 
 /* The analysis override of the dual-axis fit's row split (kernels/quant.h): the C reference
- * then fits with alpha in place of the map's row_split. The CUDA roundtrip fits with 0.5
- * (and refuses maps of another split), so set it only for the host path. */
+ * then fits with alpha in place of the map's row_split. The CUDA roundtrip fits with each
+ * map's own row_split and never sees the override, so set it only for the host path. */
 int stepq_shim_set_row_split(double alpha)
 {
     return stepq__quant_set_row_split(alpha);
@@ -285,7 +285,7 @@ int stepq_shim_row_split(void *h, double *out)
     const struct shim *s = h;
     if (!s || !out)
         return stepq__error(STEPQ_EINVAL, "shim: NULL handle or output");
-    *out = stepq__quant_row_split() > 0.0 ? stepq__quant_row_split() : stepq_map_row_split(s->map);
+    *out = stepq__quant_row_split_or(stepq_map_row_split(s->map));
     return STEPQ_OK;
 }
 
