@@ -32,8 +32,7 @@ struct stepq__cuda_layer {
     int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
     int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;  /* some head has one integer width for all rows (ubits) */
-    int norefit;      /* the dual heads' decode fit is norefit: the steps' SQ_V_NOREFIT */
-    int rows;         /* the dual heads' decode fit is rows: the steps' SQ_V_ROWS */
+    stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
      * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
@@ -217,8 +216,7 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     }
     L->n_heads = pl->n_heads;
     L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
-    L->norefit = decode_fit == STEPQ_DECODE_FIT_NOREFIT;
-    L->rows = decode_fit == STEPQ_DECODE_FIT_ROWS;
+    L->fit = decode_fit < 0 ? STEPQ_DECODE_FIT_EXACT : (stepq_decode_fit)decode_fit; /* no dual heads: exact */
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
@@ -310,9 +308,9 @@ template <int SRC, bool UPDATE, int SINK>
 static int launch_fit(dim3 grid, size_t smem, cudaStream_t s, const sq_step &st, const sq_io &io,
                       const stepq__cuda_layer *L, const char *who)
 {
-    if (L->norefit)
+    if (L->fit == STEPQ_DECODE_FIT_NOREFIT)
         return launch<SRC, UPDATE, SINK, true>(grid, smem, s, st, io, who);
-    if (L->rows)
+    if (L->fit == STEPQ_DECODE_FIT_ROWS)
         return launch<SRC, UPDATE, SINK, false, true>(grid, smem, s, st, io, who);
     return launch<SRC, UPDATE, SINK>(grid, smem, s, st, io, who);
 }
@@ -542,8 +540,9 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         smem = tile_smem(L->max_block);
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
-    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) | (L->norefit ? SQ_V_NOREFIT : 0) |
-                   (L->rows ? SQ_V_ROWS : 0); /* the map's decode_fit */
+    const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) |
+                   (L->fit == STEPQ_DECODE_FIT_NOREFIT ? SQ_V_NOREFIT : 0) |
+                   (L->fit == STEPQ_DECODE_FIT_ROWS ? SQ_V_ROWS : 0); /* the map's decode_fit */
     if (variant == STEPQ__CUDA_FUSED)
         return tile
                    ? launch_tile<SQ_SRC_PACKED, true, SQ_SINK_PACKED>(grid, smem, s, st, io, vt,
