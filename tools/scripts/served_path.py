@@ -486,6 +486,8 @@ class DecodeRecorder:
         self.tracked = set(rids)
         self.slot_rid = {}  # working slot -> rid, tracked requests running now
         self.admitted, self.freed = {}, {}  # rid -> page [1, page_bytes] (numpy uint8)
+        # rid -> the slot's health word (STEPQ_HEALTH_* bits, OR-ed by the kernels) at admission / before the free
+        self.admitted_health, self.freed_health = {}, {}
         self.calls = {rid: [] for rid in self.tracked}
         self.steps = {rid: {} for rid in self.tracked}  # rid -> layer -> calls so far
         self.nbytes = 0  # host bytes of the recorded rows
@@ -503,6 +505,7 @@ class DecodeRecorder:
             raise RuntimeError("replay recorder: request %d admitted twice" % rid)
         self.slot_rid[slot] = rid
         self.admitted[rid] = pool.get_cpu_copy([slot])
+        self.admitted_health[rid] = pool.health([slot])[0]
 
     def leave(self, rid, slot, pool):
         """A request about to free its working slot `slot`: for a tracked one, the page is read and the
@@ -514,6 +517,7 @@ class DecodeRecorder:
                                % (rid, slot, self.slot_rid.get(slot)))
         del self.slot_rid[slot]
         self.freed[rid] = pool.get_cpu_copy([slot])
+        self.freed_health[rid] = pool.health([slot])[0]
 
     def record(self, args, out):
         """One decode call: args are its bound arguments (by StatePool.decode's parameter names), out
@@ -609,19 +613,24 @@ def replay_one(pool, slot, calls, io):
 def replay(pool, recorder, io, expected_steps=None):
     """Replays every tracked request that went through admission and retirement on `pool` (a second
     pool with the same map, one free slot needed), in rid order, and compares bitwise: each call's
-    output with the batched one, the final page with the pre-free page. expected_steps: rid -> the
-    decode steps the request ran (each layer should have that many calls), or None.
+    output with the batched one, the final page with the pre-free page, and the health word: the
+    replay starts from a reset word (load_cpu_copy resets it), so the admission word OR the
+    replay's must equal the batched slot's before its free (the kernels OR bits into it; a bit that
+    only one run raised means that run saw a non-finite input, state or output, or a saturation,
+    that the other did not). expected_steps: rid -> the decode steps the request ran (each layer
+    should have that many calls), or None.
 
     Returns the report: requests, calls, elements (output elements compared), outputs_identical,
     differing_elements, differing_calls, pages_identical, requests_differing (rids), incomplete (rids
     whose calls are not expected_steps per layer, or that never left), first_difference (of the outputs:
     rid, step, layer, call, element, index, batched, replayed, or None), first_page_difference (rid,
-    byte, batched, replayed, where, or None), and per_request {rid: (outputs identical, pages
-    identical)}."""
+    byte, batched, replayed, where, or None), health_identical, first_health_difference (rid,
+    admitted, batched, replayed: the words, or None), and per_request {rid: (outputs identical,
+    pages identical, health identical)}."""
     layout = pool.layout()
     rep = {"requests": 0, "calls": 0, "elements": 0, "differing_elements": 0, "differing_calls": 0,
            "requests_differing": [], "incomplete": [], "first_difference": None,
-           "first_page_difference": None, "per_request": {}}
+           "first_page_difference": None, "first_health_difference": None, "per_request": {}}
     slot = pool.alloc(1)
     if slot is None:
         raise RuntimeError("replay: no free slot in the replay pool")
@@ -657,32 +666,40 @@ def replay(pool, recorder, io, expected_steps=None):
                             "rid": rid, "step": calls[c]["step"], "layer": calls[c]["layer"], "call": c,
                             "element": e, "index": index, "batched": bv, "replayed": rv}
             page = pool.get_cpu_copy([slot])
+            h0, hb, hr = recorder.admitted_health[rid], recorder.freed_health[rid], pool.health([slot])[0]
+            health_ok = (h0 | hr) == hb
+            if not health_ok and rep["first_health_difference"] is None:
+                rep["first_health_difference"] = {"rid": rid, "admitted": h0, "batched": hb, "replayed": hr}
             n_diff, i, bv, rv = first_bit_difference(recorder.freed[rid], page, NumpyIO())
             page_ok = n_diff == 0
             if not page_ok and rep["first_page_difference"] is None:
                 rep["first_page_difference"] = {"rid": rid, "byte": i, "bytes_differing": n_diff,
                                                 "batched": int(bv), "replayed": int(rv),
                                                 "where": page_region(layout, i)}
-            if not (out_ok and page_ok):
+            if not (out_ok and page_ok and health_ok):
                 rep["requests_differing"].append(rid)
-            rep["per_request"][rid] = (out_ok, page_ok)
+            rep["per_request"][rid] = (out_ok, page_ok, health_ok)
             rep["requests"] += 1
             rep["calls"] += len(calls)
     finally:
         pool.free([slot])
     rep["outputs_identical"] = rep["differing_elements"] == 0
-    rep["pages_identical"] = all(p for _, p in rep["per_request"].values())
-    rep["identical"] = rep["outputs_identical"] and rep["pages_identical"] and not rep["incomplete"]
+    rep["pages_identical"] = all(p for _, p, _ in rep["per_request"].values())
+    rep["health_identical"] = all(h for _, _, h in rep["per_request"].values())
+    rep["identical"] = (rep["outputs_identical"] and rep["pages_identical"] and rep["health_identical"]
+                        and not rep["incomplete"])
     return rep
 
 
 def replay_summary(rep):
     """The report in one line for the log and the table."""
-    s = ("%d requests, %d decode calls (%d output elements) at B = 1: outputs %s, final pages %s"
+    s = ("%d requests, %d decode calls (%d output elements) at B = 1: outputs %s, final pages %s, "
+         "health words %s"
          % (rep["requests"], rep["calls"], rep["elements"],
             "identical" if rep["outputs_identical"] else "DIFFER in %d elements of %d calls"
             % (rep["differing_elements"], rep["differing_calls"]),
-            "identical" if rep["pages_identical"] else "DIFFER"))
+            "identical" if rep["pages_identical"] else "DIFFER",
+            "identical" if rep.get("health_identical", True) else "DIFFER"))
     if rep["incomplete"]:
         s += "; %d requests with an incomplete record (%s)" % (len(rep["incomplete"]),
                                                                ", ".join(map(str, rep["incomplete"][:8])))
@@ -694,6 +711,10 @@ def replay_summary(rep):
     if p:
         s += "; first page byte: request %d byte %d (%s), batched %d, replayed %d" % (
             p["rid"], p["byte"], p["where"], p["batched"], p["replayed"])
+    h = rep.get("first_health_difference")
+    if h:
+        s += "; first health word: request %d, batched 0x%x, replayed 0x%x (admitted 0x%x)" % (
+            h["rid"], h["batched"], h["replayed"], h["admitted"])
     return s
 
 
@@ -926,8 +947,9 @@ def batching_one(env, a, name, tol, mismatch_frac, end_to_end):
                         "max_abs_logit_diff": dpos.max().item(), "prefill_logit_diff": dpos[0].item(),
                         "first_over_tol": int(over[0]) if over.numel() else None,
                         "first_mismatch": int(ne[0]) if ne.numel() else None,
-                        "replay_outputs_identical": replay_per.get(r.rid, (None, None))[0],
-                        "replay_pages_identical": replay_per.get(r.rid, (None, None))[1]})
+                        "replay_outputs_identical": replay_per.get(r.rid, (None, None, None))[0],
+                        "replay_pages_identical": replay_per.get(r.rid, (None, None, None))[1],
+                        "replay_health_identical": replay_per.get(r.rid, (None, None, None))[2]})
         if (i + 1) % 8 == 0:
             el = time.time() - t1
             log("batching: %d/%d alone runs, %.0f s (%.0f s to go)" % (i + 1, len(alone), el,
@@ -980,6 +1002,7 @@ def batching_one(env, a, name, tol, mismatch_frac, end_to_end):
           "| replay at the stepq boundary: requests, decode calls at B = 1 | %d, %d |\n"
           "| replayed decode outputs bitwise identical (differing elements) | %s (%d of %d) |\n"
           "| final pages byte-identical (requests differing) | %s (%d) |\n"
+          "| health words equal (requests differing) | %s (%d) |\n"
           "| max abs logit diff vs alone, %s | %.3g%s |\n| mean abs logit diff, %s | %.3g |\n"
           "| token mismatches (requests), %s | %d of %d (%d%s) |\n"
           "| slots leaked | %d |\n| pool stats at the end = at the start | %s |\n"
@@ -987,13 +1010,14 @@ def batching_one(env, a, name, tol, mismatch_frac, end_to_end):
           "| seconds batched / replay / alone | %.1f / %.1f / %.1f |\n\n"
           "Continuous batching through one %s pool (%d slots = 5 x %d running, extra_buffer), model %s: %s. "
           "Pass: every compared request's decode calls, replayed at B = 1 from its admission page on a second "
-          "pool, give the batched run's outputs bit for bit and end on its page byte for byte (the pool gives a "
+          "pool, give the batched run's outputs bit for bit and end on its page byte for byte and its health word (the pool gives a "
           "slot the same bits whatever else is in the batch), no slot leaked, the stats back to the start, the "
           "pool closed clean%s.\n"
           % (len(reqs), a.share_groups * a.share_size, step, max_batch, prefills, forks, track_copies, len(alone),
              rep["requests"], rep["calls"], "yes" if rep["outputs_identical"] else "NO", rep["differing_elements"],
              rep["elements"], "yes" if rep["pages_identical"] else "NO",
-             sum(1 for o, p in replay_per.values() if not p),
+             sum(1 for o, p, h in replay_per.values() if not p),
+             "yes" if rep["health_identical"] else "NO", sum(1 for o, p, h in replay_per.values() if not h),
              e2e_first, worst, bound, e2e, res["mean_abs_logit_diff"], e2e, mism, n_pos, diverged, mism_bound,
              len(leaked), "yes" if stats_equal else "NO", "yes" if closed else "NO",
              t_cb, rep["seconds"], res["seconds_alone"],

@@ -31,14 +31,15 @@ PLAN = [(0, 0, 4, False), (1, 0, 2, False), (2, 1, 5, False), (3, 1, 3, False), 
 TRACKED = [0, 2, 3, 4, 6]  # 1 and 5 run untracked beside them
 
 
-def _batched_run(sp, np, pool, recorder, rng, max_running=3, tensor=None):
+def _batched_run(sp, np, pool, recorder, rng, max_running=3, tensor=None, poison=None):
     """A continuous-batching loop on a host pool as batching_one runs it: FIFO admission (a pack of
     random states into every layer, or a copy of a running request's page), one decode call per layer
     per step over the running slots (a -1 padding row among them; q and k as strided views of one
     fused projection; the odd layers with A_log and dt_bias), a track copy now and then, retirement.
     The pool's decode is wrapped for the recorder. tensor: what the decode call is given (default the
-    numpy arrays; torch.from_numpy for CPU torch tensors). Returns rid -> decode steps run and the
-    slots each request had."""
+    numpy arrays; torch.from_numpy for CPU torch tensors). poison: (step, layer): that call's first row
+    gets a NaN in v (its head is left unchanged and its slot's health word gets STEPQ_HEALTH_INPUT).
+    Returns rid -> decode steps run and the slots each request had."""
     tensor = tensor or (lambda x: x)
     H, HV, K, V, L = pool.num_k_heads, pool.num_v_heads, pool.head_k_dim, pool.head_v_dim, pool.n_layers
     kda = pool.arch == "kda"
@@ -73,6 +74,8 @@ def _batched_run(sp, np, pool, recorder, rng, max_running=3, tensor=None):
             g = rng.uniform(-0.2, 0, (B, HV, K) if kda else (B, HV)).astype(np.float32)
             beta = rng.uniform(0.1, 0.9, (B, HV)).astype(np.float32)
             out = np.full((B, HV, V), 7.0, dtype=np.float32)
+            if poison == (step, layer):
+                v[0, 1, 5] = np.nan
             gate = {}
             if layer % 2:  # the odd layers with the gating in the kernel: g, beta are the raw a, b
                 gate = {"A_log": tensor(rng.uniform(-1, 0.5, HV).astype(np.float32)),
@@ -98,7 +101,7 @@ def _batched_run(sp, np, pool, recorder, rng, max_running=3, tensor=None):
     return steps_run, slots_of
 
 
-def _scheduled(arch, torch=None):
+def _scheduled(arch, torch=None, poison=None):
     np = _harness.need_numpy()
     sp = _served_path()
     rng = np.random.default_rng(3)
@@ -107,7 +110,7 @@ def _scheduled(arch, torch=None):
         replay_pool = stepq.StatePool(m, size=1)
     io = sp.NumpyIO() if torch is None else sp.TorchIO(torch, "cpu")
     rec = sp.DecodeRecorder(TRACKED, io)
-    steps_run, slots_of = _batched_run(sp, np, pool, rec, rng, tensor=torch and torch.from_numpy)
+    steps_run, slots_of = _batched_run(sp, np, pool, rec, rng, tensor=torch and torch.from_numpy, poison=poison)
     assert pool.available_size() == pool.size and "decode" not in pool.__dict__
     pool.close()
     return np, sp, io, rec, replay_pool, steps_run, slots_of
@@ -148,7 +151,8 @@ def test_a_scheduled_batched_run_replays_bit_for_bit_at_batch_one():
         assert rep["calls"] == sum(steps_run[rid] for rid in TRACKED) * replay_pool.n_layers
         assert rep["elements"] == rep["calls"] * replay_pool.num_v_heads * replay_pool.head_v_dim
         assert rep["first_difference"] is None and rep["first_page_difference"] is None
-        assert rep["per_request"] == {rid: (True, True) for rid in TRACKED}
+        assert rep["per_request"] == {rid: (True, True, True) for rid in TRACKED}
+        assert rep["health_identical"] and rep["first_health_difference"] is None
         assert replay_pool.available_size() == 1
         assert "identical" in sp.replay_summary(rep) and "DIFFER" not in sp.replay_summary(rep)
         replay_pool.close()
@@ -168,9 +172,30 @@ def test_one_output_one_ulp_off_is_reported_where_it_is():
     assert d["index"] == [h, e] and d["element"] == h * replay_pool.head_v_dim + e
     assert d["replayed"] == was and d["batched"] == float(np.nextafter(np.float32(was), np.float32(np.inf)))
     assert d["batched"] != d["replayed"]
-    assert rep["per_request"][rid] == (False, True)
+    assert rep["per_request"][rid] == (False, True, True)
     text = sp.replay_summary(rep)
     assert "DIFFER in 1 elements of 1 calls" in text and "request 3 step 1 layer 1 element [5, 100]" in text
+    replay_pool.close()
+
+
+def test_health_words_are_compared_and_a_non_finite_input_replays_to_the_same_word():
+    """A NaN in one tracked request's v (step 2, layer 1: row 0 is request 0 then) raises
+    STEPQ_HEALTH_INPUT in the batched run, and the replay on the recorded inputs raises it too: the
+    words agree. A word the replay cannot produce (a SATURATED bit added to another request's record)
+    is reported for that request alone, with both words."""
+    np, sp, io, rec, replay_pool, steps_run, _ = _scheduled("gdn", poison=(2, 1))
+    assert rec.admitted_health[0] == 0 and rec.freed_health[0] == stepq.HEALTH_INPUT
+    assert all(rec.freed_health[r] == 0 for r in TRACKED if r != 0)
+    expected = {r: steps_run[r] for r in TRACKED}
+    rep = sp.replay(replay_pool, rec, io, expected)
+    assert rep["identical"] and rep["health_identical"], sp.replay_summary(rep)
+    rec.freed_health[3] |= stepq.HEALTH_SATURATED
+    rep = sp.replay(replay_pool, rec, io, expected)
+    assert rep["outputs_identical"] and rep["pages_identical"] and not rep["health_identical"]
+    assert not rep["identical"] and rep["requests_differing"] == [3] and rep["per_request"][3] == (True, True, False)
+    assert rep["first_health_difference"] == {"rid": 3, "admitted": 0, "batched": stepq.HEALTH_SATURATED,
+                                              "replayed": 0}
+    assert "health words DIFFER" in sp.replay_summary(rep) and "batched 0x4, replayed 0x0" in sp.replay_summary(rep)
     replay_pool.close()
 
 
