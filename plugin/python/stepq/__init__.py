@@ -9,6 +9,7 @@ takes numpy arrays, the CUDA backend torch tensors.
     import stepq
     m = stepq.load_map("config/calibrated/tiny-gdn/stepq@6.json")
     pool = stepq.StatePool(m, size=16, device="cpu")
+    stepq.plan_pool(m, size=16)["page_bytes"]   # the bytes, without allocating
     ids = pool.alloc(2)          # None when full
     pool.decode(0, q, k, v, a, b, A_log, dt_bias, cache_indices=ids, out=o)
     pool.free(ids)
@@ -21,9 +22,9 @@ is called raise StepqArgumentError, also a ValueError.
 from . import _lib
 from .errors import StepqArgumentError, StepqError
 from .map import Map, load_map, load_map_buffer
-from .pool import StatePool
+from .pool import StatePool, plan_pool
 
-__all__ = ["StatePool", "Map", "load_map", "load_map_buffer", "StepqError",
+__all__ = ["StatePool", "plan_pool", "Map", "load_map", "load_map_buffer", "StepqError",
            "StepqArgumentError", "library_version", "library_path", "SLOT_PAD", "SLOT_SENTINEL",
            "HEALTH_INPUT", "HEALTH_STATE", "HEALTH_SATURATED", "HEALTH_OUTPUT"]
 

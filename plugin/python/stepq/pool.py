@@ -65,6 +65,58 @@ def _host_ids(ids, name):
     return (ctypes.c_int32 * len(ids))(*ids), len(ids)
 
 
+def _pool_config(map, size, device, policy, max_running_requests, memory_budget_bytes, stream,
+                 clear_on_alloc, tp_rank, tp_size, min_page_bytes, page_align, block_align):
+    """The stepq_pool_config of StatePool's and plan_pool's arguments, and the parsed device."""
+    kind, index = _parse_device(device)
+    if policy not in _lib.POLICIES:
+        raise bad_arg("policy: %r is not one of %s" % (policy, ", ".join(_lib.POLICIES)))
+    sizing = [x is not None for x in (size, max_running_requests, memory_budget_bytes)]
+    if sum(sizing) != 1:
+        raise bad_arg("size, max_running_requests, memory_budget_bytes: set exactly one")
+    for name, x in (("size", size), ("max_running_requests", max_running_requests),
+                    ("memory_budget_bytes", memory_budget_bytes)):
+        if x is None:
+            continue
+        try:
+            if isinstance(x, bool):
+                raise TypeError
+            v = operator.index(x)
+        except TypeError:
+            v = None
+        if v is None or v < 1:
+            raise bad_arg("%s: %r, need an integer >= 1" % (name, x))
+    cfg = _lib.PoolConfig.new(
+        map=map.handle,
+        backend=_lib.BACKEND_CUDA if kind == "cuda" else _lib.BACKEND_HOST,
+        device=index or 0, stream=stream, tp_rank=tp_rank, tp_size=tp_size,
+        min_page_bytes=min_page_bytes, page_align=page_align, block_align=block_align,
+        policy=_lib.POLICIES[policy],
+        num_slots=size or 0, max_running_requests=max_running_requests or 0,
+        memory_budget_bytes=memory_budget_bytes or 0,
+        flags=_lib.POOL_FLAG_CLEAR_ON_ALLOC if clear_on_alloc else 0)
+    return cfg, kind, index
+
+
+def plan_pool(map, size=None, device="cpu", *, policy="extra_buffer", max_running_requests=None,
+              memory_budget_bytes=None, tp_rank=0, tp_size=1, min_page_bytes=0, page_align=0,
+              block_align=0):
+    """What StatePool(map, ...) with these arguments would allocate, computed
+    without allocating anything (stepq_pool_plan): a dict of page_bytes (the
+    page stride: state_bytes + conv_bytes + pad_bytes), state_bytes,
+    state_bytes_compact, align_bytes, conv_bytes, pad_bytes, slots (usable,
+    the sentinel excluded), pool_bytes ((slots + 1) x page_bytes) and
+    meta_bytes (health words, layout tables and, on the CUDA backend, kernel
+    descriptors). A server sizes its state pool by these bytes, not by the
+    dense state's. Raises what StatePool would for the same arguments
+    (the same validation), without needing a device for "cuda"."""
+    cfg, _, _ = _pool_config(map, size, device, policy, max_running_requests, memory_budget_bytes,
+                             None, False, tp_rank, tp_size, min_page_bytes, page_align, block_align)
+    info = _lib.PoolPlanInfo()
+    check(lib.stepq_pool_plan(ctypes.byref(cfg), ctypes.byref(info)))
+    return {name: getattr(info, name) for name, _ in info._fields_}
+
+
 def _numpy():
     import numpy
 
@@ -115,21 +167,9 @@ class StatePool:
                  max_running_requests=None, memory_budget_bytes=None, stream=None,
                  clear_on_alloc=False, tp_rank=0, tp_size=1, min_page_bytes=0, page_align=0,
                  block_align=0):
-        kind, index = _parse_device(device)
-        if policy not in _lib.POLICIES:
-            raise bad_arg("policy: %r is not one of %s" % (policy, ", ".join(_lib.POLICIES)))
-        sizing = [x is not None for x in (size, max_running_requests, memory_budget_bytes)]
-        if sum(sizing) != 1:
-            raise bad_arg("size, max_running_requests, memory_budget_bytes: set exactly one")
-        cfg = _lib.PoolConfig.new(
-            map=map.handle,
-            backend=_lib.BACKEND_CUDA if kind == "cuda" else _lib.BACKEND_HOST,
-            device=index or 0, stream=stream, tp_rank=tp_rank, tp_size=tp_size,
-            min_page_bytes=min_page_bytes, page_align=page_align, block_align=block_align,
-            policy=_lib.POLICIES[policy],
-            num_slots=size or 0, max_running_requests=max_running_requests or 0,
-            memory_budget_bytes=memory_budget_bytes or 0,
-            flags=_lib.POOL_FLAG_CLEAR_ON_ALLOC if clear_on_alloc else 0)
+        cfg, kind, index = _pool_config(map, size, device, policy, max_running_requests,
+                                        memory_budget_bytes, stream, clear_on_alloc, tp_rank, tp_size,
+                                        min_page_bytes, page_align, block_align)
         h = ctypes.c_void_p()
         check(lib.stepq_pool_open(ctypes.byref(cfg), ctypes.byref(h)))
         self._h = h.value

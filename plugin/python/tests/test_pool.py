@@ -280,6 +280,44 @@ def test_sizing_by_requests_and_policy():
             stepq.StatePool(m, memory_budget_bytes=page)
 
 
+def test_plan_pool_gives_the_bytes_an_open_pool_has_without_allocating():
+    """plan_pool is stepq_pool_plan: the page, slots and pool bytes of the same arguments, the same
+    refusals; a server sizes by it (stepq.sglang's sizing hook does)."""
+    KDA6 = _harness.data("config", "calibrated", "tiny-kda", "stepq@6.json")
+    for path in (GDN6, KDA6):
+        with stepq.load_map(path) as m:
+            for kw in ({"size": 7}, {"max_running_requests": 3, "policy": "lazy"},
+                       {"memory_budget_bytes": 10 ** 7}):
+                plan = stepq.plan_pool(m, **kw)
+                p = stepq.StatePool(m, **kw)
+                st = p.stats()
+                assert plan["page_bytes"] == p.page_bytes == st["page_bytes"], (path, kw)
+                assert plan["slots"] == p.size and plan["pool_bytes"] == (p.size + 1) * p.page_bytes
+                assert plan["page_bytes"] == plan["state_bytes"] + plan["conv_bytes"] + plan["pad_bytes"]
+                assert plan["state_bytes"] == plan["state_bytes_compact"] + plan["align_bytes"]
+                assert plan["meta_bytes"] >= (p.size + 1) * 4  # the health words at least
+                p.close()
+            page = stepq.plan_pool(m, size=1)["page_bytes"]
+            # A tensor-parallel rank holds its share of the heads: a smaller page.
+            assert stepq.plan_pool(m, size=1, tp_size=2, tp_rank=1)["page_bytes"] < page
+            # The CUDA backend's plan needs no device and has the same pages.
+            try:
+                cuda = stepq.plan_pool(m, size=4, device="cuda")
+            except stepq.StepqError as e:
+                assert e.name == "STEPQ_ENOTSUP", e  # a build without CUDA
+            else:
+                assert cuda["page_bytes"] == page and cuda["slots"] == 4
+            with raises(ValueError, match="exactly one"):
+                stepq.plan_pool(m, size=2, memory_budget_bytes=10 ** 7)
+            for bad in (0, -3, 2.5, True):
+                with raises(ValueError, match="need an integer >= 1"):
+                    stepq.plan_pool(m, size=bad)
+            with raises(stepq.StepqError, name="STEPQ_ENOSPC"):
+                stepq.plan_pool(m, memory_budget_bytes=page)
+            with raises(stepq.StepqError, name="STEPQ_ESHAPE"):
+                stepq.plan_pool(m, size=1, tp_size=3)
+
+
 def test_cuda_pool_fails_cleanly_without_cuda():
     with stepq.load_map(GDN6) as m:
         try:
