@@ -27,6 +27,14 @@ plugin/python/SGLANG.md for every code path and how it is handled):
   module and its subclasses' users.
 * ``HybridReqToTokenPool.__init__`` (BEFORE): refuses subclasses that build
   their own pool (``UnifiedHybridReqToTokenPool``, --enable-unified-memory).
+* ``KVCacheConfigurator._handle_max_mamba_cache`` (AROUND): SGLang sizes the
+  state pool (``max_mamba_cache_size``) and what it leaves to the KV cache
+  from ``mamba_cache_per_req``, the dense slot's bytes. The hook runs it with
+  that number replaced by stepq's slot (``slot_bytes``: the page of this
+  rank, from ``stepq_pool_plan``, plus its health word), so the memory a
+  compressed state saves becomes slots (auto-sizing) or KV cache (a given
+  --max-mamba-cache-size). Not with speculative decoding, which the pool
+  refuses anyway.
 * Registered when the first stepq pool is built (so plugin loading in the
   engine's main process imports only ``mem_cache.memory_pool``):
   ``MambaAttnBackendBase.__init__`` (AFTER: only GDNAttnBackend and
@@ -57,7 +65,7 @@ import threading
 from .errors import StepqError
 
 __all__ = ["register", "Unsupported", "PackedStates", "MAP_ENV", "ENTRY_POINT",
-           "pool_refusals", "server_refusals", "check_map", "map_desc", "cache_desc"]
+           "pool_refusals", "server_refusals", "check_map", "map_desc", "cache_desc", "slot_bytes"]
 
 logger = logging.getLogger("stepq.sglang")
 
@@ -74,6 +82,10 @@ T_BACKEND_BASE_INIT = ("sglang.srt.layers.attention.hybrid_linear_attn_backend"
 T_GDN_INIT = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend.__init__"
 T_KDA_INIT = "sglang.srt.layers.attention.linear.kda_backend.KDAAttnBackend.__init__"
 T_HOST_POOL_INIT = "sglang.srt.mem_cache.memory_pool_host.MambaPoolHost.__init__"
+T_MAMBA_SIZING = ("sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator"
+                  "._handle_max_mamba_cache")
+#: Bytes a stepq slot costs besides its page: its health word (backend memory).
+HEALTH_WORD_BYTES = 4
 T_PD = {
     "mooncake": "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._send_mamba_state_slice",
     "nixl": "sglang.srt.disaggregation.nixl.conn.NixlKVManager._send_mamba_state_slice",
@@ -510,7 +522,8 @@ def register(registry=None, hook_type=None):
         if hook_type is None:
             raise TypeError("register(registry=...): hook_type (the HookType enum) is needed too")
         hooks = [(T_REQ_POOL_INIT, _req_pool_init_before, hook_type.BEFORE),
-                 (T_INIT_MAMBA_POOL, _init_mamba_pool_around, hook_type.AROUND)]
+                 (T_INIT_MAMBA_POOL, _init_mamba_pool_around, hook_type.AROUND),
+                 (T_MAMBA_SIZING, _mamba_sizing_around, hook_type.AROUND)]
         for target, hook, kind in hooks:
             registry.register(target, hook, kind)
             hook_status[target] = "registered"
@@ -573,6 +586,90 @@ def _server_args():
         return get_server_args()
     except (ImportError, ValueError, AttributeError):
         return None
+
+
+def slot_bytes(cache_params, device="cuda", tp_rank=None, path=None):
+    """The bytes one slot of the stepq pool that StepqMambaPool would build
+    for these cache parameters costs on this rank: its page (stepq_pool_plan,
+    the map at `path`, default $STEPQ_MAP) plus its health word. Returns
+    (slot bytes, the map's tp size). The map is checked against the cache
+    parameters first (check_map: Unsupported naming the mismatch), so a
+    wrong map stops the server at sizing, before any memory is planned.
+    tp_rank: this rank (default: SGLang's attention-TP rank when tp > 1)."""
+    from .map import load_map
+    from .pool import plan_pool
+
+    path = path or os.environ.get(MAP_ENV)
+    if not path:
+        raise StepqError("STEPQ_EINVAL", "stepq: %s (the precision map of the served checkpoint) "
+                         "is not set" % MAP_ENV)
+    try:
+        smap = load_map(path)
+    except StepqError as e:
+        raise StepqError(e.name, "%s=%s: %s" % (MAP_ENV, path, e.message), e.status) from e
+    with smap:
+        tp_size = check_map(map_desc(smap), cache_desc(cache_params, cache_params.layers))
+        if tp_rank is None:
+            tp_rank = 0
+            if tp_size > 1:
+                from sglang.srt.runtime_context import get_parallel
+
+                tp_rank = get_parallel().attn_tp_rank
+        dev = "cuda" if str(device).startswith("cuda") else "cpu"
+        plan = plan_pool(smap, size=1, device=dev, tp_rank=tp_rank, tp_size=tp_size)
+    return plan["page_bytes"] + HEALTH_WORD_BYTES, tp_size
+
+
+class _SizedCacheParams:
+    """SGLang's cache parameters with mamba_cache_per_req replaced (the rest delegated)."""
+
+    def __init__(self, params, per_req):
+        self._params = params
+        self.mamba_cache_per_req = per_req
+
+    def __getattr__(self, name):
+        return getattr(self._params, name)
+
+
+class _SizedConfig:
+    """A mambaish config whose mamba2_cache_params are _SizedCacheParams (the rest delegated)."""
+
+    def __init__(self, config, per_req):
+        self._config = config
+        self._per_req = per_req
+
+    @property
+    def mamba2_cache_params(self):
+        return _SizedCacheParams(self._config.mamba2_cache_params, self._per_req)
+
+    def __getattr__(self, name):
+        return getattr(self._config, name)
+
+
+def _mamba_sizing_around(original, self, *args, **kwargs):
+    """KVCacheConfigurator._handle_max_mamba_cache AROUND hook: SGLang's own
+    sizing with stepq's slot bytes in place of the dense slot's (module
+    docstring); the configurator's mambaish_config is restored afterwards."""
+    config = getattr(self, "mambaish_config", None)
+    spec = getattr(self, "spec_algorithm", None)
+    if config is None or (spec is not None and not spec.is_none()):
+        return original(self, *args, **kwargs)  # no recurrent state / refused at the pool
+    params = config.mamba2_cache_params
+    dense = params.mamba_cache_per_req
+    ps = getattr(self, "ps", None)
+    per_req, tp_size = slot_bytes(params, getattr(self, "device", "cuda"),
+                                  tp_rank=getattr(ps, "attn_tp_rank", None))
+    self.mambaish_config = _SizedConfig(config, per_req)
+    try:
+        rest = original(self, *args, **kwargs)
+    finally:
+        self.mambaish_config = config
+    sa = getattr(self, "server_args", None)
+    n = getattr(sa, "max_mamba_cache_size", None)
+    logger.info("stepq: state pool sized by stepq's slot, %d B (page + health word, tp %d) instead of "
+                "the dense slot's %d B (%.2fx): max_mamba_cache_size = %s", per_req, tp_size, dense,
+                dense / per_req if per_req else float("nan"), n)
+    return rest
 
 
 def _req_pool_init_before(self, *args, **kwargs):

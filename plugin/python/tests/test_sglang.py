@@ -174,10 +174,11 @@ def test_register_hooks_the_pool_once():
     with _Env(STEPQ_MAP=QWEN_MAP):
         targets = plugin.register(reg, HookType)
         assert plugin.register(reg, HookType) == []  # once per process
-    assert targets == [plugin.T_REQ_POOL_INIT, plugin.T_INIT_MAMBA_POOL]
+    assert targets == [plugin.T_REQ_POOL_INIT, plugin.T_INIT_MAMBA_POOL, plugin.T_MAMBA_SIZING]
     kinds = {t: k for t, _, k in reg.hooks}
     assert kinds == {plugin.T_REQ_POOL_INIT: HookType.BEFORE,
-                     plugin.T_INIT_MAMBA_POOL: HookType.AROUND}, kinds
+                     plugin.T_INIT_MAMBA_POOL: HookType.AROUND,
+                     plugin.T_MAMBA_SIZING: HookType.AROUND}, kinds
     # No REPLACE on mamba_pool_cls: the registry would rebind MambaPool everywhere.
     assert all("mamba_pool_cls" not in t and k is not HookType.REPLACE for t, _, k in reg.hooks)
     with _harness.raises(TypeError, match="hook_type"):
@@ -200,7 +201,7 @@ def test_the_runtime_hooks_register_apply_and_report():
         plugin._register_runtime_hooks(sa)  # once
     finally:
         plugin.logger.setLevel(level)
-    targets = [t for t, _, _ in reg.hooks[2:]]
+    targets = [t for t, _, _ in reg.hooks[3:]]
     assert targets == [plugin.T_BACKEND_BASE_INIT, plugin.T_GDN_INIT, plugin.T_KDA_INIT,
                        plugin.T_HOST_POOL_INIT, plugin.T_PD["mori"]], targets
     assert reg.applied == 1
@@ -216,7 +217,8 @@ def test_the_runtime_hooks_register_apply_and_report():
 def test_the_hook_targets_exist_in_the_sglang_snapshot():
     py = os.path.join(_snapshot(), "python")
     targets = [plugin.T_REQ_POOL_INIT, plugin.T_INIT_MAMBA_POOL, plugin.T_BACKEND_BASE_INIT,
-               plugin.T_GDN_INIT, plugin.T_KDA_INIT, plugin.T_HOST_POOL_INIT] + list(plugin.T_PD.values())
+               plugin.T_GDN_INIT, plugin.T_KDA_INIT, plugin.T_HOST_POOL_INIT,
+               plugin.T_MAMBA_SIZING] + list(plugin.T_PD.values())
     for target in targets:
         mod, cls, meth = target.rsplit(".", 2)
         path = os.path.join(py, *mod.split(".")) + ".py"
@@ -225,6 +227,25 @@ def test_the_hook_targets_exist_in_the_sglang_snapshot():
         c = next((n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == cls), None)
         assert c is not None, "%s: no class %s" % (path, cls)
         assert any(isinstance(n, ast.FunctionDef) and n.name == meth for n in c.body), target
+
+
+def test_the_sizing_hook_rests_on_what_sglangs_sizing_reads():
+    """The sizing hook swaps KVCacheConfigurator.mambaish_config for the call: SGLang's
+    _handle_max_mamba_cache must read the per-request bytes only as
+    self.mambaish_config(...).mamba2_cache_params.mamba_cache_per_req (through its local
+    `config`), and nothing else of the dense slot's size."""
+    path = os.path.join(_snapshot(), "python", "sglang", "srt", "mem_cache", "kv_cache_configurator.py")
+    with open(path) as f:
+        src = f.read()
+    tree = ast.parse(src)
+    fn = next(n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and n.name == "_handle_max_mamba_cache")
+    assert "config = self.mambaish_config" in ast.get_source_segment(src, fn)
+    uses = [ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Attribute) and n.attr == "mamba_cache_per_req"]
+    assert uses and set(uses) == {"config.mamba2_cache_params.mamba_cache_per_req"}, uses
+    # The dense size enters nowhere else: no other name for the config or its cache parameters.
+    others = [ast.unparse(n) for n in ast.walk(fn) if isinstance(n, ast.Attribute)
+              and n.attr in ("mamba2_cache_params", "mambaish_config")]
+    assert set(others) <= {"config.mamba2_cache_params", "self.mambaish_config"}, others
 
 
 def _method_args(path, cls, meth):
@@ -387,6 +408,102 @@ def _qwen_cache(**kw):
              conv_dtype="bf16", temporal_dtype="bf16", num_k_heads_per_tp=16)
     c.update(kw)
     return plugin.map_desc(m), c
+
+
+class _NS:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+def _cache_params(m, hv=32, conv=(8192, 3), nk=16, is_kda=False):
+    """SGLang's Mamba2CacheParams as the plugin reads them, for the map m's layers (bf16 states)."""
+    L = len(m.layer_ids)
+    dense = L * (conv[0] * conv[1] * 2 + hv * 128 * 128 * 2)
+    return _NS(shape=_NS(temporal=(hv, 128, 128), conv=[conv], num_k_heads_per_tp=nk),
+               dtype=_NS(conv="torch.bfloat16", temporal="torch.bfloat16"),
+               layers=list(m.layer_ids), is_kda=is_kda, mamba_cache_per_req=dense)
+
+
+class _Configurator:
+    """KVCacheConfigurator's fields that _handle_max_mamba_cache and the hook read."""
+
+    def __init__(self, params, spec=False, ps=None, device="cuda"):
+        self.mambaish_config = _NS(mamba2_cache_params=params, other="kept")
+        self.spec_algorithm = _NS(is_none=lambda: not spec)
+        self.server_args = _NS(max_mamba_cache_size=None, mamba_full_memory_ratio=0.9)
+        self.ps, self.device, self.seen = ps, device, []
+
+
+def _sglang_sizing(self, total_rest_memory):
+    """The auto-sizing branch of SGLang's _handle_max_mamba_cache, its arithmetic only."""
+    config = self.mambaish_config
+    self.seen.append((config.other, config.mamba2_cache_params.layers))  # delegated attributes
+    per_req = config.mamba2_cache_params.mamba_cache_per_req
+    r = self.server_args.mamba_full_memory_ratio
+    self.server_args.max_mamba_cache_size = int(total_rest_memory * r / (1 + r) * (1 << 30) // per_req)
+    return total_rest_memory - self.server_args.max_mamba_cache_size * per_req / (1 << 30)
+
+
+def test_the_sizing_hook_turns_the_saving_into_slots():
+    """SGLang sizes the state pool from the dense slot; with the hook it sizes by stepq's page + health
+    word for the same budget: 4-bit states give several times the slots, and the memory they take is
+    what the pool will hold."""
+    with _Env(STEPQ_MAP=QWEN_MAP), stepq.load_map(QWEN_MAP) as m:
+        params = _cache_params(m)
+        page = stepq.plan_pool(m, size=1)["page_bytes"]
+        assert plugin.slot_bytes(params, "cpu") == (page + plugin.HEALTH_WORD_BYTES, 1)
+        dense_cfg = _Configurator(params)
+        rest_dense = _sglang_sizing(dense_cfg, 40.0)
+        n_dense = dense_cfg.server_args.max_mamba_cache_size
+        cfg = _Configurator(params, device="cpu")
+        conf0 = cfg.mambaish_config
+        rest = plugin._mamba_sizing_around(_sglang_sizing, cfg, 40.0)
+        n = cfg.server_args.max_mamba_cache_size
+        per = page + plugin.HEALTH_WORD_BYTES
+        r = 0.9
+        assert n == int(40.0 * r / (1 + r) * (1 << 30) // per)
+        assert n > 3 * n_dense, (n, n_dense)  # uniform@4 against bf16: about 4x the slots
+        assert abs((40.0 - rest) - n * per / (1 << 30)) < 1e-9 and rest > 0 and rest_dense > 0
+        assert cfg.mambaish_config is conf0  # restored
+        assert cfg.seen == [("kept", list(m.layer_ids))]
+        # A tensor-parallel rank: its share of the heads, its rank from the configurator's ps.
+        cfg4 = _Configurator(_cache_params(m, hv=8, conv=(2048, 3), nk=4), device="cpu",
+                             ps=_NS(attn_tp_rank=2, attn_tp_size=4))
+        plugin._mamba_sizing_around(_sglang_sizing, cfg4, 40.0)
+        per4 = stepq.plan_pool(m, size=1, tp_size=4, tp_rank=2)["page_bytes"] + plugin.HEALTH_WORD_BYTES
+        assert per4 < per and cfg4.server_args.max_mamba_cache_size == int(40.0 * r / (1 + r) * (1 << 30) // per4)
+
+
+def test_the_sizing_hook_leaves_speculative_decoding_and_refuses_a_wrong_map_at_sizing():
+    with _Env(STEPQ_MAP=QWEN_MAP), stepq.load_map(QWEN_MAP) as m:
+        params = _cache_params(m)
+        spec = _Configurator(params, spec=True, device="cpu")
+        plugin._mamba_sizing_around(_sglang_sizing, spec, 40.0)  # the dense sizing, untouched
+        assert spec.server_args.max_mamba_cache_size == int(40.0 * 0.9 / 1.9 * (1 << 30) // params.mamba_cache_per_req)
+        none = _Configurator(params, device="cpu")
+        none.mambaish_config = None
+        with _harness.raises(AttributeError):  # SGLang's own code runs (and fails its own way)
+            plugin._mamba_sizing_around(_sglang_sizing, none, 40.0)
+        bad = _Configurator(_cache_params(m, is_kda=True), device="cpu")
+        conf0 = bad.mambaish_config
+        with _harness.raises(plugin.Unsupported, match="arch is gdn"):
+            plugin._mamba_sizing_around(_sglang_sizing, bad, 40.0)
+        assert bad.mambaish_config is conf0 and bad.server_args.max_mamba_cache_size is None and not bad.seen
+        # The configuration is restored when SGLang's sizing itself raises.
+        def boom(self, total):
+            assert self.mambaish_config.mamba2_cache_params.mamba_cache_per_req < params.mamba_cache_per_req
+            raise RuntimeError("Not enough GPU memory")
+        ok = _Configurator(params, device="cpu")
+        conf0 = ok.mambaish_config
+        with _harness.raises(RuntimeError, match="Not enough GPU memory"):
+            plugin._mamba_sizing_around(boom, ok, 40.0)
+        assert ok.mambaish_config is conf0
+    with _Env(STEPQ_MAP=None), stepq.load_map(QWEN_MAP) as m:
+        with _harness.raises(stepq.StepqError, match="STEPQ_MAP"):
+            plugin.slot_bytes(_cache_params(m), "cpu")
+    with _Env(STEPQ_MAP="/nonexistent/map.json"), stepq.load_map(QWEN_MAP) as m:
+        with _harness.raises(stepq.StepqError, match="/nonexistent/map.json"):
+            plugin.slot_bytes(_cache_params(m), "cpu")
 
 
 def test_check_map_accepts_the_matching_shape_and_infers_the_tp_size():
