@@ -588,6 +588,21 @@ def _server_args():
         return None
 
 
+def _served_map(who, path=None):
+    """(path, the loaded map) of the served checkpoint: `path`, default $STEPQ_MAP; a StepqError
+    naming the variable when it is unset, or the variable and the path with the loader's message."""
+    from .map import load_map
+
+    path = path or os.environ.get(MAP_ENV)
+    if not path:
+        raise StepqError("STEPQ_EINVAL", "%s: %s (the precision map of the served checkpoint) is "
+                         "not set" % (who, MAP_ENV))
+    try:
+        return path, load_map(path)
+    except StepqError as e:
+        raise StepqError(e.name, "%s=%s: %s" % (MAP_ENV, path, e.message), e.status) from e
+
+
 def slot_bytes(cache_params, device="cuda", tp_rank=None, path=None):
     """The bytes one slot of the stepq pool that StepqMambaPool would build
     for these cache parameters costs on this rank: its page (stepq_pool_plan,
@@ -596,17 +611,9 @@ def slot_bytes(cache_params, device="cuda", tp_rank=None, path=None):
     parameters first (check_map: Unsupported naming the mismatch), so a
     wrong map stops the server at sizing, before any memory is planned.
     tp_rank: this rank (default: SGLang's attention-TP rank when tp > 1)."""
-    from .map import load_map
     from .pool import plan_pool
 
-    path = path or os.environ.get(MAP_ENV)
-    if not path:
-        raise StepqError("STEPQ_EINVAL", "stepq: %s (the precision map of the served checkpoint) "
-                         "is not set" % MAP_ENV)
-    try:
-        smap = load_map(path)
-    except StepqError as e:
-        raise StepqError(e.name, "%s=%s: %s" % (MAP_ENV, path, e.message), e.status) from e
+    path, smap = _served_map("stepq", path)
     with smap:
         tp_size = check_map(map_desc(smap), cache_desc(cache_params, cache_params.layers))
         if tp_rank is None:
@@ -846,7 +853,7 @@ def _build_classes():
         raise ImportError("stepq.sglang's pool and kernel classes need torch and SGLang "
                           "(sglang.srt.mem_cache.memory_pool), which cannot be imported: %s"
                           % e) from e
-    from . import StatePool, load_map
+    from . import StatePool
 
     nocompile = getattr(getattr(torch, "compiler", None), "disable", None) or (lambda f: f)
 
@@ -884,14 +891,7 @@ def _build_classes():
                           enable_gdn_replayssm_spec=enable_gdn_replayssm_spec,
                           envelope_layout=envelope_layout,
                           custom_mem_pool=os.environ.get("SGLANG_MOONCAKE_CUSTOM_MEM_POOL"))
-            path = os.environ.get(MAP_ENV)
-            if not path:
-                raise StepqError("STEPQ_EINVAL", "StepqMambaPool: %s (the precision map of the "
-                                 "served checkpoint) is not set" % MAP_ENV)
-            try:
-                smap = load_map(path)
-            except StepqError as e:
-                raise StepqError(e.name, "%s=%s: %s" % (MAP_ENV, path, e.message), e.status) from e
+            path, smap = _served_map("StepqMambaPool")
             shape = cache_params.shape
             cdesc = cache_desc(cache_params, mamba_layer_ids)
             mdesc = map_desc(smap)
