@@ -27,11 +27,11 @@ extern "C" {
 struct stepq__cuda_layer {
     sq_head_desc *d_heads;
     int n_heads;
-    size_t max_block; /* largest block_bytes */
-    int offsets16;    /* all head offsets multiples of 16 */
-    int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
-    int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
-    int any_uniform;  /* some head has one integer width for all rows (ubits) */
+    size_t max_block;     /* largest block_bytes */
+    int offsets16;        /* all head offsets multiples of 16 */
+    int all_quant;        /* every head with integer codes: the tile kernel handles the layer */
+    int column;           /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
+    int any_uniform;      /* some head has one integer width for all rows (ubits) */
     stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
@@ -216,7 +216,8 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     }
     L->n_heads = pl->n_heads;
     L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
-    L->fit = decode_fit < 0 ? STEPQ_DECODE_FIT_EXACT : (stepq_decode_fit)decode_fit; /* no dual heads: exact */
+    L->fit = decode_fit < 0 ? STEPQ_DECODE_FIT_EXACT
+                            : (stepq_decode_fit)decode_fit; /* no dual heads: exact */
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
