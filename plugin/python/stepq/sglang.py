@@ -603,19 +603,22 @@ def _served_map(who, path=None):
         raise StepqError(e.name, "%s=%s: %s" % (MAP_ENV, path, e.message), e.status) from e
 
 
-def slot_bytes(cache_params, device="cuda", tp_rank=None, path=None):
+def slot_bytes(cache_params, device="cuda", tp_rank=None, path=None, layer_ids=None):
     """The bytes one slot of the stepq pool that StepqMambaPool would build
     for these cache parameters costs on this rank: its page (stepq_pool_plan,
     the map at `path`, default $STEPQ_MAP) plus its health word. Returns
     (slot bytes, the map's tp size). The map is checked against the cache
     parameters first (check_map: Unsupported naming the mismatch), so a
     wrong map stops the server at sizing, before any memory is planned.
-    tp_rank: this rank (default: SGLang's attention-TP rank when tp > 1)."""
+    tp_rank: this rank (default: SGLang's attention-TP rank when tp > 1).
+    layer_ids: the recurrent layers the pool holds (default all of
+    cache_params.layers; a pipeline stage holds its own only)."""
     from .pool import plan_pool
 
     path, smap = _served_map("stepq", path)
     with smap:
-        tp_size = check_map(map_desc(smap), cache_desc(cache_params, cache_params.layers))
+        layers = list(cache_params.layers) if layer_ids is None else list(layer_ids)
+        tp_size = check_map(map_desc(smap), cache_desc(cache_params, layers))
         if tp_rank is None:
             tp_rank = 0
             if tp_size > 1:
@@ -664,8 +667,12 @@ def _mamba_sizing_around(original, self, *args, **kwargs):
     params = config.mamba2_cache_params
     dense = params.mamba_cache_per_req
     ps = getattr(self, "ps", None)
+    li = getattr(self, "layer_info", None)
+    layers = None
+    if li is not None:  # this pipeline stage's layers, as SGLang hands them to the pool
+        layers = [i for i in params.layers if li.start_layer <= i < li.end_layer]
     per_req, tp_size = slot_bytes(params, getattr(self, "device", "cuda"),
-                                  tp_rank=getattr(ps, "attn_tp_rank", None))
+                                  tp_rank=getattr(ps, "attn_tp_rank", None), layer_ids=layers)
     self.mambaish_config = _SizedConfig(config, per_req)
     try:
         rest = original(self, *args, **kwargs)

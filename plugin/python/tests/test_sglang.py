@@ -472,6 +472,15 @@ def test_the_sizing_hook_turns_the_saving_into_slots():
         plugin._mamba_sizing_around(_sglang_sizing, cfg4, 40.0)
         per4 = stepq.plan_pool(m, size=1, tp_size=4, tp_rank=2)["page_bytes"] + plugin.HEALTH_WORD_BYTES
         assert per4 < per and cfg4.server_args.max_mamba_cache_size == int(40.0 * r / (1 + r) * (1 << 30) // per4)
+        # A pipeline stage: the pool holds the stage's layers (layer_info), which the map must list; the
+        # checkpoint's full list is then refused by name, as the pool would refuse it.
+        cfgp = _Configurator(params, device="cpu")
+        cfgp.layer_info = _NS(start_layer=0, end_layer=m.layer_ids[-1] + 1)  # every layer: as TP1
+        plugin._mamba_sizing_around(_sglang_sizing, cfgp, 40.0)
+        assert cfgp.server_args.max_mamba_cache_size == n
+        cfgp.layer_info = _NS(start_layer=0, end_layer=m.layer_ids[len(m.layer_ids) // 2])
+        with _harness.raises(plugin.Unsupported, match="a pipeline stage holds only its own layers"):
+            plugin._mamba_sizing_around(_sglang_sizing, cfgp, 40.0)
 
 
 def test_the_sizing_hook_leaves_speculative_decoding_and_refuses_a_wrong_map_at_sizing():
