@@ -44,7 +44,7 @@ static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
 
 struct kopts {
     const char *json, *out, *only, *peer; /* json: --json FILE */
-    int json_stdout, quick, only_b, only_shape, help;
+    int json_stdout, quick, graph, only_b, only_shape, help;
 };
 
 /*
@@ -65,6 +65,9 @@ static int parse_opts(int argc, char **argv, struct kopts *k)
             return 0;
         } else if (!strcmp(a, "--quick")) {
             k->quick = 1;
+            continue;
+        } else if (!strcmp(a, "--graph")) {
+            k->graph = 1;
             continue;
         } else if (!strcmp(a, "--json")) {
             /* --json FILE: the JSON into FILE next to the tables; --json alone: on stdout. */
@@ -565,15 +568,20 @@ static FILE *tout;
 
 static int usage(FILE *f)
 {
-    fprintf(f, "usage: stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--peer FILE]\n"
-               "                           [--only LABEL] [--batch B] [--shape gdn|kda]\n"
+    fprintf(f, "usage: stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--graph]\n"
+               "                           [--peer FILE] [--only LABEL] [--batch B]\n"
+               "                           [--shape gdn|kda]\n"
                "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
                "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
-               "  --quick: batches 1, 64 and 512 only. --only: one row label (below);\n"
-               "  --batch (1, 8, 32, 64, 128, 256 or 512), --shape: one batch / one layer shape\n"
-               "  (for profilers). --json: every row, machine-readable, on stdout instead of the\n"
-               "  tables; --json FILE: into FILE, the tables on stdout too; -o: stdout into FILE.\n"
+               "  --quick: batches 1, 64 and 512 only. --graph: time each launch as a server's\n"
+               "  CUDA graph runs it (20 launches captured into one graph on a created stream,\n"
+               "  the median replay / 20; default: each launch between two events, which\n"
+               "  includes the host's launch latency at small batches). --only: one row label\n"
+               "  (below); --batch (1, 8, 32, 64, 128, 256 or 512), --shape: one batch / one\n"
+               "  layer shape (for profilers). --json: every row, machine-readable, on stdout\n"
+               "  instead of the tables; --json FILE: into FILE, the tables on stdout too; -o:\n"
+               "  stdout into FILE.\n"
                "  --peer: the JSON of tools/bench_peer_fla.py (flash-linear-attention's fp32\n"
                "  kernels, timed in a separate process): adds 'peer us' and 'vs peer' (peer us /\n"
                "  us) to the step rows at the batches it has. Without it the fp32 rows show the\n"
@@ -602,7 +610,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     if (ko.help)
         return usage(stdout);
     const char *json = ko.json, *only = ko.only, *peer_file = ko.peer;
-    const int quick = ko.quick, only_b = ko.only_b, only_shape = ko.only_shape;
+    const int quick = ko.quick, graph = ko.graph, only_b = ko.only_b, only_shape = ko.only_shape;
     if (only) {
         int known = 0;
         for (int ri = 0; ri < N_ROWS; ri++)
@@ -663,9 +671,17 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         tout = mf;
     stepq_tool_printf(tout, "device: %s, %d SMs; copy bandwidth (D2D, read+write) %.0f GB/s\n",
                       prop.name, prop.multiProcessorCount, copy_gbs);
-    stepq_tool_printf(
-        tout, "timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
-        FX_TIME_WARMUP, FX_TIME_RUNS);
+    if (graph)
+        stepq_tool_printf(
+            tout,
+            "timing: CUDA graphs of %d launches on a created stream, %d eager warm-up, "
+            "median of %d replays / %d; one layer, one token per request\n",
+            FX_TIME_GRAPH_LAUNCHES, FX_TIME_WARMUP, FX_TIME_RUNS, FX_TIME_GRAPH_LAUNCHES);
+    else
+        stepq_tool_printf(
+            tout,
+            "timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
+            FX_TIME_WARMUP, FX_TIME_RUNS);
     if (measured) {
         stepq_tool_printf(
             tout,
@@ -681,7 +697,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     if (jf) {
         fprintf(jf, "{\"device\": ");
         stepq_tool_json_str(jf, prop.name);
-        fprintf(jf, ", \"copy_gbs\": %.1f, \"runs\": %d,\n \"peer\": ", copy_gbs, FX_TIME_RUNS);
+        fprintf(jf,
+                ", \"copy_gbs\": %.1f, \"runs\": %d, \"timing\": \"%s\", \"graph_launches\": %d,\n "
+                "\"peer\": ",
+                copy_gbs, FX_TIME_RUNS, graph ? "graph" : "events",
+                graph ? FX_TIME_GRAPH_LAUNCHES : 0);
         if (measured) {
             fprintf(jf, "{\"source\": \"measured\", \"file\": ");
             stepq_tool_json_str(jf, peer.file);
@@ -695,6 +715,14 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         fprintf(jf, ",\n \"rows\": [");
     }
     int first_row = 1, rc = 0;
+    /*
+     * The timed launches' stream: the legacy default stream (events), or with --graph a created
+     * one that a graph can capture. Setup (packs, fills) stays on s and is synchronized before a
+     * row is timed, and the timing synchronizes before the next row's setup.
+     */
+    cudaStream_t ts = NULL;
+    if (graph && !cu_ok(cudaStreamCreateWithFlags(&ts, cudaStreamNonBlocking), "graph stream"))
+        rc = 1;
 
     /* Device buffers sized for the largest batch. */
     /* dense states are indexed by slot id (1..MAX_B) */
@@ -786,7 +814,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 memset(&c, 0, sizeof(c));
                 c.kind = rw->kind;
                 c.old = rw->old;
-                c.s = s;
+                c.s = ts;
                 c.dense = dstate;
                 c.stride = (size_t)HV * D * D;
                 stepq_step_args a = STEPQ_STEP_ARGS_INITIALIZER;
@@ -812,7 +840,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 const size_t dense_f32 = (size_t)B * HV * D * D * 4;
                 size_t state_rw;
                 if (me->budget == 0) {
-                    fx_dense_kernel_args(arch, H, HV, MAX_B + 1, &c.args, s, &c.ka);
+                    fx_dense_kernel_args(arch, H, HV, MAX_B + 1, &c.args, ts, &c.ka);
                     state_rw = rw->kind == K_DENSE_F32 ? 2 * dense_f32 : dense_f32;
                     /* the fp32 rows before left fp32 bits: make the bf16 view finite again */
                     if (rw->kind == K_DENSE_BF16 &&
@@ -850,7 +878,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                      */
                     if (rc == 0 && (rw->old || rw->kind == K_PACKED_2S) &&
                         (fx_packed_layer(c.pool, 0, &c.pl) < 0 ||
-                         fx_kernel_args(c.pool, &c.args, s, &c.ka) < 0 ||
+                         fx_kernel_args(c.pool, &c.args, ts, &c.ka) < 0 ||
                          stepq__cuda_layer_prepare_ex(&c.pl, rw->old ? STEPQ__CUDA_COLUMN : 0,
                                                       &c.L) < 0))
                         rc = 1;
@@ -864,7 +892,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         state_rw += 2 * dense_f32; /* scratch write + read */
                 }
                 double us = -1;
-                if (rc == 0 && fx_time_us(launch, &c, s, &us) < 0) {
+                if (rc == 0 && (graph ? fx_time_graph_us(launch, &c, ts, &us)
+                                      : fx_time_us(launch, &c, ts, &us)) < 0) {
                     fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     rc = 1;
                 }
@@ -950,6 +979,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
     cudaFree(dt_bias);
     cudaFree(o);
     cudaFree(dslots);
+    if (ts)
+        cudaStreamDestroy(ts);
     return rc;
 }
 

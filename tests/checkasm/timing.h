@@ -22,4 +22,19 @@ typedef int (*fx_launch_fn)(void *ctx);
  */
 int fx_time_us(fx_launch_fn launch, void *ctx, void *stream, double *us);
 
+/** Launches captured into one graph by fx_time_graph_us. */
+#define FX_TIME_GRAPH_LAUNCHES 20
+
+/**
+ * The steady-state time of one launch as a server's CUDA graph runs it: launch
+ * runs FX_TIME_WARMUP times eagerly, then FX_TIME_GRAPH_LAUNCHES times under
+ * stream capture into one graph (back to back, no host in between), which is
+ * replayed once untimed and then FX_TIME_RUNS times between two events; *us is
+ * the median replay time divided by FX_TIME_GRAPH_LAUNCHES. `stream` must be a
+ * created stream (capture refuses the legacy default stream: STEPQ_EINVAL). A
+ * launch that fails, or is not capturable, returns its status with a message
+ * naming the step; the capture is ended and nothing stays instantiated.
+ */
+int fx_time_graph_us(fx_launch_fn launch, void *ctx, void *stream, double *us);
+
 #endif /* STEPQ_TESTS_CHECKASM_TIMING_H */
