@@ -15,7 +15,9 @@
 # PREFILL (512), DECODE (1536), THREADS (online CPUs), VARIANTS (1; 0 leaves out the stepq-nopiv and
 # stepq-paper comparison maps), MAPS (a folder of ready maps, e.g.
 # config/calibrated/tiny-gdn: eval / nll stages then copy them instead of capturing and
-# calibrating; their SHA256SUMS are checked).
+# calibrating; their SHA256SUMS are checked), STEPQ_ARGS (more `stepq calibrate` options for
+# the stepq@4/6/8 maps, e.g. "--row-split 0.75 --decode-fit norefit": tools/CALIBRATION.md's
+# rule for tiny-kda; word-split).
 # Calibration is deterministic, so `calib` run in two sessions gives byte-identical
 # maps (the script prints their sha256).
 set -euo pipefail
@@ -66,8 +68,10 @@ calib() {
         for m in uniform dsq spatial temporal stepq; do
             [ $b = 8 ] && [ $m != uniform ] && continue
             log "calibrate $m@$b"
+            extra=()
+            [ $m = stepq ] && read -r -a extra <<< "${STEPQ_ARGS:-}"
             "$STEPQ" calibrate --trace "${T[@]}" --method $m --budget $b --threads "$THREADS" \
-                --model-name "$NAME" --out "$OUT/maps/$m@$b.json" \
+                "${extra[@]}" --model-name "$NAME" --out "$OUT/maps/$m@$b.json" \
                 --report "$OUT/reports/$m@$b.json" 2>&1 | tee -a "$OUT/study.log"
         done
     done
