@@ -613,6 +613,26 @@ static int run_bad_entry(void)
         goto out;
     CA_TRY(bad == NULL, "a refused prepare left a handle");
     n++;
+    /*
+     * Dual heads of two decode fits in one layer: a map cannot say so (decode_fit is the map's),
+     * but the entry takes hand-made layers and launches one fit per layer (a template bit), so it
+     * refuses them by name, with the head that differs.
+     */
+    CA_TRY(fx.dpl.n_heads == 4, "the fixture's layer has %d heads, not 4", fx.dpl.n_heads);
+    struct stepq__head_layout mixed_heads[4];
+    memcpy(mixed_heads, fx.dpl.heads, sizeof(mixed_heads));
+    mixed_heads[2].decode_fit = mixed_heads[0].decode_fit == STEPQ_DECODE_FIT_NOREFIT
+                                    ? STEPQ_DECODE_FIT_ROWS
+                                    : STEPQ_DECODE_FIT_NOREFIT;
+    struct stepq__packed_layer mixed = fx.dpl;
+    mixed.heads = mixed_heads;
+    bad = L;
+    if ((rc = ca_expect_refused_entry(stepq__cuda_layer_prepare_ex(&mixed, 0, &bad), STEPQ_EINVAL,
+                                      "head 2's decode_fit",
+                                      "prepare of a layer with two decode fits")))
+        goto out;
+    CA_TRY(bad == NULL, "a refused prepare left a handle");
+    n++;
     if ((rc = ca_pools_unchanged(&fx, &sn, "after the refused calls")) ||
         (rc = untouched(&hio, &dio)))
         goto out;
