@@ -3,12 +3,14 @@
 
 Reads the per-unit reports of `stepq calibrate --report FILE` (one JSON per
 map: every unit's layer, head, key row (KDA; -1 for GDN heads), half-life on
-the calibration split and chosen width, 16 = fp16 pivot) and prints markdown:
+the calibration split and chosen width, 16 = fp16 pivot), or a calibrated map
+itself (its units' widths and the log retention its calibration stored,
+half-life = ln 2 / -log retention, as the report's), and prints markdown:
   - per map, the histogram of widths, overall and per layer;
   - the widths by half-life band (how the lifetime-aware allocation follows the gates);
   - the pivot units, sorted by half-life, with layer, head and row.
 
-  map_report.py NAME=REPORT.json ... [--markdown OUT.md] [--pivots N]
+  map_report.py NAME=REPORT.json|NAME=MAP.json ... [--markdown OUT.md] [--pivots N]
 """
 import argparse
 import json
@@ -69,9 +71,37 @@ def report(name, rep, max_pivots):
     return out
 
 
+def half_life(log_retention):
+    """Tokens for a unit's contents to halve (tools/calib: ln 2 / -l; 1e30 without decay)."""
+    return 0.69314718055994531 / -log_retention if log_retention < 0 else 1e30
+
+
+def report_of_map(m, path):
+    """A calibrate report's fields from a calibrated map (config/SCHEMA.md): method, budget and one
+    unit per head (GDN) or key row (KDA) with its layer, head, row, width and half-life."""
+    kda = m["model"]["arch"] == "kda"
+    if not m.get("layers"):
+        raise SystemExit("map_report: %s: a %s map has no per-unit widths" % (path, m.get("method")))
+    units = []
+    for L in m["layers"]:
+        for hi, h in enumerate(L["heads"]):
+            lr = h.get("stats", {}).get("log_retention")
+            if lr is None:
+                raise SystemExit("map_report: %s: layer %d head %d has no calibration stats (log_retention): "
+                                 "not a calibrated map" % (path, L["layer"], hi))
+            if kda:
+                for r, (b, l) in enumerate(zip(h["row_bits"], lr)):
+                    units.append({"layer": L["layer"], "head": hi, "row": r, "bits": b, "half_life": half_life(l)})
+            else:
+                units.append({"layer": L["layer"], "head": hi, "row": -1, "bits": h["bits"],
+                              "half_life": half_life(lr if not isinstance(lr, list) else lr[0])})
+    return {"method": m["method"], "budget": m["budget_bits"], "units": units}
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("reports", nargs="+", help="NAME=REPORT.json (from stepq calibrate --report)")
+    p.add_argument("reports", nargs="+", help="NAME=REPORT.json (from stepq calibrate --report) or "
+                   "NAME=MAP.json (a calibrated map)")
     p.add_argument("--markdown", help="write the markdown here as well as to stdout")
     p.add_argument("--pivots", type=int, default=40, help="pivot units listed per map (default 40)")
     a = p.parse_args(argv)
@@ -85,8 +115,10 @@ def main(argv=None):
                 rep = json.load(f)
         except (OSError, ValueError) as e:
             raise SystemExit("map_report: %s: %s" % (path, e))
+        if rep.get("format") == "stepq-precision-map":
+            rep = report_of_map(rep, path)
         if "units" not in rep:
-            raise SystemExit("map_report: %s: not a calibrate report (no units)" % path)
+            raise SystemExit("map_report: %s: neither a calibrate report (no units) nor a precision map" % path)
         lines += report(name, rep, a.pivots)
     text = "\n".join(lines)
     print(text)
