@@ -669,6 +669,53 @@ def _child_kernels(args):
             return seen
 
         record("%s: PackedStates and target_verify refuse" % arch, refusals)
+
+        def sizing():
+            """SGLang's own KVCacheConfigurator._handle_max_mamba_cache (its auto-sizing branch),
+            called on a stand-in configurator, without and with stepq's sizing hook: the slot count
+            follows stepq's page + health word instead of the dense slot, and the memory left to
+            the KV cache is what the stepq slots do not take."""
+            from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+
+            fn = KVCacheConfigurator._handle_max_mamba_cache
+
+            class Args:
+                max_mamba_cache_size = None
+                disable_radix_cache = False
+                max_running_requests = None
+                speculative_num_draft_tokens = None
+                mamba_full_memory_ratio = 0.9
+
+                def override(self, _why, **kw):
+                    for k, v in kw.items():
+                        setattr(self, k, v)
+
+            class Conf:
+                def __init__(self):
+                    self.mambaish_config = types.SimpleNamespace(mamba2_cache_params=cp)
+                    self.server_args = Args()
+                    self.spec_algorithm = types.SimpleNamespace(is_none=lambda: True)
+                    self.ps = types.SimpleNamespace(attn_dp_size=1, attn_tp_rank=0, attn_tp_size=1)
+                    self.layer_info = types.SimpleNamespace(start_layer=0, end_layer=max(layers) + 1)
+                    self.device = "cuda"
+
+            total = 40.0
+            dense, hooked = Conf(), Conf()
+            rest_dense = fn(dense, total)
+            rest = plugin._mamba_sizing_around(fn, hooked, total)
+            per = sp.page_bytes + plugin.HEALTH_WORD_BYTES
+            budget = total * 0.9 / 1.9 * (1 << 30)
+            n, n_dense = hooked.server_args.max_mamba_cache_size, dense.server_args.max_mamba_cache_size
+            if n_dense != int(budget // cp.mamba_cache_per_req):
+                raise AssertionError("dense sizing %d slots, expected %d" % (n_dense, int(budget // cp.mamba_cache_per_req)))
+            if n != int(budget // per):
+                raise AssertionError("hooked sizing %d slots, expected %d (stepq slot %d B)" % (n, int(budget // per), per))
+            if abs((total - rest) - n * per / (1 << 30)) > 1e-6 or hooked.mambaish_config.mamba2_cache_params is not cp:
+                raise AssertionError("rest %r for %d slots of %d B, or the configurator was not restored" % (rest, n, per))
+            return {"dense_slot_bytes": cp.mamba_cache_per_req, "stepq_slot_bytes": per, "slots_dense": n_dense,
+                    "slots_stepq": n, "rest_gb_dense": round(rest_dense, 4), "rest_gb_stepq": round(rest, 4)}
+
+        record("%s: SGLang's _handle_max_mamba_cache sizes by stepq's slot (the sizing hook)" % arch, sizing)
         state["alloc"].free(ids)
         pool.close()
     return out
