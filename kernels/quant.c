@@ -456,7 +456,15 @@ int stepq__quantize_head(const struct stepq__head_layout *hl, const float *x, co
 int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x, const float *w,
                              const void *old, void *block, uint32_t *flags, stepq_decode_fit fit)
 {
+    return stepq__quantize_head_fit_ex(hl, x, w, old, block, flags, fit, NULL);
+}
+
+int stepq__quantize_head_fit_ex(const struct stepq__head_layout *hl, const float *x, const float *w,
+                                const void *old, void *block, uint32_t *flags, stepq_decode_fit fit,
+                                int *exact)
+{
     uint32_t dummy = 0;
+    int ex = 0;
     int rc = check_layout(hl);
 
     if (rc < 0)
@@ -515,10 +523,13 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
         fit_fp8(hl, x, blk);
     else if (rows && fit_rows(hl, x, ch, rh, blk, flags))
         ; /* served by the old column scales (x sanitised above); else the exact fit below */
-    else if (stepq_method_has_col_scales(hl->method))
+    else if (stepq_method_has_col_scales(hl->method)) {
+        ex = rows || fit == STEPQ_DECODE_FIT_EXACT;
         fit_dual(hl, x, use_w ? w : NULL, fit != STEPQ_DECODE_FIT_NOREFIT, blk, flags);
-    else
+    } else
         fit_rowmax(hl, x, blk, flags);
+    if (exact)
+        *exact = ex;
     free(clean);
     return STEPQ_OK;
 }

@@ -122,6 +122,17 @@ int stepq__quantize_head_fit(const struct stepq__head_layout *hl, const float *x
                              const void *old, void *block, uint32_t *flags, stepq_decode_fit fit);
 
 /**
+ * stepq__quantize_head_fit that also says which fit ran: *exact (may be NULL)
+ * is set to 1 where a dual-axis head took the exact fit, under `fit` ROWS the
+ * fallback (the old column scales could not serve: kernels/format.h's
+ * conditions and the growth trigger), and to 0 otherwise. For analysis
+ * (`stepq eval` reports the rows fit's fallback rate); the store is the same.
+ */
+int stepq__quantize_head_fit_ex(const struct stepq__head_layout *hl, const float *x, const float *w,
+                                const void *old, void *block, uint32_t *flags, stepq_decode_fit fit,
+                                int *exact);
+
+/**
  * Reconstructs one head from its block into x, fp32 [d_k][d_v].
  * @return STEPQ_OK or STEPQ_EINVAL for a bad layout.
  */

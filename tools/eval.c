@@ -14,6 +14,9 @@
  *   - the gains, whether the error is biased: readout sum <o^, o> / sum ||o||^2
  *     and store sum <Q(S^), S^> / sum ||S^||^2 over every store (1: unbiased;
  *     below 1 the stored state shrinks, which acts as extra decay);
+ *   - for a map whose decode_fit is rows, the fraction of head stores that fell
+ *     back to the exact fit (the old column scales could not serve: a fresh
+ *     page, or the growth trigger), the bound on what that fit can save;
  * and, independent of the maps:
  *   - Spearman correlation between per-unit accumulated state error
  *     D_u = sum_t ||S^_t - S_t||^2 under uniform@6 and the half-life;
@@ -402,8 +405,12 @@ int stepq_tool_eval(int argc, char **argv)
     }
     struct ms gain[STEPQ__EVAL_MAX_MAPS + 1][2]; /* readout, store: printed after the table */
     char glabel[STEPQ__EVAL_MAX_MAPS + 1][128];
+    /* The fit rows' fallback: the fraction of head stores that took the exact fit; -1 unless the
+     * map's decode_fit is rows. */
+    double fallback[STEPQ__EVAL_MAX_MAPS + 1];
     for (int m = 0; m < M; m++) {
         struct ms v[9];
+        double n_st = 0, n_ex = 0;
         for (int s = 0; s < S; s++) {
             double e = 0, r = 0, ea = 0, ra = 0, eb = 0, rb2 = 0, hs = 0, se[3] = { 0 },
                    sr[3] = { 0 }, od = 0, qd = 0, qr = 0;
@@ -421,6 +428,8 @@ int stepq_tool_eval(int argc, char **argv)
                 od += a->odot;
                 qd += a->qdot;
                 qr += a->qref;
+                n_st += a->stores;
+                n_ex += a->rows_exact;
             }
             tmp[0 * S + s] = r > 0 ? e / r : 0;
             tmp[1 * S + s] = hs / H;
@@ -450,6 +459,10 @@ int stepq_tool_eval(int argc, char **argv)
         }
         gain[m][0] = v[7];
         gain[m][1] = v[8];
+        fallback[m] = m < n_maps && stepq_map_decode_fit(maps[m]) == STEPQ_DECODE_FIT_ROWS &&
+                              stepq_method_has_col_scales(stepq_map_method(maps[m])) && n_st > 0
+                          ? n_ex / n_st
+                          : -1.0;
         snprintf(glabel[m], sizeof(glabel[m]), "%s", name);
         stepq_tool_printf(tf, "%-22s %6.3f", name, bpv);
         for (int k = 0; k < (classes ? 7 : 4); k++) {
@@ -478,6 +491,9 @@ int stepq_tool_eval(int argc, char **argv)
             json_ms(jf, "state_rel_long", v[6], 0);
             json_ms(jf, "readout_gain", v[7], 0);
             json_ms(jf, "store_gain", v[8], 0);
+            fputs("\"rows_fallback\": ", jf);
+            json_num(jf, fallback[m] >= 0 ? fallback[m] : NAN);
+            fputs(", ", jf);
             fprintf(jf, "\"curve\": [");
             for (int b = 0; b < nb; b++) {
                 double e = 0, r = 0;
@@ -594,6 +610,12 @@ int stepq_tool_eval(int argc, char **argv)
     for (int m = 0; m < M; m++)
         stepq_tool_printf(tf, "  %-22s readout %.6f+-%.0e  store %.6f+-%.0e\n", glabel[m],
                           gain[m][0].mean, gain[m][0].se, gain[m][1].mean, gain[m][1].se);
+    for (int m = 0; m < M; m++)
+        if (fallback[m] >= 0)
+            stepq_tool_printf(tf,
+                              "decode fit rows, %s: %.1f%% of the head stores fell back to the "
+                              "exact fit (the old column scales could not serve)\n",
+                              glabel[m], 100.0 * fallback[m]);
     stepq_tool_printf(
         tf,
         "Spearman(D_u under uniform@6, half-life): pooled %.3f, per stream %.3f +- %.3f (%d "

@@ -214,16 +214,19 @@ int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, 
     return STEPQ_OK;
 }
 
-void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x)
+int stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x)
 {
+    int exact = 0;
     if (qz->dense_fp32)
-        return;
+        return 0;
     /* The calls only fail on a bad layout or fit, which init already rejected. */
     if (qz->decode_fit)
-        stepq__quantize_head_fit(&qz->hl, x, qz->w, qz->block, qz->block, NULL, qz->hl.decode_fit);
+        stepq__quantize_head_fit_ex(&qz->hl, x, qz->w, qz->block, qz->block, NULL,
+                                    qz->hl.decode_fit, &exact);
     else
         stepq__quantize_head(&qz->hl, x, qz->w, qz->block, NULL);
     stepq__dequantize_head(&qz->hl, qz->block, x);
+    return qz->decode_fit && qz->hl.decode_fit == STEPQ_DECODE_FIT_ROWS && exact;
 }
 
 void stepq__calib_quant_use_decode_fit(struct stepq__calib_quant *qz)

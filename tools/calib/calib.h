@@ -53,7 +53,11 @@ int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, 
  */
 int stepq__calib_quant_init_layout(struct stepq__calib_quant *qz,
                                    const struct stepq__head_layout *hl, const float *w);
-void stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x);
+/**
+ * Stores x through the quantizer and reconstructs it in place. Returns 1 where a store under
+ * the decode fit rows fell back to the exact fit (the old column scales could not serve), else 0.
+ */
+int stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x);
 /**
  * From now on each store fits as the pool's decode step does (the layout's
  * decode_fit, kernels/quant.h: exact, norefit, or rows against the previous

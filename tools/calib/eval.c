@@ -112,6 +112,7 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
     }
 
     double lsum = 0.0;
+    int fell[STEPQ__EVAL_MAX_MAPS + 1];
     for (int s = 0; s < S; s++) {
         struct stepq__calib_head h;
         if ((c->rc[job] = stepq__calib_head_load(c->ts, s, li, hv, &h)) < 0)
@@ -143,7 +144,7 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 /* The store's gain: how much of the state a store keeps along itself (a
                  * shrinking quantizer, e.g. a least-squares refit of noisy codes, gives < 1). */
                 memcpy(Xb, X, sizeof(float) * KV);
-                stepq__calib_quant_apply(&qz[m], X);
+                fell[m] = stepq__calib_quant_apply(&qz[m], X);
                 for (size_t e = 0; e < KV; e++) {
                     qdm += (double)X[e] * Xb[e];
                     qrm += (double)Xb[e] * Xb[e];
@@ -182,6 +183,8 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 a->odot += od[m];
                 a->qdot += qd[m];
                 a->qref += qr[m];
+                a->stores += 1;
+                a->rows_exact += fell[m];
                 size_t ci = (((size_t)m * H + job) * S + s) * c->nb + bk;
                 c->curve_err[ci] += e2[m];
                 c->curve_ref[ci] += r2;

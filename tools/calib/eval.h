@@ -21,6 +21,7 @@ struct stepq__eval_acc {               /* per (method, head, stream) */
     double serr, sref;                 /* state */
     double odot;                       /* sum_t <o^, o>: the readout gain's numerator (/ ref) */
     double qdot, qref;                 /* sum_t <Q(S^), S^>, sum_t <S^, S^> over the stores */
+    double stores, rows_exact;         /* stores; those the fit rows left to the exact fit */
 };
 
 struct stepq__eval {
