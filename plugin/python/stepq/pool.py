@@ -68,6 +68,8 @@ def _host_ids(ids, name):
 def _pool_config(map, size, device, policy, max_running_requests, memory_budget_bytes, stream,
                  clear_on_alloc, tp_rank, tp_size, min_page_bytes, page_align, block_align):
     """The stepq_pool_config of StatePool's and plan_pool's arguments, and the parsed device."""
+    if not hasattr(type(map), "handle"):
+        raise bad_arg("map: a stepq.Map (stepq.load_map), not %s" % type(map).__name__)
     kind, index = _parse_device(device)
     if policy not in _lib.POLICIES:
         raise bad_arg("policy: %r is not one of %s" % (policy, ", ".join(_lib.POLICIES)))

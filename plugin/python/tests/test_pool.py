@@ -316,6 +316,14 @@ def test_plan_pool_gives_the_bytes_an_open_pool_has_without_allocating():
                 stepq.plan_pool(m, memory_budget_bytes=page)
             with raises(stepq.StepqError, name="STEPQ_ESHAPE"):
                 stepq.plan_pool(m, size=1, tp_size=3)
+    with raises(ValueError, match="map: a stepq.Map (stepq.load_map), not NoneType"):
+        stepq.plan_pool(None, size=2)
+    with raises(ValueError, match="map: a stepq.Map (stepq.load_map), not str"):
+        stepq.StatePool(GDN6, size=2)  # a path is not a map
+    m = stepq.load_map(GDN6)
+    m.close()
+    with raises(stepq.StepqError, name="STEPQ_EBADF"):
+        stepq.plan_pool(m, size=2)
 
 
 def test_cuda_pool_fails_cleanly_without_cuda():
