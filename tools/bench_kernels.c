@@ -576,8 +576,9 @@ static int usage(FILE *f)
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
                "  --quick: batches 1, 64 and 512 only. --graph: time each launch as a server's\n"
                "  CUDA graph runs it (20 launches captured into one graph on a created stream,\n"
-               "  the median replay / 20; default: each launch between two events, which\n"
-               "  includes the host's launch latency at small batches). --only: one row label\n"
+               "  the median replay / 20; a row that cannot be captured says why; default: each\n"
+               "  launch between two events, which includes the host's launch latency at small\n"
+               "  batches). --only: one row label\n"
                "  (below); --batch (1, 8, 32, 64, 128, 256 or 512), --shape: one batch / one\n"
                "  layer shape (for profilers). --json: every row, machine-readable, on stdout\n"
                "  instead of the tables; --json FILE: into FILE, the tables on stdout too; -o:\n"
@@ -892,8 +893,28 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         state_rw += 2 * dense_f32; /* scratch write + read */
                 }
                 double us = -1;
-                if (rc == 0 && (graph ? fx_time_graph_us(launch, &c, ts, &us)
-                                      : fx_time_us(launch, &c, ts, &us)) < 0) {
+                int timed = rc == 0 ? (graph ? fx_time_graph_us(launch, &c, ts, &us)
+                                             : fx_time_us(launch, &c, ts, &us))
+                                    : STEPQ_OK;
+                if (timed == STEPQ_ENOTSUP && graph) {
+                    /* it ran eagerly but does not capture: a row that says so, not a failure */
+                    stepq_tool_printf(tout, "%-26s %5d %10s  (%s)\n", rw->label, B, "-",
+                                      stepq_last_error());
+                    if (jf) {
+                        fprintf(jf,
+                                "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
+                                "\"us\": null, \"not_capturable\": ",
+                                first_row ? "" : ",",
+                                shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", rw->label, B);
+                        stepq_tool_json_str(jf, stepq_last_error());
+                        fputs("}", jf);
+                        first_row = 0;
+                    }
+                    stepq_tool_progress_add(&prog, 1);
+                    stepq__cuda_layer_release(c.L);
+                    continue;
+                }
+                if (timed < 0) {
                     fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     rc = 1;
                 }

@@ -1,4 +1,5 @@
 /* CUDA-event timing shared by the checks' benchmarks and `stepq bench kernels` (timing.h). */
+#include <stdio.h>
 #include <stdlib.h>
 
 #include <cuda_runtime_api.h>
@@ -91,14 +92,21 @@ int fx_time_graph_us(fx_launch_fn launch, void *ctx, void *stream, double *us)
     for (int r = 0; r < FX_TIME_GRAPH_LAUNCHES && ret >= 0; r++)
         ret = launch(ctx);
     e = cudaStreamEndCapture(s, &g); /* ends the capture in every case */
-    if (ret < 0)
+    /* The launch ran eagerly above: what fails from here on is its capture (STEPQ_ENOTSUP). */
+    if (ret < 0) {
+        char why[512]; /* the launch's message, copied: stepq__error writes the same buffer */
+        snprintf(why, sizeof(why), "%s", stepq_last_error());
+        ret = stepq__error(STEPQ_ENOTSUP, "timing: not capturable into a CUDA graph: %s", why);
         goto out;
+    }
     if (e != cudaSuccess) {
-        ret = stepq__cuda_error(NULL, (int)e, "timing: the captured launches");
+        ret = stepq__error(STEPQ_ENOTSUP, "timing: not capturable into a CUDA graph: %s",
+                           cudaGetErrorString(e));
         goto out;
     }
     if ((e = cudaGraphInstantiate(&ge, g, 0)) != cudaSuccess) {
-        ret = stepq__cuda_error(NULL, (int)e, "timing: cudaGraphInstantiate");
+        ret = stepq__error(STEPQ_ENOTSUP, "timing: the captured graph does not instantiate: %s",
+                           cudaGetErrorString(e));
         goto out;
     }
     if ((e = cudaEventCreate(&e0)) != cudaSuccess || (e = cudaEventCreate(&e1)) != cudaSuccess) {

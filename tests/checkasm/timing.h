@@ -32,8 +32,10 @@ int fx_time_us(fx_launch_fn launch, void *ctx, void *stream, double *us);
  * replayed once untimed and then FX_TIME_RUNS times between two events; *us is
  * the median replay time divided by FX_TIME_GRAPH_LAUNCHES. `stream` must be a
  * created stream (capture refuses the legacy default stream: STEPQ_EINVAL). A
- * launch that fails, or is not capturable, returns its status with a message
- * naming the step; the capture is ended and nothing stays instantiated.
+ * launch that fails eagerly returns its own status; one that runs eagerly but
+ * not under capture (a host synchronisation, a copy to the host) is
+ * STEPQ_ENOTSUP with the reason. The capture is ended in every case and
+ * nothing stays instantiated.
  */
 int fx_time_graph_us(fx_launch_fn launch, void *ctx, void *stream, double *us);
 
