@@ -36,7 +36,10 @@ plugin/python/SGLANG.md for every code path and how it is handled):
   --max-mamba-cache-size). Not with speculative decoding, which the pool
   refuses anyway.
 * Registered when the first stepq pool is built (so plugin loading in the
-  engine's main process imports only ``mem_cache.memory_pool``):
+  engine's main process imports only ``mem_cache.memory_pool`` and, for the
+  sizing hook, ``mem_cache.kv_cache_configurator``, which must be in place
+  before the scheduler sizes its pools; SGLang starts its schedulers with
+  the spawn method, so these imports in the main process touch no device):
   ``MambaAttnBackendBase.__init__`` (AFTER: only GDNAttnBackend and
   KDAAttnBackend are served), ``GDNAttnBackend.__init__`` and
   ``KDAAttnBackend.__init__`` (AFTER: the kernel dispatcher's decode,
