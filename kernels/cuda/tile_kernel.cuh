@@ -296,30 +296,43 @@ __device__ __forceinline__ void sq_quant_tile_e(const float (&x)[64], uint8_t *b
         sq_quant_row_e<B>(x + 8 * r, buf + (R0 + r) * 16 * B, tx, qci, a[R0 + r], num, den);
 }
 
+/*
+ * f(sq_width<B>{}) with B the head's uniform width ub (2..6, or 8: the one width left): the one
+ * dispatch per head of the uniform-width templates, so that each of them is one line.
+ */
+template <int B> struct sq_width {
+    static constexpr int value = B;
+};
+
+template <class F> __device__ __forceinline__ void sq_by_width(int ub, F &&f)
+{
+    switch (ub) {
+    case 2:
+        f(sq_width<2>{});
+        break;
+    case 3:
+        f(sq_width<3>{});
+        break;
+    case 4:
+        f(sq_width<4>{});
+        break;
+    case 5:
+        f(sq_width<5>{});
+        break;
+    case 6:
+        f(sq_width<6>{});
+        break;
+    default:
+        f(sq_width<8>{});
+        break;
+    }
+}
+
 /* sq_dec_tile_e at the head's uniform width ub (2..6 or 8): one dispatch per head. */
 __device__ __forceinline__ void sq_dec_tile_ub(float (&x)[64], const uint8_t *buf, int R0, int tx,
                                                const float *rowf, const float (&cc)[8], int ub)
 {
-    switch (ub) { /* 8 is the one width left */
-    case 2:
-        sq_dec_tile_e<2>(x, buf, R0, tx, rowf, cc);
-        break;
-    case 3:
-        sq_dec_tile_e<3>(x, buf, R0, tx, rowf, cc);
-        break;
-    case 4:
-        sq_dec_tile_e<4>(x, buf, R0, tx, rowf, cc);
-        break;
-    case 5:
-        sq_dec_tile_e<5>(x, buf, R0, tx, rowf, cc);
-        break;
-    case 6:
-        sq_dec_tile_e<6>(x, buf, R0, tx, rowf, cc);
-        break;
-    default:
-        sq_dec_tile_e<8>(x, buf, R0, tx, rowf, cc);
-        break;
-    }
+    sq_by_width(ub, [&](auto w) { sq_dec_tile_e<decltype(w)::value>(x, buf, R0, tx, rowf, cc); });
 }
 
 /* sq_quant_tile_e at the head's uniform width ub (2..6 or 8). */
@@ -327,26 +340,8 @@ __device__ __forceinline__ void sq_quant_tile_ub(const float (&x)[64], uint8_t *
                                                  const float (&ci)[8], const float *a,
                                                  float (&num)[8], float (&den)[8], int ub)
 {
-    switch (ub) { /* 8 is the one width left */
-    case 2:
-        sq_quant_tile_e<2>(x, buf, R0, tx, ci, a, num, den);
-        break;
-    case 3:
-        sq_quant_tile_e<3>(x, buf, R0, tx, ci, a, num, den);
-        break;
-    case 4:
-        sq_quant_tile_e<4>(x, buf, R0, tx, ci, a, num, den);
-        break;
-    case 5:
-        sq_quant_tile_e<5>(x, buf, R0, tx, ci, a, num, den);
-        break;
-    case 6:
-        sq_quant_tile_e<6>(x, buf, R0, tx, ci, a, num, den);
-        break;
-    default:
-        sq_quant_tile_e<8>(x, buf, R0, tx, ci, a, num, den);
-        break;
-    }
+    sq_by_width(
+        ub, [&](auto w) { sq_quant_tile_e<decltype(w)::value>(x, buf, R0, tx, ci, a, num, den); });
 }
 
 /*
@@ -1570,26 +1565,7 @@ __device__ __forceinline__ void sq_quant_tile_rows_e(const float (&y)[64], uint8
 __device__ __forceinline__ void sq_quant_tile_rows_ub(const float (&y)[64], uint8_t *buf, int R0,
                                                       int tx, const float (&s)[8], int ub)
 {
-    switch (ub) { /* 8 is the one width left */
-    case 2:
-        sq_quant_tile_rows_e<2>(y, buf, R0, tx, s);
-        break;
-    case 3:
-        sq_quant_tile_rows_e<3>(y, buf, R0, tx, s);
-        break;
-    case 4:
-        sq_quant_tile_rows_e<4>(y, buf, R0, tx, s);
-        break;
-    case 5:
-        sq_quant_tile_rows_e<5>(y, buf, R0, tx, s);
-        break;
-    case 6:
-        sq_quant_tile_rows_e<6>(y, buf, R0, tx, s);
-        break;
-    default:
-        sq_quant_tile_rows_e<8>(y, buf, R0, tx, s);
-        break;
-    }
+    sq_by_width(ub, [&](auto w) { sq_quant_tile_rows_e<decltype(w)::value>(y, buf, R0, tx, s); });
 }
 
 /*
