@@ -757,6 +757,32 @@ out:
     return rc;
 }
 
+/*
+ * The cases each cheaper decode fit (norefit, rows) runs first, in this order: GDN stepq@6 and
+ * @4 (uniform widths), GDN stepq mixed with a pivot head, KDA stepq mixed rows (run-time
+ * widths), bf16 views, dsq GDN and KDA, spatial@3. batch and fit are set per run.
+ */
+static const struct params fit_cases[] = {
+    { .arch = STEPQ_ARCH_GDN, .method = STEPQ_METHOD_STEPQ, .bits = 6, .H = 2, .HV = 4 },
+    { .arch = STEPQ_ARCH_GDN, .method = STEPQ_METHOD_STEPQ, .bits = 4, .H = 2, .HV = 4, .gate = 1 },
+    { .arch = STEPQ_ARCH_GDN, .method = STEPQ_METHOD_STEPQ, .H = 2, .HV = 4, .gate = 1 },
+    { .arch = STEPQ_ARCH_KDA, .method = STEPQ_METHOD_STEPQ, .H = 2, .HV = 2 },
+    { .arch = STEPQ_ARCH_KDA, .method = STEPQ_METHOD_STEPQ, .H = 2, .HV = 2, .gate = 1, .view = 1 },
+    { .arch = STEPQ_ARCH_GDN, .method = STEPQ_METHOD_DSQ, .bits = 5, .H = 2, .HV = 4 },
+    { .arch = STEPQ_ARCH_KDA, .method = STEPQ_METHOD_DSQ, .bits = 4, .H = 1, .HV = 2, .gate = 1 },
+    { .arch = STEPQ_ARCH_GDN, .method = STEPQ_METHOD_SPATIAL, .bits = 3, .H = 2, .HV = 4 },
+};
+
+static void fit_first(stepq_decode_fit fit, int batch)
+{
+    for (size_t i = 0; i < sizeof(fit_cases) / sizeof(fit_cases[0]); i++) {
+        struct params p = fit_cases[i];
+        p.batch = batch;
+        p.fit = fit;
+        one(p);
+    }
+}
+
 void checkasm_check_decode(void)
 {
     static const int widths[] = { 2, 3, 4, 5, 6, 8 };
@@ -813,49 +839,7 @@ void checkasm_check_decode(void)
      */
     {
         const stepq_decode_fit NR = STEPQ_DECODE_FIT_NOREFIT;
-        one((struct params){
-            .arch = G, .method = SQ, .bits = 6, .H = 2, .HV = 4, .batch = B, .fit = NR });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 4,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .gate = 1,
-                             .fit = NR });
-        one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .fit = NR });
-        one((struct params){ .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .fit = NR });
-        one((struct params){ .arch = K,
-                             .method = SQ,
-                             .H = 2,
-                             .HV = 2,
-                             .batch = B,
-                             .gate = 1,
-                             .view = 1,
-                             .fit = NR });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 5,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .fit = NR });
-        one((struct params){ .arch = K,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 4,
-                             .H = 1,
-                             .HV = 2,
-                             .batch = B,
-                             .gate = 1,
-                             .fit = NR });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_SPATIAL,
-                             .bits = 3,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .fit = NR });
+        fit_first(NR, B);
         one((struct params){ .arch = G,
                              .method = SQ,
                              .bits = 6,
@@ -913,49 +897,7 @@ void checkasm_check_decode(void)
      */
     {
         const stepq_decode_fit RW = STEPQ_DECODE_FIT_ROWS;
-        one((struct params){
-            .arch = G, .method = SQ, .bits = 6, .H = 2, .HV = 4, .batch = B, .fit = RW });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 4,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .gate = 1,
-                             .fit = RW });
-        one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .fit = RW });
-        one((struct params){ .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .fit = RW });
-        one((struct params){ .arch = K,
-                             .method = SQ,
-                             .H = 2,
-                             .HV = 2,
-                             .batch = B,
-                             .gate = 1,
-                             .view = 1,
-                             .fit = RW });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 5,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .fit = RW });
-        one((struct params){ .arch = K,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 4,
-                             .H = 1,
-                             .HV = 2,
-                             .batch = B,
-                             .gate = 1,
-                             .fit = RW });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_SPATIAL,
-                             .bits = 3,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .fit = RW });
+        fit_first(RW, B);
         one((struct params){ .arch = G,
                              .method = SQ,
                              .bits = 6,
