@@ -745,6 +745,21 @@ static void test_map_row_split_is_the_host_pools_fit(void **state)
 }
 
 /*
+ * The C reference's state of head h of request e after the step of ka on f: the start block
+ * dequantized, then the update; what a decode fit then stores (heads of at most 8x8).
+ */
+static void ref_updated_tile(const struct fixture *f, const struct stepq__step_args *ka,
+                             const struct stepq__head_layout *hl, const uint8_t *start_blk, int e,
+                             int h, float *tile)
+{
+    float q[8], kk[8], v[8], g[8], beta, o[8];
+    assert_int_equal(stepq__prep_step_head(ka, e, h, f->ids[e], q, kk, v, g, &beta), 0);
+    assert_int_equal(stepq__dequantize_head(hl, start_blk, tile), STEPQ_OK);
+    stepq__head_update(tile, (size_t)f->V, 1, f->arch == STEPQ_ARCH_KDA, f->K, f->V, q, kk, v, g,
+                       beta, o);
+}
+
+/*
  * The map's decode fit is the host pool's decode step's, and only the step's: pools on a
  * norefit map and on the exact map (dsq, spatial, stepq; GDN and KDA) pack the same pages
  * and read out the same o, but step to other pages; every stepped block of the norefit
@@ -791,7 +806,6 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
 
                 struct stepq__packed_layer pl;
                 struct stepq__step_args ka;
-                float q[8], kk[8], v[8], g[8], beta, o[8];
                 int col_differ = 0;
                 stepq__pool_packed_layer(pa_, layer, &pl);
                 kernel_args(&a, &sa, &ka);
@@ -802,11 +816,7 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
                         const size_t off = (size_t)a.ids[e] * pl.page_stride + pl.head_offset[h];
                         const float *w = pl.row_impact ? pl.row_impact + (size_t)h * a.K : NULL;
                         uint32_t fl = 0;
-                        assert_int_equal(
-                            stepq__prep_step_head(&ka, e, h, a.ids[e], q, kk, v, g, &beta), 0);
-                        assert_int_equal(stepq__dequantize_head(hl, start + off, tile), STEPQ_OK);
-                        stepq__head_update(tile, (size_t)a.V, 1, arch == STEPQ_ARCH_KDA, a.K, a.V,
-                                           q, kk, v, g, beta, o);
+                        ref_updated_tile(&a, &ka, hl, start + off, e, h, tile);
                         assert_int_equal(stepq__quantize_head_fit(hl, tile, w, NULL, blk, &fl,
                                                                   STEPQ_DECODE_FIT_NOREFIT),
                                          STEPQ_OK);
@@ -886,7 +896,6 @@ static void test_map_decode_fit_rows_is_the_host_pools_step(void **state)
 
                 struct stepq__packed_layer pl;
                 struct stepq__step_args ka;
-                float q[8], kk[8], v[8], g[8], beta, o[8];
                 stepq__pool_packed_layer(pa_, layer, &pl);
                 kernel_args(&a, &sa, &ka);
                 assert_true(a.K <= 8 && a.V <= 8);
@@ -896,11 +905,7 @@ static void test_map_decode_fit_rows_is_the_host_pools_step(void **state)
                         const size_t off = (size_t)a.ids[e] * pl.page_stride + pl.head_offset[h];
                         const float *w = pl.row_impact ? pl.row_impact + (size_t)h * a.K : NULL;
                         uint32_t fl = 0;
-                        assert_int_equal(
-                            stepq__prep_step_head(&ka, e, h, a.ids[e], q, kk, v, g, &beta), 0);
-                        assert_int_equal(stepq__dequantize_head(hl, start + off, tile), STEPQ_OK);
-                        stepq__head_update(tile, (size_t)a.V, 1, arch == STEPQ_ARCH_KDA, a.K, a.V,
-                                           q, kk, v, g, beta, o);
+                        ref_updated_tile(&a, &ka, hl, start + off, e, h, tile);
                         assert_int_equal(stepq__quantize_head_fit(hl, tile, w, start + off, blk,
                                                                   &fl, STEPQ_DECODE_FIT_ROWS),
                                          STEPQ_OK);
