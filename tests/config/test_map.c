@@ -639,6 +639,21 @@ static stepq_map_t *reload(const stepq_map_t *m, char **text, size_t *len)
     return back;
 }
 
+/* back, reloaded from text (len bytes), has the fingerprint f and writes text back byte for byte.
+ */
+static void assert_reload_keeps(const stepq_map_t *back, uint64_t f, const char *text, size_t len)
+{
+    uint64_t fb = 0;
+    char *t2 = NULL;
+    size_t n2 = 0;
+    assert_int_equal(stepq_map_fingerprint(back, &fb), STEPQ_OK);
+    assert_true(fb == f);
+    assert_int_equal(stepq_map_write_buffer(back, &t2, &n2), STEPQ_OK);
+    assert_int_equal(n2, len);
+    assert_memory_equal(t2, text, len);
+    stepq_free(t2);
+}
+
 static void write_then_load_gives_the_same_map_for_every_method(void **state)
 {
     for (int arch = 0; arch < 2; arch++) {
@@ -709,8 +724,8 @@ static void row_split_round_trips_and_is_refused_where_it_means_nothing(void **s
 {
     stepq_map_t *m = full_map(STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ, 6), *back;
     stepq_map_t *ref = full_map(STEPQ_ARCH_KDA, STEPQ_METHOD_STEPQ, 6);
-    char *t0, *t1, *t2;
-    size_t n0, n1, n2;
+    char *t0, *t1;
+    size_t n0, n1;
     uint64_t f0, f1, f2;
 
     assert_true(stepq_map_row_split(m) == 0.5);
@@ -727,13 +742,8 @@ static void row_split_round_trips_and_is_refused_where_it_means_nothing(void **s
     assert_non_null(strstr(t1, "\"budget_bits\": 6,\n  \"row_split\": 0.75,\n  \"provenance\""));
     assert_true(stepq__map_equal(m, back));
     assert_true(stepq_map_row_split(back) == 0.75);
-    assert_int_equal(stepq_map_fingerprint(back, &f2), STEPQ_OK);
-    assert_true(f2 == f1);
-    assert_int_equal(stepq_map_write_buffer(back, &t2, &n2), STEPQ_OK);
-    assert_int_equal(n2, n1);
-    assert_memory_equal(t2, t1, n1);
+    assert_reload_keeps(back, f1, t1, n1);
     stepq_free(t1);
-    stepq_free(t2);
     stepq_map_close(back);
 
     /* 1 is in range and prints as an integer. */
@@ -808,8 +818,8 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
 {
     stepq_map_t *m = full_map(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 6), *back;
     stepq_map_t *ref = full_map(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 6);
-    char *t0, *t1, *t2;
-    size_t n0, n1, n2;
+    char *t0, *t1;
+    size_t n0, n1;
     uint64_t f0, f1, f2, fs;
     stepq_decode_fit fit;
 
@@ -828,13 +838,8 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
         strstr(t1, "\"budget_bits\": 6,\n  \"decode_fit\": \"norefit\",\n  \"provenance\""));
     assert_true(stepq__map_equal(m, back));
     assert_int_equal(stepq_map_decode_fit(back), STEPQ_DECODE_FIT_NOREFIT);
-    assert_int_equal(stepq_map_fingerprint(back, &f2), STEPQ_OK);
-    assert_true(f2 == f1);
-    assert_int_equal(stepq_map_write_buffer(back, &t2, &n2), STEPQ_OK);
-    assert_int_equal(n2, n1);
-    assert_memory_equal(t2, t1, n1);
+    assert_reload_keeps(back, f1, t1, n1);
     stepq_free(t1);
-    stepq_free(t2);
     stepq_map_close(back);
 
     /* With a row split: both fields, in that order, and a fingerprint of its own. */
