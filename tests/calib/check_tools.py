@@ -195,29 +195,24 @@ def main():
     # --decode-fit: recorded in the map (and its provenance), the distortions still measured with
     # the exact fit (the same statistics); exact is the default, written nowhere; inspect shows
     # norefit; a method without column scales refuses it, and so does another name.
-    kf = os.path.join(d, "kda-nr.json")
-    p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
-             "--out", kf, "--pivot-fraction", "0.02", "--decode-fit", "norefit", "--json"])
-    assert json.loads(p.stdout)["decode_fit"] == "norefit", p.stdout
-    mf = json.load(open(kf))
-    assert mf["decode_fit"] == "norefit" and "decode_fit=norefit" in mf["provenance"]["method_detail"]
-    assert mf["layers"] == m["layers"] and "decode_fit" not in m
+    assert "decode_fit" not in m
+    for fit, name, shown in (("norefit", "kda-nr.json", "decode fit     norefit"),
+                             ("rows", "kda-rows.json",
+                              "decode fit     rows (decode steps keep the page's column scales")):
+        kf = os.path.join(d, name)
+        p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
+                 "--out", kf, "--pivot-fraction", "0.02", "--decode-fit", fit, "--json"])
+        assert json.loads(p.stdout)["decode_fit"] == fit, p.stdout
+        mf = json.load(open(kf))
+        assert mf["decode_fit"] == fit and "decode_fit=" + fit in mf["provenance"]["method_detail"]
+        assert mf["layers"] == m["layers"]
+        assert shown in run([exe, "inspect", kf]).stdout
+        assert json.loads(run([exe, "inspect", kf, "--json"]).stdout)["decode_fit"] == fit
     ke = os.path.join(d, "kda-exact.json")
     run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4", "--out", ke,
          "--pivot-fraction", "0.02", "--decode-fit", "exact"])
     assert open(ke, "rb").read() == open(km, "rb").read(), "--decode-fit exact is not the default"
-    assert "decode fit     norefit" in run([exe, "inspect", kf]).stdout
-    assert json.loads(run([exe, "inspect", kf, "--json"]).stdout)["decode_fit"] == "norefit"
     assert "decode fit" not in run([exe, "inspect", km]).stdout
-    kr = os.path.join(d, "kda-rows.json")
-    p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
-             "--out", kr, "--pivot-fraction", "0.02", "--decode-fit", "rows", "--json"])
-    assert json.loads(p.stdout)["decode_fit"] == "rows", p.stdout
-    mr = json.load(open(kr))
-    assert mr["decode_fit"] == "rows" and "decode_fit=rows" in mr["provenance"]["method_detail"]
-    assert mr["layers"] == m["layers"]
-    assert "decode fit     rows (decode steps keep the page's column scales" in run([exe, "inspect", kr]).stdout
-    assert json.loads(run([exe, "inspect", kr, "--json"]).stdout)["decode_fit"] == "rows"
     assert "decode_fit" not in json.loads(run([exe, "inspect", km, "--json"]).stdout)
     for meth, fit, want in (("temporal", "norefit", "--decode-fit norefit: method temporal has no column refit"),
                             ("uniform", "exact", "--decode-fit exact: method uniform has no column refit"),
