@@ -943,13 +943,13 @@ def batching_one(env, a, name, tol, mismatch_frac, end_to_end):
         # the runs differ before any batching), at a batch event, or growing from last-bit differences.
         dpos = d.amax(dim=1)
         over = (dpos > tol).nonzero()
+        rp = replay_per.get(r.rid, (None, None, None))  # outputs, page, health word identical
         per_req.append({"rid": r.rid, "forked": r.rid in forked, "prompt": len(r.prompt), "n_new": r.n_new,
                         "max_abs_logit_diff": dpos.max().item(), "prefill_logit_diff": dpos[0].item(),
                         "first_over_tol": int(over[0]) if over.numel() else None,
                         "first_mismatch": int(ne[0]) if ne.numel() else None,
-                        "replay_outputs_identical": replay_per.get(r.rid, (None, None, None))[0],
-                        "replay_pages_identical": replay_per.get(r.rid, (None, None, None))[1],
-                        "replay_health_identical": replay_per.get(r.rid, (None, None, None))[2]})
+                        "replay_outputs_identical": rp[0], "replay_pages_identical": rp[1],
+                        "replay_health_identical": rp[2]})
         if (i + 1) % 8 == 0:
             el = time.time() - t1
             log("batching: %d/%d alone runs, %.0f s (%.0f s to go)" % (i + 1, len(alone), el,
