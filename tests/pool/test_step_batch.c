@@ -38,6 +38,7 @@
 #include <cmocka.h>
 
 #include "stepq_config.h"
+#include "tests/pool/cuda_device.h"
 
 #include "stepq/stepq.h"
 #include "tests/config/fixtures.h"
@@ -805,15 +806,10 @@ int main(int argc, char **argv)
         return 2;
     }
     if (on_cuda) {
-#if !STEPQ_HAVE_CUDA
-        printf("SKIP: this build has no CUDA\n");
-        return 77;
-#else
-        int n = 0;
-        if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
-            printf("SKIP: no CUDA device\n");
-            return 77;
-        }
+        int skip = stepq_test_cuda_device();
+        if (skip)
+            return skip;
+#if STEPQ_HAVE_CUDA
         if (cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking) != cudaSuccess) {
             printf("cudaStreamCreateWithFlags failed\n");
             return 1;

@@ -24,6 +24,7 @@
 #include <cmocka.h>
 
 #include "stepq_config.h"
+#include "tests/pool/cuda_device.h"
 
 #include "stepq/stepq.h"
 #include "tests/config/fixtures.h"
@@ -533,15 +534,10 @@ static void test_cuda_serves_another_row_split(void **state)
 
 int main(void)
 {
-#if !STEPQ_HAVE_CUDA
-    printf("SKIP: this build has no CUDA\n");
-    return 77;
-#else
-    int n = 0;
-    if (cudaGetDeviceCount(&n) != cudaSuccess || n < 1) {
-        printf("SKIP: no CUDA device\n");
-        return 77;
-    }
+    int skip = stepq_test_cuda_device();
+#if STEPQ_HAVE_CUDA
+    if (skip)
+        return skip;
     const struct CMUnitTest tests[] = {
         cmocka_unit_test(test_cuda_matches_host_gdn),
         cmocka_unit_test(test_cuda_matches_host_kda),
@@ -552,5 +548,7 @@ int main(void)
         cmocka_unit_test(test_cuda_serves_another_row_split),
     };
     return cmocka_run_group_tests(tests, NULL, NULL);
+#else
+    return skip; /* 77: this build has no CUDA */
 #endif
 }
