@@ -49,7 +49,9 @@ stub list is kept in the log directory (stubs.json) and reused by later
 invocations on the same snapshot and Python (--reprobe probes again). A stub module
 hands out stub classes for every attribute: they can be imported, named in
 annotations and subclassed, and raise RuntimeError when called once the
-tests start (calls while importing are recorded). The report lists every
+tests start (calls while importing are recorded); msgspec, whose Struct
+instances SGLang's kernel registry builds and reads at import time, gets a
+dataclass-based Struct and field instead (SHIMS). The report lists every
 stub, the import that needed it and every call.
 
 --static needs no torch: it walks SGLang's import statements from the test
@@ -64,6 +66,8 @@ the tests' outcomes), 1 when a run could not be completed, 2 for bad usage.
 
 import argparse
 import ast
+import copy
+import dataclasses
 import importlib
 import importlib.abc
 import importlib.util
@@ -154,6 +158,42 @@ class _StubModule(types.ModuleType):
         return _stub_class("%s.%s" % (self.__name__, name))
 
 
+def _msgspec_shim(name):
+    """msgspec when it is not installed: SGLang's kernel registry builds msgspec.Struct
+    instances at import time (sglang/kernels/spec.py: KernelSpec, CapabilityRequirement),
+    which a stub class cannot hold (they read the fields back). Struct here is a dataclass
+    base (its class keywords frozen, kw_only, order and eq kept, the rest ignored) and field
+    maps to dataclasses.field; every other attribute is a stub as in _StubModule. It builds
+    and compares structs; it does not encode them (msgspec.msgpack / json stay stubs)."""
+    m = _StubModule(name)
+    nodefault = type("NODEFAULT", (), {"__repr__": lambda self: "NODEFAULT"})()
+
+    def field(*, default=nodefault, default_factory=nodefault, name=None):
+        kw = {}
+        if default is not nodefault:
+            kw["default"] = default
+        if default_factory is not nodefault:
+            kw["default_factory"] = default_factory
+        return dataclasses.field(**kw)
+
+    class Struct:
+        def __init_subclass__(cls, frozen=False, kw_only=False, order=False, eq=True, **_ignored):
+            super().__init_subclass__()
+            ann = cls.__dict__.get("__annotations__", {})
+            for k, v in list(cls.__dict__.items()):  # msgspec copies a mutable default per instance
+                if k in ann and isinstance(v, (list, dict, set)):
+                    setattr(cls, k, dataclasses.field(default_factory=lambda v=v: copy.copy(v)))
+            opts = {"kw_only": True} if kw_only else {}
+            dataclasses.dataclass(frozen=frozen, order=order, eq=eq, **opts)(cls)
+
+    m.Struct, m.field, m.NODEFAULT = Struct, field, nodefault
+    return m
+
+
+# Stubbed modules that need working stand-ins for the names SGLang uses at import time.
+SHIMS = {"msgspec": _msgspec_shim}
+
+
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     """Appended to sys.meta_path: consulted only for modules nothing else finds."""
 
@@ -169,7 +209,7 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         return importlib.util.spec_from_loader(fullname, self, is_package=True)
 
     def create_module(self, spec):
-        m = _StubModule(spec.name)
+        m = SHIMS[spec.name](spec.name) if spec.name in SHIMS else _StubModule(spec.name)
         m.__path__ = []
         return m
 
