@@ -638,6 +638,90 @@ def test_runner_stubs_import_subclass_and_raise_when_called():
             del sys.modules[k]
 
 
+def test_runner_msgspec_shim_builds_frozen_structs():
+    """SGLang's kernel registry builds msgspec.Struct instances at import time and reads
+    their fields back; the runner's shim (msgspec not installed on the GPU host) must hold
+    them: fields from annotations, defaults and default factories, ClassVar left out,
+    frozen instances that hash, a mutable default copied per instance."""
+    import dataclasses
+    import typing
+
+    t = _runner()
+    ms = t._msgspec_shim("msgspec")
+    ns = {"ms": ms, "typing": typing, "ClassVar": typing.ClassVar}
+    exec("class Cap(ms.Struct, frozen=True):\n"
+         "    device: str\n"
+         "    arch: int = 0\n"
+         "    CUDA: ClassVar['Cap']\n"
+         "class Spec(ms.Struct, frozen=True, gc=False):\n"
+         "    op: str\n"
+         "    caps: frozenset = frozenset()\n"
+         "    fmt: tuple = ms.field(default_factory=tuple)\n"
+         "class Bag(ms.Struct):\n"
+         "    items: list = []\n", ns)
+    Cap, Spec, Bag = ns["Cap"], ns["Spec"], ns["Bag"]
+    Cap.CUDA = Cap(device="cuda")  # a class constant, as sglang/kernels/spec.py assigns them
+    s = Spec(op="a.b", caps=frozenset({Cap.CUDA}))
+    assert (s.op, s.fmt, Cap.CUDA.arch) == ("a.b", (), 0)
+    assert [f.name for f in dataclasses.fields(Cap)] == ["device", "arch"]
+    assert Cap("cuda") == Cap.CUDA and hash(Cap("cuda")) == hash(Cap.CUDA)
+    with _harness.raises(dataclasses.FrozenInstanceError):
+        s.op = "c"
+    a, b = Bag(), Bag()
+    a.items.append(1)
+    assert b.items == [] and Bag(items=[2]).items == [2]
+    assert isinstance(ms.Undefined_name_is_a_stub, type)  # the rest stays a stub module
+
+
+def test_runner_tolerates_a_second_transformers_registration():
+    """transformers newer than the snapshot already knows some names SGLang registers at import
+    ("'qwen3_asr' is already used by a Transformers config"): the runner lets SGLang's
+    registration replace it and records it."""
+    class Mapping:
+        def __init__(self):
+            self.d = {}
+
+        def register(self, key, value, exist_ok=False):
+            if key in self.d and not exist_ok:
+                raise ValueError("'%s' is already used by a Transformers config" % key)
+            self.d[key] = value
+
+    saved = {k: sys.modules.get(k) for k in ("transformers", "transformers.models",
+                                             "transformers.models.auto",
+                                             "transformers.models.auto.auto_factory",
+                                             "transformers.models.auto.configuration_auto")}
+    cfg = types.ModuleType("transformers.models.auto.configuration_auto")
+    fac = types.ModuleType("transformers.models.auto.auto_factory")
+    cfg._LazyConfigMapping = type("_LazyConfigMapping", (Mapping,), {})
+    fac._LazyAutoMapping = type("_LazyAutoMapping", (Mapping,), {})
+    auto = types.ModuleType("transformers.models.auto")
+    auto.configuration_auto, auto.auto_factory = cfg, fac
+    sys.modules.update({"transformers": types.ModuleType("transformers"),
+                        "transformers.models": types.ModuleType("transformers.models"),
+                        "transformers.models.auto": auto,
+                        "transformers.models.auto.auto_factory": fac,
+                        "transformers.models.auto.configuration_auto": cfg})
+    try:
+        t = _runner()
+        t._tolerate_reregistration()
+        t._tolerate_reregistration()  # idempotent: wrapped once
+        m = cfg._LazyConfigMapping()
+        m.register("qwen3_asr", "transformers' own")
+        m.register("qwen3_asr", "SGLang's")
+        assert m.d["qwen3_asr"] == "SGLang's"
+        assert [n for n, _ in t._Stubs.reregistered] == ["qwen3_asr"], t._Stubs.reregistered
+        p = fac._LazyAutoMapping()
+        p.register("cfg", 1)
+        p.register("cfg", 2, exist_ok=True)  # an explicit exist_ok is passed through, not recorded
+        assert p.d["cfg"] == 2 and len(t._Stubs.reregistered) == 1
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                sys.modules.pop(k, None)
+            else:
+                sys.modules[k] = v
+
+
 def test_runner_uniform_maps_load_and_match_their_shapes():
     t = _runner()
     shapes = [  # test_unified_radix_cache_unittest's default mamba shape, and a KDA one
