@@ -13,7 +13,9 @@ P+1..P+D) and the excess over the fp32 state, mean and standard error over
 streams, also over the first and last 256 decode predictions.
 
 Methods: fp32 (state untouched), bf16 (state rounded to bf16 after every
-step), and NAME=MAP.json for every map given with --map.
+step), NAME=MAP.json for every map given with --map, and fp32xG for every
+--shrink G (the fp32 state multiplied by G after every step: extra forgetting
+without quantization, the test of tools/CALIBRATION.md's reading of tiny-kda).
 """
 import argparse
 import ctypes
@@ -41,6 +43,10 @@ def parse_args(argv=None):
                         "and the accounting with numpy alone (no torch, no model), then exit")
     p.add_argument("--map", action="append", default=[], help="NAME=PATH (repeatable)")
     p.add_argument("--no-bf16", action="store_true")
+    p.add_argument("--shrink", type=float, action="append", default=[], metavar="G",
+                   help="analysis (repeatable): a method fp32xG whose fp32 state is multiplied by G "
+                        "after every step, 0 < G < 1: the extra forgetting a shrinking quantizer "
+                        "adds, without the quantization (tools/CALIBRATION.md)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--model-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", help="write the results here")
@@ -68,7 +74,15 @@ def parse_args(argv=None):
         p.error("--model and --text are required (except with --self-test)")
     if a.streams < 1 or a.prefill < 1 or a.decode < 1 or a.offset < 0:
         p.error("--streams, --prefill, --decode must be >= 1 and --offset >= 0")
+    for g in a.shrink:
+        if not 0.0 < g < 1.0:
+            p.error("--shrink %g: outside (0, 1)" % g)
     return a
+
+
+def shrink_name(g):
+    """The method name of --shrink G."""
+    return "fp32x%g" % g
 
 
 def _ptr(t):
@@ -492,6 +506,8 @@ def main(argv=None):
     backend_used = {}
     row_splits = {}  # map methods -> the row split of their host fit (0.5 without a dual-axis fit)
     methods = [("fp32", None)] + ([] if a.no_bf16 else [("bf16", None)])
+    shrinks = {shrink_name(g): g for g in a.shrink}
+    methods += [(n, None) for n in shrinks]
     for spec in a.map:
         name, _, path = spec.partition("=")
         if not name or not path:
@@ -508,6 +524,8 @@ def main(argv=None):
             return lambda st, L: st
         if name == "bf16" and path is None:
             return lambda st, L: st.to(torch.bfloat16).to(st.dtype)
+        if name in shrinks and path is None:
+            return lambda st, L, g=shrinks[name]: st * g
         h = shim.open(path)
         # The map must be for this model's state: arch, shape, and every recurrent layer (by model layer id).
         if shim.kda[h.value] != (arch == "kda"):
@@ -682,7 +700,7 @@ def main(argv=None):
         print("nll_eval: group of %d methods x %d streams: %.0f s (%s)" % (Mg, S, dt, calls["names"]),
               file=sys.stderr)
 
-    table = excess_table(results, lambda name, path: 32.0 if name == "fp32" and path is None
+    table = excess_table(results, lambda name, path: 32.0 if (name == "fp32" or name in shrinks) and path is None
                          else 16.0 if name == "bf16" and path is None else shim.bits_per_value(path))
     meta = {"model": a.model, "arch": arch, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
