@@ -158,6 +158,45 @@ static float row_absmax(const float *xr, int d_v)
     return m;
 }
 
+/* The analysis override of the arithmetic (kernels/quant.h, stepq__quant_set_arith_fp16). */
+static int arith_fp16 = 0;
+
+int stepq__quant_set_arith_fp16(int on)
+{
+    arith_fp16 = on != 0;
+    return STEPQ_OK;
+}
+
+int stepq__quant_arith_fp16(void)
+{
+    return arith_fp16;
+}
+
+/*
+ * x[0..n) through fp16 in the block's normalised domain: divided by 2^e, the smallest
+ * power of two >= bound (exact), rounded to fp16 (to nearest even, subnormals kept), and
+ * multiplied back. With bound >= max |x| fp16's range never binds; what is left is its
+ * 11-bit significand. A bound that is 0 or not finite leaves x as it is.
+ */
+static void fp16_block(float *x, size_t n, float bound)
+{
+    if (!(bound > 0.0f) || !isfinite(bound))
+        return;
+    int e;
+    (void)frexpf(bound, &e); /* bound = m 2^e, m in [0.5, 1): 2^e >= bound */
+    const float down = ldexpf(1.0f, -e), up = ldexpf(1.0f, e);
+    for (size_t i = 0; i < n; i++)
+        x[i] = stepq__fp16_to_float(stepq__fp16_from_float(x[i] * down)) * up;
+}
+
+static float absmax_n(const float *x, size_t n)
+{
+    float m = 0.0f;
+    for (size_t i = 0; i < n; i++)
+        m = max_keep(m, fabsf(x[i]));
+    return m;
+}
+
 /* uniform / temporal: row absmax scales, no column scales. */
 static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint8_t *blk,
                        uint32_t *flags)
@@ -177,6 +216,8 @@ static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
         for (int j = 0; j < d_v; j++)
             y[j] = xr[j] / r;
+        if (arith_fp16)
+            fp16_block(y, (size_t)d_v, 1.0f); /* |y| <= 1 (to an fp16 rounding of r) */
         quant_row(y, NULL, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
     }
@@ -226,6 +267,7 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
     float yrow[STEPQ__MAX_HEAD_DIM], zt_a[STEPQ__MAX_HEAD_DIM], zt_b[STEPQ__MAX_HEAD_DIM];
     int8_t z[STEPQ__MAX_HEAD_DIM];
     int any_int = 0;
+    float ymax = 0.0f; /* max |y| = max_i m_i / r_i over the integer rows: the fp16 block's bound */
     const double split = stepq__quant_row_split_of(hl);
 
     /* Step 1: row scales; pivot rows are stored as they are. */
@@ -241,6 +283,8 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
                                         : (float)(pow((double)m, split) / sqrt((double)wi)),
                            &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
+        if (r[i] > 0.0f)
+            ymax = max_keep(ymax, m / r[i]);
     }
     if (!any_int)
         return;
@@ -255,10 +299,12 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
             continue;
         const float *xr = x + (size_t)i * d_v;
         float *yr = y ? y + (size_t)i * d_v : yrow;
-        for (int j = 0; j < d_v; j++) {
+        for (int j = 0; j < d_v; j++)
             yr[j] = xr[j] / r[i];
+        if (arith_fp16)
+            fp16_block(yr, (size_t)d_v, ymax);
+        for (int j = 0; j < d_v; j++)
             c[j] = max_keep(c[j], fabsf(yr[j]));
-        }
     }
     for (int j = 0; j < d_v; j++) {
         uint16_t ch;
@@ -284,9 +330,12 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
         float *yr = yrow;
         if (y)
             yr = y + (size_t)i * d_v;
-        else
+        else {
             for (int j = 0; j < d_v; j++)
                 yrow[j] = xr[j] / r[i];
+            if (arith_fp16)
+                fp16_block(yrow, (size_t)d_v, ymax);
+        }
         quant_row(yr, c, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
         if (!refit)
@@ -506,6 +555,19 @@ int stepq__quantize_head_fit_ex(const struct stepq__head_layout *hl, const float
         x = clean;
     }
 
+    /* The analysis arithmetic fp16: the state to fit (the updated state) through fp16 first,
+     * on a private copy; fp8 and the dense methods are left as they are. */
+    if (arith_fp16 && hl->quantized && hl->method != STEPQ_METHOD_FP8) {
+        if (!clean) {
+            clean = malloc(n * sizeof(float));
+            if (!clean)
+                return stepq__error(STEPQ_ENOMEM, "quantize head: out of memory");
+            memcpy(clean, x, n * sizeof(float));
+            x = clean;
+        }
+        fp16_block(clean, n, absmax_n(clean, n));
+    }
+
     /* rows: the old column and row scales, read before the block is cleared (old may be block) */
     uint16_t ch[STEPQ__MAX_HEAD_DIM], rh[STEPQ__MAX_HEAD_DIM];
     if (rows) {
@@ -587,6 +649,21 @@ int stepq__dequantize_head(const struct stepq__head_layout *hl, const void *bloc
         else
             for (int j = 0; j < d_v; j++)
                 xr[j] = r * ((float)z[j] / qmax);
+    }
+    if (arith_fp16) {
+        /* the bound a kernel has before it reconstructs: max r_i x max c_j (|z| <= qmax) over
+         * the integer rows, and the pivot rows' own largest value */
+        float rmax = 0.0f, cmax = hl->has_col ? 0.0f : 1.0f, pmax = 0.0f;
+        for (int j = 0; hl->has_col && j < d_v; j++)
+            cmax = max_keep(cmax, fabsf(c[j]));
+        for (int i = 0; i < d_k; i++) {
+            if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+                pmax = max_keep(pmax, row_absmax(x + (size_t)i * d_v, d_v));
+            else
+                rmax = max_keep(rmax, fabsf(stepq__fp16_to_float(
+                                          rd16(blk + hl->row_scale_offset + 2 * (size_t)i))));
+        }
+        fp16_block(x, n, max_keep(rmax * cmax, pmax));
     }
     return STEPQ_OK;
 }

@@ -178,4 +178,24 @@ double stepq__quant_row_split_or(double own);
 /** The row split a fit of hl uses: stepq__quant_row_split_or(hl->row_split). */
 double stepq__quant_row_split_of(const struct stepq__head_layout *hl);
 
+/*
+ * The arithmetic of the packed step, as an analysis override (issue #15's design
+ * question: could the kernels' per-element work run in packed fp16?). While it is on,
+ * every quantized integer method of the C reference (not fp8, not the dense methods)
+ * passes the state through fp16 three times per store, each in the block's normalised
+ * domain (divided by the smallest power of two >= a bound of its magnitudes, which is
+ * exact, then rounded to fp16 and multiplied back, so fp16's range never binds): the
+ * state to fit (the updated state) on entry to stepq__quantize_head_fit_ex, y = x / r_i
+ * inside the fit (dual-axis and row-scale fits; not the decode fit rows), and the
+ * reconstruction of stepq__dequantize_head (bound max r_i x max c_j, pivot rows by their
+ * largest value). Scales, the quantize, the refit sums and everything outside stay fp32.
+ * For `stepq eval --arith fp16`; off by default. No kernel implements it, and the CUDA
+ * kernels do not see it, so host and CUDA pools agree only while it is off.
+ * Thread-safety: process-wide; set it before any quantization starts.
+ */
+/** Turns the fp16 arithmetic on (on != 0) or off; STEPQ_OK. */
+int stepq__quant_set_arith_fp16(int on);
+/** Whether it is on. */
+int stepq__quant_arith_fp16(void);
+
 #endif /* STEPQ_KERNELS_QUANT_H */

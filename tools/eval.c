@@ -118,7 +118,7 @@ static void usage(FILE *f)
 {
     fprintf(f, "usage: stepq eval --map M... --trace F... [--json [FILE]] [-o FILE] [--classes]\n"
                "                  [--plot DIR] [--threads N] [--inject-step T] [--bucket N]\n"
-               "                  [--row-split A]\n"
+               "                  [--row-split A] [--arith fp32|fp16]\n"
                "Replays the traces with every map's method in the loop against the fp32\n"
                "reference and prints a table of readout errors (a legend follows it).\n"
                "Each store fits as the pool's decode step does: the map's decode_fit\n"
@@ -137,6 +137,11 @@ static void usage(FILE *f)
                "                 row i by max|x_i|^A / sqrt(w_i), A in (0, 1], in place of\n"
                "                 each map's row_split (default: the map's, 0.5 unless it\n"
                "                 says otherwise; kernels/quant.h, config/SCHEMA.md)\n"
+               "  --arith F      analysis: fp16 passes every quantized integer method's state\n"
+               "                 through fp16 three times per store (the updated state, y =\n"
+               "                 x / r_i, the reconstruction), each after an exact power-of-two\n"
+               "                 normalisation of the head: could the kernels' per-element work\n"
+               "                 run in packed fp16? (kernels/quant.h; default fp32, as built)\n"
                "Progress on stderr (STEPQ_PROGRESS=off|bar|lines).\n");
 }
 
@@ -215,9 +220,10 @@ int stepq_tool_eval(int argc, char **argv)
         }
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
-            static const char *const value_opts[] = { "--bucket",  "--inject-step", "--plot",
-                                                      "--threads", "--row-split",   "-o",
-                                                      NULL };
+            static const char *const value_opts[] = { "--bucket",    "--inject-step",
+                                                      "--plot",      "--threads",
+                                                      "--row-split", "--arith",
+                                                      "-o",          NULL };
             return stepq_tool_missing_value("eval", a, value_opts);
         }
         i++;
@@ -231,6 +237,12 @@ int stepq_tool_eval(int argc, char **argv)
             if (stepq_tool_real("eval", a, v, 0.0, 1.0, STEPQ_TOOL_OPEN_LO, &x) < 0)
                 return 2;
             stepq__quant_set_row_split(x);
+        } else if (!strcmp(a, "--arith")) {
+            if (strcmp(v, "fp32") && strcmp(v, "fp16")) {
+                fprintf(stderr, "stepq eval: --arith '%s': not fp32 or fp16\n", v);
+                return 2;
+            }
+            stepq__quant_set_arith_fp16(!strcmp(v, "fp16"));
         } else if (!strcmp(a, "--threads") || !strcmp(a, "--inject-step") ||
                    !strcmp(a, "--bucket")) {
             if (stepq_tool_int("eval", a, v, strcmp(a, "--inject-step") ? 1 : 0, 100000000, &n) < 0)
@@ -251,6 +263,9 @@ int stepq_tool_eval(int argc, char **argv)
                 "stepq eval: --row-split %g: the dual-axis fits use it in place of each map's "
                 "row_split\n",
                 stepq__quant_row_split());
+    if (stepq__quant_arith_fp16())
+        fprintf(stderr, "stepq eval: --arith fp16: every quantized integer method's state passes "
+                        "through fp16 three times per store (an analysis; no kernel does)\n");
     if (json && json_stdout) {
         fprintf(stderr, "stepq eval: --json given twice, with and without a FILE\n");
         return 2;
@@ -401,6 +416,7 @@ int stepq_tool_eval(int argc, char **argv)
                 S, I->T, I->n_layers, I->HV, t_inj);
     if (jf) {
         json_num(jf, stepq__quant_row_split() > 0.0 ? stepq__quant_row_split() : NAN);
+        fprintf(jf, ", \"arith\": \"%s\"", stepq__quant_arith_fp16() ? "fp16" : "fp32");
         fputs(", \"methods\": [\n", jf);
     }
     struct ms gain[STEPQ__EVAL_MAX_MAPS + 1][2]; /* readout, store: printed after the table */

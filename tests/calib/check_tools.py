@@ -234,6 +234,18 @@ def main():
     assert sr["rows"]["n"] == 64 and 0.5 < sr["rows"]["pooled"] <= 1.0, sr
     assert "over key rows (KDA units)" in p.stdout and "(64 rows)" in p.stdout, p.stdout
     assert "rows" not in e["spearman_uniform6_halflife"], e["spearman_uniform6_halflife"]
+    # --arith fp16 (the analysis of kernels/quant.h): the state through fp16 three times per store;
+    # on these traces it moves the readout error, by under 5%, and the JSON says so; another
+    # value is refused by name.
+    assert json.load(open(kj))["arith"] == "fp32"
+    k16 = os.path.join(d, "eval-kda-fp16.json")
+    p = run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--json", k16, "--arith", "fp16"])
+    a32, a16 = json.load(open(kj)), json.load(open(k16))
+    assert a16["arith"] == "fp16" and "--arith fp16" in p.stderr, p.stderr
+    r32, r16 = a32["methods"][0]["readout_rel"]["mean"], a16["methods"][0]["readout_rel"]["mean"]
+    assert r16 != r32 and abs(r16 / r32 - 1) < 0.05, (r32, r16)
+    p = run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--arith", "fp8"], ok=False)
+    assert p.returncode == 2 and "--arith 'fp8': not fp32 or fp16" in p.stderr, p.stderr
     # Errors: a truncated trace and a bad option.
     bad = os.path.join(d, "bad.safetensors")
     with open(traces[0], "rb") as f:
