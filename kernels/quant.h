@@ -188,7 +188,9 @@ double stepq__quant_row_split_of(const struct stepq__head_layout *hl);
  * state to fit (the updated state) on entry to stepq__quantize_head_fit_ex, y = x / r_i
  * inside the fit (dual-axis and row-scale fits; not the decode fit rows), and the
  * reconstruction of stepq__dequantize_head (bound max r_i x max c_j, pivot rows by their
- * largest value). Scales, the quantize, the refit sums and everything outside stay fp32.
+ * largest value). Scales, the quantize, the refit sums and everything outside stay fp32,
+ * the update's k and u included (a half2 update x + k u would round them too; the replay's
+ * fp32 reference runs the same update code, so they are left alone here).
  * For `stepq eval --arith fp16`; off by default. No kernel implements it, and the CUDA
  * kernels do not see it, so host and CUDA pools agree only while it is off.
  * Thread-safety: process-wide; set it before any quantization starts.
