@@ -44,7 +44,9 @@ flashinfer imports are guarded by it). A module that cannot be imported is
 stubbed only when the import chain needs it: sgl_kernel and flashinfer
 always qualify; with --auto-stub (the default) any other missing module
 that the chain imports is found by probing (a fresh process per probe) and
-stubbed too, except torch, triton, numpy, sglang and stepq. The probe's
+stubbed too, except torch, triton, numpy, sglang and stepq; so is a name
+that an installed module lacks ("cannot import name X from M": M is
+imported and X set on it as a stub, listed as M:X). The probe's
 stub list is kept in the log directory (stubs.json) and reused by later
 invocations on the same snapshot and Python (--reprobe probes again). A stub module
 hands out stub classes for every attribute: they can be imported, named in
@@ -73,6 +75,7 @@ import importlib.abc
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -219,8 +222,45 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
 
 def _install_stubs(names):
-    if names:
-        sys.meta_path.append(_StubFinder(names))
+    """names: modules to stub, and MODULE:NAME entries, a name that an installed module lacks
+    (an SGLang snapshot importing a name its transformers no longer or not yet has): the
+    module is imported for real and the name set on it as a stub class (_stub_name_in)."""
+    mods = [n for n in names if ":" not in n]
+    if mods:
+        sys.meta_path.append(_StubFinder(mods))
+    for n in names:
+        if ":" in n:
+            _stub_name_in(*n.split(":", 1))
+
+
+def _stub_name_in(module, name):
+    """Sets a stub class as module.name when the (real) module lacks it; recorded as served."""
+    m = importlib.import_module(module)
+    if not hasattr(m, name):
+        setattr(m, name, _stub_class("%s.%s" % (module, name)))
+        _Stubs.served.setdefault("%s:%s" % (module, name), _caller())
+
+
+_NAME_RE = re.compile(r"cannot import name '([^']+)' from '([^']+)'")
+
+
+def _missing_name(exc):
+    """The "cannot import name X from M" ImportError in an exception's chain: (M:X, where)."""
+    seen = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        if isinstance(exc, ImportError) and not isinstance(exc, ModuleNotFoundError):
+            g = _NAME_RE.search(str(exc))
+            if g:
+                tb = traceback.extract_tb(exc.__traceback__)
+                where = "?"
+                for fr in reversed(tb):
+                    if "importlib" not in fr.filename and not fr.filename.startswith("<frozen"):
+                        where = "%s:%d" % (fr.filename, fr.lineno)
+                        break
+                return "%s:%s" % (g.group(2), g.group(1)), where
+        exc = exc.__cause__ or exc.__context__
+    return None
 
 
 def _missing_module(exc):
@@ -329,7 +369,16 @@ def _child_probe(args):
             out["error"] = _exc_summary(sys.exc_info())
             out.pop("missing", None)
             if not miss:
-                break
+                name = _missing_name(e)
+                if (not name or not args.auto_stub or name[0].split(":")[0].split(".")[0] in NEVER_STUB
+                        or name[0] in [a for a, _ in out["added"]]):
+                    if name:
+                        out["missing"], out["where"] = name
+                    break
+                out["missing"], out["where"] = name
+                _stub_name_in(*name[0].split(":", 1))
+                out["added"].append(name)
+                continue
             out["missing"], out["where"] = miss
             if (not args.auto_stub or miss[0].split(".")[0] in NEVER_STUB or finder is None
                     or finder._covers(miss[0])):
@@ -968,9 +1017,11 @@ def _probe_stubs(args, what="test", stubs=None):
             continue  # confirm in a fresh process
         name = out.get("missing")
         if name:
+            what = ("name %s of %s" % tuple(reversed(name.split(":", 1))) if ":" in name else name)
             return stubs, rounds, out.get("served", {}), {
-                "type": "ModuleNotFoundError", "message": "%s (needed at %s) cannot be imported"
-                " and is not stubbed%s" % (name, out.get("where"),
+                "type": "ImportError" if ":" in name else "ModuleNotFoundError",
+                "message": "%s (needed at %s) cannot be imported"
+                " and is not stubbed%s" % (what, out.get("where"),
                                            "" if args.auto_stub else " (--no-auto-stub)"),
                 "where": (out.get("error") or {}).get("where")}
         return stubs, rounds, out.get("served", {}), out.get("error") or {

@@ -638,6 +638,36 @@ def test_runner_stubs_import_subclass_and_raise_when_called():
             del sys.modules[k]
 
 
+def test_runner_stubs_a_name_an_installed_module_lacks():
+    """SGLang importing a name its transformers does not have ("cannot import name X from M"):
+    the probe finds (M:X, where), the stub is set on the real module, the import then passes,
+    and _install_stubs applies an M:X entry the same way in the run children."""
+    t = _runner()
+    name = "stepq_fake_installed_%d" % os.getpid()
+    mod = types.ModuleType(name)
+    mod.Kept = object
+    sys.modules[name] = mod
+    try:
+        try:
+            exec("from %s import Gone" % name, {})
+        except ImportError as e:
+            miss = t._missing_name(e)
+        else:
+            raise AssertionError("the name was there")
+        assert miss and miss[0] == name + ":Gone", miss
+        assert t._missing_module(ImportError("x")) is None
+        t._stub_name_in(name, "Gone")
+        ns = {}
+        exec("from %s import Gone, Kept" % name, ns)
+        assert ns["Kept"] is object and isinstance(ns["Gone"], type)
+        assert (name + ":Gone") in t._Stubs.served
+        t._install_stubs([name + ":Other"])
+        assert isinstance(mod.Other, type) and mod.Kept is object
+        assert t._missing_name(ValueError("no import at all")) is None
+    finally:
+        del sys.modules[name]
+
+
 def test_runner_msgspec_shim_builds_frozen_structs():
     """SGLang's kernel registry builds msgspec.Struct instances at import time and reads
     their fields back; the runner's shim (msgspec not installed on the GPU host) must hold
