@@ -244,40 +244,37 @@ def _stub_name_in(module, name):
 _NAME_RE = re.compile(r"cannot import name '([^']+)' from '([^']+)'")
 
 
-def _missing_name(exc):
-    """The "cannot import name X from M" ImportError in an exception's chain: (M:X, where)."""
+def _in_chain(exc, pick):
+    """The first exception of exc's chain (causes, contexts) for which pick gives a name:
+    (that name, where: the innermost frame outside importlib), else None."""
     seen = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        if isinstance(exc, ImportError) and not isinstance(exc, ModuleNotFoundError):
-            g = _NAME_RE.search(str(exc))
-            if g:
-                tb = traceback.extract_tb(exc.__traceback__)
-                where = "?"
-                for fr in reversed(tb):
-                    if "importlib" not in fr.filename and not fr.filename.startswith("<frozen"):
-                        where = "%s:%d" % (fr.filename, fr.lineno)
-                        break
-                return "%s:%s" % (g.group(2), g.group(1)), where
+        name = pick(exc)
+        if name:
+            where = "?"
+            for fr in reversed(traceback.extract_tb(exc.__traceback__)):
+                if "importlib" not in fr.filename and not fr.filename.startswith("<frozen"):
+                    where = "%s:%d" % (fr.filename, fr.lineno)
+                    break
+            return name, where
         exc = exc.__cause__ or exc.__context__
     return None
+
+
+def _missing_name(exc):
+    """The "cannot import name X from M" ImportError in an exception's chain: (M:X, where)."""
+    def pick(e):
+        if isinstance(e, ImportError) and not isinstance(e, ModuleNotFoundError):
+            g = _NAME_RE.search(str(e))
+            return "%s:%s" % (g.group(2), g.group(1)) if g else None
+        return None
+    return _in_chain(exc, pick)
 
 
 def _missing_module(exc):
     """The ModuleNotFoundError in an exception's chain: (name, where)."""
-    seen = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        if isinstance(exc, ModuleNotFoundError) and exc.name:
-            tb = traceback.extract_tb(exc.__traceback__)
-            where = "?"
-            for fr in reversed(tb):
-                if "importlib" not in fr.filename and not fr.filename.startswith("<frozen"):
-                    where = "%s:%d" % (fr.filename, fr.lineno)
-                    break
-            return exc.name, where
-        exc = exc.__cause__ or exc.__context__
-    return None
+    return _in_chain(exc, lambda e: e.name if isinstance(e, ModuleNotFoundError) else None)
 
 
 # --- the child processes ---------------------------------------------------
