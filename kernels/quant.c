@@ -189,14 +189,6 @@ static void fp16_block(float *x, size_t n, float bound)
         x[i] = stepq__fp16_to_float(stepq__fp16_from_float(x[i] * down)) * up;
 }
 
-static float absmax_n(const float *x, size_t n)
-{
-    float m = 0.0f;
-    for (size_t i = 0; i < n; i++)
-        m = max_keep(m, fabsf(x[i]));
-    return m;
-}
-
 /* uniform / temporal: row absmax scales, no column scales. */
 static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint8_t *blk,
                        uint32_t *flags)
@@ -565,7 +557,7 @@ int stepq__quantize_head_fit_ex(const struct stepq__head_layout *hl, const float
             memcpy(clean, x, n * sizeof(float));
             x = clean;
         }
-        fp16_block(clean, n, absmax_n(clean, n));
+        fp16_block(clean, n, row_absmax(clean, (int)n)); /* the whole head as one row */
     }
 
     /* rows: the old column and row scales, read before the block is cleared (old may be block) */
