@@ -14,6 +14,13 @@ static int cmp_float(const void *a, const void *b)
     return (x > y) - (x < y);
 }
 
+/* The median of the FX_TIME_RUNS times t (ms; sorted in place), in us. */
+static double median_us(float *t)
+{
+    qsort(t, FX_TIME_RUNS, sizeof(float), cmp_float);
+    return 1000.0 * 0.5 * (t[FX_TIME_RUNS / 2 - 1] + t[FX_TIME_RUNS / 2]);
+}
+
 int fx_time_us(fx_launch_fn launch, void *ctx, void *stream, double *us)
 {
     cudaStream_t s = (cudaStream_t)stream;
@@ -44,8 +51,7 @@ int fx_time_us(fx_launch_fn launch, void *ctx, void *stream, double *us)
             goto out;
         }
     }
-    qsort(t, FX_TIME_RUNS, sizeof(float), cmp_float);
-    *us = 1000.0 * 0.5 * (t[FX_TIME_RUNS / 2 - 1] + t[FX_TIME_RUNS / 2]);
+    *us = median_us(t);
 out:
     if (e0)
         cudaEventDestroy(e0);
@@ -118,8 +124,7 @@ int fx_time_graph_us(fx_launch_fn launch, void *ctx, void *stream, double *us)
     for (int r = 0; r < FX_TIME_RUNS; r++)
         if ((ret = time_replay(ge, s, e0, e1, &t[r])) < 0)
             goto out;
-    qsort(t, FX_TIME_RUNS, sizeof(float), cmp_float);
-    *us = 1000.0 * 0.5 * (t[FX_TIME_RUNS / 2 - 1] + t[FX_TIME_RUNS / 2]) / FX_TIME_GRAPH_LAUNCHES;
+    *us = median_us(t) / FX_TIME_GRAPH_LAUNCHES;
 out:
     if (ret < 0)
         cudaGetLastError(); /* a failed capture's error is reported, not left for the next call */
