@@ -566,6 +566,14 @@ static int peer_load(struct peer *p, const char *file)
 /* The tables go to tout: stdout, -o FILE, or nowhere with --json alone. */
 static FILE *tout;
 
+/* The opening of a row's JSON object, after a comma unless it is the first row: its shape,
+ * method (the row label) and batch. */
+static void json_row_head(FILE *jf, int first_row, int shape, const char *label, int B)
+{
+    fprintf(jf, "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, ",
+            first_row ? "" : ",", shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", label, B);
+}
+
 static int usage(FILE *f)
 {
     fprintf(f, "usage: stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--graph]\n"
@@ -900,11 +908,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     stepq_tool_printf(tout, "%-26s %5d %10s  (%s)\n", rw->label, B, "-",
                                       stepq_last_error());
                     if (jf) {
-                        fprintf(jf,
-                                "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
-                                "\"us\": null, \"not_capturable\": ",
-                                first_row ? "" : ",",
-                                shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", rw->label, B);
+                        json_row_head(jf, first_row, shape, rw->label, B);
+                        fputs("\"us\": null, \"not_capturable\": ", jf);
                         stepq_tool_json_str(jf, stepq_last_error());
                         fputs("}", jf);
                         first_row = 0;
@@ -941,13 +946,11 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     else
                         stepq_tool_printf(tout, " %12s\n", pus > 0 ? pc : "");
                     if (jf) {
+                        json_row_head(jf, first_row, shape, rw->label, B);
                         fprintf(jf,
-                                "%s\n  {\"shape\": \"%s\", \"method\": \"%s\", \"batch\": %d, "
                                 "\"us\": %.2f, \"bytes\": %zu, \"gbs\": %.1f, \"copy_frac\": %.4f, "
                                 "\"speedup_vs_fp32\": %.3f, ",
-                                first_row ? "" : ",",
-                                shape ? "kimi-linear-48b" : "qwen3-next-80b-a3b", rw->label, B, us,
-                                bytes, gbs, gbs / copy_gbs, step ? fp32_us / us : 0.0);
+                                us, bytes, gbs, gbs / copy_gbs, step ? fp32_us / us : 0.0);
                         if (quoted > 0)
                             fprintf(jf, "\"peer_us_quoted\": %.0f, ", quoted);
                         else
