@@ -75,7 +75,6 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
     float *Sr = malloc(sizeof(float) * KV), *Sq = malloc(sizeof(float) * KV * (size_t)M);
     float *E = malloc(sizeof(float) * KV * 4), *orf = malloc(sizeof(float) * (size_t)V);
     float *oq = malloc(sizeof(float) * (size_t)V), *Xb = malloc(sizeof(float) * KV);
-    double od[STEPQ__EVAL_MAX_MAPS + 1], qd[STEPQ__EVAL_MAX_MAPS + 1], qr[STEPQ__EVAL_MAX_MAPS + 1];
     int nq = 0, ni = 0;
     memset(qz, 0, sizeof(qz));
     memset(qi, 0, sizeof(qi));
@@ -112,7 +111,6 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
     }
 
     double lsum = 0.0;
-    int fell[STEPQ__EVAL_MAX_MAPS + 1];
     for (int s = 0; s < S; s++) {
         struct stepq__calib_head h;
         if ((c->rc[job] = stepq__calib_head_load(c->ts, s, li, hv, &h)) < 0)
@@ -132,6 +130,7 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 r2 += (double)orf[j] * orf[j];
             int bk = t / c->bucket;
             for (int m = 0; m < M; m++) {
+                struct stepq__eval_acc *a = &c->acc[((size_t)m * H + job) * S + s];
                 float *X = Sq + KV * m;
                 stepq__calib_step(X, &h, t, oq);
                 double e2m = 0.0, odm = 0.0, qdm = 0.0, qrm = 0.0;
@@ -140,17 +139,18 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                     odm += (double)oq[j] * orf[j];
                 }
                 e2[m] = e2m;
-                od[m] = odm;
                 /* The store's gain: how much of the state a store keeps along itself (a
                  * shrinking quantizer, e.g. a least-squares refit of noisy codes, gives < 1). */
                 memcpy(Xb, X, sizeof(float) * KV);
-                fell[m] = stepq__calib_quant_apply(&qz[m], X);
+                a->rows_exact += stepq__calib_quant_apply(&qz[m], X);
                 for (size_t e = 0; e < KV; e++) {
                     qdm += (double)X[e] * Xb[e];
                     qrm += (double)Xb[e] * Xb[e];
                 }
-                qd[m] = qdm;
-                qr[m] = qrm;
+                a->odot += odm;
+                a->qdot += qdm;
+                a->qref += qrm;
+                a->stores += 1;
             }
             if (kda && c->row_serr) { /* per key row, the internal uniform@6 (method n_maps) */
                 const float *X = Sq + KV * c->n_maps;
@@ -180,11 +180,6 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 }
                 a->serr += se[m];
                 a->sref += s2;
-                a->odot += od[m];
-                a->qdot += qd[m];
-                a->qref += qr[m];
-                a->stores += 1;
-                a->rows_exact += fell[m];
                 size_t ci = (((size_t)m * H + job) * S + s) * c->nb + bk;
                 c->curve_err[ci] += e2[m];
                 c->curve_ref[ci] += r2;
