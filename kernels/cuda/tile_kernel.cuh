@@ -1045,8 +1045,8 @@ __device__ __forceinline__ bool sq_tile_decode(float (&x)[64], const uint8_t *bu
         float r = sq_h2f(((const uint16_t *)(buf + hd->row_scale_off))[t]);
         sm.rowf[t] = b == STEPQ_BITS_PIVOT ? d : (r * d) * sq_iqm[b & 15];
         if constexpr (ROWS) {
-            sm.ar[t] =
-                r; /* the old row scale, for the growth trigger (unused until an exact fit) */
+            /* the old row scale, for the growth trigger (unused until an exact fit) */
+            sm.ar[t] = r;
             const uint16_t ch = hd->has_col ? ((const uint16_t *)(buf + hd->col_scale_off))[t] : 0;
             sm.cold[t] = hd->has_col ? sq_h2f(ch) : 1.0f;
             sm.ad[t] = __frcp_rn(sq_h2f(ch)); /* rc_j = RN(1/c_j), once per column */
