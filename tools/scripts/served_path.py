@@ -1140,9 +1140,9 @@ def compare_nll(table, refs):
     rows, missing = [], []
     for t in table:
         m = t["method"]
-        src = next(((p, r[m]) for p, r in refs if m in r), None)
         if m == "fp32":
             continue
+        src = next(((p, r[m]) for p, r in refs if m in r), None)
         if src is None:
             missing.append(m)
             continue
