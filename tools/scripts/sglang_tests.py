@@ -347,7 +347,8 @@ HOOK_MODULES = ("sglang.srt.layers.attention.linear.gdn_backend",
 
 def _child_probe(args):
     """Imports the test modules (or the hook modules), adding a stub and
-    retrying in this process for each missing module it may stub."""
+    retrying in this process for each missing module (or missing name of a
+    module, M:X) it may stub."""
     _child_setup(args)
     finder = sys.meta_path[-1] if isinstance(sys.meta_path[-1], _StubFinder) else None
     out = {"ok": False, "added": []}
@@ -362,26 +363,25 @@ def _child_probe(args):
             out["ok"] = True
             break
         except BaseException as e:  # noqa: B902 - report whatever stops the import
-            miss = _missing_module(e)
             out["error"] = _exc_summary(sys.exc_info())
             out.pop("missing", None)
-            if not miss:
-                name = _missing_name(e)
-                if (not name or not args.auto_stub or name[0].split(":")[0].split(".")[0] in NEVER_STUB
-                        or name[0] in [a for a, _ in out["added"]]):
-                    if name:
-                        out["missing"], out["where"] = name
-                    break
-                out["missing"], out["where"] = name
-                _stub_name_in(*name[0].split(":", 1))
-                out["added"].append(name)
-                continue
-            out["missing"], out["where"] = miss
-            if (not args.auto_stub or miss[0].split(".")[0] in NEVER_STUB or finder is None
-                    or finder._covers(miss[0])):
+            miss = _missing_module(e)
+            name = None if miss else _missing_name(e)  # a module, else a name (M:X) of a module
+            hit = miss or name
+            if not hit:
                 break
-            finder.names += (miss[0],)
-            out["added"].append(miss)
+            out["missing"], out["where"] = hit
+            if not args.auto_stub or hit[0].split(":")[0].split(".")[0] in NEVER_STUB:
+                break
+            if name:
+                if name[0] in [a for a, _ in out["added"]]:
+                    break  # stubbed already and still missing
+                _stub_name_in(*name[0].split(":", 1))
+            else:
+                if finder is None or finder._covers(miss[0]):
+                    break
+                finder.names += (miss[0],)
+            out["added"].append(hit)
     out["served"] = dict(_Stubs.served)
     return out
 
