@@ -15,8 +15,11 @@ RUN.json: nll_eval.py --json (top-level "results") or served_path.py --json with
 """
 import argparse
 import json
-import math
+import os
 import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nll_eval import ms  # noqa: E402  the mean and standard error both runs' tables use
 
 
 def rows_of(doc, path):
@@ -28,16 +31,6 @@ def rows_of(doc, path):
         return drift["results"]
     raise SystemExit("paired_nll: %s: neither nll_eval.py's JSON (results) nor served_path.py's with a drift "
                      "check (checks.drift.results)" % path)
-
-
-def mean_se(xs):
-    """Mean and standard error (sample standard deviation / sqrt(n)), as nll_eval.py's ms()."""
-    n = len(xs)
-    m = sum(xs) / n
-    if n < 2:
-        return m, 0.0
-    v = sum((x - m) ** 2 for x in xs) / (n - 1)
-    return m, math.sqrt(v / n)
 
 
 def paired(rows, against, methods=None):
@@ -58,7 +51,7 @@ def paired(rows, against, methods=None):
         if not x or len(x) != len(ref):
             raise SystemExit("paired_nll: %r has %s per-stream values, %r %d" % (
                 name, len(x) if x else "no", against, len(ref)))
-        m, se = mean_se([a - b for a, b in zip(x, ref)])
+        m, se = ms([a - b for a, b in zip(x, ref)])
         out.append((name, m, se, m / se if se > 0 else float("inf") if m else 0.0))
     return out
 
