@@ -53,7 +53,8 @@ hands out stub classes for every attribute: they can be imported, named in
 annotations and subclassed, and raise RuntimeError when called once the
 tests start (calls while importing are recorded); msgspec, whose Struct
 instances SGLang's kernel registry builds and reads at import time, gets a
-dataclass-based Struct and field instead (SHIMS). The report lists every
+dataclass-based Struct and field instead, and orjson loads and dumps on the
+json module (SHIMS). The report lists every
 stub, the import that needed it and every call.
 
 --static needs no torch: it walks SGLang's import statements from the test
@@ -194,8 +195,31 @@ def _msgspec_shim(name):
     return m
 
 
+def _orjson_shim(name):
+    """orjson when it is not installed (sglang/srt/utils/common.py imports it at the top):
+    loads, dumps (bytes, as orjson's) and the OPT_* flags on the standard json module, so
+    that a code path that does parse or write JSON gets the same values; other attributes
+    are stubs."""
+    m = _StubModule(name)
+
+    def dumps(obj, default=None, option=None):
+        return json.dumps(obj, default=default, sort_keys=bool((option or 0) & m.OPT_SORT_KEYS),
+                          indent=2 if (option or 0) & m.OPT_INDENT_2 else None).encode()
+
+    def loads(data):
+        return json.loads(data)
+
+    m.dumps, m.loads, m.JSONDecodeError, m.JSONEncodeError = dumps, loads, json.JSONDecodeError, TypeError
+    for i, opt in enumerate(("OPT_APPEND_NEWLINE", "OPT_INDENT_2", "OPT_NAIVE_UTC", "OPT_NON_STR_KEYS",
+                             "OPT_OMIT_MICROSECONDS", "OPT_PASSTHROUGH_DATACLASS",
+                             "OPT_PASSTHROUGH_DATETIME", "OPT_PASSTHROUGH_SUBCLASS",
+                             "OPT_SERIALIZE_NUMPY", "OPT_SORT_KEYS", "OPT_STRICT_INTEGER", "OPT_UTC_Z")):
+        setattr(m, opt, 1 << i)
+    return m
+
+
 # Stubbed modules that need working stand-ins for the names SGLang uses at import time.
-SHIMS = {"msgspec": _msgspec_shim}
+SHIMS = {"msgspec": _msgspec_shim, "orjson": _orjson_shim}
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
@@ -219,6 +243,12 @@ class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
     def exec_module(self, module):
         _Stubs.served.setdefault(module.__name__, _caller())
+
+
+def _stub_finder():
+    """The _StubFinder on sys.meta_path, or None. Not sys.meta_path[-1]: an import after
+    _install_stubs (transformers, in _tolerate_reregistration) may append a finder of its own."""
+    return next((f for f in sys.meta_path if isinstance(f, _StubFinder)), None)
 
 
 def _install_stubs(names):
@@ -350,7 +380,7 @@ def _child_probe(args):
     retrying in this process for each missing module (or missing name of a
     module, M:X) it may stub."""
     _child_setup(args)
-    finder = sys.meta_path[-1] if isinstance(sys.meta_path[-1], _StubFinder) else None
+    finder = _stub_finder()
     out = {"ok": False, "added": []}
     for _ in range(60):
         try:
@@ -378,7 +408,10 @@ def _child_probe(args):
                     break  # stubbed already and still missing
                 _stub_name_in(*name[0].split(":", 1))
             else:
-                if finder is None or finder._covers(miss[0]):
+                if finder is None:  # no stub asked for yet: the first one installs the finder
+                    finder = _StubFinder(())
+                    sys.meta_path.append(finder)
+                elif finder._covers(miss[0]):
                     break
                 finder.names += (miss[0],)
             out["added"].append(hit)

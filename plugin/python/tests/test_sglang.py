@@ -9,6 +9,7 @@ is there."""
 
 import ast
 import enum
+import importlib.machinery
 import importlib.util
 import logging
 import os
@@ -701,6 +702,34 @@ def test_runner_msgspec_shim_builds_frozen_structs():
     a.items.append(1)
     assert b.items == [] and Bag(items=[2]).items == [2]
     assert isinstance(ms.Undefined_name_is_a_stub, type)  # the rest stays a stub module
+
+
+def test_runner_orjson_shim_round_trips_json():
+    """sglang/srt/utils/common.py imports orjson at the top (not installed on the GPU host):
+    the shim's loads and dumps are the json module's, dumps returning bytes as orjson's."""
+    t = _runner()
+    oj = t._orjson_shim("orjson")
+    assert oj.dumps({"b": 1, "a": [1, 2.5]}, option=oj.OPT_SORT_KEYS) == b'{"a": [1, 2.5], "b": 1}'
+    assert oj.loads(b'{"x": [1, null]}') == {"x": [1, None]} and oj.loads('"s"') == "s"
+    assert oj.dumps("t", default=str, option=oj.OPT_INDENT_2 | oj.OPT_SORT_KEYS) == b'"t"'
+    with _harness.raises(oj.JSONDecodeError):
+        oj.loads(b"{")
+    assert isinstance(oj.Fragment, type)  # the rest stays a stub module
+
+
+def test_runner_finds_its_stub_finder_behind_another():
+    """An import after the stubs are installed may append its own finder to sys.meta_path;
+    the probe must still extend the runner's finder (it stopped at the first missing module)."""
+    t = _runner()
+    assert t._stub_finder() is None
+    ours, theirs = t._StubFinder(["stepq_x_%d" % os.getpid()]), importlib.machinery.PathFinder
+    sys.meta_path.append(ours)
+    sys.meta_path.append(theirs)
+    try:
+        assert t._stub_finder() is ours
+    finally:
+        sys.meta_path.remove(theirs)
+        sys.meta_path.remove(ours)
 
 
 def test_runner_tolerates_a_second_transformers_registration():
