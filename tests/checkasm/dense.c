@@ -469,71 +469,25 @@ void checkasm_check_dense(void)
     /* the fp32 recurrence over many steps */
     one((struct params){ .arch = G, .layout = VK, .H = 1, .HV = 2, .batch = 2, .steps = T });
     one((struct params){ .arch = K, .layout = KV, .H = 1, .HV = 1, .batch = 2, .steps = T });
-    /* each kernel a flag picks (shipped: bf16 streamed, fp32 column) */
+    /*
+     * Each kernel a flag picks (shipped: bf16 tile, fp32 column); then batches
+     * of more items (batch x HV) than the streamed grid's blocks (resident
+     * blocks per SM x SMs: 264 bf16, 132 fp32 blocks on an H200), so that a
+     * persistent block walks several items through its pipeline.
+     */
     const unsigned COL = STEPQ__CUDA_COLUMN, TIL = STEPQ__CUDA_TILE, STR = STEPQ__CUDA_STREAM,
                    ST3 = STEPQ__CUDA_STREAM3;
-    one((struct params){ .arch = G,
-                         .layout = KV,
-                         .H = 2,
-                         .HV = 4,
-                         .batch = B,
-                         .steps = 1,
-                         .bf16 = 1,
-                         .kernel = COL });
-    one((struct params){ .arch = K,
-                         .layout = VK,
-                         .H = 2,
-                         .HV = 2,
-                         .batch = B,
-                         .steps = 1,
-                         .bf16 = 1,
-                         .kernel = TIL });
-    one((struct params){ .arch = G,
-                         .layout = KV,
-                         .H = 2,
-                         .HV = 4,
-                         .batch = B,
-                         .steps = 4,
-                         .bf16 = 1,
-                         .kernel = ST3 });
-    one((struct params){
-        .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = B, .steps = 4, .kernel = STR });
-    one((struct params){ .arch = K,
-                         .layout = VK,
-                         .H = 2,
-                         .HV = 2,
-                         .batch = B,
-                         .steps = 1,
-                         .view = 1,
-                         .kernel = ST3 });
-    one((struct params){
-        .arch = K, .layout = KV, .H = 1, .HV = 1, .batch = 2, .steps = T / 4, .kernel = STR });
-    /*
-     * Batches of more items (batch x HV) than the streamed grid's blocks
-     * (resident blocks per SM x SMs: 264 bf16, 132 fp32 blocks on an H200),
-     * so that a persistent block walks several items through its pipeline.
-     */
     const int BL = small ? 80 : 160;
-    one((struct params){
-        .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = BL, .steps = 2, .bf16 = 1 });
-    one((struct params){ .arch = K,
-                         .layout = VK,
-                         .H = 2,
-                         .HV = 4,
-                         .batch = BL,
-                         .steps = 2,
-                         .bf16 = 1,
-                         .kernel = ST3 });
-    one((struct params){
-        .arch = G, .layout = VK, .H = 2, .HV = 4, .batch = BL, .steps = 2, .kernel = STR });
-    one((struct params){ .arch = K,
-                         .layout = KV,
-                         .H = 2,
-                         .HV = 4,
-                         .batch = BL,
-                         .steps = 2,
-                         .view = 1,
-                         .kernel = ST3 });
+    /* arch, layout, H, HV, batch, steps, bf16 states, bf16 views, kernel */
+    const struct params by_kernel[] = {
+        { G, KV, 2, 4, B, 1, 1, 0, COL },  { K, VK, 2, 2, B, 1, 1, 0, TIL },
+        { G, KV, 2, 4, B, 4, 1, 0, ST3 },  { G, KV, 2, 4, B, 4, 0, 0, STR },
+        { K, VK, 2, 2, B, 1, 0, 1, ST3 },  { K, KV, 1, 1, 2, T / 4, 0, 0, STR },
+        { G, KV, 2, 4, BL, 2, 1, 0, STR }, { K, VK, 2, 4, BL, 2, 1, 0, ST3 },
+        { G, VK, 2, 4, BL, 2, 0, 0, STR }, { K, KV, 2, 4, BL, 2, 0, 1, ST3 },
+    };
+    for (size_t i = 0; i < sizeof(by_kernel) / sizeof(by_kernel[0]); i++)
+        one(by_kernel[i]);
 
     /* the streamed kernel against the tile kernel: the same bits */
     same((struct same){ G, KV, 1, STR, BL, 0 });
