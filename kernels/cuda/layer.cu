@@ -276,19 +276,43 @@ extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
 /* --- launches --- */
 
 /*
+ * Function attributes (the dynamic shared memory ceiling) belong to a
+ * device's context, so each kernel raises its own once per device: a flag per
+ * (kernel, device id) below SQ_ATTR_DEVICES, and on every launch for the
+ * devices beyond. Benign races: the attribute call is idempotent and every
+ * writer of a flag or a count stores the same value.
+ */
+#define SQ_ATTR_DEVICES 64
+
+/* The current device (-1 when the runtime fails: that launch then sets its attributes again). */
+static int current_device(void)
+{
+    int dev = -1;
+    if (cudaGetDevice(&dev) != cudaSuccess) {
+        cudaGetLastError();
+        return -1;
+    }
+    return dev;
+}
+
+/*
  * Launches kernel K on grid (256 threads, smem bytes of dynamic shared
- * memory), raising its dynamic shared memory ceiling on the first launch.
+ * memory), raising its dynamic shared memory ceiling on the first launch on
+ * each device.
  */
 template <auto K, typename... A>
 static int launch_k(dim3 grid, size_t smem, cudaStream_t s, const char *who, const A &...args)
 {
-    static int attr_done; /* benign race: the attribute call is idempotent */
+    static unsigned char attr_done[SQ_ATTR_DEVICES];
     if (grid.x == 0 || grid.y == 0)
         return STEPQ_OK;
-    if (!attr_done) {
+    const int dev = current_device();
+    const bool known = dev >= 0 && dev < SQ_ATTR_DEVICES;
+    if (!known || !attr_done[dev]) {
         SQ_CU(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
               who);
-        attr_done = 1;
+        if (known)
+            attr_done[dev] = 1;
     }
     K<<<grid, SQ_THREADS, smem, s>>>(args...);
     SQ_CU(cudaGetLastError(), who);
@@ -328,36 +352,39 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
  * The streamed dense step (stream_kernel.cuh) over n = batch x HV items with
  * nb staged heads per block: a persistent grid of min(n, resident blocks per
  * SM x SMs) blocks. The blocks per SM come from the occupancy calculator on
- * the first launch of each (kernel, nb) (its dynamic shared memory ceiling
- * raised first); the SM count is read at each launch (the current device's).
+ * the first launch of each (kernel, nb) on a device (its dynamic shared
+ * memory ceiling raised first: launch_k's rule); the SM count is read at each
+ * launch.
  */
 template <int DT, bool VK>
 static int launch_stream_k(int n, int nb, cudaStream_t s, const sq_step &st, const sq_io &io,
                            const char *who)
 {
     constexpr size_t SB = SQ_STAGE_BYTES(DT == SQ_F32 ? 4 : 2);
-    static int per_sm[SQ_STREAM_MAX_NB + 1]; /* benign race: every writer stores the same value */
+    static int per_sm[SQ_ATTR_DEVICES][SQ_STREAM_MAX_NB + 1];
     const auto K = sq_stream_kernel<DT, VK>;
     const size_t smem = (size_t)nb * SB;
     if (n == 0)
         return STEPQ_OK;
-    if (!per_sm[nb]) {
+    int dev = 0;
+    SQ_CU(cudaGetDevice(&dev), who);
+    int b = dev >= 0 && dev < SQ_ATTR_DEVICES ? per_sm[dev][nb] : 0;
+    if (!b) {
         SQ_CU(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)(SQ_STREAM_MAX_NB * SB)),
               who);
-        int b = 0;
         SQ_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, K, SQ_THREADS, smem), who);
         if (b < 1)
             return stepq__error(STEPQ_ECUDA,
                                 "%s: the streamed step does not fit on an SM (%zu bytes of shared "
                                 "memory per block)",
                                 who, smem);
-        per_sm[nb] = b;
+        if (dev >= 0 && dev < SQ_ATTR_DEVICES)
+            per_sm[dev][nb] = b;
     }
-    int dev = 0, sms = 0;
-    SQ_CU(cudaGetDevice(&dev), who);
+    int sms = 0;
     SQ_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
-    const long long cap = (long long)per_sm[nb] * (sms > 0 ? sms : 1);
+    const long long cap = (long long)b * (sms > 0 ? sms : 1);
     const unsigned grid = (unsigned)(n < cap ? n : cap);
     K<<<grid, SQ_THREADS, smem, s>>>(st, io, n, nb);
     SQ_CU(cudaGetLastError(), who);
