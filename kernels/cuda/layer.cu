@@ -284,17 +284,6 @@ extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
  */
 #define SQ_ATTR_DEVICES 64
 
-/* The current device (-1 when the runtime fails: that launch then sets its attributes again). */
-static int current_device(void)
-{
-    int dev = -1;
-    if (cudaGetDevice(&dev) != cudaSuccess) {
-        cudaGetLastError();
-        return -1;
-    }
-    return dev;
-}
-
 /*
  * Launches kernel K on grid (256 threads, smem bytes of dynamic shared
  * memory), raising its dynamic shared memory ceiling on the first launch on
@@ -306,7 +295,8 @@ static int launch_k(dim3 grid, size_t smem, cudaStream_t s, const char *who, con
     static unsigned char attr_done[SQ_ATTR_DEVICES];
     if (grid.x == 0 || grid.y == 0)
         return STEPQ_OK;
-    const int dev = current_device();
+    int dev = 0;
+    SQ_CU(cudaGetDevice(&dev), who);
     const bool known = dev >= 0 && dev < SQ_ATTR_DEVICES;
     if (!known || !attr_done[dev]) {
         SQ_CU(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize, SQ_DYN_SMEM_MAX),
@@ -349,27 +339,29 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
 }
 
 /*
- * The streamed dense step (stream_kernel.cuh) over n = batch x HV items with
- * nb staged heads per block: a persistent grid of min(n, resident blocks per
- * SM x SMs) blocks. The blocks per SM come from the occupancy calculator on
- * the first launch of each (kernel, nb) on a device (its dynamic shared
- * memory ceiling raised first: launch_k's rule); the SM count is read at each
- * launch.
+ * The streamed dense step (stream_kernel.cuh, the states' dtype io.bf16)
+ * over n = batch x HV items with nb staged heads per block: a persistent
+ * grid of min(n, resident blocks per SM x SMs) blocks. That cap is worked
+ * out on the first launch of each nb on a device (the dynamic shared memory
+ * ceiling raised, the occupancy calculator, the SM count) and kept, as
+ * launch_k keeps its flags; a launch after that reads the device id only.
  */
-template <int DT, bool VK>
+template <int DT>
 static int launch_stream_k(int n, int nb, cudaStream_t s, const sq_step &st, const sq_io &io,
                            const char *who)
 {
     constexpr size_t SB = SQ_STAGE_BYTES(DT == SQ_F32 ? 4 : 2);
-    static int per_sm[SQ_ATTR_DEVICES][SQ_STREAM_MAX_NB + 1];
-    const auto K = sq_stream_kernel<DT, VK>;
+    static long long caps[SQ_ATTR_DEVICES][SQ_STREAM_MAX_NB + 1];
+    const auto K = sq_stream_kernel<DT>;
     const size_t smem = (size_t)nb * SB;
     if (n == 0)
         return STEPQ_OK;
     int dev = 0;
     SQ_CU(cudaGetDevice(&dev), who);
-    int b = dev >= 0 && dev < SQ_ATTR_DEVICES ? per_sm[dev][nb] : 0;
-    if (!b) {
+    const bool known = dev >= 0 && dev < SQ_ATTR_DEVICES;
+    long long cap = known ? caps[dev][nb] : 0;
+    if (!cap) {
+        int b = 0, sms = 0;
         SQ_CU(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                    (int)(SQ_STREAM_MAX_NB * SB)),
               who);
@@ -379,28 +371,22 @@ static int launch_stream_k(int n, int nb, cudaStream_t s, const sq_step &st, con
                                 "%s: the streamed step does not fit on an SM (%zu bytes of shared "
                                 "memory per block)",
                                 who, smem);
-        if (dev >= 0 && dev < SQ_ATTR_DEVICES)
-            per_sm[dev][nb] = b;
+        SQ_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
+        cap = (long long)b * (sms > 0 ? sms : 1);
+        if (known)
+            caps[dev][nb] = cap;
     }
-    int sms = 0;
-    SQ_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
-    const long long cap = (long long)b * (sms > 0 ? sms : 1);
-    const unsigned grid = (unsigned)(n < cap ? n : cap);
-    K<<<grid, SQ_THREADS, smem, s>>>(st, io, n, nb);
+    K<<<(unsigned)(n < cap ? n : cap), SQ_THREADS, smem, s>>>(st, io, n, nb);
     SQ_CU(cudaGetLastError(), who);
     return STEPQ_OK;
 }
 
-/* launch_stream_k after the states' dtype and layout (io.bf16, io.layout_vk); io.dense_by_slot. */
 static int launch_stream(int batch, int nb, cudaStream_t s, const sq_step &st, const sq_io &io,
                          const char *who)
 {
     const int n = batch * st.HV;
-    if (io.bf16)
-        return io.layout_vk ? launch_stream_k<SQ_BF16, true>(n, nb, s, st, io, who)
-                            : launch_stream_k<SQ_BF16, false>(n, nb, s, st, io, who);
-    return io.layout_vk ? launch_stream_k<SQ_F32, true>(n, nb, s, st, io, who)
-                        : launch_stream_k<SQ_F32, false>(n, nb, s, st, io, who);
+    return io.bf16 ? launch_stream_k<SQ_BF16>(n, nb, s, st, io, who)
+                   : launch_stream_k<SQ_F32>(n, nb, s, st, io, who);
 }
 
 /*

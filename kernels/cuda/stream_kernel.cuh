@@ -16,12 +16,11 @@
  * (tile_kernel.cuh), so the micro-tile reads are conflict-free LDS.128 in
  * both layouts.
  *
- * The item itself is the tile kernel's, phase for phase (sq_tile_in_qk,
- * sq_tile_in_vgb, sq_tile_in_norm, sq_tile_decay, sq_tile_update,
- * sq_tile_finite, sq_tile_readout, sq_tile_store_dense), and the staged
- * read gives the floats of the direct one: the states, the outputs and the
- * health bits are the tile kernel's bit for bit (checkasm compares them
- * bytewise as well as against the reference).
+ * The item itself is the tile kernel's: sq_tile_item with SQ_V_HELD, which
+ * reads the micro-tile from the staged head (sq_tload_staged, the floats of
+ * the direct load) and then runs the same phases, so the states, the
+ * outputs and the health bits are the tile kernel's bit for bit (checkasm
+ * compares them bytewise as well as against the reference).
  *
  * Pipeline, nb = 2 or 3 buffers of SQ_STAGE_BYTES (dynamic shared memory):
  * - prologue: the block's items 0 .. nb - 2 are issued, one group each;
@@ -35,12 +34,12 @@
  *   a state without 16-byte alignment (!io.dense_vec) is staged by plain
  *   loads and stores (sq_stage_dense_scalar: rare, not tuned);
  * - the recurrence inputs of item i_{k+1} (sq_load_in: a few registers)
- *   are loaded as soon as item i_k's state is stored, so their latency
- *   overlaps the item's tail and the next wait;
+ *   are loaded as soon as item i_k is done, so their latency overlaps the
+ *   next issue and wait;
  * - the block ends with cp.async.wait_all: no copy lands after it.
  * Grid: min(items, resident blocks per SM x SMs) (layer.cu,
- * launch_stream); registers: two blocks per SM for bf16 (2 x 64 KiB or
- * 96 KiB of buffers), one for fp32 (128 or 192 KiB).
+ * launch_stream); two blocks per SM for bf16 (2 x 64 KiB or 96 KiB of
+ * buffers), one for fp32 (128 or 192 KiB).
  */
 #ifndef STEPQ_KERNELS_CUDA_STREAM_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_STREAM_KERNEL_CUH
@@ -90,16 +89,15 @@ __device__ __forceinline__ void sq_stream_issue(const sq_io &io, int i, int n, i
     sq_cp_commit();
 }
 
-template <int DT, bool VK>
+template <int DT>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_STREAM_MIN_BLOCKS(DT))
     sq_stream_kernel(sq_step st, sq_io io, int n, int nb)
 {
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_tsmem sm;
     constexpr uint32_t SB = SQ_STAGE_BYTES(DT == SQ_F32 ? 4 : 2);
-    const int t = threadIdx.x, G = gridDim.x, HV = st.HV, bfi = st.in_bf16;
-    const int lane = t & 31, w = t >> 5, tx = lane & 15;
-    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    constexpr int HELD = SQ_V_HELD | (DT == SQ_BF16 ? SQ_V_HELD16 : 0);
+    const int t = threadIdx.x, G = gridDim.x, HV = st.HV;
     int i = blockIdx.x;
     for (int p = 0; p < nb - 1; p++)
         sq_stream_issue<DT>(io, i + p * G, n, HV, sq_dyn + p * SB);
@@ -110,42 +108,15 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_STREAM_MIN_BLOCKS(DT))
         sq_stream_issue<DT>(io, i + (nb - 1) * G, n, HV, sq_dyn + ((k + nb - 1) % nb) * SB);
         const int e = i / HV, hv = i - e * HV, nx = i + G;
         const int32_t slot = sq_stream_slot(io, e);
-        if (slot < 0) { /* uniform over the block */
-            if (nx < n)
-                sq_load_in<true, 0>(in, st, nx % HV, nx / HV, HV, t);
-            continue;
+        if (slot >= 0) { /* uniform over the block */
+            sq_cp_wait_pending(nb - 1);
+            __syncthreads(); /* every thread's copies of item i are visible */
+            /* ends with a barrier: the buffer is free for the next issue */
+            sq_tile_item<SQ_SRC_DENSE, true, SQ_SINK_DENSE, HELD>(st, io, hv, e, HV, slot,
+                                                                  sq_dyn + (k % nb) * SB, sm, in);
         }
-        if (t == 0)
-            sm.fl = sm.sat = 0;
-        sq_cp_wait_pending(nb - 1);
-        __syncthreads();
-        float x[64];
-        sq_tload_staged<DT, VK>(x, sq_dyn + (k % nb) * SB, pos.R0, pos.C0);
-        unsigned fl = 0; /* health bits raised by this thread */
-        const bool bad =
-            t < SQ_D ? sq_tile_in_qk(st, in, sm, bfi, pos) : sq_tile_in_vgb(st, in, sm, bfi, t);
-        if (__syncthreads_or(bad)) {
-            sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
-            if (nx < n)
-                sq_load_in<true, 0>(in, st, nx % HV, nx / HV, HV, t);
-            __syncthreads(); /* the buffer and sm are free */
-            continue;
-        }
-        const float kq = sq_tile_in_norm<SQ_SRC_DENSE>(st, io, sm, hv, e, HV, pos);
-        sq_tile_decay(x, sm, pos.R0);
-        sq_tile_update(x, sm, pos);
-        float m[8];
-        const bool slow = sq_tile_finite<true>(x, m, sm, fl, pos);
-        sq_tile_readout(st, sm, kq, slow, e, hv, bfi, fl, t);
-        sq_tile_store_dense(x, m, io, slot, e, hv, fl, pos);
         if (nx < n)
             sq_load_in<true, 0>(in, st, nx % HV, nx / HV, HV, t);
-        if (fl)
-            atomicOr(&sm.fl, fl);
-        /* every read of the buffer and of sm is done: the next issue may overwrite the buffer */
-        __syncthreads();
-        if (t == 0 && sm.fl)
-            sq_tile_report(io, sm.fl, slot);
     }
     sq_cp_async_wait_all(); /* no copy may land after the block has gone */
 }
