@@ -249,7 +249,6 @@ static stepq_state_layout kind_layout(enum kind k)
 struct ctx {
     enum kind kind;
     int old;                       /* the "(old)" rows: STEPQ__CUDA_COLUMN */
-    unsigned dkernel;              /* dense steps without old: the row's kernel flag */
     stepq_pool_t *pool;            /* the packed rows' pool */
     stepq_step_args args;          /* the step through the public API */
     stepq_prefill_args pf;         /* the pack / unpack through the public API */
@@ -270,7 +269,7 @@ static int launch(void *p)
         return stepq__cuda_step_dense_ex(&c->ka, c->dense, c->stride, STEPQ__LAYOUT_KV,
                                          c->kind == K_DENSE_BF16 ? STEPQ_DTYPE_BF16
                                                                  : STEPQ_DTYPE_FP32,
-                                         c->old ? STEPQ__CUDA_COLUMN : c->dkernel);
+                                         c->old ? STEPQ__CUDA_COLUMN : 0);
     case K_PACKED:
         if (c->old)
             return stepq__cuda_step_packed_prepared(&c->ka, &c->pl, c->L, STEPQ__CUDA_FUSED);
@@ -434,47 +433,40 @@ struct row {
     int method;        /* index into methods[] */
     enum kind kind;
     int old;
-    unsigned dkernel; /* dense steps: a kernel flag of stepq__cuda_step_dense_ex (0: shipped) */
 };
 
 static const struct row rows[] = {
-    { "fp32", 0, K_DENSE_F32, 0, 0 },
-    { "bf16", 1, K_DENSE_BF16, 0, 0 },
-    /* the dense step on the streamed kernel, 2 or 3 staged heads (shipped: fp32 column, bf16 tile)
-     */
-    { "fp32 streamed", 0, K_DENSE_F32, 0, STEPQ__CUDA_STREAM },
-    { "fp32 streamed x3", 0, K_DENSE_F32, 0, STEPQ__CUDA_STREAM3 },
-    { "bf16 streamed", 1, K_DENSE_BF16, 0, STEPQ__CUDA_STREAM },
-    { "bf16 streamed x3", 1, K_DENSE_BF16, 0, STEPQ__CUDA_STREAM3 },
-    { "uniform@6", 2, K_PACKED, 0, 0 },
-    { "stepq@4", 3, K_PACKED, 0, 0 },
-    { "stepq@6", 4, K_PACKED, 0, 0 },
+    { "fp32", 0, K_DENSE_F32, 0 },
+    { "bf16", 1, K_DENSE_BF16, 0 },
+    { "uniform@6", 2, K_PACKED, 0 },
+    { "stepq@4", 3, K_PACKED, 0 },
+    { "stepq@6", 4, K_PACKED, 0 },
     /* the decode fit norefit (map field decode_fit), the same maps otherwise: A/B of the refit */
-    { "stepq@4 norefit", 6, K_PACKED, 0, 0 },
-    { "stepq@6 norefit", 7, K_PACKED, 0, 0 },
+    { "stepq@4 norefit", 6, K_PACKED, 0 },
+    { "stepq@6 norefit", 7, K_PACKED, 0 },
     /* the decode fit rows, likewise: the old column scales kept, no column reduction */
-    { "stepq@4 rows", 8, K_PACKED, 0, 0 },
-    { "stepq@6 rows", 9, K_PACKED, 0, 0 },
-    { "fp8", 5, K_PACKED, 0, 0 },
-    { "stepq@6 two-stage", 4, K_PACKED_2S, 0, 0 },
-    { "stepq@6 pack", 4, K_PACK, 0, 0 },
-    { "stepq@6 pack bf16", 4, K_PACK_BF16, 0, 0 },
-    { "stepq@6 pack [V,K]", 4, K_PACK_VK, 0, 0 },
-    { "stepq@6 unpack", 4, K_UNPACK, 0, 0 },
-    { "stepq@6 unpack bf16", 4, K_UNPACK_BF16, 0, 0 },
-    { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0, 0 },
-    { "fp8 pack", 5, K_PACK, 0, 0 },
-    { "fp8 pack bf16", 5, K_PACK_BF16, 0, 0 },
-    { "fp8 pack [V,K]", 5, K_PACK_VK, 0, 0 },
-    { "fp8 unpack", 5, K_UNPACK, 0, 0 },
-    { "fp8 unpack bf16", 5, K_UNPACK_BF16, 0, 0 },
-    { "fp8 unpack [V,K]", 5, K_UNPACK_VK, 0, 0 },
-    { "fp32 (old)", 0, K_DENSE_F32, 1, 0 },
-    { "bf16 (old)", 1, K_DENSE_BF16, 1, 0 },
-    { "stepq@6 (old)", 4, K_PACKED, 1, 0 },
-    { "stepq@6 unpack (old)", 4, K_UNPACK, 1, 0 },
-    { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, 1, 0 },
-    { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, 1, 0 },
+    { "stepq@4 rows", 8, K_PACKED, 0 },
+    { "stepq@6 rows", 9, K_PACKED, 0 },
+    { "fp8", 5, K_PACKED, 0 },
+    { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
+    { "stepq@6 pack", 4, K_PACK, 0 },
+    { "stepq@6 pack bf16", 4, K_PACK_BF16, 0 },
+    { "stepq@6 pack [V,K]", 4, K_PACK_VK, 0 },
+    { "stepq@6 unpack", 4, K_UNPACK, 0 },
+    { "stepq@6 unpack bf16", 4, K_UNPACK_BF16, 0 },
+    { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0 },
+    { "fp8 pack", 5, K_PACK, 0 },
+    { "fp8 pack bf16", 5, K_PACK_BF16, 0 },
+    { "fp8 pack [V,K]", 5, K_PACK_VK, 0 },
+    { "fp8 unpack", 5, K_UNPACK, 0 },
+    { "fp8 unpack bf16", 5, K_UNPACK_BF16, 0 },
+    { "fp8 unpack [V,K]", 5, K_UNPACK_VK, 0 },
+    { "fp32 (old)", 0, K_DENSE_F32, 1 },
+    { "bf16 (old)", 1, K_DENSE_BF16, 1 },
+    { "stepq@6 (old)", 4, K_PACKED, 1 },
+    { "stepq@6 unpack (old)", 4, K_UNPACK, 1 },
+    { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, 1 },
+    { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, 1 },
 };
 #define N_ROWS ((int)(sizeof(rows) / sizeof(rows[0])))
 
@@ -830,7 +822,6 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 memset(&c, 0, sizeof(c));
                 c.kind = rw->kind;
                 c.old = rw->old;
-                c.dkernel = rw->dkernel;
                 c.s = ts;
                 c.dense = dstate;
                 c.stride = (size_t)HV * D * D;

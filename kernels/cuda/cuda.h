@@ -74,18 +74,6 @@ int stepq__cuda_device_count(void);
 #define STEPQ__CUDA_COLUMN 1u
 
 /**
- * Kernel choices of stepq__cuda_step_dense_ex only (at most one of
- * COLUMN, TILE, STREAM, STREAM3), for the tests and the benchmark's A/B
- * rows; without one each state dtype takes its shipped kernel (below).
- * TILE: the micro-tiled kernel with the head in registers (tile_kernel.cuh,
- * the shipped bf16 step). STREAM / STREAM3: the streamed kernel
- * (stream_kernel.cuh) with two or three staged heads per block.
- */
-#define STEPQ__CUDA_TILE    2u
-#define STEPQ__CUDA_STREAM  4u
-#define STEPQ__CUDA_STREAM3 8u
-
-/**
  * Mirrors a packed layer's description (pl->heads, head_offset, row_impact:
  * host memory) into a device descriptor table. pl->base, n_slots and
  * page_stride are NOT captured: they are passed again at each call.
@@ -144,10 +132,9 @@ int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl, stepq__cud
  * Dense decode step on fp32 or bf16 states (base is float* or bf16 bits;
  * slot_stride in elements; `dtype` is the states', a->dtype the inputs').
  * bf16 states are updated in fp32 and stored rounded to nearest even,
- * saturating to the largest finite bf16. `flags`: 0 (shipped: bf16 states
- * on the tile kernel, fp32 states on the column kernel), or one of
- * STEPQ__CUDA_COLUMN, _TILE, _STREAM, _STREAM3 (either dtype on that
- * kernel); anything else is STEPQ_EINVAL.
+ * saturating to the largest finite bf16. `flags`: 0 or STEPQ__CUDA_COLUMN
+ * (bf16 states on the column kernel; fp32 states always run there);
+ * anything else is STEPQ_EINVAL.
  */
 int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size_t slot_stride,
                               stepq__layout layout, stepq_dtype dtype, unsigned flags);

@@ -190,15 +190,6 @@ __device__ __forceinline__ void sq_st_codes_rt(uint8_t *row, int tx, int b, uint
  * steps only, as SQ_V_NOREFIT.
  */
 #define SQ_V_ROWS 128
-/*
- * the dense head is already staged in buf (sq_stage_dense's layout) and
- * visible to every thread: the streamed dense step (stream_kernel.cuh),
- * which waited for it, runs the item on it. The item only reads it. With
- * SQ_V_HELD16 the head is bf16, else fp32: one dtype per instantiation (both
- * read paths in one kernel spilled at the register limit).
- */
-#define SQ_V_HELD   256
-#define SQ_V_HELD16 512
 
 /* Whether the step's inputs are bf16: fixed by the variant bits V, else st.in_bf16. */
 template <int V> __device__ __forceinline__ int sq_in_bf16(const sq_step &st)
@@ -870,8 +861,7 @@ sq_tile_load(float (&x)[64], const sq_io &io, const sq_head_desc *hd, sq_tsmem &
      * one keeps the loads after the per-row table.
      */
     constexpr bool STAGED = !UPDATE && SINK == SQ_SINK_PACKED && (V & SQ_V_STAGE);
-    constexpr bool HELD = SRC == SQ_SRC_DENSE && (V & SQ_V_HELD);
-    constexpr bool EARLY = SRC == SQ_SRC_DENSE && !STAGED && !HELD && !(V & SQ_V_RTU);
+    constexpr bool EARLY = SRC == SQ_SRC_DENSE && !STAGED && !(V & SQ_V_RTU);
     if (EARLY)
         sq_tload_at(x, io, slot, e, hv, R0, C0);
     if (packed && t < SQ_D) {
@@ -881,14 +871,8 @@ sq_tile_load(float (&x)[64], const sq_io &io, const sq_head_desc *hd, sq_tsmem &
             sq_rowc_fill(rowc[t], hd->bits[t], hd->row_off[t]);
     }
 
-    if (SRC == SQ_SRC_DENSE && !STAGED && !HELD && !EARLY) {
+    if (SRC == SQ_SRC_DENSE && !STAGED && !EARLY) {
         sq_tload_at(x, io, slot, e, hv, R0, C0);
-    } else if (SRC == SQ_SRC_DENSE && HELD) {
-        constexpr int DT = (V & SQ_V_HELD16) ? SQ_BF16 : SQ_F32;
-        if (io.layout_vk)
-            sq_tload_staged<DT, true>(x, buf, R0, C0);
-        else
-            sq_tload_staged<DT, false>(x, buf, R0, C0);
     } else if (SRC == SQ_SRC_DENSE && STAGED) {
         /* a [V,K] pack: the head was staged into buf by the caller (sq_stage_dense) */
         sq_cp_async_wait_all();

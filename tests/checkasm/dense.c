@@ -4,11 +4,7 @@
  * explicit argument, against the reference stepq__ref_step_dense), over one
  * step and over many steps of the same requests, in both state layouts, on
  * fp32 inputs or bf16 strided views with the in-kernel gate, on the shipped
- * kernels and on each kernel a flag picks (column, tile, streamed with two or
- * three staged heads), with batches large enough that a persistent block of
- * the streamed kernel walks several items. Then the streamed kernel against
- * the tile kernel, whose phases it runs: the same bits. States and tensors
- * carry guard bytes.
+ * and on the thread-per-column kernels. States and tensors carry guard bytes.
  */
 #include <math.h>
 #include <stdio.h>
@@ -37,27 +33,18 @@ struct params {
     stepq_arch arch;
     stepq__layout layout;
     int H, HV, batch, steps;
-    int bf16;        /* bf16 states */
-    int view;        /* bf16 strided inputs with the in-kernel gate */
-    unsigned kernel; /* 0 (shipped) or one of STEPQ__CUDA_COLUMN, _TILE, _STREAM, _STREAM3 */
+    int bf16;   /* bf16 states */
+    int view;   /* bf16 strided inputs with the in-kernel gate */
+    int column; /* STEPQ__CUDA_COLUMN: bf16 states on the column kernel */
 };
-
-static const char *kernel_name(unsigned k)
-{
-    return k == STEPQ__CUDA_COLUMN    ? " column kernel"
-           : k == STEPQ__CUDA_TILE    ? " tile kernel"
-           : k == STEPQ__CUDA_STREAM  ? " streamed kernel"
-           : k == STEPQ__CUDA_STREAM3 ? " streamed kernel, 3 stages"
-                                      : "";
-}
 
 static int start(const struct params *p)
 {
-    return checkasm_check("dense %s %s states %s H=%d HV=%d B=%d %d step%s%s%s",
-                          stepq_arch_name(p->arch), p->bf16 ? "bf16" : "fp32",
-                          p->layout == STEPQ__LAYOUT_KV ? "[K,V]" : "[V,K]", p->H, p->HV, p->batch,
-                          p->steps, p->steps > 1 ? "s" : "",
-                          p->view ? " bf16 strided in-kernel gate" : "", kernel_name(p->kernel));
+    return checkasm_check(
+        "dense %s %s states %s H=%d HV=%d B=%d %d step%s%s%s", stepq_arch_name(p->arch),
+        p->bf16 ? "bf16" : "fp32", p->layout == STEPQ__LAYOUT_KV ? "[K,V]" : "[V,K]", p->H, p->HV,
+        p->batch, p->steps, p->steps > 1 ? "s" : "", p->view ? " bf16 strided in-kernel gate" : "",
+        p->column ? " column kernel" : "");
 }
 
 struct launch {
@@ -65,20 +52,20 @@ struct launch {
     void *states;
     size_t stride;
     stepq__layout layout;
-    int bf16;
-    unsigned kernel;
+    int bf16, column;
 };
 
 /* The fp32 [.] shipped path through stepq__cuda_step_dense, the others through _ex. */
 static int launch_new(void *ctx)
 {
     const struct launch *c = ctx;
-    if (!c->bf16 && !c->kernel) {
+    if (!c->bf16 && !c->column) {
         const struct stepq__dense_states st = { c->states, c->stride, c->layout };
         return stepq__cuda_step_dense(c->a, &st);
     }
     return stepq__cuda_step_dense_ex(c->a, c->states, c->stride, c->layout,
-                                     c->bf16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32, c->kernel);
+                                     c->bf16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32,
+                                     c->column ? STEPQ__CUDA_COLUMN : 0);
 }
 
 /* bf16 states, CUDA (g16) vs the reference's fp32 S rounded (see TOL_BF16_STATE_*); Sg: widened. */
@@ -150,7 +137,7 @@ static int run(const struct params *p)
     fx_dense_kernel_args(p->arch, p->H, p->HV, n_slots, &ah, NULL, &ka);
     fx_dense_kernel_args(p->arch, p->H, p->HV, n_slots, &ad, NULL, &kd);
     const struct stepq__dense_states st = { hS.p, stride, p->layout };
-    struct launch lc = { &kd, dS.p, stride, p->layout, p->bf16, p->kernel };
+    struct launch lc = { &kd, dS.p, stride, p->layout, p->bf16, p->column };
 
     for (int t = 0; t < p->steps; t++) {
         if (t > 0) {
@@ -228,147 +215,6 @@ static void one(struct params p)
         checkasm_report(run(&p));
 }
 
-/* One streamed-against-tile configuration. */
-struct same {
-    stepq_arch arch;
-    stepq__layout layout;
-    int bf16;        /* bf16 states */
-    unsigned kernel; /* STEPQ__CUDA_STREAM or STEPQ__CUDA_STREAM3 */
-    int batch;
-    int view; /* bf16 strided inputs with the in-kernel gate */
-};
-
-/*
- * The streamed kernel and the tile kernel from the same start states
- * through SAME_STEPS steps on the same inputs: states, outputs, health words
- * and counters byte for byte after every step. The start holds a NaN in
- * entry 0's head 1 (the sanitising path: health STATE) and the largest
- * finite value in entry 2's head 0 (a readout or update that overflows);
- * from the second step entry 1's q is Inf (the refused item: o = 0, health
- * INPUT, its state left as it was). The check asserts that both health bits
- * were raised, so those paths ran.
- */
-#define SAME_STEPS 3
-static int run_same(const struct same *p)
-{
-    enum { H = 2, HV = 4 };
-    const int n_slots = p->batch + 2;
-    const size_t stride = (size_t)HV * FX_D * FX_D, n = stride * (size_t)n_slots,
-                 es = p->bf16 ? 2 : 4;
-    const unsigned flags =
-        STEPQ_STEP_L2NORM | (p->view ? STEPQ_STEP_GATE_IN_KERNEL | STEPQ_STEP_BETA_SIGMOID : 0);
-    const stepq_dtype dt = p->bf16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32;
-    struct fx_rng *rng = checkasm_rng();
-    struct fx_inputs in = { 0 };
-    struct fx_step_io dio = { 0 };
-    struct fx_buf dS[2] = { { 0 } }, dh[2] = { { 0 } };
-    uint8_t *S0 = malloc(es * n), *Sr[2] = { malloc(es * n), malloc(es * n) };
-    uint32_t *hw[2] = { calloc((size_t)n_slots, 4), calloc((size_t)n_slots, 4) };
-    int32_t *slots0 = malloc(sizeof(int32_t) * (size_t)p->batch);
-    uint8_t *o[2] = { NULL, NULL };
-    uint64_t cnt[2][STEPQ__HEALTH_NCOUNTS];
-    stepq_step_args ad;
-    struct stepq__step_args kd;
-    int rc = 0;
-    int64_t bad;
-
-    CA_TRY(S0 && Sr[0] && Sr[1] && hw[0] && hw[1] && slots0, "out of memory");
-    CA_OK(fx_inputs_alloc(&in, p->arch, p->batch, H, HV));
-    CA_OK(fx_inputs_gen(&in, n_slots, p->view, rng));
-    memcpy(slots0, in.slots, sizeof(int32_t) * (size_t)p->batch);
-    for (size_t i = 0; i < n; i++) {
-        const float v = AMP * fx_nrand(rng);
-        if (p->bf16)
-            ((uint16_t *)S0)[i] = stepq__bf16_from_float(v);
-        else
-            ((float *)S0)[i] = v;
-    }
-    const size_t nan_at = (size_t)slots0[0] * stride + (size_t)FX_D * FX_D + 5,
-                 big_at = (size_t)slots0[2] * stride + 7;
-    if (p->bf16) {
-        ((uint16_t *)S0)[nan_at] = 0x7FC0;
-        ((uint16_t *)S0)[big_at] = 0x7F7F;
-    } else {
-        ((float *)S0)[nan_at] = NAN;
-        ((float *)S0)[big_at] = 3.4028235e38f;
-    }
-    CA_OK(fx_step_io_init(&dio, &in, p->view, 1));
-    o[0] = malloc(dio.o.bytes);
-    o[1] = malloc(dio.o.bytes);
-    CA_TRY(o[0] && o[1], "out of memory");
-    fx_step_io_args(&dio, flags, &ad);
-    fx_dense_kernel_args(p->arch, H, HV, n_slots, &ad, NULL, &kd);
-    for (int r = 0; r < 2; r++) {
-        CA_OK(fx_buf_alloc(&dS[r], es * n, 1));
-        CA_OK(fx_buf_set(&dS[r], S0));
-        CA_OK(fx_buf_alloc(&dh[r], 4 * (size_t)n_slots, 1));
-        CA_OK(fx_buf_set(&dh[r], hw[r]));
-    }
-    for (int t = 0; t < SAME_STEPS; t++) {
-        if (t > 0) {
-            CA_OK(fx_inputs_gen(&in, n_slots, p->view, rng));
-            memcpy(in.slots, slots0, sizeof(int32_t) * (size_t)p->batch);
-            in.q[(size_t)H * FX_D] = INFINITY; /* entry 1, q head 0 */
-        }
-        for (int r = 0; r < 2; r++) {
-            CA_OK(fx_step_io_set(&dio, &in)); /* o to sentinels, the counters to 0 */
-            kd.health = dh[r].p;
-            CA_OK(stepq__cuda_step_dense_ex(&kd, dS[r].p, stride, p->layout, dt,
-                                            r ? p->kernel : STEPQ__CUDA_TILE));
-            CA_OK(fx_buf_get(&dio.o, o[r]));
-            CA_OK(fx_buf_get(&dio.counts, cnt[r]));
-        }
-        for (size_t b = 0; b < dio.o.bytes; b++)
-            CA_TRY(o[0][b] == o[1][b], "step %d: o byte %zu: 0x%02x (streamed) vs 0x%02x (tile)", t,
-                   b, o[1][b], o[0][b]);
-        for (int c = 0; c < STEPQ__HEALTH_NCOUNTS; c++)
-            CA_TRY(cnt[0][c] == cnt[1][c], "step %d: counter %d: %llu (streamed) vs %llu (tile)", t,
-                   c, (unsigned long long)cnt[1][c], (unsigned long long)cnt[0][c]);
-    }
-    uint32_t seen = 0;
-    for (int r = 0; r < 2; r++) {
-        CA_OK(fx_buf_compare(&dS[r], 1, &bad));
-        CA_TRY(bad < 0, "states: guard byte %lld changed", (long long)bad - FX_GUARD);
-        CA_OK(fx_buf_get(&dS[r], Sr[r]));
-        CA_OK(fx_buf_get(&dh[r], hw[r]));
-    }
-    for (size_t b = 0; b < es * n; b++)
-        CA_TRY(Sr[0][b] == Sr[1][b], "state byte %zu (element %zu): 0x%02x (streamed) vs 0x%02x", b,
-               b / es, Sr[1][b], Sr[0][b]);
-    for (int i = 0; i < n_slots; i++) {
-        CA_TRY(hw[0][i] == hw[1][i], "slot %d: health 0x%x (streamed) vs 0x%x (tile)", i, hw[1][i],
-               hw[0][i]);
-        seen |= hw[1][i];
-    }
-    CA_TRY((seen & STEPQ_HEALTH_STATE) && (seen & STEPQ_HEALTH_INPUT),
-           "health bits 0x%x: the non-finite state or the non-finite input did not reach its path",
-           seen);
-    checkasm_note("%d steps, %d entries: states, outputs, health and counters identical",
-                  SAME_STEPS, p->batch);
-out:
-    fx_step_io_free(&dio);
-    fx_inputs_free(&in);
-    for (int r = 0; r < 2; r++) {
-        fx_buf_free(&dS[r]);
-        fx_buf_free(&dh[r]);
-        free(Sr[r]);
-        free(hw[r]);
-        free(o[r]);
-    }
-    free(S0);
-    free(slots0);
-    return rc;
-}
-
-static void same(struct same p)
-{
-    if (checkasm_check("dense %s %s states %s B=%d%s:%s against the tile kernel, bit for bit",
-                       stepq_arch_name(p.arch), p.bf16 ? "bf16" : "fp32",
-                       p.layout == STEPQ__LAYOUT_KV ? "[K,V]" : "[V,K]", p.batch,
-                       p.view ? " bf16 strided in-kernel gate" : "", kernel_name(p.kernel)))
-        checkasm_report(run_same(&p));
-}
-
 /* The dense entry's refusal: its status and a message naming the entry. */
 static int refused_entry(int got, int want, const char *what)
 {
@@ -411,9 +257,7 @@ static int run_bad_entry(void)
         { "slot stride short", STEPQ_EINVAL, stride / 2, KV, F32, 0 },
         { "layout 2", STEPQ_EINVAL, stride, (stepq__layout)2, F32, 0 },
         { "state dtype fp16", STEPQ_ENOTSUP, stride, KV, STEPQ_DTYPE_FP16, 0 },
-        { "flags 16", STEPQ_EINVAL, stride, KV, F32, 16 },
-        { "flags 6 (two kernels)", STEPQ_EINVAL, stride, KV, F32,
-          STEPQ__CUDA_TILE | STEPQ__CUDA_STREAM },
+        { "flags 2", STEPQ_EINVAL, stride, KV, F32, 2 },
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         x = a;
@@ -469,31 +313,9 @@ void checkasm_check_dense(void)
     /* the fp32 recurrence over many steps */
     one((struct params){ .arch = G, .layout = VK, .H = 1, .HV = 2, .batch = 2, .steps = T });
     one((struct params){ .arch = K, .layout = KV, .H = 1, .HV = 1, .batch = 2, .steps = T });
-    /*
-     * Each kernel a flag picks (shipped: bf16 tile, fp32 column); then batches
-     * of more items (batch x HV) than the streamed grid's blocks (resident
-     * blocks per SM x SMs: 264 bf16, 132 fp32 blocks on an H200), so that a
-     * persistent block walks several items through its pipeline.
-     */
-    const unsigned COL = STEPQ__CUDA_COLUMN, TIL = STEPQ__CUDA_TILE, STR = STEPQ__CUDA_STREAM,
-                   ST3 = STEPQ__CUDA_STREAM3;
-    const int BL = small ? 80 : 160;
-    /* arch, layout, H, HV, batch, steps, bf16 states, bf16 views, kernel */
-    const struct params by_kernel[] = {
-        { G, KV, 2, 4, B, 1, 1, 0, COL },  { K, VK, 2, 2, B, 1, 1, 0, TIL },
-        { G, KV, 2, 4, B, 4, 1, 0, ST3 },  { G, KV, 2, 4, B, 4, 0, 0, STR },
-        { K, VK, 2, 2, B, 1, 0, 1, ST3 },  { K, KV, 1, 1, 2, T / 4, 0, 0, STR },
-        { G, KV, 2, 4, BL, 2, 1, 0, STR }, { K, VK, 2, 4, BL, 2, 1, 0, ST3 },
-        { G, VK, 2, 4, BL, 2, 0, 0, STR }, { K, KV, 2, 4, BL, 2, 0, 1, ST3 },
-    };
-    for (size_t i = 0; i < sizeof(by_kernel) / sizeof(by_kernel[0]); i++)
-        one(by_kernel[i]);
-
-    /* the streamed kernel against the tile kernel: the same bits */
-    same((struct same){ G, KV, 1, STR, BL, 0 });
-    same((struct same){ K, VK, 1, ST3, BL, 1 });
-    same((struct same){ G, VK, 0, STR, BL, 1 });
-    same((struct same){ K, KV, 0, ST3, B, 0 });
+    /* the thread-per-column kernel for bf16 states (fp32 states always run there) */
+    one((struct params){
+        .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = B, .steps = 1, .bf16 = 1, .column = 1 });
 
     if (checkasm_check("dense invalid arguments (dense step entry)"))
         checkasm_report(run_bad_entry());

@@ -53,8 +53,8 @@ hands out stub classes for every attribute: they can be imported, named in
 annotations and subclassed, and raise RuntimeError when called once the
 tests start (calls while importing are recorded); msgspec, whose Struct
 instances SGLang's kernel registry builds and reads at import time, gets a
-dataclass-based Struct and field instead, and orjson loads and dumps on the
-json module (SHIMS). The report lists every
+dataclass-based Struct and field instead, orjson loads and dumps on the
+json module, and dill pickle's dumps and loads (SHIMS). The report lists every
 stub, the import that needed it and every call.
 
 --static needs no torch: it walks SGLang's import statements from the test
@@ -218,8 +218,21 @@ def _orjson_shim(name):
     return m
 
 
+def _dill_shim(name):
+    """dill when it is not installed: SGLang serialises a logit processor class at import
+    time (sglang/srt/sampling/custom_logit_processor.py: json.dumps({"callable":
+    dill.dumps(cls).hex()})), which a stub's return value cannot go through. dumps and loads
+    are pickle's (the same bytes for a class importable by name, which is what it pickles);
+    other attributes are stubs."""
+    import pickle
+
+    m = _StubModule(name)
+    m.dumps, m.loads, m.dump, m.load = pickle.dumps, pickle.loads, pickle.dump, pickle.load
+    return m
+
+
 # Stubbed modules that need working stand-ins for the names SGLang uses at import time.
-SHIMS = {"msgspec": _msgspec_shim, "orjson": _orjson_shim}
+SHIMS = {"msgspec": _msgspec_shim, "orjson": _orjson_shim, "dill": _dill_shim}
 
 
 class _StubFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):

@@ -717,6 +717,20 @@ def test_runner_orjson_shim_round_trips_json():
     assert isinstance(oj.Fragment, type)  # the rest stays a stub module
 
 
+def test_runner_dill_shim_pickles_a_class_by_name():
+    """sglang/srt/sampling/custom_logit_processor.py serialises a class with dill at import
+    time and json-encodes the hex; with the shim (dill not installed on the GPU host) that is
+    pickle, and the class comes back."""
+    import json
+    import pickle
+
+    t = _runner()
+    dl = t._dill_shim("dill")
+    text = json.dumps({"callable": dl.dumps(pickle.PickleError).hex()})
+    assert dl.loads(bytes.fromhex(json.loads(text)["callable"])) is pickle.PickleError
+    assert isinstance(dl.Pickler_is_a_stub, type)  # the rest stays a stub module
+
+
 def test_runner_finds_its_stub_finder_behind_another():
     """An import after the stubs are installed may append its own finder to sys.meta_path;
     the probe must still extend the runner's finder (it stopped at the first missing module)."""
