@@ -17,7 +17,6 @@ extern "C" {
 #include "plugin/cuda_err.h"
 #include "plugin/err.h"
 }
-#include "kernels/cuda/stream_kernel.cuh"
 #include "kernels/cuda/tile_kernel.cuh"
 #include "kernels/cuda/unpack_kernel.cuh"
 
@@ -280,7 +279,7 @@ extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
  * device's context, so each kernel raises its own once per device: a flag per
  * (kernel, device id) below SQ_ATTR_DEVICES, and on every launch for the
  * devices beyond. Benign races: the attribute call is idempotent and every
- * writer of a flag or a count stores the same value.
+ * writer of a flag stores the same value.
  */
 #define SQ_ATTR_DEVICES 64
 
@@ -336,57 +335,6 @@ static int launch_tile_v(dim3 grid, size_t smem, cudaStream_t s, const sq_step &
                          const char *who)
 {
     return launch_k<sq_tile_kernel<SRC, UPDATE, SINK, V>>(grid, smem, s, who, st, io);
-}
-
-/*
- * The streamed dense step (stream_kernel.cuh, the states' dtype io.bf16)
- * over n = batch x HV items with nb staged heads per block: a persistent
- * grid of min(n, resident blocks per SM x SMs) blocks. That cap is worked
- * out on the first launch of each nb on a device (the dynamic shared memory
- * ceiling raised, the occupancy calculator, the SM count) and kept, as
- * launch_k keeps its flags; a launch after that reads the device id only.
- */
-template <int DT>
-static int launch_stream_k(int n, int nb, cudaStream_t s, const sq_step &st, const sq_io &io,
-                           const char *who)
-{
-    constexpr size_t SB = SQ_STAGE_BYTES(DT == SQ_F32 ? 4 : 2);
-    static long long caps[SQ_ATTR_DEVICES][SQ_STREAM_MAX_NB + 1];
-    const auto K = sq_stream_kernel<DT>;
-    const size_t smem = (size_t)nb * SB;
-    if (n == 0)
-        return STEPQ_OK;
-    int dev = 0;
-    SQ_CU(cudaGetDevice(&dev), who);
-    const bool known = dev >= 0 && dev < SQ_ATTR_DEVICES;
-    long long cap = known ? caps[dev][nb] : 0;
-    if (!cap) {
-        int b = 0, sms = 0;
-        SQ_CU(cudaFuncSetAttribute(K, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                   (int)(SQ_STREAM_MAX_NB * SB)),
-              who);
-        SQ_CU(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&b, K, SQ_THREADS, smem), who);
-        if (b < 1)
-            return stepq__error(STEPQ_ECUDA,
-                                "%s: the streamed step does not fit on an SM (%zu bytes of shared "
-                                "memory per block)",
-                                who, smem);
-        SQ_CU(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, dev), who);
-        cap = (long long)b * (sms > 0 ? sms : 1);
-        if (known)
-            caps[dev][nb] = cap;
-    }
-    K<<<(unsigned)(n < cap ? n : cap), SQ_THREADS, smem, s>>>(st, io, n, nb);
-    SQ_CU(cudaGetLastError(), who);
-    return STEPQ_OK;
-}
-
-static int launch_stream(int batch, int nb, cudaStream_t s, const sq_step &st, const sq_io &io,
-                         const char *who)
-{
-    const int n = batch * st.HV;
-    return io.bf16 ? launch_stream_k<SQ_BF16>(n, nb, s, st, io, who)
-                   : launch_stream_k<SQ_F32>(n, nb, s, st, io, who);
 }
 
 /*
@@ -772,12 +720,8 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
                                          stepq_dtype dtype, unsigned flags)
 {
     static const char who[] = "cuda step (dense)";
-    const unsigned kinds =
-        STEPQ__CUDA_COLUMN | STEPQ__CUDA_TILE | STEPQ__CUDA_STREAM | STEPQ__CUDA_STREAM3;
-    if (flags & ~kinds)
+    if (flags & ~STEPQ__CUDA_COLUMN)
         return stepq__error(STEPQ_EINVAL, "%s: unknown flags 0x%x", who, flags);
-    if (flags & (flags - 1))
-        return stepq__error(STEPQ_EINVAL, "%s: flags 0x%x name more than one kernel", who, flags);
     int rc = check_args(a, who);
     if (rc < 0 || a->batch == 0)
         return rc;
@@ -799,21 +743,15 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
     io.health = a->health;
     io.counts = (unsigned long long *)a->counts;
     dim3 grid((unsigned)a->HV, (unsigned)a->batch);
-    cudaStream_t s = (cudaStream_t)a->stream;
     /*
-     * Shipped: bf16 states on the tile kernel (8 bf16 per 16-byte access);
-     * fp32 on the thread-per-column kernel, whose warp-contiguous 128-byte
-     * rows measured 2.4x faster than the tile's 32-byte-per-thread rows. The
-     * streamed kernel (STEPQ__CUDA_STREAM, _STREAM3: stream_kernel.cuh) is
-     * the benchmark's A/B against both (kernels/cuda/README.md).
+     * bf16 states on the tile kernel (8 bf16 per 16-byte access); fp32 on the
+     * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
+     * 2.4x faster than the tile's 32-byte-per-thread rows.
      */
-    if (!flags)
-        flags = dtype == STEPQ_DTYPE_BF16 ? STEPQ__CUDA_TILE : STEPQ__CUDA_COLUMN;
-    if (flags & (STEPQ__CUDA_STREAM | STEPQ__CUDA_STREAM3))
-        return launch_stream(a->batch, flags == STEPQ__CUDA_STREAM3 ? 3 : 2, s, st, io, who);
-    if (flags == STEPQ__CUDA_TILE)
-        return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, s, st, io, 0, who);
-    return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, s, st, io, who);
+    if (!(flags & STEPQ__CUDA_COLUMN) && dtype == STEPQ_DTYPE_BF16)
+        return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
+                                                              io, 0, who);
+    return launch<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st, io, who);
 }
 
 extern "C" int stepq__cuda_step_dense(const struct stepq__step_args *a,
