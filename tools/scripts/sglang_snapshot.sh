@@ -12,9 +12,15 @@
 #   python/pyproject.toml
 #   test/registered/unit/mem_cache/, test/registered/unit/plugins/
 #
-# Not extracted: jit_kernel's C++/CUDA sources (the JIT needs tvm_ffi and a
-# toolchain, and the tests fall back without it), multimodal_gen, docs,
-# benchmarks' data, sgl-kernel. Writes DEST/SNAPSHOT (commit, files, bytes).
+#   python/sglang/jit_kernel/include/
+#                                its headers (137 KB): jit_kernel/utils/compile.py
+#                                resolves KERNEL_PATH at import and raises
+#                                "Cannot find sglang.jit_kernel path" unless
+#                                include/ and csrc/ both exist
+#
+# Not extracted: the rest of jit_kernel's C++/CUDA sources (the JIT needs
+# tvm_ffi and a toolchain; csrc/ exists through its .py files), multimodal_gen,
+# docs, benchmarks' data, sgl-kernel. Writes DEST/SNAPSHOT (commit, files, bytes).
 #
 # Usage: tools/scripts/sglang_snapshot.sh DEST
 # Environment: SGLANG_MIRROR (default /work/.mirror/modal-projects+sglang/repo),
@@ -59,6 +65,7 @@ git --git-dir="$GIT_DIR" archive --format=tar "$FULL" -- \
     ':(glob)python/sglang/srt/**' \
     ':(glob)python/sglang/kernels/**' \
     ':(exclude)python/sglang/multimodal_gen' \
+    python/sglang/jit_kernel/include \
     python/pyproject.toml \
     test/registered/unit/mem_cache \
     test/registered/unit/plugins |
