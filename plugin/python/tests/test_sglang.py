@@ -631,6 +631,22 @@ def test_runner_stubs_import_subclass_and_raise_when_called():
         t._Stubs.strict = True
         with _harness.raises(RuntimeError, match="is a stub"):
             decorated()
+        # A module imported after the tests started (a plugin building its classes on first use)
+        # may still call a stub in its body, as SGLang's pydantic models call Field: recorded.
+        n = len(t._Stubs.calls)
+        late = name + "_late"
+        with tempfile.TemporaryDirectory() as d:
+            with open(os.path.join(d, late + ".py"), "w") as f:
+                f.write("from %s.sub import Field\nclass Card:\n    x = Field(default=1)\n" % name)
+            sys.path.insert(0, d)
+            try:
+                importlib.import_module(late)
+            finally:
+                sys.path.remove(d)
+                sys.modules.pop(late, None)
+        assert len(t._Stubs.calls) == n + 1 and t._Stubs.calls[-1][0] == name + ".sub.Field", t._Stubs.calls
+        with _harness.raises(RuntimeError, match="is a stub"):
+            mod.Field(default=2)                     # the same stub called by test code: raises
         with _harness.raises(ModuleNotFoundError):
             importlib.import_module("stepq_no_such_module_either_%d" % os.getpid())
     finally:
@@ -855,3 +871,47 @@ def shutil_which(name):
 
 if __name__ == "__main__":
     sys.exit(_harness.main(dict(globals())))
+
+
+def test_runner_unwraps_sglangs_retry_and_names_tests_by_class():
+    """SGLang's CustomTestCase re-raises every test error as Exception("retry() exceed maximum
+    number of retries."): the report gives the test's own error (its __context__). Its unified
+    radix tests repeat method names over one generated class per configuration, and a failing
+    subtest reports no success: rows are module.Class.method, one per failing subtest."""
+    import unittest
+
+    t = _runner()
+
+    def wrapped():
+        try:
+            raise ValueError("STEPQ_ENOTSUP: the real cause")
+        except Exception:
+            raise Exception("retry() exceed maximum number of retries.")
+
+    try:
+        wrapped()
+    except Exception:
+        got = t._exc_summary(sys.exc_info())
+    assert got["type"] == "ValueError" and "real cause" in got["message"], got
+    assert got.get("via") == "SGLang's retry() wrapper" and "wrapped" in got["where"][-1], got
+    try:
+        raise Exception("retry() exceed maximum number of retries.")
+    except Exception:
+        bare = t._exc_summary(sys.exc_info())
+    assert bare["type"] == "Exception" and "via" not in bare, bare
+
+    class CfgA(unittest.TestCase):
+        def test_same(self):
+            pass
+
+    class CfgB(unittest.TestCase):
+        def test_same(self):
+            for case in (1, 2):
+                with self.subTest(case=case):
+                    self.assertEqual(case, 1)
+
+    result = t._result_class()()
+    loader = unittest.TestLoader()
+    unittest.TestSuite([loader.loadTestsFromTestCase(c) for c in (CfgA, CfgB)]).run(result)
+    rows = [(r["test"].split(".", 1)[1], r["outcome"]) for r in result.rows]
+    assert rows == [("CfgA.test_same", "passed"), ("CfgB.test_same (case=2)", "failed")], rows
