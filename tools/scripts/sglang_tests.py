@@ -662,7 +662,8 @@ def _child_kernels(args):
 
     def record(name, fn):
         t0 = time.time()
-        try:
+        print("--- %s ..." % name, flush=True)  # progress in the child's log (Triton compiles and
+        try:                                     # autotunes SGLang's kernels on first use: minutes)
             detail = fn()
             out["checks"].append({"check": name, "outcome": "passed", "detail": detail,
                                   "seconds": round(time.time() - t0, 3)})
@@ -670,6 +671,9 @@ def _child_kernels(args):
             row = {"check": name, "outcome": "failed", "seconds": round(time.time() - t0, 3)}
             row.update(_exc_summary(sys.exc_info()))
             out["checks"].append(row)
+        print("    %s in %.1f s" % (out["checks"][-1]["outcome"], time.time() - t0), flush=True)
+        with open(args.result, "w") as f:  # what ran so far survives a --timeout kill
+            json.dump(dict(out, partial=True), f, indent=1, default=str)
 
     try:
         import torch
@@ -791,6 +795,9 @@ def _child_kernels(args):
             sp.pack(layer, ids32, S0.clone(), layout="vk")
             return ref, pool.mamba2_layer_cache(layer).temporal
 
+        def inputs(*xs):
+            return [x.clone() for x in xs]
+
         def decode():
             ref, st = fresh(0)
             B = 3
@@ -801,9 +808,11 @@ def _child_kernels(args):
             else:
                 a, b = rnd(B, HV * K, dtype=torch.bfloat16), rnd(1, B, HV, dtype=torch.bfloat16)
             qsl = torch.arange(B + 1, dtype=torch.int32, device=dev)
-            o_ref = dense_kernel.decode(q, k, v, a, b, A_log=A_arg, dt_bias=dt_bias,
-                                        ssm_states=ref, cache_indices=ids32, query_start_loc=qsl)
-            o = kernel.decode(q, k, v, a, b, A_log=A_arg, dt_bias=dt_bias, ssm_states=st,
+            # Each kernel gets its own copies of the inputs and its output is copied at once:
+            # SGLang's kernels may write into their inputs (KDA's chunk kernel writes o into v).
+            o_ref = dense_kernel.decode(*inputs(q, k, v, a, b), A_log=A_arg, dt_bias=dt_bias,
+                                        ssm_states=ref, cache_indices=ids32, query_start_loc=qsl).clone()
+            o = kernel.decode(*inputs(q, k, v, a, b), A_log=A_arg, dt_bias=dt_bias, ssm_states=st,
                               cache_indices=ids32, query_start_loc=qsl)
             S = sp.unpack(0, ids32, layout="vk")
             d = {"out_shape": list(o.shape), "out_rel": rel(o, o_ref), "state_rel": rel(S, ref[ids])}
@@ -832,19 +841,19 @@ def _child_kernels(args):
                 g = rnd(1, T, HV, K, dtype=torch.bfloat16)
                 beta = rnd(1, T, HV).sigmoid()
                 kw = {"A_log": A_arg, "dt_bias": dt_bias, "lower_bound": None}
-            r_ref = dense_kernel.extend(q, k, v, g, beta, ssm_states=ref, cache_indices=ids32[:2],
+            r_ref = dense_kernel.extend(*inputs(q, k, v, g, beta), ssm_states=ref, cache_indices=ids32[:2],
                                         query_start_loc=qsl, **kw)
+            o_ref = (r_ref[0] if isinstance(r_ref, tuple) else r_ref).clone()
             sel = ids32[:2]
             if gather:
                 g_st = st[sel].contiguous()
-                r = kernel.extend(q, k, v, g, beta, ssm_states=g_st,
+                r = kernel.extend(*inputs(q, k, v, g, beta), ssm_states=g_st,
                                   cache_indices=torch.arange(2, dtype=torch.int32, device=dev),
                                   query_start_loc=qsl, **kw)
                 st[sel] = g_st  # the backend's scatter back: a no-op once packed
             else:
-                r = kernel.extend(q, k, v, g, beta, ssm_states=st, cache_indices=sel,
+                r = kernel.extend(*inputs(q, k, v, g, beta), ssm_states=st, cache_indices=sel,
                                   query_start_loc=qsl, **kw)
-            o_ref = r_ref[0] if isinstance(r_ref, tuple) else r_ref
             o = r[0] if isinstance(r, tuple) else r
             S = sp.unpack(layer, sel, layout="vk")
             d = {"out_rel": rel(o, o_ref), "state_rel": rel(S, ref[sel.long()]),
@@ -1121,6 +1130,37 @@ def _cached_stubs(args, snapshot):
     return path, key
 
 
+def compare_runs(runs):
+    """{"stepq vs baseline": rows, ...}: each stepq run's tests against its baseline's, one row per
+    stepq test with both outcomes and a verdict (same; stepq refusal, the test needing what stepq
+    refuses at start-up; stepq-only failure; or both outcomes when they differ otherwise)."""
+    comparison = {}
+    for base, mine in (("baseline", "stepq"), ("baseline-nospec", "stepq-nospec")):
+        b, m = runs.get(base), runs.get(mine)
+        if not b or not m or "tests" not in b or "tests" not in m or not (b["tests"] or m["tests"]):
+            continue
+        bo = {r["test"]: r for r in b["tests"]}
+        rows = []
+        for r in m["tests"]:
+            # A failing subtest row ("name (case=...)") pairs with the baseline's row of its test
+            # when the baseline has none of its own (there, every subtest passed).
+            br = bo.get(r["test"]) or bo.get(r["test"].split(" (", 1)[0], {})
+            o = br.get("outcome", "not run")
+            refusal = "STEPQ_ENOTSUP" in r.get("message", "")
+            if o == r["outcome"] and o in ("errored", "failed") and refusal \
+                    and "STEPQ_ENOTSUP" not in br.get("message", ""):
+                verdict = "stepq refusal (baseline %s too, on another cause)" % o
+            elif o == r["outcome"]:
+                verdict = "same"
+            elif o == "passed":
+                verdict = "stepq refusal" if refusal else "stepq-only failure"
+            else:
+                verdict = "baseline %s, stepq %s" % (o, r["outcome"])
+            rows.append({"test": r["test"], "baseline": o, "stepq": r["outcome"], "verdict": verdict})
+        comparison["%s vs %s" % (mine, base)] = rows
+    return comparison
+
+
 def _fmt_row(r):
     msg = r.get("message", "")
     if r.get("type"):
@@ -1137,11 +1177,68 @@ def _summary(rows):
     return counts
 
 
+def _cause(r):
+    """A test row's error, short: the exception type and the message up to its first colon-led
+    detail (stepq's refusals keep what they refuse)."""
+    msg = r.get("message", "")
+    if "STEPQ_ENOTSUP" in msg:
+        m = re.search(r"does not serve (.*?)(?:\(|:|$)", msg)
+        return "stepq refusal: " + (m.group(1).strip() if m else msg[:80])
+    if "it is a stub" in msg:
+        return "stubbed module called: " + msg.split(" called", 1)[0]
+    return ("%s: %s" % (r.get("type", "?"), msg))[:160]
+
+
+def _summarize(path, out_path):
+    try:
+        with open(path) as f:
+            report = json.load(f)
+    except (OSError, ValueError) as e:
+        raise SystemExit("sglang_tests: --summarize %s: %s" % (path, e))
+    runs = report.get("runs", {} if isinstance(report, dict) and report.get("kernel_check") else None)
+    if not isinstance(runs, dict):
+        raise SystemExit("sglang_tests: --summarize %s: no runs (not a report of this tool)" % path)
+    short = {"report": os.path.basename(path), "snapshot": report.get("snapshot"),
+             "stubbed": sorted((report.get("probe") or {}).get("stubbed", {})), "runs": {}}
+    for name, out in runs.items():
+        tests = out.get("tests") or []
+        causes = {}
+        for r in tests:
+            if r["outcome"] in ("errored", "failed"):
+                k = "%s: %s" % (r["outcome"], _cause(r))
+                causes[k] = causes.get(k, 0) + 1
+        short["runs"][name] = {"summary": _summary(tests), "errors_by_cause": dict(
+            sorted(causes.items(), key=lambda kv: -kv[1])), "wall_s": out.get("wall_s"),
+            "modified": out.get("modified"), "setup_error": out.get("setup_error"),
+            "crashed": out.get("crashed")}
+    short["comparison"] = {}
+    for key, rows in compare_runs(runs).items():
+        verdicts = {}
+        for r in rows:
+            verdicts[r["verdict"]] = verdicts.get(r["verdict"], 0) + 1
+        short["comparison"][key] = {"verdicts": verdicts, "not_same": [r for r in rows if r["verdict"] != "same"]}
+    if report.get("kernel_check"):
+        short["kernel_check"] = [{k: c.get(k) for k in ("check", "outcome", "message", "detail")}
+                                 for c in report["kernel_check"].get("checks", [])]
+    for name, r in short["runs"].items():
+        print("%s: %s" % (name, ", ".join("%s %d" % kv for kv in r["summary"].items())))
+        for k, n in r["errors_by_cause"].items():
+            print("  %5d %s" % (n, k))
+    for key, c in short["comparison"].items():
+        print("%s: %s" % (key, ", ".join("%s %d" % kv for kv in c["verdicts"].items())))
+    for c in short.get("kernel_check", []):
+        print("kernel check: %-8s %s%s" % (c["outcome"], c["check"], "" if c["outcome"] == "passed"
+                                           else "  (%s)" % (c.get("message") or "")[:200]))
+    if out_path:
+        _write_json(out_path, short)
+    return 0
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=__doc__.split("\n\n", 1)[1])
-    p.add_argument("--sglang", required=True, metavar="DIR",
+    p.add_argument("--sglang", metavar="DIR",
                    help="an extracted SGLang tree with python/ and test/ "
                         "(tools/scripts/sglang_snapshot.sh DIR makes one)")
     p.add_argument("--library", default=os.environ.get("STEPQ_LIBRARY")
@@ -1172,11 +1269,19 @@ def main():
     p.add_argument("--timeout", type=int, default=400, help="seconds per run (default 400)")
     p.add_argument("--reprobe", action="store_true",
                    help="probe the import chain again instead of reusing LOG_DIR/stubs.json")
+    p.add_argument("--summarize", metavar="REPORT",
+                   help="read a report this tool wrote (--json) and print, or with --json write, its "
+                        "short form: per run the counts, the errors grouped by cause, the comparison's "
+                        "verdicts and every row whose verdict is not 'same' (no SGLang needed)")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--run", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
     args.test_file = args.test_file or list(TEST_FILES)
+    if args.summarize:
+        return _summarize(args.summarize, args.json)
+    if not args.sglang:
+        p.error("--sglang DIR is required (or --summarize REPORT)")
 
     if args.child:
         fn = {"probe": _child_probe, "run": _child_run, "kernels": _child_kernels}[args.child]
@@ -1300,25 +1405,9 @@ def main():
                                                             + t.rsplit(".", 1)[-1], v)
                                                    for t, v in sorted(out["hook_status"].items())))
 
-    comparison = {}
-    for base, mine in (("baseline", "stepq"), ("baseline-nospec", "stepq-nospec")):
-        b, m = report["runs"].get(base), report["runs"].get(mine)
-        if not b or not m or "summary" not in b or "summary" not in m:
-            continue
-        bo = {r["test"]: r for r in b["tests"]}
-        rows = []
-        for r in m["tests"]:
-            o = bo.get(r["test"], {}).get("outcome", "not run")
-            if o == r["outcome"]:
-                verdict = "same"
-            elif o == "passed":
-                verdict = ("stepq refusal" if "STEPQ_ENOTSUP" in r.get("message", "")
-                           else "stepq-only failure")
-            else:
-                verdict = "baseline %s, stepq %s" % (o, r["outcome"])
-            rows.append({"test": r["test"], "baseline": o, "stepq": r["outcome"], "verdict": verdict})
-        comparison["%s vs %s" % (mine, base)] = rows
-        print("\n== %s vs %s" % (mine, base))
+    comparison = compare_runs(report["runs"])
+    for key, rows in comparison.items():
+        print("\n== %s" % key)
         for row in rows:
             print("  %-52s baseline %-8s stepq %-8s %s" % (row["test"], row["baseline"],
                                                         row["stepq"], row["verdict"]))
@@ -1340,6 +1429,10 @@ def main():
             if r["outcome"] == "passed":
                 row["message"] = json.dumps(r.get("detail"), default=str)
             print(_fmt_row(row))
+        if out.get("partial"):
+            failed = True
+            print("  cut off by --timeout %d after the checks above (rc %s); the rest did not run"
+                  % (args.timeout, out.get("rc")))
     print("\nlogs: %s" % args.log_dir)
     _write_json(args.json, report)
     return 1 if failed else 0

@@ -9,6 +9,7 @@ is there."""
 
 import ast
 import enum
+import json
 import importlib.machinery
 import importlib.util
 import logging
@@ -915,3 +916,62 @@ def test_runner_unwraps_sglangs_retry_and_names_tests_by_class():
     unittest.TestSuite([loader.loadTestsFromTestCase(c) for c in (CfgA, CfgB)]).run(result)
     rows = [(r["test"].split(".", 1)[1], r["outcome"]) for r in result.rows]
     assert rows == [("CfgA.test_same", "passed"), ("CfgB.test_same (case=2)", "failed")], rows
+
+
+def test_runner_compares_runs_test_for_test():
+    """The verdicts: same; a stepq refusal where the baseline passed, also for a failing subtest
+    whose test passed whole in the baseline, and where the baseline errored on something else
+    (a stubbed kernel); a stepq-only failure; a missing baseline run compares nothing."""
+    t = _runner()
+    ref = "STEPQ_ENOTSUP: stepq (STEPQ_MAP) does not serve speculative decoding"
+    base = {"tests": [{"test": "m.A.t1", "outcome": "passed"},
+                      {"test": "m.A.t2", "outcome": "passed"},
+                      {"test": "m.A.t3", "outcome": "errored", "message": "sgl_kernel.x called: it is a stub"},
+                      {"test": "m.A.t4", "outcome": "passed"},
+                      {"test": "m.A.t5", "outcome": "skipped", "message": "requires SWA"}]}
+    mine = {"tests": [{"test": "m.A.t1", "outcome": "passed"},
+                      {"test": "m.A.t2 (case='x')", "outcome": "errored", "message": ref},
+                      {"test": "m.A.t3", "outcome": "errored", "message": ref},
+                      {"test": "m.A.t4", "outcome": "failed", "message": "AssertionError: 1 != 2"},
+                      {"test": "m.A.t5", "outcome": "skipped", "message": "requires SWA"}]}
+    got = t.compare_runs({"baseline": base, "stepq": mine})
+    assert list(got) == ["stepq vs baseline"], got
+    assert [r["verdict"] for r in got["stepq vs baseline"]] == [
+        "same", "stepq refusal", "stepq refusal (baseline errored too, on another cause)",
+        "stepq-only failure", "same"], got
+    assert got["stepq vs baseline"][1]["baseline"] == "passed"
+    assert t.compare_runs({"stepq": mine}) == {}
+
+
+def test_runner_summarize_a_report():
+    """--summarize: counts, errors grouped by cause (stepq's refusals by what they refuse, stubbed
+    modules by name), the verdicts and the rows that differ, from a report alone; a file that is
+    not a report is refused by name."""
+    ref = ("STEPQ_ENOTSUP: stepq (STEPQ_MAP) does not serve speculative decoding "
+           "(speculative_num_draft_tokens=3): its verify step")
+    stub = "sgl_kernel.kvcacheio.transfer called: it is a stub (sglang_tests.py), the module is not installed"
+    report = {"runs": {
+        "baseline": {"tests": [{"test": "m.A.t1", "outcome": "passed"},
+                               {"test": "m.A.t2", "outcome": "errored", "type": "RuntimeError", "message": stub}]},
+        "stepq": {"tests": [{"test": "m.A.t1", "outcome": "errored", "type": "Unsupported", "message": ref},
+                            {"test": "m.A.t2", "outcome": "errored", "type": "RuntimeError", "message": stub}]}},
+        "kernel_check": {"checks": [{"check": "gdn: decode", "outcome": "passed", "detail": {"out_rel": 0.0}}]}}
+    with tempfile.TemporaryDirectory() as d:
+        src, dst = os.path.join(d, "r.json"), os.path.join(d, "s.json")
+        with open(src, "w") as f:
+            json.dump(report, f)
+        r = subprocess.run([sys.executable, RUNNER, "--summarize", src, "--json", dst], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True)
+        assert r.returncode == 0, r.stdout
+        got = json.load(open(dst))
+        assert got["runs"]["stepq"]["errors_by_cause"] == {
+            "errored: stepq refusal: speculative decoding": 1,
+            "errored: stubbed module called: sgl_kernel.kvcacheio.transfer": 1}, got
+        c = got["comparison"]["stepq vs baseline"]
+        assert c["verdicts"] == {"stepq refusal": 1, "same": 1} and len(c["not_same"]) == 1, c
+        assert got["kernel_check"][0]["outcome"] == "passed" and "kernel check: passed" in r.stdout
+        with open(src, "w") as f:
+            f.write("{}")
+        r = subprocess.run([sys.executable, RUNNER, "--summarize", src], stdout=subprocess.PIPE,
+                           stderr=subprocess.STDOUT, universal_newlines=True)
+        assert r.returncode != 0 and "no runs" in r.stdout, r.stdout
