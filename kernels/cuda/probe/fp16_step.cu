@@ -1,0 +1,1159 @@
+/*
+ * The fp16 design probe of issue #15 (kernels/cuda/README.md, "Next steps" 0): a standalone program
+ * beside the library, not part of it. The fused packed decode step of one 128x128 GDN head at 6
+ * bits (uniform width, no pivot rows, the exact dual-axis fit with the fixed-code column refit, row
+ * impact w), on the probe's own page (codes in offset binary, row scales, column scales; no slot
+ * list), written twice in one frame, the tile kernel's 256 threads of 8x8 elements: step_f32  fp32
+ * per-element arithmetic (the shipped tile kernel's algorithm); step_f16  packed half2 arithmetic:
+ * codes to half2 by the 1024-exponent trick, the two dot products in the code domain (half2 partial
+ * sums over a thread's 8 rows, fp32 across threads), the decode and the update in half2 under a
+ * per-row power-of-two normaliser N_i >= max(r_i Pc, |k_i| max|u|) (Pc: a power of two >= the old
+ * column scales), row and column maxima by HMNMX2, the quantize by HFMA2 with the magic 1568
+ * (rounds half to even; the half's low 6 bits are the offset code), the refit's partial sums in
+ * half2, the pack from the half bits. Each has a variant whose per-row work (scales, factors) runs
+ * once per row and is broadcast by shuffles, the row maxima by a reduce-scatter (DIST), against
+ * every lane computing its 8 rows.
+ *
+ * `stepq-fp16-probe emul` (no GPU; a test) runs h_step_f16, an exact host emulation of step_f16's
+ * arithmetic (each half operation rounded as the hardware rounds it), over a grid of state spreads
+ * and scales, and compares the new state's quantization error against the exact update with the
+ * host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the four kernels at B requests x 32 heads
+ * beside each other and checks them: the readout against the host fp32 step, the state error
+ * against the host fit's, and the code bytes that differ from the host's page and from the
+ * emulation's (the fp16 kernel should match the emulation but for ties of its approximate square
+ * root and divisions).
+ *
+ * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
+ * indirection, other layouts and dtypes, mma for the dot products. Compare step_f32's time with
+ * `stepq bench kernels`' stepq@6 row to see what the frame leaves out.
+ */
+#include <cuda_fp16.h>
+
+#include "kernels/cuda/tile_kernel.cuh" /* sq_ld_codes, sq_st_codes */
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#define D    128
+#define NT   256
+#define HVN  32
+#define HQN  16
+#define QMAX 31
+#define ROWB 96                 /* bytes of one row of 6-bit codes */
+#define ROFF (D * ROWB)         /* row scales, fp16 */
+#define COFF (D * ROWB + 2 * D) /* column scales, fp16 */
+#define BLK  (D * ROWB + 4 * D) /* 12800 B per head */
+
+#define CK(x)                                                                                   \
+    do {                                                                                        \
+        cudaError_t e_ = (x);                                                                   \
+        if (e_ != cudaSuccess) {                                                                \
+            fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+            exit(1);                                                                            \
+        }                                                                                       \
+    } while (0)
+
+struct Args {
+    const uint8_t *pin;
+    uint8_t *pout;
+    const float *q, *k, *v, *g, *beta,
+        *w;   /* q, k [B][HQ][D]; v [B][HV][D]; g, beta [B][HV]; w [HV][D] */
+    float *o; /* [B][HV][D] */
+};
+
+/* smallest power of two >= x (x >= 0 finite; 0 gives 2^-126) */
+__host__ __device__ __forceinline__ float pow2ceil(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    uint32_t e = (b + 0x007FFFFFu) & 0x7F800000u;
+    e = e ? e : 0x00800000u;
+    float r;
+    memcpy(&r, &e, 4);
+    return r;
+}
+
+/* 1 / p for a power of two p, exact */
+__device__ __forceinline__ float pow2inv(float p)
+{
+    return __uint_as_float(0x7F000000u - __float_as_uint(p));
+}
+
+/* sqrt(x) and a / b to a few ulps (MUFU.RSQ / RCP): the results are rounded to fp16 next */
+__device__ __forceinline__ float fsqrt(float x)
+{
+    return x > 0.f ? x * rsqrtf(x) : 0.f;
+}
+__device__ __forceinline__ float fdiv(float a, float b)
+{
+    return __fdividef(a, b);
+}
+
+__device__ __forceinline__ half2 u2h(uint32_t u)
+{
+    return *reinterpret_cast<half2 *>(&u);
+}
+__device__ __forceinline__ uint32_t h2u(half2 h)
+{
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* the 8 codes (48 bits) of row `row` at columns 8tx..8tx+7: the tile kernel's 6-bit loads and
+ * stores */
+__device__ __forceinline__ void ld_codes(const uint8_t *row, int tx, uint32_t &lo, uint32_t &hi)
+{
+    sq_ld_codes<6>(row, tx, lo, hi);
+}
+__device__ __forceinline__ void st_codes(uint8_t *row, int tx, uint32_t lo, uint32_t hi)
+{
+    sq_st_codes<6>(row, tx, lo, hi);
+}
+
+struct Smem {
+    float dp[8][2][D]; /* dot partials per warp */
+    float rp[8][2][D]; /* refit partials per warp */
+    float us[D];       /* u */
+    uint32_t cp[8][64];
+    uint32_t ct[64];
+    float cmx[8];
+    float kq;
+};
+
+__device__ __forceinline__ float warp16_max(float x)
+{
+#pragma unroll
+    for (int s = 1; s < 16; s <<= 1)
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, s));
+    return x;
+}
+
+/* the loads every variant shares: scales, k, q, w of the thread's rows, v of its columns, k.q */
+struct In {
+    float rf[8], cf[8], kr[8], qr[8], wr[8], alpha, beta;
+};
+
+__device__ __forceinline__ void load_in(const Args &a, const uint8_t *blk, int bh, int R0, int C0,
+                                        In &in, Smem &sm, int t)
+{
+    const int b = bh / HVN, h = bh % HVN;
+    uint4 rr = *(const uint4 *)(blk + ROFF + 2 * R0), cc = *(const uint4 *)(blk + COFF + 2 * C0);
+    const half *rh = (const half *)&rr, *ch = (const half *)&cc;
+    const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
+                *qp = a.q + ((size_t)b * HQN + h / 2) * D;
+    const float *wp = a.w + (size_t)h * D;
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        in.rf[i] = __half2float(rh[i]);
+        in.cf[i] = __half2float(ch[i]);
+    }
+    float4 k0 = *(const float4 *)(kp + R0), k1 = *(const float4 *)(kp + R0 + 4);
+    float4 q0 = *(const float4 *)(qp + R0), q1 = *(const float4 *)(qp + R0 + 4);
+    float4 w0 = *(const float4 *)(wp + R0), w1 = *(const float4 *)(wp + R0 + 4);
+    float kk[8] = { k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w };
+    float qq[8] = { q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w };
+    float ww[8] = { w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w };
+#pragma unroll
+    for (int i = 0; i < 8; i++) {
+        in.kr[i] = kk[i];
+        in.qr[i] = qq[i];
+        in.wr[i] = ww[i];
+    }
+    in.alpha = __expf(a.g[bh]);
+    in.beta = a.beta[bh];
+    if (t < 32) { /* k.q */
+        float s = 0.f;
+        for (int i = t; i < D; i += 32)
+            s += kp[i] * qp[i];
+#pragma unroll
+        for (int o = 16; o; o >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (t == 0)
+            sm.kq = s;
+    }
+}
+
+/* the dot products' cross-thread sums (partials of the thread's 8 columns, already in fp32, times
+ * their per-thread factor), then u and o for column t < 128; the caller syncs after */
+template <bool SCALE>
+__device__ __forceinline__ void dots_finish(const Args &a, const uint8_t *blk, int bh, Smem &sm,
+                                            float (&pk)[8], float (&pq)[8], int t, int wp, int lane,
+                                            int C0, float alpha, float beta)
+{
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        pk[j] += __shfl_xor_sync(0xffffffffu, pk[j], 16);
+        pq[j] += __shfl_xor_sync(0xffffffffu, pq[j], 16);
+    }
+    if (lane < 16) {
+        *(float4 *)&sm.dp[wp][0][C0] = make_float4(pk[0], pk[1], pk[2], pk[3]);
+        *(float4 *)&sm.dp[wp][0][C0 + 4] = make_float4(pk[4], pk[5], pk[6], pk[7]);
+        *(float4 *)&sm.dp[wp][1][C0] = make_float4(pq[0], pq[1], pq[2], pq[3]);
+        *(float4 *)&sm.dp[wp][1][C0 + 4] = make_float4(pq[4], pq[5], pq[6], pq[7]);
+    }
+    __syncthreads();
+    if (t < D) {
+        float s = 0.f, u2 = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            s += sm.dp[w][0][t];
+            u2 += sm.dp[w][1][t];
+        }
+        if (SCALE) { /* partials in the code domain: times c_j alpha / qmax */
+            float c = __half2float(((const half *)(blk + COFF))[t]);
+            float f = c * alpha * (1.0f / QMAX);
+            s *= f;
+            u2 *= f;
+        }
+        const float vj = a.v[(size_t)bh * D + t];
+        float u = beta * (vj - s);
+        sm.us[t] = u;
+        a.o[(size_t)bh * D + t] = u2 + u * sm.kq;
+    }
+}
+
+/* DIST: per-row factors computed once per row (lane (tx >> 1) & 7 of the half-warp owns row R0 +
+ * that) and broadcast by shuffles, the row maxima by a reduce-scatter (5 shuffles); else every lane
+ * computes all 8 of its rows and the maxima by a butterfly (16 shuffles) */
+template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
+{
+    __shared__ Smem sm;
+    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
+    const int ty = 2 * wp + (lane >> 4), R0 = 8 * ty, C0 = 8 * tx;
+    const uint8_t *blk = a.pin + (size_t)bh * BLK;
+    uint8_t *ob = a.pout + (size_t)bh * BLK;
+    In in;
+    load_in(a, blk, bh, R0, C0, in, sm, t);
+
+    /* codes -> half2 integers z (exact): half(0x6400 | u) = 1024 + u, z = u - 32 */
+    half2 X[8][4];
+    const half2 off1056 = __float2half2_rn(1056.f);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        uint32_t lo, hi;
+        ld_codes(blk + (R0 + r) * ROWB, tx, lo, hi);
+        const uint32_t F[4] = { lo, lo >> 12, __funnelshift_r(lo, hi, 24), hi >> 4 };
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            uint32_t bits = (F[p] & 0x3Fu) | ((F[p] << 10) & 0x3F0000u) | 0x64006400u;
+            X[r][p] = __hsub2(u2h(bits), off1056);
+        }
+    }
+
+    /* the two dot products in the code domain: s_j = c_j alpha / qmax sum_i z_ij (r_i k_i) */
+    float pk[8], pq[8];
+    {
+        float mk = 0.f, mq = 0.f;
+#pragma unroll
+        for (int i = 0; i < 8; i++) {
+            mk = fmaxf(mk, fabsf(in.rf[i] * in.kr[i]));
+            mq = fmaxf(mq, fabsf(in.rf[i] * in.qr[i]));
+        }
+        const float Pk = pow2ceil(mk), Pq = pow2ceil(mq), iPk = pow2inv(Pk), iPq = pow2inv(Pq);
+        half2 ak[4], aq[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            ak[p] = aq[p] = __float2half2_rn(0.f);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const half2 wk = __float2half2_rn(in.rf[r] * in.kr[r] * iPk);
+            const half2 wq = __float2half2_rn(in.rf[r] * in.qr[r] * iPq);
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                ak[p] = __hfma2(X[r][p], wk, ak[p]);
+                aq[p] = __hfma2(X[r][p], wq, aq[p]);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            float2 fk = __half22float2(ak[p]), fq = __half22float2(aq[p]);
+            pk[2 * p] = fk.x * Pk;
+            pk[2 * p + 1] = fk.y * Pk;
+            pq[2 * p] = fq.x * Pq;
+            pq[2 * p + 1] = fq.y * Pq;
+        }
+    }
+    dots_finish<true>(a, blk, bh, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
+    __syncthreads();
+
+    /* normalisers: Pc from the old column scales (a warp's 16 lanes see all 128), Su from u, and
+     * per row N_i >= max(r_i Pc, |k_i| umax): |x / N_i| <= 1, |k u / N_i| <= 1 */
+    float uc[8];
+    {
+        float4 u0 = *(const float4 *)&sm.us[C0], u1 = *(const float4 *)&sm.us[C0 + 4];
+        uc[0] = u0.x, uc[1] = u0.y, uc[2] = u0.z, uc[3] = u0.w, uc[4] = u1.x, uc[5] = u1.y,
+        uc[6] = u1.z, uc[7] = u1.w;
+    }
+    float cm = 0.f, um = 0.f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        cm = fmaxf(cm, in.cf[j]);
+        um = fmaxf(um, fabsf(uc[j]));
+    }
+    cm = warp16_max(cm);
+    um = warp16_max(um);
+    const float Pc = pow2ceil(cm), iPc = pow2inv(Pc), Su = pow2ceil(um), iSu = pow2inv(Su);
+    half2 C2[4], U2[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        C2[p] = __floats2half2_rn(in.cf[2 * p] * iPc, in.cf[2 * p + 1] * iPc);
+        U2[p] = __floats2half2_rn(uc[2 * p] * iSu, uc[2 * p + 1] * iSu);
+    }
+    const int myl = (tx >> 1) & 7, src0 = lane & 16;
+    const float *kbase = a.k + ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    float N[8], myN = 0.f;
+    if (DIST) {
+        const float r_my = __half2float(((const half *)(blk + ROFF))[R0 + myl]),
+                    k_my = kbase[R0 + myl];
+        myN = pow2ceil(fmaxf(r_my * Pc, fabsf(k_my) * um));
+        const float iN = pow2inv(myN);
+        const uint32_t FK =
+            h2u(__floats2half2_rn(in.alpha * r_my * Pc * (1.0f / QMAX) * iN, k_my * Su * iN));
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const half2 fk = u2h(__shfl_sync(0xffffffffu, FK, src0 | (2 * r)));
+            const half2 F2 = __low2half2(fk), K2 = __high2half2(fk);
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
+        }
+    } else {
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            N[r] = pow2ceil(fmaxf(in.rf[r] * Pc, fabsf(in.kr[r]) * um));
+            const float iN = pow2inv(N[r]);
+            const half2 F2 = __float2half2_rn(in.alpha * in.rf[r] * Pc * (1.0f / QMAX) * iN);
+            const half2 K2 = __float2half2_rn(in.kr[r] * Su * iN);
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
+        }
+    }
+
+    /* row maxima (half2 pairs of rows) over the 16 lanes of the row */
+    half2 RM[4];
+#pragma unroll
+    for (int r = 0; r < 8; r += 2) {
+        half2 m0 = __hmax2(__hmax2(__habs2(X[r][0]), __habs2(X[r][1])),
+                           __hmax2(__habs2(X[r][2]), __habs2(X[r][3])));
+        half2 m1 = __hmax2(__hmax2(__habs2(X[r + 1][0]), __habs2(X[r + 1][1])),
+                           __hmax2(__habs2(X[r + 1][2]), __habs2(X[r + 1][3])));
+        /* (m0.lo, m1.lo) max (m0.hi, m1.hi) */
+        RM[r / 2] = __hmax2(__lows2half2(m0, m1), __highs2half2(m0, m1));
+    }
+    /* row scales r_i = fp16(sqrt(m_i / w_i)); y = x / (r_i Pc); the refit's A_i = w_i^2 r_i^2 / Pa
+     */
+    half2 A2[8];
+    float Pa;
+    if (DIST) {
+        const bool b3 = tx & 8, b2 = tx & 4, b1 = tx & 2;
+        half2 k0 = b3 ? RM[2] : RM[0], k1 = b3 ? RM[3] : RM[1];
+        const half2 s0 = b3 ? RM[0] : RM[2], s1 = b3 ? RM[1] : RM[3];
+        k0 = __hmax2(k0, u2h(__shfl_xor_sync(0xffffffffu, h2u(s0), 8)));
+        k1 = __hmax2(k1, u2h(__shfl_xor_sync(0xffffffffu, h2u(s1), 8)));
+        half2 kk = b2 ? k1 : k0;
+        const half2 sx = b2 ? k0 : k1;
+        kk = __hmax2(kk, u2h(__shfl_xor_sync(0xffffffffu, h2u(sx), 4)));
+        kk = __hmax2(kk, u2h(__shfl_xor_sync(0xffffffffu, h2u(kk), 2)));
+        kk = __hmax2(kk, u2h(__shfl_xor_sync(0xffffffffu, h2u(kk), 1)));
+        const float m = __half2float(b1 ? __high2half(kk) : __low2half(kk)) * myN;
+        const float w_my = a.w[(size_t)(bh % HVN) * D + R0 + myl];
+        const float rn_my = __half2float(__float2half_rn(fsqrt(fdiv(m, w_my))));
+        const float R = rn_my > 0.f ? fdiv(myN * iPc, rn_my) : 0.f, A = w_my * w_my * rn_my * rn_my;
+        float Am = A;
+        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 2));
+        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 4));
+        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 8));
+        Pa = pow2ceil(Am);
+        const uint32_t RA = h2u(__floats2half2_rn(R, A * pow2inv(Pa)));
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const half2 ra = u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r)));
+            const half2 R2 = __low2half2(ra);
+            A2[r] = __high2half2(ra);
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hmul2(X[r][p], R2);
+        }
+        if (!(tx & 1))
+            ((half *)(ob + ROFF))[R0 + myl] = __float2half_rn(rn_my);
+    } else {
+#pragma unroll
+        for (int s = 1; s < 16; s <<= 1)
+#pragma unroll
+            for (int q = 0; q < 4; q++)
+                RM[q] = __hmax2(RM[q], u2h(__shfl_xor_sync(0xffffffffu, h2u(RM[q]), s)));
+        float rn[8], mA = 0.f;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float m =
+                __half2float(r & 1 ? __high2half(RM[r / 2]) : __low2half(RM[r / 2])) * N[r];
+            rn[r] = __half2float(__float2half_rn(fsqrt(fdiv(m, in.wr[r]))));
+            const half2 R2 = __float2half2_rn(rn[r] > 0.f ? fdiv(N[r] * iPc, rn[r]) : 0.f);
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hmul2(X[r][p], R2);
+            mA = fmaxf(mA, in.wr[r] * in.wr[r] * rn[r] * rn[r]);
+        }
+        Pa = pow2ceil(mA);
+        const float iPa = pow2inv(Pa);
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            A2[r] = __float2half2_rn(in.wr[r] * in.wr[r] * rn[r] * rn[r] * iPa);
+        if (tx == 0) {
+            half hr[8];
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                hr[r] = __float2half_rn(rn[r]);
+            *(uint4 *)(ob + ROFF + 2 * R0) = *(uint4 *)hr;
+        }
+    }
+
+    /* column maxima: 8 rows in-thread, the other half-warp, then the 8 warps in shared memory */
+    half2 CM[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        half2 m = __habs2(X[0][p]);
+#pragma unroll
+        for (int r = 1; r < 8; r++)
+            m = __hmax2(m, __habs2(X[r][p]));
+        CM[p] = __hmax2(m, u2h(__shfl_xor_sync(0xffffffffu, h2u(m), 16)));
+    }
+    if (lane < 16)
+        *(uint4 *)&sm.cp[wp][4 * tx] = make_uint4(h2u(CM[0]), h2u(CM[1]), h2u(CM[2]), h2u(CM[3]));
+    __syncthreads();
+    if (t < 64) {
+        half2 m = u2h(sm.cp[0][t]);
+#pragma unroll
+        for (int w = 1; w < 8; w++)
+            m = __hmax2(m, u2h(sm.cp[w][t]));
+        sm.ct[t] = h2u(m);
+    }
+    __syncthreads();
+    {
+        uint4 c4 = *(const uint4 *)&sm.ct[4 * tx];
+        CM[0] = u2h(c4.x), CM[1] = u2h(c4.y), CM[2] = u2h(c4.z), CM[3] = u2h(c4.w);
+    }
+
+    /* quantize: t = y * (qmax / c_j) + 1568 rounds half to even, bits 0x6600 + u with u = z + 32 */
+    half2 Q2[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        float2 c = __half22float2(CM[p]);
+        /* saturated at fp16's largest: a column under qmax / 65504 of Pc gets fewer than 2 qmax + 1
+         * codes */
+        Q2[p] = __floats2half2_rn(c.x > 0.f ? fminf(fdiv(QMAX, c.x), 65504.f) : 0.f,
+                                  c.y > 0.f ? fminf(fdiv(QMAX, c.y), 65504.f) : 0.f);
+    }
+    const half2 mag = __float2half2_rn(1568.f);
+    /* refit partials: num_j ~ sum_i A_i z y, den_j ~ sum_i A_i z^2 with A_i = w_i^2 r_i^2
+     * (power-of-two normaliser Pa) */
+    half2 an[4], ad[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+        an[p] = ad[p] = __float2half2_rn(0.f);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        uint32_t f[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const half2 T = __hfma2(X[r][p], Q2[p], mag);
+            const half2 z = __hsub2(T, mag);
+            an[p] = __hfma2(__hmul2(z, X[r][p]), A2[r], an[p]);
+            ad[p] = __hfma2(__hmul2(z, z), A2[r], ad[p]);
+            const uint32_t b = h2u(T);
+            f[p] = (b & 0x3Fu) | ((b >> 10) & 0xFC0u);
+        }
+        const uint32_t lo = f[0] | (f[1] << 12) | (f[2] << 24), hi = (f[2] >> 8) | (f[3] << 4);
+        st_codes(ob + (R0 + r) * ROWB, tx, lo, hi);
+    }
+    float pn[8], pd[8];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        float2 n = __half22float2(an[p]), d = __half22float2(ad[p]);
+        pn[2 * p] = n.x * Pa, pn[2 * p + 1] = n.y * Pa, pd[2 * p] = d.x * Pa,
+               pd[2 * p + 1] = d.y * Pa;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        pn[j] += __shfl_xor_sync(0xffffffffu, pn[j], 16);
+        pd[j] += __shfl_xor_sync(0xffffffffu, pd[j], 16);
+    }
+    if (lane < 16) {
+        *(float4 *)&sm.rp[wp][0][C0] = make_float4(pn[0], pn[1], pn[2], pn[3]);
+        *(float4 *)&sm.rp[wp][0][C0 + 4] = make_float4(pn[4], pn[5], pn[6], pn[7]);
+        *(float4 *)&sm.rp[wp][1][C0] = make_float4(pd[0], pd[1], pd[2], pd[3]);
+        *(float4 *)&sm.rp[wp][1][C0 + 4] = make_float4(pd[4], pd[5], pd[6], pd[7]);
+    }
+    __syncthreads();
+    if (t < D) {
+        float n = 0.f, d = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            n += sm.rp[w][0][t];
+            d += sm.rp[w][1][t];
+        }
+        /* c_j = num / den with num = (Pc / qmax) sum A z Y, den = sum A z^2 / qmax^2 */
+        const float c2 = __half2float(((const half *)sm.ct)[t]) * Pc;
+        const float c = d > 0.f ? fdiv(QMAX * Pc * n, d) : c2;
+        ((half *)(ob + COFF))[t] = __float2half_rn(c);
+    }
+}
+
+/* ---- fp32 arithmetic in the same frame ----------------------------------------------------------
+ */
+
+template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
+{
+    __shared__ Smem sm;
+    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
+    const int ty = 2 * wp + (lane >> 4), R0 = 8 * ty, C0 = 8 * tx;
+    const uint8_t *blk = a.pin + (size_t)bh * BLK;
+    uint8_t *ob = a.pout + (size_t)bh * BLK;
+    In in;
+    load_in(a, blk, bh, R0, C0, in, sm, t);
+
+    /* decode: z as float (exponent trick), x = (z * (alpha r_i / qmax)) * c_j */
+    float x[8][8];
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        uint32_t lo, hi;
+        ld_codes(blk + (R0 + r) * ROWB, tx, lo, hi);
+        const float rf = in.alpha * in.rf[r] * (1.0f / QMAX);
+#pragma unroll
+        for (int n = 0; n < 8; n++) {
+            const int p = 6 * n;
+            uint32_t u =
+                p < 32 ? (p + 6 <= 32 ? (lo >> p) : __funnelshift_r(lo, hi, p)) : (hi >> (p - 32));
+            u &= 0x3Fu;
+            float z = __uint_as_float(0x4B000000u | u) - 8388640.0f; /* 2^23 + u - (2^23 + 32) */
+            x[r][n] = (z * rf) * in.cf[n];
+        }
+    }
+    float pk[8], pq[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        float sk = 0.f, sq = 0.f;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            sk = fmaf(x[r][j], in.kr[r], sk);
+            sq = fmaf(x[r][j], in.qr[r], sq);
+        }
+        pk[j] = sk;
+        pq[j] = sq;
+    }
+    dots_finish<false>(a, blk, bh, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
+    __syncthreads();
+    float uc[8];
+    {
+        float4 u0 = *(const float4 *)&sm.us[C0], u1 = *(const float4 *)&sm.us[C0 + 4];
+        uc[0] = u0.x, uc[1] = u0.y, uc[2] = u0.z, uc[3] = u0.w, uc[4] = u1.x, uc[5] = u1.y,
+        uc[6] = u1.z, uc[7] = u1.w;
+    }
+    float m[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        float mm = 0.f;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            x[r][j] = fmaf(in.kr[r], uc[j], x[r][j]);
+            mm = fmaxf(mm, fabsf(x[r][j]));
+        }
+        m[r] = DIST ? mm : warp16_max(mm);
+    }
+    float Ar[8];
+    if (DIST) { /* reduce-scatter: lane (tx >> 1) & 7 ends with its row's maximum (8 shuffles) */
+        const int myl = (tx >> 1) & 7, src0 = lane & 16;
+        const bool b3 = tx & 8, b2 = tx & 4, b1 = tx & 2;
+        float k4[4], k2[2];
+#pragma unroll
+        for (int q = 0; q < 4; q++)
+            k4[q] =
+                fmaxf(b3 ? m[q + 4] : m[q], __shfl_xor_sync(0xffffffffu, b3 ? m[q] : m[q + 4], 8));
+#pragma unroll
+        for (int q = 0; q < 2; q++)
+            k2[q] = fmaxf(b2 ? k4[q + 2] : k4[q],
+                          __shfl_xor_sync(0xffffffffu, b2 ? k4[q] : k4[q + 2], 4));
+        float mm = fmaxf(b1 ? k2[1] : k2[0], __shfl_xor_sync(0xffffffffu, b1 ? k2[0] : k2[1], 2));
+        mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
+        const float w_my = a.w[(size_t)(bh % HVN) * D + R0 + myl];
+        const float rn_my = __half2float(__float2half_rn(fsqrt(fdiv(mm, w_my))));
+        const float ir_my = rn_my > 0.f ? fdiv(1.0f, rn_my) : 0.f,
+                    A_my = w_my * w_my * rn_my * rn_my;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float ir = __shfl_sync(0xffffffffu, ir_my, src0 | (2 * r));
+            Ar[r] = __shfl_sync(0xffffffffu, A_my, src0 | (2 * r));
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                x[r][j] *= ir;
+        }
+        if (!(tx & 1))
+            ((half *)(ob + ROFF))[R0 + myl] = __float2half_rn(rn_my);
+    } else {
+        float rn[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            rn[r] = __half2float(__float2half_rn(fsqrt(fdiv(m[r], in.wr[r]))));
+            const float ir = rn[r] > 0.f ? fdiv(1.0f, rn[r]) : 0.f;
+            Ar[r] = in.wr[r] * in.wr[r] * rn[r] * rn[r];
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                x[r][j] *= ir;
+        }
+        if (tx == 0) {
+            half hr[8];
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                hr[r] = __float2half_rn(rn[r]);
+            *(uint4 *)(ob + ROFF + 2 * R0) = *(uint4 *)hr;
+        }
+    }
+    float cmx[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        float mm = 0.f;
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            mm = fmaxf(mm, fabsf(x[r][j]));
+        cmx[j] = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 16));
+    }
+    if (lane < 16) {
+        *(float4 *)&sm.dp[wp][0][C0] = make_float4(cmx[0], cmx[1], cmx[2], cmx[3]);
+        *(float4 *)&sm.dp[wp][0][C0 + 4] = make_float4(cmx[4], cmx[5], cmx[6], cmx[7]);
+    }
+    __syncthreads();
+    if (t < D) {
+        float mm = sm.dp[0][0][t];
+#pragma unroll
+        for (int w = 1; w < 8; w++)
+            mm = fmaxf(mm, sm.dp[w][0][t]);
+        sm.us[t] = __half2float(__float2half_rn(mm));
+    }
+    __syncthreads();
+    float cq[8], c2[8];
+    {
+        float4 a0 = *(const float4 *)&sm.us[C0], a1 = *(const float4 *)&sm.us[C0 + 4];
+        c2[0] = a0.x, c2[1] = a0.y, c2[2] = a0.z, c2[3] = a0.w, c2[4] = a1.x, c2[5] = a1.y,
+        c2[6] = a1.z, c2[7] = a1.w;
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        cq[j] = c2[j] > 0.f ? fdiv(QMAX, c2[j]) : 0.f;
+    float pn[8] = {}, pd[8] = {};
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float A = Ar[r];
+        uint32_t lo = 0, hi = 0;
+#pragma unroll
+        for (int j = 0; j < 8; j++) {
+            float tt = fmaf(x[r][j], cq[j], 12582912.0f);
+            float z = tt - 12582912.0f;
+            z = fminf(fmaxf(z, -QMAX), QMAX);
+            pn[j] = fmaf(A * z, x[r][j], pn[j]);
+            pd[j] = fmaf(A * z, z, pd[j]);
+            const uint32_t u = (uint32_t)((int)z + 32);
+            const int p = 6 * j;
+            if (p < 32) {
+                lo |= u << p;
+                if (p + 6 > 32)
+                    hi |= u >> (32 - p);
+            } else {
+                hi |= u << (p - 32);
+            }
+        }
+        st_codes(ob + (R0 + r) * ROWB, tx, lo, hi);
+    }
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        pn[j] += __shfl_xor_sync(0xffffffffu, pn[j], 16);
+        pd[j] += __shfl_xor_sync(0xffffffffu, pd[j], 16);
+    }
+    if (lane < 16) {
+        *(float4 *)&sm.rp[wp][0][C0] = make_float4(pn[0], pn[1], pn[2], pn[3]);
+        *(float4 *)&sm.rp[wp][0][C0 + 4] = make_float4(pn[4], pn[5], pn[6], pn[7]);
+        *(float4 *)&sm.rp[wp][1][C0] = make_float4(pd[0], pd[1], pd[2], pd[3]);
+        *(float4 *)&sm.rp[wp][1][C0 + 4] = make_float4(pd[4], pd[5], pd[6], pd[7]);
+    }
+    __syncthreads();
+    if (t < D) {
+        float n = 0.f, d = 0.f;
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            n += sm.rp[w][0][t];
+            d += sm.rp[w][1][t];
+        }
+        const float c = d > 0.f ? fdiv(QMAX * n, d) : sm.us[t];
+        ((half *)(ob + COFF))[t] = __float2half_rn(c);
+    }
+}
+
+/* ---- host: the same algorithm in double-checked fp32, pages, timing -----------------------------
+ */
+
+static float h2f(uint16_t h)
+{
+    __half_raw r;
+    r.x = h;
+    return __half2float(__half(r));
+}
+static uint16_t f2h(float f)
+{
+    __half_raw r = __half(__float2half_rn(f));
+    return r.x;
+}
+
+static void h_decode(const uint8_t *blk, float *x /* [D][D] */)
+{
+    for (int i = 0; i < D; i++) {
+        float r = h2f(((const uint16_t *)(blk + ROFF))[i]);
+        const uint8_t *row = blk + i * ROWB;
+        for (int j = 0; j < D; j++) {
+            int bit = 6 * j;
+            uint32_t v = row[bit / 8] | (bit / 8 + 1 < ROWB ? row[bit / 8 + 1] << 8 : 0);
+            int u = (v >> (bit % 8)) & 0x3F;
+            float c = h2f(((const uint16_t *)(blk + COFF))[j]);
+            x[i * D + j] = (r * c) * ((float)(u - 32) / QMAX);
+        }
+    }
+}
+
+static void h_encode(const float *x, const float *w, uint8_t *blk)
+{
+    std::vector<float> y(D * D), rn(D), c(D);
+    memset(blk, 0, BLK);
+    for (int i = 0; i < D; i++) {
+        float m = 0;
+        for (int j = 0; j < D; j++)
+            m = std::max(m, std::fabs(x[i * D + j]));
+        rn[i] = h2f(f2h(std::sqrt(m / w[i])));
+        for (int j = 0; j < D; j++)
+            y[i * D + j] = rn[i] > 0 ? x[i * D + j] / rn[i] : 0.f;
+    }
+    for (int j = 0; j < D; j++) {
+        float m = 0;
+        for (int i = 0; i < D; i++)
+            m = std::max(m, std::fabs(y[i * D + j]));
+        c[j] = h2f(f2h(m));
+    }
+    std::vector<int> z(D * D);
+    for (int j = 0; j < D; j++) {
+        double num = 0, den = 0;
+        for (int i = 0; i < D; i++) {
+            float zz = c[j] > 0 ? std::nearbyint(y[i * D + j] / c[j] * QMAX) : 0.f;
+            zz = std::min(std::max(zz, (float)-QMAX), (float)QMAX);
+            z[i * D + j] = (int)zz;
+            double zt = zz / QMAX;
+            num += (double)w[i] * w[i] * rn[i] * zt * x[i * D + j];
+            den += (double)w[i] * w[i] * rn[i] * rn[i] * zt * zt;
+        }
+        float cj = den > 0 ? (float)(num / den) : c[j];
+        ((uint16_t *)(blk + COFF))[j] = f2h(cj);
+    }
+    for (int i = 0; i < D; i++) {
+        ((uint16_t *)(blk + ROFF))[i] = f2h(rn[i]);
+        uint8_t *row = blk + i * ROWB;
+        for (int j = 0; j < D; j++) {
+            int bit = 6 * j, u = z[i * D + j] + 32;
+            uint32_t v = (uint32_t)u << (bit % 8);
+            row[bit / 8] |= v & 0xFF;
+            if (bit / 8 + 1 < ROWB)
+                row[bit / 8 + 1] |= (v >> 8) & 0xFF;
+        }
+    }
+}
+
+/* ---- host emulation of step_f16's arithmetic: every half operation as the hardware rounds it (a
+ * float product or fma of halves rounded once to half is correctly rounded: 24 >= 2 * 11 + 2), the
+ * per-thread normalisers and partial sums of the kernel's 8x8 tiles, the cross-thread sums in the
+ * kernel's order. Differs from the kernel only where its MUFU sqrt / divide round to another fp16
+ * (ties). */
+static float h16(float x)
+{
+    return __half2float(__float2half_rn(x));
+}
+
+static void h_step_f16(const uint8_t *bin, const float *kp, const float *qp, const float *v,
+                       float g, float beta, const float *w, uint8_t *bout, float *o)
+{
+    static int z[D][D];
+    static float X[D][D];
+    float r[D], c[D], s[D], tq[D], u[D];
+    for (int i = 0; i < D; i++) {
+        r[i] = h2f(((const uint16_t *)(bin + ROFF))[i]);
+        c[i] = h2f(((const uint16_t *)(bin + COFF))[i]);
+        const uint8_t *row = bin + i * ROWB;
+        for (int j = 0; j < D; j++) {
+            int bit = 6 * j;
+            uint32_t vv = row[bit / 8] | (bit / 8 + 1 < ROWB ? row[bit / 8 + 1] << 8 : 0);
+            z[i][j] = (int)((vv >> (bit % 8)) & 0x3F) - 32;
+        }
+    }
+    const float al = std::exp(g);
+    float kq = 0;
+    for (int i = 0; i < D; i++)
+        kq += kp[i] * qp[i];
+    /* dots: per tile (ty, tx) half partials, then pairs of ty, then warps in order */
+    static float pk[16][D], pq[16][D];
+    for (int ty = 0; ty < 16; ty++)
+        for (int tx = 0; tx < 16; tx++) {
+            float mk = 0, mq = 0;
+            for (int rr = 0; rr < 8; rr++) {
+                int i = 8 * ty + rr;
+                mk = std::max(mk, std::fabs(r[i] * kp[i]));
+                mq = std::max(mq, std::fabs(r[i] * qp[i]));
+            }
+            const float Pk = pow2ceil(mk), Pq = pow2ceil(mq);
+            for (int jj = 0; jj < 8; jj++) {
+                int j = 8 * tx + jj;
+                float ak = 0, aq = 0;
+                for (int rr = 0; rr < 8; rr++) {
+                    int i = 8 * ty + rr;
+                    ak = h16(std::fma((float)z[i][j], h16(r[i] * kp[i] * (1.0f / Pk)), ak));
+                    aq = h16(std::fma((float)z[i][j], h16(r[i] * qp[i] * (1.0f / Pq)), aq));
+                }
+                pk[ty][j] = ak * Pk;
+                pq[ty][j] = aq * Pq;
+            }
+        }
+    for (int j = 0; j < D; j++) {
+        float a = 0, b = 0;
+        for (int wv = 0; wv < 8; wv++) {
+            a += pk[2 * wv][j] + pk[2 * wv + 1][j];
+            b += pq[2 * wv][j] + pq[2 * wv + 1][j];
+        }
+        const float f = c[j] * al * (1.0f / QMAX);
+        s[j] = a * f;
+        tq[j] = b * f;
+        u[j] = beta * (v[j] - s[j]);
+        o[j] = tq[j] + u[j] * kq;
+    }
+    float cm = 0, um = 0;
+    for (int j = 0; j < D; j++)
+        cm = std::max(cm, c[j]), um = std::max(um, std::fabs(u[j]));
+    const float Pc = pow2ceil(cm), Su = pow2ceil(um);
+    float rn[D], R[D], A[D], CM[D], Q[D];
+    for (int i = 0; i < D; i++) {
+        const float N = pow2ceil(std::max(r[i] * Pc, std::fabs(kp[i]) * um)), iN = 1.0f / N;
+        const float F = h16(al * r[i] * Pc * (1.0f / QMAX) * iN), K = h16(kp[i] * Su * iN);
+        float M = 0;
+        for (int j = 0; j < D; j++) {
+            const float C2 = h16(c[j] * (1.0f / Pc)), U2 = h16(u[j] * (1.0f / Su));
+            X[i][j] = h16(std::fma(K, U2, h16(h16((float)z[i][j] * F) * C2)));
+            M = std::max(M, std::fabs(X[i][j]));
+        }
+        const float m = M * N;
+        rn[i] = h16(std::sqrt(m / w[i]));
+        R[i] = h16(rn[i] > 0 ? N * (1.0f / Pc) / rn[i] : 0.f);
+        for (int j = 0; j < D; j++)
+            X[i][j] = h16(X[i][j] * R[i]);
+        A[i] = w[i] * w[i] * rn[i] * rn[i];
+    }
+    for (int j = 0; j < D; j++) {
+        float m = 0;
+        for (int i = 0; i < D; i++)
+            m = std::max(m, std::fabs(X[i][j]));
+        CM[j] = m;
+        Q[j] = h16(m > 0 ? std::min(QMAX / m, 65504.f) : 0.f);
+    }
+    static float pn[16][D], pd[16][D];
+    memset(bout, 0, BLK);
+    for (int ty = 0; ty < 16; ty++) {
+        float mA = 0;
+        for (int rr = 0; rr < 8; rr++)
+            mA = std::max(mA, A[8 * ty + rr]);
+        const float Pa = pow2ceil(mA);
+        for (int j = 0; j < D; j++) {
+            float an = 0, ad = 0;
+            for (int rr = 0; rr < 8; rr++) {
+                int i = 8 * ty + rr;
+                const float A2 = h16(A[i] * (1.0f / Pa));
+                const float T = h16(std::fma(X[i][j], Q[j], 1568.f)), zz = T - 1568.f;
+                an = h16(std::fma(h16(zz * X[i][j]), A2, an));
+                ad = h16(std::fma(h16(zz * zz), A2, ad));
+                z[i][j] = (int)zz;
+            }
+            pn[ty][j] = an * Pa;
+            pd[ty][j] = ad * Pa;
+        }
+    }
+    for (int j = 0; j < D; j++) {
+        float n = 0, d = 0;
+        for (int wv = 0; wv < 8; wv++) {
+            n += pn[2 * wv][j] + pn[2 * wv + 1][j];
+            d += pd[2 * wv][j] + pd[2 * wv + 1][j];
+        }
+        const float cc = d > 0 ? QMAX * Pc * n / d : CM[j] * Pc;
+        ((uint16_t *)(bout + COFF))[j] = f2h(cc);
+    }
+    for (int i = 0; i < D; i++) {
+        ((uint16_t *)(bout + ROFF))[i] = f2h(rn[i]);
+        uint8_t *row = bout + i * ROWB;
+        for (int j = 0; j < D; j++) {
+            int bit = 6 * j, uu = z[i][j] + 32;
+            uint32_t vv = (uint32_t)uu << (bit % 8);
+            row[bit / 8] |= vv & 0xFF;
+            if (bit / 8 + 1 < ROWB)
+                row[bit / 8 + 1] |= (vv >> 8) & 0xFF;
+        }
+    }
+}
+
+/* One test case: B requests' pages of random states (log-normal row and column magnitudes, spreads
+ * rsig / csig, overall scale ssc) packed by the host fit, unit-norm q and k, and for the first nref
+ * heads the host fp32 step (o, the exact update, its page) and the emulated fp16 step (its page,
+ * o). */
+struct Case {
+    int B;
+    size_t nh, nref;
+    std::vector<float> w, q, k, v, g, beta, oref, xnew, oem;
+    std::vector<uint8_t> pages, pref, pem;
+    double emul_readout, emul_ratio,
+        fp32_err; /* emulation vs host: readout rel. error, state error ratio */
+};
+
+static void make_case(Case &c, int B, float rsig, float csig, float ssc, unsigned seed)
+{
+    c.B = B;
+    c.nh = (size_t)B * HVN;
+    c.nref = std::min<size_t>(c.nh, 64);
+    const size_t nh = c.nh, nref = c.nref;
+    std::mt19937 rng(seed);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    c.w.resize(HVN * D);
+    for (auto &x : c.w)
+        x = std::exp(0.5f * nd(rng));
+    c.pages.assign(nh * BLK, 0);
+    std::vector<float> rs(D), cs(D), st(D * D);
+    for (size_t e = 0; e < nh; e++) {
+        for (int i = 0; i < D; i++)
+            rs[i] = std::exp(rsig * nd(rng));
+        for (int j = 0; j < D; j++)
+            cs[j] = std::exp(csig * nd(rng));
+        for (int i = 0; i < D; i++)
+            for (int j = 0; j < D; j++)
+                st[i * D + j] = ssc * rs[i] * cs[j] * nd(rng);
+        h_encode(st.data(), &c.w[(e % HVN) * D], &c.pages[e * BLK]);
+    }
+    c.q.resize((size_t)B * HQN * D), c.k.resize(c.q.size()), c.v.resize(nh * D), c.g.resize(nh),
+        c.beta.resize(nh);
+    for (size_t bq = 0; bq < (size_t)B * HQN; bq++) {
+        double nk = 0, nq = 0;
+        for (int i = 0; i < D; i++) {
+            c.k[bq * D + i] = nd(rng), c.q[bq * D + i] = nd(rng);
+            nk += c.k[bq * D + i] * c.k[bq * D + i], nq += c.q[bq * D + i] * c.q[bq * D + i];
+        }
+        for (int i = 0; i < D; i++)
+            c.k[bq * D + i] /= std::sqrt(nk),
+                c.q[bq * D + i] /= std::sqrt(nq) * std::sqrt((float)D);
+    }
+    for (auto &x : c.v)
+        x = 0.3f * ssc / 0.1f * nd(rng);
+    for (size_t e = 0; e < nh; e++)
+        c.g[e] = -std::exp(-3.f + nd(rng)), c.beta[e] = 1.f / (1.f + std::exp(-nd(rng)));
+
+    c.oref.resize(nref * D), c.xnew.resize(nref * D * D), c.pref.assign(nref * BLK, 0);
+    c.oem.resize(nref * D), c.pem.assign(nref * BLK, 0);
+    std::vector<float> xt(D * D), xe(D * D), xh(D * D);
+    double oe = 0, on = 0, qe = 0, qh = 0, xnn = 0;
+    for (size_t e = 0; e < nref; e++) {
+        const int b = (int)(e / HVN), h = (int)(e % HVN);
+        const float *kp = &c.k[((size_t)b * HQN + h / 2) * D],
+                    *qp = &c.q[((size_t)b * HQN + h / 2) * D];
+        h_decode(&c.pages[e * BLK], xt.data());
+        const float al = std::exp(c.g[e]);
+        float kq = 0;
+        for (int i = 0; i < D; i++)
+            kq += kp[i] * qp[i];
+        for (int j = 0; j < D; j++) {
+            double s = 0, tq = 0;
+            for (int i = 0; i < D; i++)
+                s += (double)al * xt[i * D + j] * kp[i], tq += (double)al * xt[i * D + j] * qp[i];
+            float u = c.beta[e] * (c.v[e * D + j] - (float)s);
+            c.oref[e * D + j] = (float)tq + u * kq;
+            for (int i = 0; i < D; i++)
+                c.xnew[e * D * D + i * D + j] = al * xt[i * D + j] + kp[i] * u;
+        }
+        h_encode(&c.xnew[e * D * D], &c.w[h * D], &c.pref[e * BLK]);
+        h_step_f16(&c.pages[e * BLK], kp, qp, &c.v[e * D], c.g[e], c.beta[e], &c.w[h * D],
+                   &c.pem[e * BLK], &c.oem[e * D]);
+        for (int j = 0; j < D; j++) {
+            double d = c.oem[e * D + j] - c.oref[e * D + j];
+            oe += d * d, on += (double)c.oref[e * D + j] * c.oref[e * D + j];
+        }
+        h_decode(&c.pem[e * BLK], xe.data());
+        h_decode(&c.pref[e * BLK], xh.data());
+        for (int f = 0; f < D * D; f++) {
+            double x0 = c.xnew[e * D * D + f];
+            qe += (xe[f] - x0) * (xe[f] - x0), qh += (xh[f] - x0) * (xh[f] - x0), xnn += x0 * x0;
+        }
+    }
+    c.emul_readout = std::sqrt(oe / on);
+    c.emul_ratio = qe / qh;
+    c.fp32_err = qh / xnn;
+}
+
+static int usage(FILE *f)
+{
+    fputs(
+        "usage: stepq-fp16-probe emul | stepq-fp16-probe [B]\n"
+        "  emul: the host emulation of the fp16 step over a grid of state spreads (no GPU): the "
+        "new\n"
+        "        state's quantization error against the exact update, relative to the fp32 fit's;\n"
+        "        exit 1 when any case exceeds 1.02 or is not finite\n"
+        "  B:    (default 512) on the GPU, the fp32 and fp16 probe kernels at B requests x 32 "
+        "heads:\n"
+        "        us per launch (median of 20), the readout against the host, the state error "
+        "against\n"
+        "        the host fit's, code bytes differing from the host and from the emulation; exit "
+        "77\n"
+        "        without a device\n",
+        f);
+    return f == stderr ? 2 : 0;
+}
+
+int main(int argc, char **argv)
+{
+    if (argc > 1 && (!strcmp(argv[1], "--help") || !strcmp(argv[1], "-h")))
+        return usage(stdout);
+    if (argc > 1 && !strcmp(argv[1], "emul")) {
+        static const float grid[][3] = { { 1, 0.7f, 0.1f },  { 0, 0, 0.1f },   { 2, 0.7f, 0.1f },
+                                         { 1, 2, 0.1f },     { 2, 2, 0.1f },   { 3, 3, 0.1f },
+                                         { 1, 0.7f, 1e-6f }, { 1, 0.7f, 1e4f } };
+        int bad = 0;
+        printf("%-10s %-10s %-8s %-24s %-22s %s\n", "row sigma", "col sigma", "scale",
+               "readout vs fp32 host", "fp16 / fp32 state err", "fp32 fit's state err");
+        for (const auto &gcase : grid) {
+            Case c;
+            make_case(c, 2, gcase[0], gcase[1], gcase[2], 1);
+            const bool ok = std::isfinite(c.emul_ratio) && c.emul_ratio <= 1.02;
+            bad += !ok;
+            printf("%-10.2f %-10.2f %-8.0e %-24.2e %-22.4f %.3e%s\n", gcase[0], gcase[1], gcase[2],
+                   c.emul_readout, c.emul_ratio, c.fp32_err, ok ? "" : "  FAIL (> 1.02)");
+        }
+        return bad ? 1 : 0;
+    }
+    char *end = NULL;
+    const long Bl = argc > 1 ? strtol(argv[1], &end, 10) : 512;
+    if (argc > 2 || Bl < 1 || Bl > 4096 || (end && *end)) {
+        fprintf(stderr, "stepq-fp16-probe: %s: not emul or a batch 1..4096\n",
+                argc > 1 ? argv[1] : "");
+        return usage(stderr);
+    }
+    int ndev = 0;
+    if (cudaGetDeviceCount(&ndev) != cudaSuccess || ndev < 1) {
+        fprintf(stderr, "stepq-fp16-probe: no CUDA device: skipped\n");
+        return 77;
+    }
+    const int B = (int)Bl, reps = 20;
+    Case cs;
+    make_case(cs, B, 1.0f, 0.7f, 0.1f, 1);
+    const size_t nh = cs.nh, nref = cs.nref;
+    auto &pages = cs.pages, &pref = cs.pref, &pem = cs.pem;
+    auto &q = cs.q, &k = cs.k, &v = cs.v, &g = cs.g, &beta = cs.beta, &w = cs.w, &oref = cs.oref,
+         &xnew = cs.xnew;
+    printf("host emulation of step_f16: readout rel err vs the fp32 host %.2e, state error fp16 / "
+           "fp32 fit %.4f\n",
+           cs.emul_readout, cs.emul_ratio);
+    uint8_t *dpin, *dpout;
+    float *dq, *dk, *dv, *dg, *db, *dw, *dO;
+    CK(cudaMalloc(&dpin, pages.size()));
+    CK(cudaMalloc(&dpout, pages.size()));
+    CK(cudaMalloc(&dq, q.size() * 4));
+    CK(cudaMalloc(&dk, k.size() * 4));
+    CK(cudaMalloc(&dv, v.size() * 4));
+    CK(cudaMalloc(&dg, g.size() * 4));
+    CK(cudaMalloc(&db, beta.size() * 4));
+    CK(cudaMalloc(&dw, w.size() * 4));
+    CK(cudaMalloc(&dO, nh * D * 4));
+    CK(cudaMemcpy(dpin, pages.data(), pages.size(), cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dq, q.data(), q.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dk, k.data(), k.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dv, v.data(), v.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dg, g.data(), g.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(db, beta.data(), beta.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dw, w.data(), w.size() * 4, cudaMemcpyHostToDevice));
+    Args a{ dpin, dpout, dq, dk, dv, dg, db, dw, dO };
+
+    cudaEvent_t e0, e1;
+    CK(cudaEventCreate(&e0));
+    CK(cudaEventCreate(&e1));
+    const char *names[4] = { "fp32 arithmetic", "fp32 arithmetic, rows distributed",
+                             "fp16 arithmetic", "fp16 arithmetic, rows distributed" };
+    printf("B = %d, %d heads of 128x128 at 6 bits (%zu B per head), %zu heads checked against the "
+           "host\n",
+           B, HVN, (size_t)BLK, nref);
+    auto launch = [&](int var) {
+        switch (var) {
+        case 0:
+            step_f32<false><<<nh, NT>>>(a);
+            break;
+        case 1:
+            step_f32<true><<<nh, NT>>>(a);
+            break;
+        case 2:
+            step_f16<false><<<nh, NT>>>(a);
+            break;
+        default:
+            step_f16<true><<<nh, NT>>>(a);
+            break;
+        }
+    };
+    for (int var = 0; var < 4; var++) {
+        CK(cudaMemset(dpout, 0, pages.size()));
+        for (int i = 0; i < 3; i++)
+            launch(var);
+        CK(cudaGetLastError());
+        CK(cudaDeviceSynchronize());
+        std::vector<float> ts;
+        for (int i = 0; i < reps; i++) {
+            CK(cudaEventRecord(e0));
+            launch(var);
+            CK(cudaEventRecord(e1));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            ts.push_back(ms * 1000.f);
+        }
+        std::sort(ts.begin(), ts.end());
+        std::vector<uint8_t> pout(nref * BLK);
+        std::vector<float> o(nref * D);
+        CK(cudaMemcpy(pout.data(), dpout, pout.size(), cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(o.data(), dO, o.size() * 4, cudaMemcpyDeviceToHost));
+        /* readout vs the host; the new state's quantization error against the exact update, the
+         * kernel's page and the host's; codes that differ */
+        double oe = 0, on = 0, qk = 0, qh = 0, xn = 0;
+        size_t zdiff = 0, ediff = 0;
+        std::vector<float> xk(D * D), xh(D * D);
+        for (size_t e = 0; e < nref; e++) {
+            for (int j = 0; j < D; j++) {
+                double d = o[e * D + j] - oref[e * D + j];
+                oe += d * d, on += (double)oref[e * D + j] * oref[e * D + j];
+            }
+            h_decode(&pout[e * BLK], xk.data());
+            h_decode(&pref[e * BLK], xh.data());
+            for (int f = 0; f < D * D; f++) {
+                double xe = xnew[e * D * D + f];
+                qk += (xk[f] - xe) * (xk[f] - xe), qh += (xh[f] - xe) * (xh[f] - xe), xn += xe * xe;
+            }
+            for (int f = 0; f < D * ROWB; f++) {
+                zdiff += pout[e * BLK + f] != pref[e * BLK + f];
+                ediff += pout[e * BLK + f] != pem[e * BLK + f];
+            }
+        }
+        const double us = ts[ts.size() / 2];
+        const double bytes = 2.0 * nh * BLK + nh * D * 4.0 * 2 + (double)B * HQN * D * 8;
+        printf("%-36s %8.1f us  (min %.1f)  %6.0f GB/s  readout rel err vs host %.2e  state err "
+               "kernel/host "
+               "%.4f (host %.3e)  code bytes differing from the host %.4f%%, from the emulation "
+               "%.4f%%\n",
+               names[var], us, ts[0], bytes / us * 1e-3, std::sqrt(oe / on), qk / qh, qh / xn,
+               100.0 * zdiff / (nref * D * ROWB), 100.0 * ediff / (nref * D * ROWB));
+    }
+    return 0;
+}
