@@ -103,12 +103,17 @@ def across(rows, other, methods=None):
     return out
 
 
-def main_vs(a, doc, rows):
+def load(path, what):
+    """The JSON document at path; SystemExit naming `what` when it cannot be read."""
     try:
-        with open(a.vs) as f:
-            odoc = json.load(f)
+        with open(path) as f:
+            return json.load(f)
     except (OSError, ValueError) as e:
-        raise SystemExit("paired_nll: --vs %s: %s" % (a.vs, e))
+        raise SystemExit("paired_nll: %s%s: %s" % (what, path, e))
+
+
+def main_vs(a, doc, rows):
+    odoc = load(a.vs, "--vs ")
     orows = rows_of(odoc, a.vs)
     ma, mb = stream_meta(doc), stream_meta(odoc)
     bad = [k for k in STREAM_KEYS if k in ma and k in mb and ma[k] != mb[k]]
@@ -125,6 +130,14 @@ def main_vs(a, doc, rows):
               "is the mean +- s.e. of the per-stream difference." % (
                   a.run, a.vs, ", ".join("%s %s" % (k, ma.get(k, mb.get(k))) for k in STREAM_KEYS
                                          if k in ma or k in mb) or "streams as each JSON has them")]
+    return emit(a, lines, {"run": a.run, "vs": a.vs, "pairs": [
+        {"method": n, "run_excess": x, "run_se": sx, "other_excess": y, "other_se": sy,
+         "difference": x - y, "within_one_se": abs(x - y) <= sy,
+         "paired_mean": m, "paired_se": se, "in_se": z} for n, x, sx, y, sy, m, se, z in res]})
+
+
+def emit(a, lines, doc):
+    """Prints the table, and writes it to --markdown and doc to --json where given."""
     text = "\n".join(lines)
     print(text)
     if a.markdown:
@@ -132,10 +145,7 @@ def main_vs(a, doc, rows):
             f.write(text + "\n")
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"run": a.run, "vs": a.vs, "pairs": [
-                {"method": n, "run_excess": x, "run_se": sx, "other_excess": y, "other_se": sy,
-                 "difference": x - y, "within_one_se": abs(x - y) <= sy,
-                 "paired_mean": m, "paired_se": se, "in_se": z} for n, x, sx, y, sy, m, se, z in res]}, f, indent=1)
+            json.dump(doc, f, indent=1)
     return 0
 
 
@@ -150,11 +160,7 @@ def main(argv=None):
     p.add_argument("--markdown", help="write the table here too")
     p.add_argument("--json", help="write the pairs here as JSON")
     a = p.parse_args(argv)
-    try:
-        with open(a.run) as f:
-            doc = json.load(f)
-    except (OSError, ValueError) as e:
-        raise SystemExit("paired_nll: %s: %s" % (a.run, e))
+    doc = load(a.run, "")
     rows = rows_of(doc, a.run)
     if a.vs:
         return main_vs(a, doc, rows)
@@ -163,16 +169,8 @@ def main(argv=None):
     lines += ["| %s | %+.5f +- %.5f | %+.1f |" % r for r in res]
     lines += ["", "%d streams of %s; excess NLL in nats/byte, mean +- s.e. over streams of the per-stream "
               "difference." % (len(next(r for r in rows if r["method"] == a.against)["excess_per_stream"]), a.run)]
-    text = "\n".join(lines)
-    print(text)
-    if a.markdown:
-        with open(a.markdown, "w") as f:
-            f.write(text + "\n")
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"run": a.run, "against": a.against,
-                       "pairs": [{"method": n, "mean": m, "se": s, "in_se": z} for n, m, s, z in res]}, f, indent=1)
-    return 0
+    return emit(a, lines, {"run": a.run, "against": a.against,
+                           "pairs": [{"method": n, "mean": m, "se": s, "in_se": z} for n, m, s, z in res]})
 
 
 if __name__ == "__main__":

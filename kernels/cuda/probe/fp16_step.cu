@@ -115,6 +115,42 @@ __device__ __forceinline__ void st_codes(uint8_t *row, int tx, uint32_t lo, uint
     sq_st_codes<6>(row, tx, lo, hi);
 }
 
+/* The row scales of the thread's 8 rows (fp16) out, by the half-warp's lane tx == 0 */
+__device__ __forceinline__ void st_row_scales(uint8_t *ob, int R0, int tx, const float (&rn)[8])
+{
+    if (tx == 0) {
+        half hr[8];
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            hr[r] = __float2half_rn(rn[r]);
+        *(uint4 *)(ob + ROFF + 2 * R0) = *(uint4 *)hr;
+    }
+}
+
+/* Block bh = (request, value head), thread t: warp wp, lane; tx = lane % 16 owns columns C0 = 8 tx
+ * .. C0 + 7, ty = 2 wp + lane / 16 rows R0 = 8 ty .. R0 + 7 (the tile kernel's mapping); the head's
+ * pages. */
+struct Pos {
+    int bh, t, wp, lane, tx, R0, C0;
+    const uint8_t *blk;
+    uint8_t *ob;
+    __device__ explicit Pos(const Args &a)
+        : bh(blockIdx.x), t(threadIdx.x), wp(threadIdx.x >> 5), lane(threadIdx.x & 31),
+          tx(threadIdx.x & 15),
+          R0(8 * (2 * (int)(threadIdx.x >> 5) + (int)((threadIdx.x & 31) >> 4))),
+          C0(8 * (int)(threadIdx.x & 15)), blk(a.pin + (size_t)blockIdx.x * BLK),
+          ob(a.pout + (size_t)blockIdx.x * BLK)
+    {
+    }
+};
+
+/* 8 consecutive floats of shared memory (16-byte aligned) into registers */
+__device__ __forceinline__ void ld8(const float *p, float (&x)[8])
+{
+    const float4 a = *(const float4 *)p, b = *(const float4 *)(p + 4);
+    x[0] = a.x, x[1] = a.y, x[2] = a.z, x[3] = a.w, x[4] = b.x, x[5] = b.y, x[6] = b.z, x[7] = b.w;
+}
+
 struct Smem {
     float dp[8][2][D]; /* dot partials per warp */
     float rp[8][2][D]; /* refit partials per warp */
@@ -178,6 +214,35 @@ __device__ __forceinline__ void load_in(const Args &a, const uint8_t *blk, int b
     }
 }
 
+/* Two per-column sums over the block: the thread's partials of its 8 columns (a, b) summed with the
+ * other half-warp's, then over the 8 warps in shared memory (buf); after the barrier, thread t <
+ * 128 gets column t's totals in *sa, *sb. */
+__device__ __forceinline__ void col_sums2(float (*buf)[2][D], float (&a)[8], float (&b)[8], int t,
+                                          int wp, int lane, int C0, float *sa, float *sb)
+{
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        a[j] += __shfl_xor_sync(0xffffffffu, a[j], 16);
+        b[j] += __shfl_xor_sync(0xffffffffu, b[j], 16);
+    }
+    if (lane < 16) {
+        *(float4 *)&buf[wp][0][C0] = make_float4(a[0], a[1], a[2], a[3]);
+        *(float4 *)&buf[wp][0][C0 + 4] = make_float4(a[4], a[5], a[6], a[7]);
+        *(float4 *)&buf[wp][1][C0] = make_float4(b[0], b[1], b[2], b[3]);
+        *(float4 *)&buf[wp][1][C0 + 4] = make_float4(b[4], b[5], b[6], b[7]);
+    }
+    __syncthreads();
+    float x = 0.f, y = 0.f;
+    if (t < D)
+#pragma unroll
+        for (int w = 0; w < 8; w++) {
+            x += buf[w][0][t];
+            y += buf[w][1][t];
+        }
+    *sa = x;
+    *sb = y;
+}
+
 /* the dot products' cross-thread sums (partials of the thread's 8 columns, already in fp32, times
  * their per-thread factor), then u and o for column t < 128; the caller syncs after */
 template <bool SCALE>
@@ -185,25 +250,9 @@ __device__ __forceinline__ void dots_finish(const Args &a, const uint8_t *blk, i
                                             float (&pk)[8], float (&pq)[8], int t, int wp, int lane,
                                             int C0, float alpha, float beta)
 {
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        pk[j] += __shfl_xor_sync(0xffffffffu, pk[j], 16);
-        pq[j] += __shfl_xor_sync(0xffffffffu, pq[j], 16);
-    }
-    if (lane < 16) {
-        *(float4 *)&sm.dp[wp][0][C0] = make_float4(pk[0], pk[1], pk[2], pk[3]);
-        *(float4 *)&sm.dp[wp][0][C0 + 4] = make_float4(pk[4], pk[5], pk[6], pk[7]);
-        *(float4 *)&sm.dp[wp][1][C0] = make_float4(pq[0], pq[1], pq[2], pq[3]);
-        *(float4 *)&sm.dp[wp][1][C0 + 4] = make_float4(pq[4], pq[5], pq[6], pq[7]);
-    }
-    __syncthreads();
+    float s, u2;
+    col_sums2(sm.dp, pk, pq, t, wp, lane, C0, &s, &u2);
     if (t < D) {
-        float s = 0.f, u2 = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; w++) {
-            s += sm.dp[w][0][t];
-            u2 += sm.dp[w][1][t];
-        }
         if (SCALE) { /* partials in the code domain: times c_j alpha / qmax */
             float c = __half2float(((const half *)(blk + COFF))[t]);
             float f = c * alpha * (1.0f / QMAX);
@@ -223,10 +272,10 @@ __device__ __forceinline__ void dots_finish(const Args &a, const uint8_t *blk, i
 template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
 {
     __shared__ Smem sm;
-    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
-    const int ty = 2 * wp + (lane >> 4), R0 = 8 * ty, C0 = 8 * tx;
-    const uint8_t *blk = a.pin + (size_t)bh * BLK;
-    uint8_t *ob = a.pout + (size_t)bh * BLK;
+    const Pos P(a);
+    const int bh = P.bh, t = P.t, wp = P.wp, lane = P.lane, tx = P.tx, R0 = P.R0, C0 = P.C0;
+    const uint8_t *blk = P.blk;
+    uint8_t *ob = P.ob;
     In in;
     load_in(a, blk, bh, R0, C0, in, sm, t);
 
@@ -284,11 +333,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
     /* normalisers: Pc from the old column scales (a warp's 16 lanes see all 128), Su from u, and
      * per row N_i >= max(r_i Pc, |k_i| umax): |x / N_i| <= 1, |k u / N_i| <= 1 */
     float uc[8];
-    {
-        float4 u0 = *(const float4 *)&sm.us[C0], u1 = *(const float4 *)&sm.us[C0 + 4];
-        uc[0] = u0.x, uc[1] = u0.y, uc[2] = u0.z, uc[3] = u0.w, uc[4] = u1.x, uc[5] = u1.y,
-        uc[6] = u1.z, uc[7] = u1.w;
-    }
+    ld8(&sm.us[C0], uc);
     float cm = 0.f, um = 0.f;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -405,13 +450,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
 #pragma unroll
         for (int r = 0; r < 8; r++)
             A2[r] = __float2half2_rn(in.wr[r] * in.wr[r] * rn[r] * rn[r] * iPa);
-        if (tx == 0) {
-            half hr[8];
-#pragma unroll
-            for (int r = 0; r < 8; r++)
-                hr[r] = __float2half_rn(rn[r]);
-            *(uint4 *)(ob + ROFF + 2 * R0) = *(uint4 *)hr;
-        }
+        st_row_scales(ob, R0, tx, rn);
     }
 
     /* column maxima: 8 rows in-thread, the other half-warp, then the 8 warps in shared memory */
@@ -479,25 +518,9 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
         pn[2 * p] = n.x * Pa, pn[2 * p + 1] = n.y * Pa, pd[2 * p] = d.x * Pa,
                pd[2 * p + 1] = d.y * Pa;
     }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        pn[j] += __shfl_xor_sync(0xffffffffu, pn[j], 16);
-        pd[j] += __shfl_xor_sync(0xffffffffu, pd[j], 16);
-    }
-    if (lane < 16) {
-        *(float4 *)&sm.rp[wp][0][C0] = make_float4(pn[0], pn[1], pn[2], pn[3]);
-        *(float4 *)&sm.rp[wp][0][C0 + 4] = make_float4(pn[4], pn[5], pn[6], pn[7]);
-        *(float4 *)&sm.rp[wp][1][C0] = make_float4(pd[0], pd[1], pd[2], pd[3]);
-        *(float4 *)&sm.rp[wp][1][C0 + 4] = make_float4(pd[4], pd[5], pd[6], pd[7]);
-    }
-    __syncthreads();
+    float n, d;
+    col_sums2(sm.rp, pn, pd, t, wp, lane, C0, &n, &d);
     if (t < D) {
-        float n = 0.f, d = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; w++) {
-            n += sm.rp[w][0][t];
-            d += sm.rp[w][1][t];
-        }
         /* c_j = num / den with num = (Pc / qmax) sum A z Y, den = sum A z^2 / qmax^2 */
         const float c2 = __half2float(((const half *)sm.ct)[t]) * Pc;
         const float c = d > 0.f ? fdiv(QMAX * Pc * n, d) : c2;
@@ -511,10 +534,10 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
 template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
 {
     __shared__ Smem sm;
-    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
-    const int ty = 2 * wp + (lane >> 4), R0 = 8 * ty, C0 = 8 * tx;
-    const uint8_t *blk = a.pin + (size_t)bh * BLK;
-    uint8_t *ob = a.pout + (size_t)bh * BLK;
+    const Pos P(a);
+    const int bh = P.bh, t = P.t, wp = P.wp, lane = P.lane, tx = P.tx, R0 = P.R0, C0 = P.C0;
+    const uint8_t *blk = P.blk;
+    uint8_t *ob = P.ob;
     In in;
     load_in(a, blk, bh, R0, C0, in, sm, t);
 
@@ -550,11 +573,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
     dots_finish<false>(a, blk, bh, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
     __syncthreads();
     float uc[8];
-    {
-        float4 u0 = *(const float4 *)&sm.us[C0], u1 = *(const float4 *)&sm.us[C0 + 4];
-        uc[0] = u0.x, uc[1] = u0.y, uc[2] = u0.z, uc[3] = u0.w, uc[4] = u1.x, uc[5] = u1.y,
-        uc[6] = u1.z, uc[7] = u1.w;
-    }
+    ld8(&sm.us[C0], uc);
     float m[8];
 #pragma unroll
     for (int r = 0; r < 8; r++) {
@@ -606,13 +625,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
             for (int j = 0; j < 8; j++)
                 x[r][j] *= ir;
         }
-        if (tx == 0) {
-            half hr[8];
-#pragma unroll
-            for (int r = 0; r < 8; r++)
-                hr[r] = __float2half_rn(rn[r]);
-            *(uint4 *)(ob + ROFF + 2 * R0) = *(uint4 *)hr;
-        }
+        st_row_scales(ob, R0, tx, rn);
     }
     float cmx[8];
 #pragma unroll
@@ -637,11 +650,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
     }
     __syncthreads();
     float cq[8], c2[8];
-    {
-        float4 a0 = *(const float4 *)&sm.us[C0], a1 = *(const float4 *)&sm.us[C0 + 4];
-        c2[0] = a0.x, c2[1] = a0.y, c2[2] = a0.z, c2[3] = a0.w, c2[4] = a1.x, c2[5] = a1.y,
-        c2[6] = a1.z, c2[7] = a1.w;
-    }
+    ld8(&sm.us[C0], c2);
 #pragma unroll
     for (int j = 0; j < 8; j++)
         cq[j] = c2[j] > 0.f ? fdiv(QMAX, c2[j]) : 0.f;
@@ -669,25 +678,9 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
         }
         st_codes(ob + (R0 + r) * ROWB, tx, lo, hi);
     }
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        pn[j] += __shfl_xor_sync(0xffffffffu, pn[j], 16);
-        pd[j] += __shfl_xor_sync(0xffffffffu, pd[j], 16);
-    }
-    if (lane < 16) {
-        *(float4 *)&sm.rp[wp][0][C0] = make_float4(pn[0], pn[1], pn[2], pn[3]);
-        *(float4 *)&sm.rp[wp][0][C0 + 4] = make_float4(pn[4], pn[5], pn[6], pn[7]);
-        *(float4 *)&sm.rp[wp][1][C0] = make_float4(pd[0], pd[1], pd[2], pd[3]);
-        *(float4 *)&sm.rp[wp][1][C0 + 4] = make_float4(pd[4], pd[5], pd[6], pd[7]);
-    }
-    __syncthreads();
+    float n, d;
+    col_sums2(sm.rp, pn, pd, t, wp, lane, C0, &n, &d);
     if (t < D) {
-        float n = 0.f, d = 0.f;
-#pragma unroll
-        for (int w = 0; w < 8; w++) {
-            n += sm.rp[w][0][t];
-            d += sm.rp[w][1][t];
-        }
         const float c = d > 0.f ? fdiv(QMAX * n, d) : sm.us[t];
         ((half *)(ob + COFF))[t] = __float2half_rn(c);
     }
