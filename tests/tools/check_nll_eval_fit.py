@@ -4,7 +4,7 @@
 nll_eval stores states through the prefill pack, which always takes the exact fit; a map
 with decode_fit norefit or rows must be refused with a message naming the map and the field
 (else its numbers would be the exact fit's under another name). An explicit "exact" and an
-absent field must still pass the self-test; --shrink takes 0 < G < 1 only. Usage: check_nll_eval_fit.py NLL_EVAL SHIM MAP
+absent field must still pass the self-test; --shrink takes 0 < G < 1 only, --jitter 0..16. Usage: check_nll_eval_fit.py NLL_EVAL SHIM MAP
 (MAP: a calibrated stepq map, e.g. config/calibrated/tiny-gdn/stepq@4.json)."""
 import json
 import os
@@ -44,16 +44,19 @@ def main():
                 fails += 1
             else:
                 print("ok   decode_fit %s: %s" % (fit or "(absent)", "taken" if ok else err[-1]))
-    # --shrink G (the fp32 state times G after every step) takes 0 < G < 1 only, naming the option.
-    for g, ok in (("0.999", True), ("1", False), ("0", False), ("-0.5", False)):
-        r = subprocess.run([sys.executable, nll_eval, "--self-test", "--shim", shim, "--shrink", g],
+    # --shrink G (the fp32 state times G after every step) takes 0 < G < 1 only, --jitter N 0..16,
+    # each refusal naming the option.
+    for opt, g, ok in (("--shrink", "0.999", True), ("--shrink", "1", False), ("--shrink", "0", False),
+                       ("--shrink", "-0.5", False), ("--jitter", "4", True), ("--jitter", "17", False),
+                       ("--jitter", "-1", False)):
+        r = subprocess.run([sys.executable, nll_eval, "--self-test", "--shim", shim, opt, g],
                            capture_output=True, text=True, timeout=120)
         err = (r.stderr or "").strip().splitlines()
-        if ok != (r.returncode == 0) or (not ok and (r.returncode != 2 or "--shrink %s" % g not in err[-1])):
-            print("FAIL: --shrink %s: rc %d: %s" % (g, r.returncode, err[-1:]))
+        if ok != (r.returncode == 0) or (not ok and (r.returncode != 2 or "%s %s" % (opt, g) not in err[-1])):
+            print("FAIL: %s %s: rc %d: %s" % (opt, g, r.returncode, err[-1:]))
             fails += 1
         else:
-            print("ok   --shrink %s: %s" % (g, "taken" if ok else err[-1]))
+            print("ok   %s %s: %s" % (opt, g, "taken" if ok else err[-1]))
     return 1 if fails else 0
 
 

@@ -15,7 +15,13 @@ streams, also over the first and last 256 decode predictions.
 Methods: fp32 (state untouched), bf16 (state rounded to bf16 after every
 step), NAME=MAP.json for every map given with --map, and fp32xG for every
 --shrink G (the fp32 state multiplied by G after every step: extra forgetting
-without quantization, the test of tools/CALIBRATION.md's reading of tiny-kda).
+without quantization, the test of tools/CALIBRATION.md's reading of tiny-kda),
+and bf16~1..bf16~N for --jitter N (each element of the state multiplied by
+1 + e, e uniform in +-2^-22 and drawn afresh every step from a generator seeded
+k, then rounded to bf16 as the bf16 method does: the same store after a
+recurrence whose fp32 arithmetic differs in the last bits, as another kernel's
+does; the spread of these rows around bf16, paired per stream, is how far two
+equally valid implementations of a bf16 state drift apart in NLL).
 """
 import argparse
 import ctypes
@@ -47,6 +53,10 @@ def parse_args(argv=None):
                    help="analysis (repeatable): a method fp32xG whose fp32 state is multiplied by G "
                         "after every step, 0 < G < 1: the extra forgetting a shrinking quantizer "
                         "adds, without the quantization (tools/CALIBRATION.md)")
+    p.add_argument("--jitter", type=int, default=0, metavar="N",
+                   help="analysis: N methods bf16~1..bf16~N, the bf16 store of a state jittered by a few "
+                        "fp32 ulps (1 + e, |e| <= 2^-22, fresh every step, seed k): the NLL spread of "
+                        "equally valid bf16 implementations (served path against nll_eval)")
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--model-dtype", choices=["bf16", "fp32"], default="bf16")
     p.add_argument("--json", help="write the results here")
@@ -77,7 +87,17 @@ def parse_args(argv=None):
     for g in a.shrink:
         if not 0.0 < g < 1.0:
             p.error("--shrink %g: outside (0, 1)" % g)
+    if not 0 <= a.jitter <= 16:
+        p.error("--jitter %d: outside 0..16" % a.jitter)
     return a
+
+
+JITTER = 2.0 ** -22  # the relative size of --jitter's perturbation: a few fp32 ulps
+
+
+def jitter_name(k):
+    """The method name of --jitter's k-th method (k = 1..N)."""
+    return "bf16~%d" % k
 
 
 def shrink_name(g):
@@ -508,6 +528,8 @@ def main(argv=None):
     methods = [("fp32", None)] + ([] if a.no_bf16 else [("bf16", None)])
     shrinks = {shrink_name(g): g for g in a.shrink}
     methods += [(n, None) for n in shrinks]
+    jitters = {jitter_name(k): k for k in range(1, a.jitter + 1)}
+    methods += [(n, None) for n in jitters]
     for spec in a.map:
         name, _, path = spec.partition("=")
         if not name or not path:
@@ -526,6 +548,16 @@ def main(argv=None):
             return lambda st, L: st.to(torch.bfloat16).to(st.dtype)
         if name in shrinks and path is None:
             return lambda st, L, g=shrinks[name]: st * g
+        if name in jitters and path is None:
+            gens = {}
+
+            def fn_jitter(st, L, k=jitters[name]):
+                if st.device not in gens:  # one stream of draws per method, fresh every step
+                    gens[st.device] = torch.Generator(device=st.device).manual_seed(k)
+                e = torch.rand(st.shape, generator=gens[st.device], device=st.device, dtype=torch.float32)
+                x = st.to(torch.float32) * (1.0 + (2.0 * e - 1.0) * JITTER)
+                return x.to(torch.bfloat16).to(st.dtype)
+            return fn_jitter
         h = shim.open(path)
         # The map must be for this model's state: arch, shape, and every recurrent layer (by model layer id).
         if shim.kda[h.value] != (arch == "kda"):
@@ -701,7 +733,8 @@ def main(argv=None):
               file=sys.stderr)
 
     table = excess_table(results, lambda name, path: 32.0 if (name == "fp32" or name in shrinks) and path is None
-                         else 16.0 if name == "bf16" and path is None else shim.bits_per_value(path))
+                         else 16.0 if (name == "bf16" or name in jitters) and path is None
+                         else shim.bits_per_value(path))
     meta = {"model": a.model, "arch": arch, "text": os.path.basename(a.text), "streams": S, "prefill": a.prefill,
             "decode": a.decode, "offset": a.offset, "model_dtype": a.model_dtype,
             "torch": torch.__version__, "transformers": transformers.__version__, "backend": backend_used,
