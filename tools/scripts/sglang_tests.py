@@ -388,7 +388,9 @@ def _child_setup(args):
     _tolerate_reregistration()
 
 
-RETRY_WRAPPER = "retry() exceed"  # SGLang's test_utils.retry re-raises every test error as this
+# SGLang's test_utils.retry re-raises every test error as "retry() exceed maximum number of retries." or
+# "retry() observe errors that should not be retried."
+RETRY_WRAPPER = "retry() "
 
 
 def _exc_summary(exc_info):
