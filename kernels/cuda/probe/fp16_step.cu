@@ -23,10 +23,16 @@
  * emulation's (the fp16 kernel should match the emulation but for ties of its approximate square
  * root and divisions).
  *
+ * After them, the dense bf16-state step (issue #15's 88%-of-copy target) in two versions: the state as
+ * fp32 in registers (two blocks per SM, as the shipped tile kernel) and as the loaded bf16x2 words,
+ * converted on each use (three blocks per SM; ptxas: 80 registers, 24 B spilled), beside a device copy of
+ * the same bytes.
+ *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
  * indirection, other layouts and dtypes, mma for the dot products. Compare step_f32's time with
  * `stepq bench kernels`' stepq@6 row to see what the frame leaves out.
  */
+#include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include "kernels/cuda/tile_kernel.cuh" /* sq_ld_codes, sq_st_codes */
@@ -37,6 +43,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <random>
 #include <vector>
 
@@ -991,6 +998,254 @@ static void make_case(Case &c, int B, float rsig, float csig, float ssc, unsigne
     c.fp32_err = qh / xnn;
 }
 
+/* ---- the dense bf16-state step in the same frame
+ * --------------------------------------------------- Issue #15's dense bf16 target (88% of copy
+ * bandwidth; the shipped tile kernel is at 68%): the bf16 state [128][128] per head, decay, the two
+ * dot products, the update and the bf16 store (round to nearest even), with the state held as fp32
+ * in registers (REG16 = 0, two blocks per SM, as the shipped kernel) or as the loaded bf16x2 words
+ * (REG16 = 1, converted on each use: more instructions, half the registers, four blocks per SM:
+ * does occupancy buy the bandwidth?). */
+#define DBLK (D * D * 2) /* bytes of a dense bf16 head */
+
+struct DArgs {
+    const uint32_t *sin; /* [B * HV][D][D / 2] bf16x2 */
+    uint32_t *sout;
+    const float *q, *k, *v, *g, *beta;
+    float *o;
+};
+
+__device__ __forceinline__ float bf_lo(uint32_t w)
+{
+    return __uint_as_float(w << 16);
+}
+__device__ __forceinline__ float bf_hi(uint32_t w)
+{
+    return __uint_as_float(w & 0xFFFF0000u);
+}
+__device__ __forceinline__ uint32_t bf_pack(float lo, float hi)
+{
+    __nv_bfloat162 b = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t *>(&b);
+}
+
+template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_bf16(DArgs a)
+{
+    __shared__ float dp[8][2][D];
+    __shared__ float us[D];
+    __shared__ float kqs, kq2[2][D]; /* k and q of the head's q/k head */
+    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
+    const int R0 = 8 * (2 * wp + (lane >> 4)), C0 = 8 * tx;
+    const int b = bh / HVN, h = bh % HVN;
+    const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
+                *qp = a.q + ((size_t)b * HQN + h / 2) * D;
+    const uint32_t *src = a.sin + (size_t)bh * (D * D / 2);
+    uint32_t *dst = a.sout + (size_t)bh * (D * D / 2);
+    uint32_t W[8][4];
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const uint4 w4 = *(const uint4 *)(src + (R0 + r) * (D / 2) + C0 / 2);
+        W[r][0] = w4.x, W[r][1] = w4.y, W[r][2] = w4.z, W[r][3] = w4.w;
+    }
+    kq2[t >> 7][t & 127] = (t < D ? kp : qp)[t & 127];
+    const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
+    __syncthreads();
+    if (t < 32) {
+        float s = 0.f;
+        for (int i = t; i < D; i += 32)
+            s += kq2[0][i] * kq2[1][i];
+#pragma unroll
+        for (int o = 16; o; o >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (t == 0)
+            kqs = s;
+    }
+    float x[REG16 ? 1 : 8][8];
+    if (!REG16)
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                x[r][2 * p] = bf_lo(W[r][p]), x[r][2 * p + 1] = bf_hi(W[r][p]);
+    /* the two dot products one after the other, each partial written out at once (registers) */
+    float s = 0.f, tq = 0.f;
+#pragma unroll
+    for (int vec = 0; vec < 2; vec++) {
+        float pv[8] = {};
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const float lo = REG16 ? bf_lo(W[r][p]) : x[r][2 * p];
+                const float hi = REG16 ? bf_hi(W[r][p]) : x[r][2 * p + 1];
+                const float w = kq2[vec][R0 + r]; /* a shared-memory broadcast */
+                pv[2 * p] = fmaf(lo, w, pv[2 * p]);
+                pv[2 * p + 1] = fmaf(hi, w, pv[2 * p + 1]);
+            }
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            pv[j] += __shfl_xor_sync(0xffffffffu, pv[j], 16);
+        if (lane < 16) {
+            *(float4 *)&dp[wp][vec][C0] = make_float4(pv[0], pv[1], pv[2], pv[3]);
+            *(float4 *)&dp[wp][vec][C0 + 4] = make_float4(pv[4], pv[5], pv[6], pv[7]);
+        }
+    }
+    __syncthreads();
+    if (t < D)
+#pragma unroll
+        for (int w = 0; w < 8; w++)
+            s += dp[w][0][t], tq += dp[w][1][t];
+    if (t < D) {
+        const float u = beta * (a.v[(size_t)bh * D + t] - alpha * s);
+        us[t] = u;
+        a.o[(size_t)bh * D + t] = alpha * tq + u * kqs;
+    }
+    __syncthreads();
+    float uc[8];
+    ld8(&us[C0], uc);
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        uint32_t o4[4];
+        const float kk = kq2[0][R0 + r];
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float lo = REG16 ? bf_lo(W[r][p]) : x[r][2 * p],
+                        hi = REG16 ? bf_hi(W[r][p]) : x[r][2 * p + 1];
+            o4[p] = bf_pack(fmaf(kk, uc[2 * p], alpha * lo), fmaf(kk, uc[2 * p + 1], alpha * hi));
+        }
+        *(uint4 *)(dst + (R0 + r) * (D / 2) + C0 / 2) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
+    }
+}
+
+static uint16_t h_bf16(float f) /* round to nearest even */
+{
+    uint32_t u;
+    memcpy(&u, &f, 4);
+    u += 0x7FFFu + ((u >> 16) & 1u);
+    return (uint16_t)(u >> 16);
+}
+static float h_bf2f(uint16_t b)
+{
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+
+/* The dense probe at B requests: the two kernels and a device copy of the same state bytes, timed
+ * per launch and per launch in a graph; checked against a host step of the first 64 heads (elements
+ * more than one bf16 ulp from the host's, readout error). */
+static void dense_probe(const Case &c, cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1,
+                        const std::function<float(std::function<void()>)> &graph_us)
+{
+    const size_t nh = c.nh, nref = c.nref, words = nh * (D * D / 2);
+    std::mt19937 rng(7);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<uint16_t> S(nh * D * D);
+    for (auto &x : S)
+        x = h_bf16(0.05f * nd(rng));
+    uint32_t *din, *dout;
+    float *dq, *dk, *dv, *dg, *db, *dO;
+    CK(cudaMalloc(&din, words * 4));
+    CK(cudaMalloc(&dout, words * 4));
+    CK(cudaMalloc(&dq, c.q.size() * 4));
+    CK(cudaMalloc(&dk, c.k.size() * 4));
+    CK(cudaMalloc(&dv, c.v.size() * 4));
+    CK(cudaMalloc(&dg, c.g.size() * 4));
+    CK(cudaMalloc(&db, c.beta.size() * 4));
+    CK(cudaMalloc(&dO, nh * D * 4));
+    CK(cudaMemcpy(din, S.data(), words * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dq, c.q.data(), c.q.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dk, c.k.data(), c.k.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dv, c.v.data(), c.v.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(dg, c.g.data(), c.g.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(db, c.beta.data(), c.beta.size() * 4, cudaMemcpyHostToDevice));
+    DArgs a{ din, dout, dq, dk, dv, dg, db, dO };
+    /* host step of the first nref heads */
+    std::vector<uint16_t> Sref(nref * D * D);
+    std::vector<float> oref(nref * D);
+    for (size_t e = 0; e < nref; e++) {
+        const int b = (int)(e / HVN), h = (int)(e % HVN);
+        const float *kp = &c.k[((size_t)b * HQN + h / 2) * D],
+                    *qp = &c.q[((size_t)b * HQN + h / 2) * D];
+        const float al = std::exp(c.g[e]);
+        double kq = 0;
+        for (int i = 0; i < D; i++)
+            kq += kp[i] * qp[i];
+        for (int j = 0; j < D; j++) {
+            double s = 0, tq = 0;
+            for (int i = 0; i < D; i++) {
+                const double x = h_bf2f(S[e * D * D + i * D + j]);
+                s += x * kp[i], tq += x * qp[i];
+            }
+            const double u = c.beta[e] * (c.v[e * D + j] - al * s);
+            oref[e * D + j] = (float)(al * tq + u * kq);
+            for (int i = 0; i < D; i++)
+                Sref[e * D * D + i * D + j] =
+                    h_bf16((float)(al * h_bf2f(S[e * D * D + i * D + j]) + kp[i] * u));
+        }
+    }
+    const double bytes = 2.0 * nh * DBLK + nh * D * 8.0 + (double)c.B * HQN * D * 8;
+    auto time_us = [&](const std::function<void()> &f) {
+        for (int i = 0; i < 3; i++)
+            f();
+        CK(cudaStreamSynchronize(st));
+        std::vector<float> ts;
+        for (int i = 0; i < 20; i++) {
+            CK(cudaEventRecord(e0, st));
+            f();
+            CK(cudaEventRecord(e1, st));
+            CK(cudaEventSynchronize(e1));
+            float ms;
+            CK(cudaEventElapsedTime(&ms, e0, e1));
+            ts.push_back(ms * 1000.f);
+        }
+        std::sort(ts.begin(), ts.end());
+        return ts[ts.size() / 2];
+    };
+    auto copy = [&] { CK(cudaMemcpyAsync(dout, din, words * 4, cudaMemcpyDeviceToDevice, st)); };
+    const double cus = time_us(copy), cbw = 2.0 * nh * DBLK / cus * 1e-3;
+    printf("dense bf16 state, B = %d: device copy of the state %.1f us (%.0f GB/s read + write)\n",
+           c.B, cus, cbw);
+    const char *names[2] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers" };
+    for (int var = 0; var < 2; var++) {
+        auto f = [&] {
+            if (var)
+                dense_bf16<1><<<nh, NT, 0, st>>>(a);
+            else
+                dense_bf16<0><<<nh, NT, 0, st>>>(a);
+        };
+        const double us = time_us(f), gus = graph_us(f);
+        CK(cudaGetLastError());
+        std::vector<uint16_t> out(nref * D * D);
+        std::vector<float> o(nref * D);
+        CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(o.data(), dO, o.size() * 4, cudaMemcpyDeviceToHost));
+        size_t far = 0; /* more than one bf16 ulp (of the larger magnitude) from the host */
+        for (size_t f2 = 0; f2 < out.size(); f2++) {
+            const float x0 = h_bf2f(out[f2]), x1 = h_bf2f(Sref[f2]);
+            const float m = std::max(std::fabs(x0), std::fabs(x1));
+            const float ulp = m > 0.f ? std::ldexp(1.0f, std::ilogb(m) - 7) : 0.f;
+            far += std::fabs(x0 - x1) > 1.01f * ulp;
+        }
+        double oe = 0, on = 0;
+        for (size_t j = 0; j < o.size(); j++)
+            oe += (double)(o[j] - oref[j]) * (o[j] - oref[j]), on += (double)oref[j] * oref[j];
+        printf(
+            "%-36s %8.1f us (in a graph %.1f)  %6.0f GB/s  %.1f%% of copy  readout rel err %.2e  "
+            "elements > 1 ulp from the host %zu\n",
+            names[var], us, gus, bytes / us * 1e-3, 100.0 * (2.0 * nh * DBLK / us * 1e-3) / cbw,
+            std::sqrt(oe / on), far);
+    }
+    CK(cudaFree(din));
+    CK(cudaFree(dout));
+    CK(cudaFree(dq));
+    CK(cudaFree(dk));
+    CK(cudaFree(dv));
+    CK(cudaFree(dg));
+    CK(cudaFree(db));
+    CK(cudaFree(dO));
+}
+
 static int usage(FILE *f)
 {
     fputs(
@@ -1101,12 +1356,12 @@ int main(int argc, char **argv)
     };
     /* us per launch inside a CUDA graph of 20 launches (what a server's decode graph sees): median
      * of 20 replays / 20, after one untimed replay */
-    auto graph_us = [&](int var) {
+    std::function<float(std::function<void()>)> graph_us = [&](std::function<void()> f) {
         cudaGraph_t gr;
         cudaGraphExec_t ge;
         CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
         for (int i = 0; i < 20; i++)
-            launch(var);
+            f();
         CK(cudaStreamEndCapture(st, &gr));
         CK(cudaGraphInstantiate(&ge, gr, 0));
         CK(cudaGraphLaunch(ge, st));
@@ -1143,7 +1398,7 @@ int main(int argc, char **argv)
             ts.push_back(ms * 1000.f);
         }
         std::sort(ts.begin(), ts.end());
-        const double gus = graph_us(var);
+        const double gus = graph_us([&] { launch(var); });
         std::vector<uint8_t> pout(nref * BLK);
         std::vector<float> o(nref * D);
         CK(cudaMemcpy(pout.data(), dpout, pout.size(), cudaMemcpyDeviceToHost));
@@ -1179,5 +1434,6 @@ int main(int argc, char **argv)
             names[var], us, ts[0], gus, bytes / us * 1e-3, std::sqrt(oe / on), qk / qh, qh / xn,
             100.0 * zdiff / (nref * D * ROWB), 100.0 * ediff / (nref * D * ROWB));
     }
+    dense_probe(cs, st, e0, e1, graph_us);
     return 0;
 }
