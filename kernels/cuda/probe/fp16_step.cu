@@ -23,10 +23,10 @@
  * emulation's (the fp16 kernel should match the emulation but for ties of its approximate square
  * root and divisions).
  *
- * After them, the dense bf16-state step (issue #15's 88%-of-copy target) in two versions: the state as
- * fp32 in registers (two blocks per SM, as the shipped tile kernel) and as the loaded bf16x2 words,
- * converted on each use (three blocks per SM; ptxas: 80 registers, 24 B spilled), beside a device copy of
- * the same bytes.
+ * After them, the dense bf16-state step (issue #15's 88%-of-copy target) in two versions: the state
+ * as fp32 in registers (two blocks per SM, as the shipped tile kernel) and as the loaded bf16x2
+ * words, converted on each use (three blocks per SM; ptxas: 80 registers, 24 B spilled), beside a
+ * device copy of the same bytes.
  *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
  * indirection, other layouts and dtypes, mma for the dot products. Compare step_f32's time with
@@ -1254,13 +1254,13 @@ static int usage(FILE *f)
         "new\n"
         "        state's quantization error against the exact update, relative to the fp32 fit's;\n"
         "        exit 1 when any case exceeds 1.02 or is not finite\n"
-        "  B:    (default 512) on the GPU, the fp32 and fp16 probe kernels at B requests x 32 "
-        "heads:\n"
-        "        us per launch (median of 20), the readout against the host, the state error "
-        "against\n"
-        "        the host fit's, code bytes differing from the host and from the emulation; exit "
-        "77\n"
-        "        without a device\n",
+        "  B:    (default 512) on the GPU, B requests x 32 heads: the fp32 and fp16 packed-step\n"
+        "        kernels (us per launch, median of 20, and per launch in a CUDA graph; the "
+        "readout\n"
+        "        against the host, the state error against the host fit's, code bytes differing "
+        "from\n"
+        "        the host and from the emulation), then the two dense bf16-state kernels beside a\n"
+        "        device copy of the same bytes; exit 77 without a device\n",
         f);
     return f == stderr ? 2 : 0;
 }
