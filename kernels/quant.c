@@ -189,6 +189,16 @@ static void fp16_block(float *x, size_t n, float bound)
         x[i] = stepq__fp16_to_float(stepq__fp16_from_float(x[i] * down)) * up;
 }
 
+/* y = x / r over a row of d_v, through fp16 below bound (fp16_block) under the analysis arithmetic.
+ */
+static void row_over_scale(float *y, const float *x, float r, int d_v, float bound)
+{
+    for (int j = 0; j < d_v; j++)
+        y[j] = x[j] / r;
+    if (arith_fp16)
+        fp16_block(y, (size_t)d_v, bound);
+}
+
 /* uniform / temporal: row absmax scales, no column scales. */
 static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint8_t *blk,
                        uint32_t *flags)
@@ -206,10 +216,7 @@ static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint
         uint16_t rh;
         float r = scale_value(row_absmax(xr, d_v), &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
-        for (int j = 0; j < d_v; j++)
-            y[j] = xr[j] / r;
-        if (arith_fp16)
-            fp16_block(y, (size_t)d_v, 1.0f); /* |y| <= 1 (to an fp16 rounding of r) */
+        row_over_scale(y, xr, r, d_v, 1.0f); /* |y| <= 1 (to an fp16 rounding of r) */
         quant_row(y, NULL, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
     }
@@ -291,10 +298,7 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
             continue;
         const float *xr = x + (size_t)i * d_v;
         float *yr = y ? y + (size_t)i * d_v : yrow;
-        for (int j = 0; j < d_v; j++)
-            yr[j] = xr[j] / r[i];
-        if (arith_fp16)
-            fp16_block(yr, (size_t)d_v, ymax);
+        row_over_scale(yr, xr, r[i], d_v, ymax);
         for (int j = 0; j < d_v; j++)
             c[j] = max_keep(c[j], fabsf(yr[j]));
     }
@@ -322,12 +326,8 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
         float *yr = yrow;
         if (y)
             yr = y + (size_t)i * d_v;
-        else {
-            for (int j = 0; j < d_v; j++)
-                yrow[j] = xr[j] / r[i];
-            if (arith_fp16)
-                fp16_block(yrow, (size_t)d_v, ymax);
-        }
+        else
+            row_over_scale(yrow, xr, r[i], d_v, ymax);
         quant_row(yr, c, d_v, qmax, z);
         stepq__pack_codes(blk, hl->row_bitoff[i], z, (size_t)d_v, b);
         if (!refit)

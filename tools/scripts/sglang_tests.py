@@ -1381,19 +1381,12 @@ def main():
                                  if run.endswith("-nospec") else ""), flush=True)
         out = _spawn(args, "run", run, stubs, "run-" + run, run.startswith("stepq"))
         report["runs"][run] = out
-        if out.get("crashed") or out.get("setup_error"):
+        if _child_failed(out):
             failed = True
-            e = out.get("setup_error") or {}
-            print("  could not run: %s %s %s" % (out.get("crashed", ""), e.get("type", ""),
-                                                   e.get("message", "")))
-            if e.get("where"):
-                print("  at " + " <- ".join(reversed(e["where"])))
             continue
         if out.get("stepq"):
             print("  stepq entry point: registered %s; installed entry points: %s"
                   % (out["stepq"]["registered"], out["stepq"]["installed_entry_points"]))
-        for call in out.get("import_calls", [])[:20]:
-            print("  stub called while importing: %s at %s" % tuple(call))
         for name, where in out.get("reregistered", []):
             print("  transformers already had %s: SGLang's registration replaced it (at %s)" % (name, where))
         for r in out["tests"]:
@@ -1419,13 +1412,8 @@ def main():
         print("\n== stepq kernel backend vs SGLang's Triton kernels (not an SGLang test)", flush=True)
         out = _spawn(args, "kernels", None, stubs, "kernel-check", False)
         report["kernel_check"] = out
-        for call in out.get("import_calls", [])[:20]:
-            print("  stub called while importing: %s at %s" % tuple(call))
-        if out.get("crashed") or out.get("setup_error"):
+        if _child_failed(out):
             failed = True
-            e = out.get("setup_error") or {}
-            print("  could not run: %s %s %s" % (out.get("crashed", ""), e.get("type", ""),
-                                                   e.get("message", "")))
         for r in out.get("checks", []):
             row = dict(r)
             if r["outcome"] == "passed":
@@ -1438,6 +1426,20 @@ def main():
     print("\nlogs: %s" % args.log_dir)
     _write_json(args.json, report)
     return 1 if failed else 0
+
+
+def _child_failed(out):
+    """Prints what a run or kernel-check child met while importing (stub calls) and, when it
+    crashed or its setup raised, that it could not run and where; True in that case."""
+    for call in out.get("import_calls", [])[:20]:
+        print("  stub called while importing: %s at %s" % tuple(call))
+    if not (out.get("crashed") or out.get("setup_error")):
+        return False
+    e = out.get("setup_error") or {}
+    print("  could not run: %s %s %s" % (out.get("crashed", ""), e.get("type", ""), e.get("message", "")))
+    if e.get("where"):
+        print("  at " + " <- ".join(reversed(e["where"])))
+    return True
 
 
 def _write_json(path, report):

@@ -63,6 +63,8 @@
 #define COFF (D * ROWB + 2 * D) /* column scales, fp16 */
 #define BLK  (D * ROWB + 4 * D) /* 12800 B per head */
 
+/* The probe is a program of its own (never linked into libstepq): a CUDA failure ends it, status 1,
+ * naming the call. */
 #define CK(x)                                                                                   \
     do {                                                                                        \
         cudaError_t e_ = (x);                                                                   \
@@ -187,44 +189,40 @@ struct In {
     float rf[8], cf[8], kr[8], qr[8], wr[8], alpha, beta;
 };
 
-__device__ __forceinline__ void load_in(const Args &a, const uint8_t *blk, int bh, int R0, int C0,
-                                        In &in, Smem &sm, int t)
+/* k.q of a head (k, q: D floats), by warp 0 of the block into *out (read after a barrier) */
+__device__ __forceinline__ void head_kq(const float *k, const float *q, int t, float *out)
 {
-    const int b = bh / HVN, h = bh % HVN;
-    uint4 rr = *(const uint4 *)(blk + ROFF + 2 * R0), cc = *(const uint4 *)(blk + COFF + 2 * C0);
+    if (t < 32) {
+        float s = 0.f;
+        for (int i = t; i < D; i += 32)
+            s += k[i] * q[i];
+#pragma unroll
+        for (int o = 16; o; o >>= 1)
+            s += __shfl_xor_sync(0xffffffffu, s, o);
+        if (t == 0)
+            *out = s;
+    }
+}
+
+__device__ __forceinline__ void load_in(const Args &a, const Pos &P, In &in, Smem &sm)
+{
+    const int b = P.bh / HVN, h = P.bh % HVN;
+    const uint4 rr = *(const uint4 *)(P.blk + ROFF + 2 * P.R0),
+                cc = *(const uint4 *)(P.blk + COFF + 2 * P.C0);
     const half *rh = (const half *)&rr, *ch = (const half *)&cc;
     const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
                 *qp = a.q + ((size_t)b * HQN + h / 2) * D;
-    const float *wp = a.w + (size_t)h * D;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         in.rf[i] = __half2float(rh[i]);
         in.cf[i] = __half2float(ch[i]);
     }
-    float4 k0 = *(const float4 *)(kp + R0), k1 = *(const float4 *)(kp + R0 + 4);
-    float4 q0 = *(const float4 *)(qp + R0), q1 = *(const float4 *)(qp + R0 + 4);
-    float4 w0 = *(const float4 *)(wp + R0), w1 = *(const float4 *)(wp + R0 + 4);
-    float kk[8] = { k0.x, k0.y, k0.z, k0.w, k1.x, k1.y, k1.z, k1.w };
-    float qq[8] = { q0.x, q0.y, q0.z, q0.w, q1.x, q1.y, q1.z, q1.w };
-    float ww[8] = { w0.x, w0.y, w0.z, w0.w, w1.x, w1.y, w1.z, w1.w };
-#pragma unroll
-    for (int i = 0; i < 8; i++) {
-        in.kr[i] = kk[i];
-        in.qr[i] = qq[i];
-        in.wr[i] = ww[i];
-    }
-    in.alpha = __expf(a.g[bh]);
-    in.beta = a.beta[bh];
-    if (t < 32) { /* k.q */
-        float s = 0.f;
-        for (int i = t; i < D; i += 32)
-            s += kp[i] * qp[i];
-#pragma unroll
-        for (int o = 16; o; o >>= 1)
-            s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (t == 0)
-            sm.kq = s;
-    }
+    ld8(kp + P.R0, in.kr);
+    ld8(qp + P.R0, in.qr);
+    ld8(a.w + (size_t)h * D + P.R0, in.wr);
+    in.alpha = __expf(a.g[P.bh]);
+    in.beta = a.beta[P.bh];
+    head_kq(kp, qp, P.t, &sm.kq);
 }
 
 /* Two per-column sums over the block: the thread's partials of its 8 columns (a, b) summed with the
@@ -394,7 +392,7 @@ template <bool DIST, bool MMA = false> __global__ void __launch_bounds__(NT, 2) 
     const uint8_t *blk = P.blk;
     uint8_t *ob = P.ob;
     In in;
-    load_in(a, blk, bh, R0, C0, in, sm, t);
+    load_in(a, P, in, sm);
 
     /* codes -> half2 integers z (exact): half(0x6400 | u) = 1024 + u, z = u - 32 */
     half2 X[8][4];
@@ -661,7 +659,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
     const uint8_t *blk = P.blk;
     uint8_t *ob = P.ob;
     In in;
-    load_in(a, blk, bh, R0, C0, in, sm, t);
+    load_in(a, P, in, sm);
 
     /* decode: z as float (exponent trick), x = (z * (alpha r_i / qmax)) * c_j */
     float x[8][8];
@@ -1195,16 +1193,7 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
     kq2[t >> 7][t & 127] = (t < D ? kp : qp)[t & 127];
     const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
     __syncthreads();
-    if (t < 32) {
-        float s = 0.f;
-        for (int i = t; i < D; i += 32)
-            s += kq2[0][i] * kq2[1][i];
-#pragma unroll
-        for (int o = 16; o; o >>= 1)
-            s += __shfl_xor_sync(0xffffffffu, s, o);
-        if (t == 0)
-            kqs = s;
-    }
+    head_kq(kq2[0], kq2[1], t, &kqs);
     float x[REG16 ? 1 : 8][8];
     if (!REG16)
 #pragma unroll
@@ -1262,26 +1251,74 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
     }
 }
 
-static uint16_t h_bf16(float f) /* round to nearest even */
+/* bf16 bits of f, rounded to nearest even, and back (cuda_bf16.h's host conversions) */
+static uint16_t h_bf16(float f)
 {
-    uint32_t u;
-    memcpy(&u, &f, 4);
-    u += 0x7FFFu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
+    return __nv_bfloat16_raw(__float2bfloat16_rn(f)).x;
 }
 static float h_bf2f(uint16_t b)
 {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &u, 4);
-    return f;
+    __nv_bfloat16_raw r;
+    r.x = b;
+    return __bfloat162float(__nv_bfloat16(r));
+}
+
+/* Timing on one created stream: n event-timed runs of f (us, each divided by div), sorted; a
+ * launch timed after 3 warm-ups; us per launch inside a CUDA graph of 20 launches (what a server's
+ * decode graph sees: median of 20 replays / 20, after one untimed replay). */
+struct Timer {
+    cudaStream_t st;
+    cudaEvent_t e0, e1;
+};
+
+static std::vector<float> event_times(const Timer &T, const std::function<void()> &f, int n,
+                                      int div)
+{
+    std::vector<float> ts;
+    for (int i = 0; i < n; i++) {
+        CK(cudaEventRecord(T.e0, T.st));
+        f();
+        CK(cudaEventRecord(T.e1, T.st));
+        CK(cudaEventSynchronize(T.e1));
+        float ms;
+        CK(cudaEventElapsedTime(&ms, T.e0, T.e1));
+        ts.push_back(ms * 1000.f / div);
+    }
+    std::sort(ts.begin(), ts.end());
+    return ts;
+}
+
+static std::vector<float> launch_times(const Timer &T, const std::function<void()> &f)
+{
+    for (int i = 0; i < 3; i++)
+        f();
+    CK(cudaGetLastError());
+    CK(cudaStreamSynchronize(T.st));
+    return event_times(T, f, 20, 1);
+}
+
+static float graph_us(const Timer &T, const std::function<void()> &f)
+{
+    cudaGraph_t gr;
+    cudaGraphExec_t ge;
+    CK(cudaStreamBeginCapture(T.st, cudaStreamCaptureModeThreadLocal));
+    for (int i = 0; i < 20; i++)
+        f();
+    CK(cudaStreamEndCapture(T.st, &gr));
+    CK(cudaGraphInstantiate(&ge, gr, 0));
+    CK(cudaGraphLaunch(ge, T.st));
+    CK(cudaStreamSynchronize(T.st));
+    const std::vector<float> ts = event_times(
+        T, [&] { CK(cudaGraphLaunch(ge, T.st)); }, 20, 20);
+    CK(cudaGraphExecDestroy(ge));
+    CK(cudaGraphDestroy(gr));
+    return ts[ts.size() / 2];
 }
 
 /* The dense probe at B requests: the two kernels and a device copy of the same state bytes, timed
  * per launch and per launch in a graph; checked against a host step of the first 64 heads (elements
  * more than one bf16 ulp from the host's, readout error). */
-static void dense_probe(const Case &c, cudaStream_t st, cudaEvent_t e0, cudaEvent_t e1,
-                        const std::function<float(std::function<void()>)> &graph_us)
+static void dense_probe(const Case &c, const Args &pa, const Timer &T)
 {
     const size_t nh = c.nh, nref = c.nref, words = nh * (D * D / 2);
     std::mt19937 rng(7);
@@ -1290,22 +1327,10 @@ static void dense_probe(const Case &c, cudaStream_t st, cudaEvent_t e0, cudaEven
     for (auto &x : S)
         x = h_bf16(0.05f * nd(rng));
     uint32_t *din, *dout;
-    float *dq, *dk, *dv, *dg, *db, *dO;
     CK(cudaMalloc(&din, words * 4));
     CK(cudaMalloc(&dout, words * 4));
-    CK(cudaMalloc(&dq, c.q.size() * 4));
-    CK(cudaMalloc(&dk, c.k.size() * 4));
-    CK(cudaMalloc(&dv, c.v.size() * 4));
-    CK(cudaMalloc(&dg, c.g.size() * 4));
-    CK(cudaMalloc(&db, c.beta.size() * 4));
-    CK(cudaMalloc(&dO, nh * D * 4));
     CK(cudaMemcpy(din, S.data(), words * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dq, c.q.data(), c.q.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dk, c.k.data(), c.k.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dv, c.v.data(), c.v.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(dg, c.g.data(), c.g.size() * 4, cudaMemcpyHostToDevice));
-    CK(cudaMemcpy(db, c.beta.data(), c.beta.size() * 4, cudaMemcpyHostToDevice));
-    DArgs a{ din, dout, dq, dk, dv, dg, db, dO };
+    DArgs a{ din, dout, pa.q, pa.k, pa.v, pa.g, pa.beta, pa.o }; /* the packed probe's inputs */
     /* host step of the first nref heads */
     std::vector<uint16_t> Sref(nref * D * D);
     std::vector<float> oref(nref * D);
@@ -1331,41 +1356,26 @@ static void dense_probe(const Case &c, cudaStream_t st, cudaEvent_t e0, cudaEven
         }
     }
     const double bytes = 2.0 * nh * DBLK + nh * D * 8.0 + (double)c.B * HQN * D * 8;
-    auto time_us = [&](const std::function<void()> &f) {
-        for (int i = 0; i < 3; i++)
-            f();
-        CK(cudaStreamSynchronize(st));
-        std::vector<float> ts;
-        for (int i = 0; i < 20; i++) {
-            CK(cudaEventRecord(e0, st));
-            f();
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms * 1000.f);
-        }
-        std::sort(ts.begin(), ts.end());
-        return ts[ts.size() / 2];
-    };
-    auto copy = [&] { CK(cudaMemcpyAsync(dout, din, words * 4, cudaMemcpyDeviceToDevice, st)); };
-    const double cus = time_us(copy), cbw = 2.0 * nh * DBLK / cus * 1e-3;
+    auto copy = [&] { CK(cudaMemcpyAsync(dout, din, words * 4, cudaMemcpyDeviceToDevice, T.st)); };
+    const std::vector<float> ct = launch_times(T, copy);
+    const double cus = ct[ct.size() / 2], cbw = 2.0 * nh * DBLK / cus * 1e-3;
     printf("dense bf16 state, B = %d: device copy of the state %.1f us (%.0f GB/s read + write)\n",
            c.B, cus, cbw);
     const char *names[2] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers" };
     for (int var = 0; var < 2; var++) {
         auto f = [&] {
             if (var)
-                dense_bf16<1><<<nh, NT, 0, st>>>(a);
+                dense_bf16<1><<<nh, NT, 0, T.st>>>(a);
             else
-                dense_bf16<0><<<nh, NT, 0, st>>>(a);
+                dense_bf16<0><<<nh, NT, 0, T.st>>>(a);
         };
-        const double us = time_us(f), gus = graph_us(f);
+        const std::vector<float> ts = launch_times(T, f);
+        const double us = ts[ts.size() / 2], gus = graph_us(T, f);
         CK(cudaGetLastError());
         std::vector<uint16_t> out(nref * D * D);
         std::vector<float> o(nref * D);
         CK(cudaMemcpy(out.data(), dout, out.size() * 2, cudaMemcpyDeviceToHost));
-        CK(cudaMemcpy(o.data(), dO, o.size() * 4, cudaMemcpyDeviceToHost));
+        CK(cudaMemcpy(o.data(), pa.o, o.size() * 4, cudaMemcpyDeviceToHost));
         size_t far = 0; /* more than one bf16 ulp (of the larger magnitude) from the host */
         for (size_t f2 = 0; f2 < out.size(); f2++) {
             const float x0 = h_bf2f(out[f2]), x1 = h_bf2f(Sref[f2]);
@@ -1384,12 +1394,6 @@ static void dense_probe(const Case &c, cudaStream_t st, cudaEvent_t e0, cudaEven
     }
     CK(cudaFree(din));
     CK(cudaFree(dout));
-    CK(cudaFree(dq));
-    CK(cudaFree(dk));
-    CK(cudaFree(dv));
-    CK(cudaFree(dg));
-    CK(cudaFree(db));
-    CK(cudaFree(dO));
 }
 
 static int usage(FILE *f)
@@ -1446,7 +1450,7 @@ int main(int argc, char **argv)
         fprintf(stderr, "stepq-fp16-probe: no CUDA device: skipped\n");
         return 77;
     }
-    const int B = (int)Bl, reps = 20;
+    const int B = (int)Bl;
     Case cs;
     make_case(cs, B, 1.0f, 0.7f, 0.1f, 1);
     const size_t nh = cs.nh, nref = cs.nref;
@@ -1509,51 +1513,11 @@ int main(int argc, char **argv)
             break;
         }
     };
-    /* us per launch inside a CUDA graph of 20 launches (what a server's decode graph sees): median
-     * of 20 replays / 20, after one untimed replay */
-    std::function<float(std::function<void()>)> graph_us = [&](std::function<void()> f) {
-        cudaGraph_t gr;
-        cudaGraphExec_t ge;
-        CK(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal));
-        for (int i = 0; i < 20; i++)
-            f();
-        CK(cudaStreamEndCapture(st, &gr));
-        CK(cudaGraphInstantiate(&ge, gr, 0));
-        CK(cudaGraphLaunch(ge, st));
-        CK(cudaStreamSynchronize(st));
-        std::vector<float> ts;
-        for (int i = 0; i < 20; i++) {
-            CK(cudaEventRecord(e0, st));
-            CK(cudaGraphLaunch(ge, st));
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms * 1000.f / 20);
-        }
-        CK(cudaGraphExecDestroy(ge));
-        CK(cudaGraphDestroy(gr));
-        std::sort(ts.begin(), ts.end());
-        return ts[ts.size() / 2];
-    };
+    const Timer T{ st, e0, e1 };
     for (int var = 0; var < 5; var++) {
         CK(cudaMemsetAsync(dpout, 0, pages.size(), st));
-        for (int i = 0; i < 3; i++)
-            launch(var);
-        CK(cudaGetLastError());
-        CK(cudaStreamSynchronize(st));
-        std::vector<float> ts;
-        for (int i = 0; i < reps; i++) {
-            CK(cudaEventRecord(e0, st));
-            launch(var);
-            CK(cudaEventRecord(e1, st));
-            CK(cudaEventSynchronize(e1));
-            float ms;
-            CK(cudaEventElapsedTime(&ms, e0, e1));
-            ts.push_back(ms * 1000.f);
-        }
-        std::sort(ts.begin(), ts.end());
-        const double gus = graph_us([&] { launch(var); });
+        const std::vector<float> ts = launch_times(T, [&] { launch(var); });
+        const double gus = graph_us(T, [&] { launch(var); });
         std::vector<uint8_t> pout(nref * BLK);
         std::vector<float> o(nref * D);
         CK(cudaMemcpy(pout.data(), dpout, pout.size(), cudaMemcpyDeviceToHost));
@@ -1589,6 +1553,6 @@ int main(int argc, char **argv)
             names[var], us, ts[0], gus, bytes / us * 1e-3, std::sqrt(oe / on), qk / qh, qh / xn,
             100.0 * zdiff / (nref * D * ROWB), 100.0 * ediff / (nref * D * ROWB));
     }
-    dense_probe(cs, st, e0, e1, graph_us);
+    dense_probe(cs, a, T);
     return 0;
 }
