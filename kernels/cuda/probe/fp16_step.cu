@@ -23,11 +23,11 @@
  * `stepq-fp16-probe emul` (no GPU; a test) runs h_step_f16, an exact host emulation of step_f16's
  * arithmetic (each half operation rounded as the hardware rounds it; the MMA dots as exact sums),
  * over a grid of state spreads and scales, and compares the new state's quantization error against
- * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the five kernels at
- * B requests x 32 heads beside each other and checks them: the readout against the host fp32 step,
- * the state error against the host fit's, and the code bytes that differ from the host's page and
- * from the emulation's (an fp16 kernel should match its emulation but for ties of its approximate
- * square root and divisions, and for the MMA variant of the fp32 sums' order).
+ * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the eight kernels
+ * at B requests x 32 heads beside each other and checks them: the readout against the host fp32
+ * step, the state error against the host fit's, and the code bytes that differ from the host's page
+ * and from the emulation's (an fp16 kernel should match its emulation but for ties of its
+ * approximate square root and divisions, and for the MMA variant of the fp32 sums' order).
  *
  * After them comes the dense bf16-state step (issue #15's 88%-of-copy target) in two versions: the
  * state as fp32 in registers (two blocks per SM, as the shipped tile kernel) and as the loaded
@@ -384,7 +384,8 @@ __device__ __forceinline__ void dots_mma(const Args &a, const uint8_t *blk, int 
 /* DIST: per-row factors computed once per row (lane (tx >> 1) & 7 of the half-warp owns row R0 +
  * that) and broadcast by shuffles, the row maxima by a reduce-scatter (5 shuffles); else every lane
  * computes all 8 of its rows and the maxima by a butterfly (16 shuffles) */
-template <bool DIST, bool MMA = false> __global__ void __launch_bounds__(NT, 2) step_f16(Args a)
+template <bool DIST, bool MMA = false, int OCC = 2>
+__global__ void __launch_bounds__(NT, OCC) step_f16(Args a)
 {
     __shared__ Smem sm;
     const Pos P(a);
@@ -1484,10 +1485,22 @@ int main(int argc, char **argv)
     cudaEvent_t e0, e1;
     CK(cudaEventCreate(&e0));
     CK(cudaEventCreate(&e1));
-    const char *names[5] = { "fp32 arithmetic", "fp32 arithmetic, rows distributed",
-                             "fp16 arithmetic", "fp16 arithmetic, rows distributed",
-                             "fp16, rows distributed, mma dots" };
+    /* the variants; OCC (blocks per SM in __launch_bounds__) caps the registers: the half2 state
+     * holds 64 elements in 32 registers, so 3 blocks (80 registers) fit without spills and 4 (64)
+     * spill a little */
+    enum { NVAR = 8 };
+    const char *names[NVAR] = { "fp32 arithmetic",
+                                "fp32 arithmetic, rows distributed",
+                                "fp16 arithmetic",
+                                "fp16 arithmetic, rows distributed",
+                                "fp16, rows distributed, mma dots",
+                                "fp16, rows distributed, 3 blocks/SM",
+                                "fp16, rows distributed, 4 blocks/SM",
+                                "fp16, rows distr., mma, 3 blocks/SM" };
+    const bool mma_var[NVAR] = { false, false, false, false, true, false, false, true };
     CK(cudaFuncSetAttribute(step_f16<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            MMA_SMEM));
+    CK(cudaFuncSetAttribute(step_f16<true, true, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             MMA_SMEM));
     printf("B = %d, %d heads of 128x128 at 6 bits (%zu B per head), %zu heads checked against the "
            "host\n",
@@ -1508,13 +1521,22 @@ int main(int argc, char **argv)
         case 3:
             step_f16<true><<<nh, NT, 0, st>>>(a);
             break;
-        default:
+        case 4:
             step_f16<true, true><<<nh, NT, MMA_SMEM, st>>>(a);
+            break;
+        case 5:
+            step_f16<true, false, 3><<<nh, NT, 0, st>>>(a);
+            break;
+        case 6:
+            step_f16<true, false, 4><<<nh, NT, 0, st>>>(a);
+            break;
+        default:
+            step_f16<true, true, 3><<<nh, NT, MMA_SMEM, st>>>(a);
             break;
         }
     };
     const Timer T{ st, e0, e1 };
-    for (int var = 0; var < 5; var++) {
+    for (int var = 0; var < NVAR; var++) {
         CK(cudaMemsetAsync(dpout, 0, pages.size(), st));
         const std::vector<float> ts = launch_times(T, [&] { launch(var); });
         const double gus = graph_us(T, [&] { launch(var); });
@@ -1540,7 +1562,7 @@ int main(int argc, char **argv)
             }
             for (int f = 0; f < D * ROWB; f++) {
                 zdiff += pout[e * BLK + f] != pref[e * BLK + f];
-                ediff += pout[e * BLK + f] != (var == 4 ? pem2 : pem)[e * BLK + f];
+                ediff += pout[e * BLK + f] != (mma_var[var] ? pem2 : pem)[e * BLK + f];
             }
         }
         const double us = ts[ts.size() / 2];
