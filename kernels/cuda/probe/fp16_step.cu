@@ -23,15 +23,21 @@
  * `stepq-fp16-probe emul` (no GPU; a test) runs h_step_f16, an exact host emulation of step_f16's
  * arithmetic (each half operation rounded as the hardware rounds it; the MMA dots as exact sums),
  * over a grid of state spreads and scales, and compares the new state's quantization error against
- * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the eight kernels
+ * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the ten kernels
  * at B requests x 32 heads beside each other and checks them: the readout against the host fp32
  * step, the state error against the host fit's, and the code bytes that differ from the host's page
  * and from the emulation's (an fp16 kernel should match its emulation but for ties of its
  * approximate square root and divisions, and for the MMA variant of the fp32 sums' order).
  *
- * After them comes the dense bf16-state step (issue #15's 88%-of-copy target) in two versions: the
- * state as fp32 in registers (two blocks per SM, as the shipped tile kernel) and as the loaded
- * bf16x2 words, converted on each use (three blocks per SM; ptxas: 80 registers, 24 B spilled),
+ * The variants: step_f16 takes its blocks per SM (OCC: half2 state needs 32 registers for 64
+ * elements, so 3 blocks fit in 80 registers and 4 in 64 with a small spill); step_f16_pf is the
+ * rows-distributed half2 step in a persistent block that copies the next head's page into shared
+ * memory (cp.async) while it computes the current one (software pipelining).
+ *
+ * After them comes the dense bf16-state step (issue #15's 88%-of-copy target) in three versions:
+ * the state as fp32 in registers (two blocks per SM, as the shipped tile kernel), as the loaded
+ * bf16x2 words, converted on each use (three blocks per SM; ptxas: 80 registers, a small spill),
+ * and the first in a persistent block that prefetches the next head's state into shared memory,
  * beside a device copy of the same bytes.
  *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
@@ -149,15 +155,51 @@ struct Pos {
     int bh, t, wp, lane, tx, R0, C0;
     const uint8_t *blk;
     uint8_t *ob;
-    __device__ explicit Pos(const Args &a)
-        : bh(blockIdx.x), t(threadIdx.x), wp(threadIdx.x >> 5), lane(threadIdx.x & 31),
+    /* head bh whose input page is read at blk (global memory, or its copy in shared memory) */
+    __device__ Pos(const Args &a, int bh_, const uint8_t *blk_)
+        : bh(bh_), t(threadIdx.x), wp(threadIdx.x >> 5), lane(threadIdx.x & 31),
           tx(threadIdx.x & 15),
           R0(8 * (2 * (int)(threadIdx.x >> 5) + (int)((threadIdx.x & 31) >> 4))),
-          C0(8 * (int)(threadIdx.x & 15)), blk(a.pin + (size_t)blockIdx.x * BLK),
-          ob(a.pout + (size_t)blockIdx.x * BLK)
+          C0(8 * (int)(threadIdx.x & 15)), blk(blk_), ob(a.pout + (size_t)bh_ * BLK)
+    {
+    }
+    /* head blockIdx.x, its page in global memory */
+    __device__ explicit Pos(const Args &a) : Pos(a, blockIdx.x, a.pin + (size_t)blockIdx.x * BLK)
     {
     }
 };
+
+/* Software pipelining for the persistent variants (PF): a block of NT threads walks heads
+ * blockIdx.x, + gridDim.x, ... and copies the next head's BYTES (a page, or a dense state) into
+ * the other half of buf (2 * BYTES of shared memory) with 16-byte cp.async while it computes the
+ * current one from its copy, so that the bytes of the next head are in flight during the
+ * arithmetic of this one instead of after it. */
+__device__ __forceinline__ void cp_async_bytes(uint8_t *dst, const uint8_t *src, int bytes, int t)
+{
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    for (int i = 16 * t; i < bytes; i += 16 * NT)
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + i), "l"(src + i));
+    asm volatile("cp.async.commit_group;");
+}
+
+template <int BYTES, class Body>
+__device__ __forceinline__ void persistent(const uint8_t *base, int nh, uint8_t *buf, Body body)
+{
+    int bh = blockIdx.x, cur = 0;
+    if (bh < nh)
+        cp_async_bytes(buf, base + (size_t)bh * BYTES, BYTES, threadIdx.x);
+    for (; bh < nh; bh += gridDim.x, cur ^= 1) {
+        const int nx = bh + gridDim.x;
+        if (nx < nh)
+            cp_async_bytes(buf + (cur ^ 1) * BYTES, base + (size_t)nx * BYTES, BYTES, threadIdx.x);
+        else
+            asm volatile("cp.async.commit_group;"); /* an empty group: wait_group 1 below */
+        asm volatile("cp.async.wait_group 1;" ::: "memory");
+        __syncthreads();
+        body(bh, buf + cur * BYTES);
+        __syncthreads(); /* buf[cur] and the block's shared scratch are free again */
+    }
+}
 
 /* 8 consecutive floats of shared memory (16-byte aligned) into registers */
 __device__ __forceinline__ void ld8(const float *p, float (&x)[8])
@@ -384,11 +426,9 @@ __device__ __forceinline__ void dots_mma(const Args &a, const uint8_t *blk, int 
 /* DIST: per-row factors computed once per row (lane (tx >> 1) & 7 of the half-warp owns row R0 +
  * that) and broadcast by shuffles, the row maxima by a reduce-scatter (5 shuffles); else every lane
  * computes all 8 of its rows and the maxima by a butterfly (16 shuffles) */
-template <bool DIST, bool MMA = false, int OCC = 2>
-__global__ void __launch_bounds__(NT, OCC) step_f16(Args a)
+template <bool DIST, bool MMA>
+__device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
 {
-    __shared__ Smem sm;
-    const Pos P(a);
     const int bh = P.bh, t = P.t, wp = P.wp, lane = P.lane, tx = P.tx, R0 = P.R0, C0 = P.C0;
     const uint8_t *blk = P.blk;
     uint8_t *ob = P.ob;
@@ -647,6 +687,24 @@ __global__ void __launch_bounds__(NT, OCC) step_f16(Args a)
         const float c = d > 0.f ? fdiv(QMAX * Pc * n, d) : c2;
         ((half *)(ob + COFF))[t] = __float2half_rn(c);
     }
+}
+
+template <bool DIST, bool MMA = false, int OCC = 2>
+__global__ void __launch_bounds__(NT, OCC) step_f16(Args a)
+{
+    __shared__ Smem sm;
+    f16_body<DIST, MMA>(a, Pos(a), sm);
+}
+
+/* the persistent variant: grid min(heads, OCC x SMs), the next page prefetched (rows distributed,
+ * half dots) */
+template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_pf(Args a, int nh)
+{
+    __shared__ Smem sm;
+    __shared__ __align__(16) uint8_t buf[2 * BLK];
+    persistent<BLK>(a.pin, nh, buf, [&](int bh, const uint8_t *blk) {
+        f16_body<true, false>(a, Pos(a, bh, blk), sm);
+    });
 }
 
 /* ---- fp32 arithmetic in the same frame ----------------------------------------------------------
@@ -1173,17 +1231,18 @@ __device__ __forceinline__ uint32_t bf_pack(float lo, float hi)
     return *reinterpret_cast<uint32_t *>(&b);
 }
 
-template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_bf16(DArgs a)
+/* head bh whose state is read at src (global memory, or its copy in shared memory) */
+template <int REG16>
+__device__ __forceinline__ void dense_body(const DArgs &a, int bh, const uint32_t *src)
 {
     __shared__ float dp[8][2][D];
     __shared__ float us[D];
     __shared__ float kqs, kq2[2][D]; /* k and q of the head's q/k head */
-    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
+    const int t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
     const int R0 = 8 * (2 * wp + (lane >> 4)), C0 = 8 * tx;
     const int b = bh / HVN, h = bh % HVN;
     const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
                 *qp = a.q + ((size_t)b * HQN + h / 2) * D;
-    const uint32_t *src = a.sin + (size_t)bh * (D * D / 2);
     uint32_t *dst = a.sout + (size_t)bh * (D * D / 2);
     uint32_t W[8][4];
 #pragma unroll
@@ -1250,6 +1309,21 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
         }
         *(uint4 *)(dst + (R0 + r) * (D / 2) + C0 / 2) = make_uint4(o4[0], o4[1], o4[2], o4[3]);
     }
+}
+
+template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_bf16(DArgs a)
+{
+    dense_body<REG16>(a, blockIdx.x, a.sin + (size_t)blockIdx.x * (D * D / 2));
+}
+
+/* the persistent variant (fp32 registers, 2 blocks per SM): grid min(heads, 2 x SMs), the next
+ * head's state prefetched into dynamic shared memory (2 x 32 KiB) */
+__global__ void __launch_bounds__(NT, 2) dense_bf16_pf(DArgs a, int nh)
+{
+    extern __shared__ __align__(16) uint8_t dyn[];
+    persistent<DBLK>((const uint8_t *)a.sin, nh, dyn, [&](int bh, const uint8_t *st) {
+        dense_body<0>(a, bh, (const uint32_t *)st);
+    });
 }
 
 /* bf16 bits of f, rounded to nearest even, and back (cuda_bf16.h's host conversions) */
@@ -1362,10 +1436,19 @@ static void dense_probe(const Case &c, const Args &pa, const Timer &T)
     const double cus = ct[ct.size() / 2], cbw = 2.0 * nh * DBLK / cus * 1e-3;
     printf("dense bf16 state, B = %d: device copy of the state %.1f us (%.0f GB/s read + write)\n",
            c.B, cus, cbw);
-    const char *names[2] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers" };
-    for (int var = 0; var < 2; var++) {
+    const char *names[3] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers",
+                             "dense bf16, fp32 registers, prefetch" };
+    int nsm = 0, occ = 0;
+    CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaFuncSetAttribute(dense_bf16_pf, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * DBLK));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_bf16_pf, NT, 2 * DBLK));
+    const int gpf = (int)std::min<size_t>(nh, (size_t)occ * nsm);
+    printf("dense prefetch variant: %d blocks per SM resident, grid %d\n", occ, gpf);
+    for (int var = 0; var < 3; var++) {
         auto f = [&] {
-            if (var)
+            if (var == 2)
+                dense_bf16_pf<<<gpf, NT, 2 * DBLK, T.st>>>(a, (int)nh);
+            else if (var)
                 dense_bf16<1><<<nh, NT, 0, T.st>>>(a);
             else
                 dense_bf16<0><<<nh, NT, 0, T.st>>>(a);
@@ -1488,7 +1571,7 @@ int main(int argc, char **argv)
     /* the variants; OCC (blocks per SM in __launch_bounds__) caps the registers: the half2 state
      * holds 64 elements in 32 registers, so 3 blocks (80 registers) fit without spills and 4 (64)
      * spill a little */
-    enum { NVAR = 8 };
+    enum { NVAR = 10 };
     const char *names[NVAR] = { "fp32 arithmetic",
                                 "fp32 arithmetic, rows distributed",
                                 "fp16 arithmetic",
@@ -1496,8 +1579,21 @@ int main(int argc, char **argv)
                                 "fp16, rows distributed, mma dots",
                                 "fp16, rows distributed, 3 blocks/SM",
                                 "fp16, rows distributed, 4 blocks/SM",
-                                "fp16, rows distr., mma, 3 blocks/SM" };
-    const bool mma_var[NVAR] = { false, false, false, false, true, false, false, true };
+                                "fp16, rows distr., mma, 3 blocks/SM",
+                                "fp16, rows distr., prefetch, 3 blocks/SM",
+                                "fp16, rows distr., prefetch, 4 blocks/SM" };
+    const bool mma_var[NVAR] = {
+        false, false, false, false, true, false, false, true, false, false
+    };
+    /* the persistent variants' grids: as many blocks as are resident at once */
+    int nsm = 0, occ3 = 0, occ4 = 0;
+    CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ3, step_f16_pf<3>, NT, 0));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ4, step_f16_pf<4>, NT, 0));
+    const int g3 = (int)std::min<size_t>(nh, (size_t)occ3 * nsm),
+              g4 = (int)std::min<size_t>(nh, (size_t)occ4 * nsm);
+    printf("prefetch variants: %d and %d blocks per SM resident, grids %d and %d\n", occ3, occ4, g3,
+           g4);
     CK(cudaFuncSetAttribute(step_f16<true, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             MMA_SMEM));
     CK(cudaFuncSetAttribute(step_f16<true, true, 3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1530,8 +1626,14 @@ int main(int argc, char **argv)
         case 6:
             step_f16<true, false, 4><<<nh, NT, 0, st>>>(a);
             break;
-        default:
+        case 7:
             step_f16<true, true, 3><<<nh, NT, MMA_SMEM, st>>>(a);
+            break;
+        case 8:
+            step_f16_pf<3><<<g3, NT, 0, st>>>(a, (int)nh);
+            break;
+        default:
+            step_f16_pf<4><<<g4, NT, 0, st>>>(a, (int)nh);
             break;
         }
     };
