@@ -31,14 +31,14 @@
  *
  * The variants: step_f16 takes its blocks per SM (OCC: half2 state needs 32 registers for 64
  * elements, so 3 blocks fit in 80 registers and 4 in 64 with a small spill); step_f16_pf is the
- * rows-distributed half2 step in a persistent block that copies the next head's page into shared
- * memory (cp.async) while it computes the current one (software pipelining).
+ * rows-distributed half2 step in a persistent block that copies the next head's page and inputs
+ * into shared memory (cp.async) while it computes the current one (software pipelining).
  *
  * After them comes the dense bf16-state step (issue #15's 88%-of-copy target) in three versions:
  * the state as fp32 in registers (two blocks per SM, as the shipped tile kernel), as the loaded
  * bf16x2 words, converted on each use (three blocks per SM; ptxas: 80 registers, a small spill),
- * and the first in a persistent block that prefetches the next head's state into shared memory,
- * beside a device copy of the same bytes.
+ * and the first in a persistent block that prefetches the next head's state and inputs into shared
+ * memory, beside a device copy of the same bytes.
  *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
  * indirection, other layouts and dtypes. Compare step_f32's time with `stepq bench kernels`'
@@ -155,49 +155,90 @@ struct Pos {
     int bh, t, wp, lane, tx, R0, C0;
     const uint8_t *blk;
     uint8_t *ob;
-    /* head bh whose input page is read at blk (global memory, or its copy in shared memory) */
-    __device__ Pos(const Args &a, int bh_, const uint8_t *blk_)
+    /* the head's inputs: k, q (its q/k head's), v, w rows of D floats, g and beta */
+    const float *hk, *hq, *hv, *hw, *hg, *hb;
+    /* head bh whose input page and inputs are read at blk and in (global memory, or their copies
+     * in shared memory: in[0..4 D) k, q, v, w, in[4 D] g, in[4 D + 4] beta) */
+    __device__ Pos(const Args &a, int bh_, const uint8_t *blk_, const float *in)
         : bh(bh_), t(threadIdx.x), wp(threadIdx.x >> 5), lane(threadIdx.x & 31),
           tx(threadIdx.x & 15),
           R0(8 * (2 * (int)(threadIdx.x >> 5) + (int)((threadIdx.x & 31) >> 4))),
-          C0(8 * (int)(threadIdx.x & 15)), blk(blk_), ob(a.pout + (size_t)bh_ * BLK)
+          C0(8 * (int)(threadIdx.x & 15)), blk(blk_), ob(a.pout + (size_t)bh_ * BLK), hk(in),
+          hq(in + D), hv(in + 2 * D), hw(in + 3 * D), hg(in + 4 * D), hb(in + 4 * D + 4)
     {
     }
-    /* head blockIdx.x, its page in global memory */
-    __device__ explicit Pos(const Args &a) : Pos(a, blockIdx.x, a.pin + (size_t)blockIdx.x * BLK)
+    /* head blockIdx.x, everything in global memory */
+    __device__ explicit Pos(const Args &a)
+        : bh(blockIdx.x), t(threadIdx.x), wp(threadIdx.x >> 5), lane(threadIdx.x & 31),
+          tx(threadIdx.x & 15),
+          R0(8 * (2 * (int)(threadIdx.x >> 5) + (int)((threadIdx.x & 31) >> 4))),
+          C0(8 * (int)(threadIdx.x & 15)), blk(a.pin + (size_t)blockIdx.x * BLK),
+          ob(a.pout + (size_t)blockIdx.x * BLK),
+          hk(a.k + ((size_t)(blockIdx.x / HVN) * HQN + (blockIdx.x % HVN) / 2) * D),
+          hq(a.q + ((size_t)(blockIdx.x / HVN) * HQN + (blockIdx.x % HVN) / 2) * D),
+          hv(a.v + (size_t)blockIdx.x * D), hw(a.w + (size_t)(blockIdx.x % HVN) * D),
+          hg(a.g + blockIdx.x), hb(a.beta + blockIdx.x)
     {
     }
 };
 
 /* Software pipelining for the persistent variants (PF): a block of NT threads walks heads
- * blockIdx.x, + gridDim.x, ... and copies the next head's BYTES (a page, or a dense state) into
- * the other half of buf (2 * BYTES of shared memory) with 16-byte cp.async while it computes the
- * current one from its copy, so that the bytes of the next head are in flight during the
- * arithmetic of this one instead of after it. */
-__device__ __forceinline__ void cp_async_bytes(uint8_t *dst, const uint8_t *src, int bytes, int t)
+ * blockIdx.x, + gridDim.x, ... and copies everything the next head reads from global memory (its
+ * page or dense state, k, q, v, w, g, beta) into the other half of buf (2 x BYTES of shared memory)
+ * with cp.async while it computes the current head from its copies, so that the next head's loads
+ * are in flight during this one's arithmetic instead of after it. */
+__device__ __forceinline__ void cp_async(uint8_t *dst, const void *src, int bytes, int t)
 {
     const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
     for (int i = 16 * t; i < bytes; i += 16 * NT)
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + i), "l"(src + i));
-    asm volatile("cp.async.commit_group;");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(d + i),
+                     "l"((const uint8_t *)src + i));
+}
+__device__ __forceinline__ void cp_async4(uint8_t *dst, const void *src)
+{
+    const uint32_t d = (uint32_t)__cvta_generic_to_shared(dst);
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(d), "l"(src));
 }
 
-template <int BYTES, class Body>
-__device__ __forceinline__ void persistent(const uint8_t *base, int nh, uint8_t *buf, Body body)
+/* The head inputs behind a head's bytes in a PF buffer: k, q, v, w (D floats each), g, beta. */
+#define PF_IN (4 * D * 4 + 32)
+
+/* fetch(bh, dst) issues the cp.async copies of head bh into dst; body(bh, src) computes head bh
+ * from src */
+template <int BYTES, class Fetch, class Body>
+__device__ __forceinline__ void persistent(int nh, uint8_t *buf, Fetch fetch, Body body)
 {
     int bh = blockIdx.x, cur = 0;
     if (bh < nh)
-        cp_async_bytes(buf, base + (size_t)bh * BYTES, BYTES, threadIdx.x);
+        fetch(bh, buf);
+    asm volatile("cp.async.commit_group;");
     for (; bh < nh; bh += gridDim.x, cur ^= 1) {
         const int nx = bh + gridDim.x;
         if (nx < nh)
-            cp_async_bytes(buf + (cur ^ 1) * BYTES, base + (size_t)nx * BYTES, BYTES, threadIdx.x);
-        else
-            asm volatile("cp.async.commit_group;"); /* an empty group: wait_group 1 below */
+            fetch(nx, buf + (cur ^ 1) * BYTES);
+        asm volatile("cp.async.commit_group;"); /* maybe empty: wait_group 1 below */
         asm volatile("cp.async.wait_group 1;" ::: "memory");
         __syncthreads();
         body(bh, buf + cur * BYTES);
         __syncthreads(); /* buf[cur] and the block's shared scratch are free again */
+    }
+}
+
+/* the head inputs of head bh (q/k head (bh / HVN) HQN + (bh % HVN) / 2) into dst[0 .. PF_IN):
+ * k, q, v, w (when given), then g at 16 D and beta at 16 D + 16 bytes */
+__device__ __forceinline__ void fetch_inputs(const float *k, const float *q, const float *v,
+                                             const float *w, const float *g, const float *beta,
+                                             int bh, uint8_t *dst, int t)
+{
+    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    cp_async(dst, k + qk, 4 * D, t);
+    cp_async(dst + 4 * D, q + qk, 4 * D, t);
+    cp_async(dst + 8 * D, v + (size_t)bh * D, 4 * D, t);
+    if (w)
+        cp_async(dst + 12 * D, w + (size_t)(bh % HVN) * D, 4 * D, t);
+    if (t == 0) {
+        cp_async4(dst + 16 * D, g + bh);
+        cp_async4(dst + 16 * D + 16, beta + bh);
     }
 }
 
@@ -248,12 +289,10 @@ __device__ __forceinline__ void head_kq(const float *k, const float *q, int t, f
 
 __device__ __forceinline__ void load_in(const Args &a, const Pos &P, In &in, Smem &sm)
 {
-    const int b = P.bh / HVN, h = P.bh % HVN;
     const uint4 rr = *(const uint4 *)(P.blk + ROFF + 2 * P.R0),
                 cc = *(const uint4 *)(P.blk + COFF + 2 * P.C0);
     const half *rh = (const half *)&rr, *ch = (const half *)&cc;
-    const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
-                *qp = a.q + ((size_t)b * HQN + h / 2) * D;
+    const float *kp = P.hk, *qp = P.hq;
 #pragma unroll
     for (int i = 0; i < 8; i++) {
         in.rf[i] = __half2float(rh[i]);
@@ -261,9 +300,9 @@ __device__ __forceinline__ void load_in(const Args &a, const Pos &P, In &in, Sme
     }
     ld8(kp + P.R0, in.kr);
     ld8(qp + P.R0, in.qr);
-    ld8(a.w + (size_t)h * D + P.R0, in.wr);
-    in.alpha = __expf(a.g[P.bh]);
-    in.beta = a.beta[P.bh];
+    ld8(P.hw + P.R0, in.wr);
+    in.alpha = __expf(*P.hg);
+    in.beta = *P.hb;
     head_kq(kp, qp, P.t, &sm.kq);
 }
 
@@ -299,9 +338,9 @@ __device__ __forceinline__ void col_sums2(float (*buf)[2][D], float (&a)[8], flo
 /* the dot products' cross-thread sums (partials of the thread's 8 columns, already in fp32, times
  * their per-thread factor), then u and o for column t < 128; the caller syncs after */
 template <bool SCALE>
-__device__ __forceinline__ void dots_finish(const Args &a, const uint8_t *blk, int bh, Smem &sm,
-                                            float (&pk)[8], float (&pq)[8], int t, int wp, int lane,
-                                            int C0, float alpha, float beta)
+__device__ __forceinline__ void
+dots_finish(const Args &a, const uint8_t *blk, int bh, const float *hv, Smem &sm, float (&pk)[8],
+            float (&pq)[8], int t, int wp, int lane, int C0, float alpha, float beta)
 {
     float s, u2;
     col_sums2(sm.dp, pk, pq, t, wp, lane, C0, &s, &u2);
@@ -312,7 +351,7 @@ __device__ __forceinline__ void dots_finish(const Args &a, const uint8_t *blk, i
             s *= f;
             u2 *= f;
         }
-        const float vj = a.v[(size_t)bh * D + t];
+        const float vj = hv[t];
         float u = beta * (vj - s);
         sm.us[t] = u;
         a.o[(size_t)bh * D + t] = u2 + u * sm.kq;
@@ -347,9 +386,9 @@ __device__ __forceinline__ void mma_16816(float (&d)[4], uint32_t a0, uint32_t a
         : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
-__device__ __forceinline__ void dots_mma(const Args &a, const uint8_t *blk, int bh, Smem &sm,
-                                         const half2 (&Z)[8][4], const In &in, int t, int wp,
-                                         int lane, int R0, int C0)
+__device__ __forceinline__ void dots_mma(const Args &a, const Pos &P, const uint8_t *blk, int bh,
+                                         Smem &sm, const half2 (&Z)[8][4], const In &in, int t,
+                                         int wp, int lane, int R0, int C0)
 {
     extern __shared__ __align__(16) uint8_t dyn[];
     uint8_t *zs = dyn;
@@ -362,10 +401,9 @@ __device__ __forceinline__ void dots_mma(const Args &a, const uint8_t *blk, int 
      * barrier), so that neither half of a weight is subnormal for a small state */
     float wk = 0.f, wq = 0.f;
     if (t < D) {
-        const int b = bh / HVN, h = bh % HVN;
         const float rt = __half2float(((const half *)(blk + ROFF))[t]);
-        wk = rt * a.k[((size_t)b * HQN + h / 2) * D + t];
-        wq = rt * a.q[((size_t)b * HQN + h / 2) * D + t];
+        wk = rt * P.hk[t];
+        wq = rt * P.hq[t];
         float mk = fabsf(wk), mq = fabsf(wq);
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
@@ -417,7 +455,7 @@ __device__ __forceinline__ void dots_mma(const Args &a, const uint8_t *blk, int 
         const float c = __half2float(((const half *)(blk + COFF))[t]);
         const float f = c * in.alpha * (1.0f / QMAX);
         const float s = (dm[t] + dm[D + t]) * Pk * f, tq = (dm[2 * D + t] + dm[3 * D + t]) * Pq * f;
-        const float u = in.beta * (a.v[(size_t)bh * D + t] - s);
+        const float u = in.beta * (P.hv[t] - s);
         sm.us[t] = u;
         a.o[(size_t)bh * D + t] = tq + u * sm.kq;
     }
@@ -452,7 +490,7 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
 
     /* the two dot products in the code domain: s_j = c_j alpha / qmax sum_i z_ij (r_i k_i) */
     if (MMA) {
-        dots_mma(a, blk, bh, sm, X, in, t, wp, lane, R0, C0);
+        dots_mma(a, P, blk, bh, sm, X, in, t, wp, lane, R0, C0);
     } else {
         float pk[8], pq[8];
         {
@@ -487,7 +525,7 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
             }
         }
 
-        dots_finish<true>(a, blk, bh, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
+        dots_finish<true>(a, blk, bh, P.hv, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
     }
     __syncthreads();
 
@@ -511,7 +549,7 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
         U2[p] = __floats2half2_rn(uc[2 * p] * iSu, uc[2 * p + 1] * iSu);
     }
     const int myl = (tx >> 1) & 7, src0 = lane & 16;
-    const float *kbase = a.k + ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    const float *kbase = P.hk;
     float N[8], myN = 0.f;
     if (DIST) {
         const float r_my = __half2float(((const half *)(blk + ROFF))[R0 + myl]),
@@ -568,7 +606,7 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
         kk = __hmax2(kk, u2h(__shfl_xor_sync(0xffffffffu, h2u(kk), 2)));
         kk = __hmax2(kk, u2h(__shfl_xor_sync(0xffffffffu, h2u(kk), 1)));
         const float m = __half2float(b1 ? __high2half(kk) : __low2half(kk)) * myN;
-        const float w_my = a.w[(size_t)(bh % HVN) * D + R0 + myl];
+        const float w_my = P.hw[R0 + myl];
         const float rn_my = __half2float(__float2half_rn(fsqrt(fdiv(m, w_my))));
         const float R = rn_my > 0.f ? fdiv(myN * iPc, rn_my) : 0.f, A = w_my * w_my * rn_my * rn_my;
         float Am = A;
@@ -696,15 +734,22 @@ __global__ void __launch_bounds__(NT, OCC) step_f16(Args a)
     f16_body<DIST, MMA>(a, Pos(a), sm);
 }
 
-/* the persistent variant: grid min(heads, OCC x SMs), the next page prefetched (rows distributed,
- * half dots) */
+/* the persistent variant: grid min(heads, OCC x SMs), the next head's page and inputs prefetched
+ * into dynamic shared memory (2 x PF_F16 bytes; rows distributed, half dots) */
+#define PF_F16 (BLK + PF_IN)
 template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_pf(Args a, int nh)
 {
     __shared__ Smem sm;
-    __shared__ __align__(16) uint8_t buf[2 * BLK];
-    persistent<BLK>(a.pin, nh, buf, [&](int bh, const uint8_t *blk) {
-        f16_body<true, false>(a, Pos(a, bh, blk), sm);
-    });
+    extern __shared__ __align__(16) uint8_t dyn[];
+    persistent<PF_F16>(
+        nh, dyn,
+        [&](int bh, uint8_t *dst) {
+            cp_async(dst, a.pin + (size_t)bh * BLK, BLK, threadIdx.x);
+            fetch_inputs(a.k, a.q, a.v, a.w, a.g, a.beta, bh, dst + BLK, threadIdx.x);
+        },
+        [&](int bh, const uint8_t *src) {
+            f16_body<true, false>(a, Pos(a, bh, src, (const float *)(src + BLK)), sm);
+        });
 }
 
 /* ---- fp32 arithmetic in the same frame ----------------------------------------------------------
@@ -749,7 +794,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
         pk[j] = sk;
         pq[j] = sq;
     }
-    dots_finish<false>(a, blk, bh, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
+    dots_finish<false>(a, blk, bh, P.hv, sm, pk, pq, t, wp, lane, C0, in.alpha, in.beta);
     __syncthreads();
     float uc[8];
     ld8(&sm.us[C0], uc);
@@ -779,7 +824,7 @@ template <bool DIST> __global__ void __launch_bounds__(NT, 2) step_f32(Args a)
                           __shfl_xor_sync(0xffffffffu, b2 ? k4[q] : k4[q + 2], 4));
         float mm = fmaxf(b1 ? k2[1] : k2[0], __shfl_xor_sync(0xffffffffu, b1 ? k2[0] : k2[1], 2));
         mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, 1));
-        const float w_my = a.w[(size_t)(bh % HVN) * D + R0 + myl];
+        const float w_my = P.hw[R0 + myl];
         const float rn_my = __half2float(__float2half_rn(fsqrt(fdiv(mm, w_my))));
         const float ir_my = rn_my > 0.f ? fdiv(1.0f, rn_my) : 0.f,
                     A_my = w_my * w_my * rn_my * rn_my;
@@ -1233,16 +1278,15 @@ __device__ __forceinline__ uint32_t bf_pack(float lo, float hi)
 
 /* head bh whose state is read at src (global memory, or its copy in shared memory) */
 template <int REG16>
-__device__ __forceinline__ void dense_body(const DArgs &a, int bh, const uint32_t *src)
+__device__ __forceinline__ void dense_body(const DArgs &a, int bh, const uint32_t *src,
+                                           const float *kp, const float *qp, const float *vp,
+                                           const float *gp, const float *bp)
 {
     __shared__ float dp[8][2][D];
     __shared__ float us[D];
     __shared__ float kqs, kq2[2][D]; /* k and q of the head's q/k head */
     const int t = threadIdx.x, wp = t >> 5, lane = t & 31, tx = lane & 15;
     const int R0 = 8 * (2 * wp + (lane >> 4)), C0 = 8 * tx;
-    const int b = bh / HVN, h = bh % HVN;
-    const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
-                *qp = a.q + ((size_t)b * HQN + h / 2) * D;
     uint32_t *dst = a.sout + (size_t)bh * (D * D / 2);
     uint32_t W[8][4];
 #pragma unroll
@@ -1251,7 +1295,7 @@ __device__ __forceinline__ void dense_body(const DArgs &a, int bh, const uint32_
         W[r][0] = w4.x, W[r][1] = w4.y, W[r][2] = w4.z, W[r][3] = w4.w;
     }
     kq2[t >> 7][t & 127] = (t < D ? kp : qp)[t & 127];
-    const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
+    const float alpha = __expf(*gp), beta = *bp;
     __syncthreads();
     head_kq(kq2[0], kq2[1], t, &kqs);
     float x[REG16 ? 1 : 8][8];
@@ -1290,7 +1334,7 @@ __device__ __forceinline__ void dense_body(const DArgs &a, int bh, const uint32_
         for (int w = 0; w < 8; w++)
             s += dp[w][0][t], tq += dp[w][1][t];
     if (t < D) {
-        const float u = beta * (a.v[(size_t)bh * D + t] - alpha * s);
+        const float u = beta * (vp[t] - alpha * s);
         us[t] = u;
         a.o[(size_t)bh * D + t] = alpha * tq + u * kqs;
     }
@@ -1313,17 +1357,29 @@ __device__ __forceinline__ void dense_body(const DArgs &a, int bh, const uint32_
 
 template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_bf16(DArgs a)
 {
-    dense_body<REG16>(a, blockIdx.x, a.sin + (size_t)blockIdx.x * (D * D / 2));
+    const int bh = blockIdx.x;
+    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    dense_body<REG16>(a, bh, a.sin + (size_t)bh * (D * D / 2), a.k + qk, a.q + qk,
+                      a.v + (size_t)bh * D, a.g + bh, a.beta + bh);
 }
 
 /* the persistent variant (fp32 registers, 2 blocks per SM): grid min(heads, 2 x SMs), the next
- * head's state prefetched into dynamic shared memory (2 x 32 KiB) */
+ * head's state and inputs prefetched into dynamic shared memory (2 x PF_DENSE bytes) */
+#define PF_DENSE (DBLK + PF_IN)
 __global__ void __launch_bounds__(NT, 2) dense_bf16_pf(DArgs a, int nh)
 {
     extern __shared__ __align__(16) uint8_t dyn[];
-    persistent<DBLK>((const uint8_t *)a.sin, nh, dyn, [&](int bh, const uint8_t *st) {
-        dense_body<0>(a, bh, (const uint32_t *)st);
-    });
+    persistent<PF_DENSE>(
+        nh, dyn,
+        [&](int bh, uint8_t *dst) {
+            cp_async(dst, (const uint8_t *)a.sin + (size_t)bh * DBLK, DBLK, threadIdx.x);
+            fetch_inputs(a.k, a.q, a.v, nullptr, a.g, a.beta, bh, dst + DBLK, threadIdx.x);
+        },
+        [&](int bh, const uint8_t *src) {
+            const float *in = (const float *)(src + DBLK);
+            dense_body<0>(a, bh, (const uint32_t *)src, in, in + D, in + 2 * D, in + 4 * D,
+                          in + 4 * D + 4);
+        });
 }
 
 /* bf16 bits of f, rounded to nearest even, and back (cuda_bf16.h's host conversions) */
@@ -1340,7 +1396,10 @@ static float h_bf2f(uint16_t b)
 
 /* Timing on one created stream: n event-timed runs of f (us, each divided by div), sorted; a
  * launch timed after 3 warm-ups; us per launch inside a CUDA graph of 20 launches (what a server's
- * decode graph sees: median of 20 replays / 20, after one untimed replay). */
+ * decode graph sees: median of 20 replays / 20, after one untimed replay). REPS (the environment's
+ * STEPQ_PROBE_REPS, 1..20) replaces the 20 and caps the warm-ups: 1 for the sanitizers, whose
+ * run time grows with the launches. */
+static int REPS = 20;
 struct Timer {
     cudaStream_t st;
     cudaEvent_t e0, e1;
@@ -1365,11 +1424,11 @@ static std::vector<float> event_times(const Timer &T, const std::function<void()
 
 static std::vector<float> launch_times(const Timer &T, const std::function<void()> &f)
 {
-    for (int i = 0; i < 3; i++)
+    for (int i = 0; i < std::min(3, REPS); i++)
         f();
     CK(cudaGetLastError());
     CK(cudaStreamSynchronize(T.st));
-    return event_times(T, f, 20, 1);
+    return event_times(T, f, REPS, 1);
 }
 
 static float graph_us(const Timer &T, const std::function<void()> &f)
@@ -1377,14 +1436,14 @@ static float graph_us(const Timer &T, const std::function<void()> &f)
     cudaGraph_t gr;
     cudaGraphExec_t ge;
     CK(cudaStreamBeginCapture(T.st, cudaStreamCaptureModeThreadLocal));
-    for (int i = 0; i < 20; i++)
+    for (int i = 0; i < REPS; i++)
         f();
     CK(cudaStreamEndCapture(T.st, &gr));
     CK(cudaGraphInstantiate(&ge, gr, 0));
     CK(cudaGraphLaunch(ge, T.st));
     CK(cudaStreamSynchronize(T.st));
     const std::vector<float> ts = event_times(
-        T, [&] { CK(cudaGraphLaunch(ge, T.st)); }, 20, 20);
+        T, [&] { CK(cudaGraphLaunch(ge, T.st)); }, REPS, REPS);
     CK(cudaGraphExecDestroy(ge));
     CK(cudaGraphDestroy(gr));
     return ts[ts.size() / 2];
@@ -1440,14 +1499,15 @@ static void dense_probe(const Case &c, const Args &pa, const Timer &T)
                              "dense bf16, fp32 registers, prefetch" };
     int nsm = 0, occ = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
-    CK(cudaFuncSetAttribute(dense_bf16_pf, cudaFuncAttributeMaxDynamicSharedMemorySize, 2 * DBLK));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_bf16_pf, NT, 2 * DBLK));
+    CK(cudaFuncSetAttribute(dense_bf16_pf, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            2 * PF_DENSE));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_bf16_pf, NT, 2 * PF_DENSE));
     const int gpf = (int)std::min<size_t>(nh, (size_t)occ * nsm);
     printf("dense prefetch variant: %d blocks per SM resident, grid %d\n", occ, gpf);
     for (int var = 0; var < 3; var++) {
         auto f = [&] {
             if (var == 2)
-                dense_bf16_pf<<<gpf, NT, 2 * DBLK, T.st>>>(a, (int)nh);
+                dense_bf16_pf<<<gpf, NT, 2 * PF_DENSE, T.st>>>(a, (int)nh);
             else if (var)
                 dense_bf16<1><<<nh, NT, 0, T.st>>>(a);
             else
@@ -1494,7 +1554,9 @@ static int usage(FILE *f)
         "        against the host, the state error against the host fit's, code bytes differing "
         "from\n"
         "        the host and from the emulation), then the two dense bf16-state kernels beside a\n"
-        "        device copy of the same bytes; exit 77 without a device\n",
+        "        device copy of the same bytes; exit 77 without a device\n"
+        "  STEPQ_PROBE_REPS=N (1..20, default 20): timed launches, warm-ups (at most 3) and graph\n"
+        "        size; 1 for compute-sanitizer\n",
         f);
     return f == stderr ? 2 : 0;
 }
@@ -1521,6 +1583,15 @@ int main(int argc, char **argv)
                    c.emul2_ratio, c.fp32_err, ok ? "" : "  FAIL (> 1.02)");
         }
         return bad ? 1 : 0;
+    }
+    if (const char *r = getenv("STEPQ_PROBE_REPS")) {
+        char *e = NULL;
+        const long n = strtol(r, &e, 10);
+        if (*r == 0 || *e || n < 1 || n > 20) {
+            fprintf(stderr, "stepq-fp16-probe: STEPQ_PROBE_REPS=%s: not 1..20\n", r);
+            return 2;
+        }
+        REPS = (int)n;
     }
     char *end = NULL;
     const long Bl = argc > 1 ? strtol(argv[1], &end, 10) : 512;
@@ -1588,8 +1659,12 @@ int main(int argc, char **argv)
     /* the persistent variants' grids: as many blocks as are resident at once */
     int nsm = 0, occ3 = 0, occ4 = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ3, step_f16_pf<3>, NT, 0));
-    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ4, step_f16_pf<4>, NT, 0));
+    CK(cudaFuncSetAttribute(step_f16_pf<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            2 * PF_F16));
+    CK(cudaFuncSetAttribute(step_f16_pf<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            2 * PF_F16));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ3, step_f16_pf<3>, NT, 2 * PF_F16));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ4, step_f16_pf<4>, NT, 2 * PF_F16));
     const int g3 = (int)std::min<size_t>(nh, (size_t)occ3 * nsm),
               g4 = (int)std::min<size_t>(nh, (size_t)occ4 * nsm);
     printf("prefetch variants: %d and %d blocks per SM resident, grids %d and %d\n", occ3, occ4, g3,
@@ -1630,10 +1705,10 @@ int main(int argc, char **argv)
             step_f16<true, true, 3><<<nh, NT, MMA_SMEM, st>>>(a);
             break;
         case 8:
-            step_f16_pf<3><<<g3, NT, 0, st>>>(a, (int)nh);
+            step_f16_pf<3><<<g3, NT, 2 * PF_F16, st>>>(a, (int)nh);
             break;
         default:
-            step_f16_pf<4><<<g4, NT, 0, st>>>(a, (int)nh);
+            step_f16_pf<4><<<g4, NT, 2 * PF_F16, st>>>(a, (int)nh);
             break;
         }
     };
