@@ -23,7 +23,7 @@
  * `stepq-fp16-probe emul` (no GPU; a test) runs h_step_f16, an exact host emulation of step_f16's
  * arithmetic (each half operation rounded as the hardware rounds it; the MMA dots as exact sums),
  * over a grid of state spreads and scales, and compares the new state's quantization error against
- * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the ten kernels
+ * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the twelve kernels
  * at B requests x 32 heads beside each other and checks them: the readout against the host fp32
  * step, the state error against the host fit's, and the code bytes that differ from the host's page
  * and from the emulation's (an fp16 kernel should match its emulation but for ties of its
@@ -32,13 +32,15 @@
  * The variants: step_f16 takes its blocks per SM (OCC: half2 state needs 32 registers for 64
  * elements, so 3 blocks fit in 80 registers and 4 in 64 with a small spill); step_f16_pf is the
  * rows-distributed half2 step in a persistent block that copies the next head's page and inputs
- * into shared memory (cp.async) while it computes the current one (software pipelining).
+ * into shared memory (cp.async) while it computes the current one (software pipelining), and
+ * step_f16_pfb the same with Hopper's bulk copies (thread 0 issues one cp.async.bulk per piece,
+ * completing on an mbarrier).
  *
  * After them comes the dense bf16-state step (issue #15's 88%-of-copy target) in three versions:
  * the state as fp32 in registers (two blocks per SM, as the shipped tile kernel), as the loaded
  * bf16x2 words, converted on each use (three blocks per SM; ptxas: 80 registers, a small spill),
  * and the first in a persistent block that prefetches the next head's state and inputs into shared
- * memory, beside a device copy of the same bytes.
+ * memory (16-byte cp.asyncs, or bulk copies), beside a device copy of the same bytes.
  *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
  * indirection, other layouts and dtypes. Compare step_f32's time with `stepq bench kernels`'
@@ -160,11 +162,17 @@ struct Pos {
     /* head bh whose input page and inputs are read at blk and in (global memory, or their copies
      * in shared memory: in[0..4 D) k, q, v, w, in[4 D] g, in[4 D + 4] beta) */
     __device__ Pos(const Args &a, int bh_, const uint8_t *blk_, const float *in)
+        : Pos(a, bh_, blk_, in, in + 4 * D, in + 4 * D + 4)
+    {
+    }
+    /* the same with g and beta elsewhere */
+    __device__ Pos(const Args &a, int bh_, const uint8_t *blk_, const float *in, const float *g,
+                   const float *beta)
         : bh(bh_), t(threadIdx.x), wp(threadIdx.x >> 5), lane(threadIdx.x & 31),
           tx(threadIdx.x & 15),
           R0(8 * (2 * (int)(threadIdx.x >> 5) + (int)((threadIdx.x & 31) >> 4))),
           C0(8 * (int)(threadIdx.x & 15)), blk(blk_), ob(a.pout + (size_t)bh_ * BLK), hk(in),
-          hq(in + D), hv(in + 2 * D), hw(in + 3 * D), hg(in + 4 * D), hb(in + 4 * D + 4)
+          hq(in + D), hv(in + 2 * D), hw(in + 3 * D), hg(g), hb(beta)
     {
     }
     /* head blockIdx.x, everything in global memory */
@@ -240,6 +248,80 @@ __device__ __forceinline__ void fetch_inputs(const float *k, const float *q, con
         cp_async4(dst + 16 * D, g + bh);
         cp_async4(dst + 16 * D + 16, beta + bh);
     }
+}
+
+/* The same pipelining with Hopper's bulk copies (PFB): thread 0 issues one cp.async.bulk per
+ * piece (the page or dense state, k, q, v, w rows) into the other buffer, completing on that
+ * buffer's mbarrier, instead of every thread issuing 16-byte cp.asyncs; every thread waits on the
+ * mbarrier's phase before it reads the buffer. g and beta (4 bytes each) are read from global
+ * memory by the body. */
+__device__ __forceinline__ uint32_t smem_u32(const void *p)
+{
+    return (uint32_t)__cvta_generic_to_shared(p);
+}
+__device__ __forceinline__ void mbar_init(uint64_t *b)
+{
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" ::"r"(smem_u32(b)));
+}
+__device__ __forceinline__ void mbar_expect_tx(uint64_t *b, uint32_t bytes)
+{
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(smem_u32(b)),
+                 "r"(bytes)
+                 : "memory");
+}
+__device__ __forceinline__ void bulk_g2s(void *dst, const void *src, uint32_t bytes, uint64_t *b)
+{
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], "
+                 "%2, [%3];" ::"r"(smem_u32(dst)),
+                 "l"(src), "r"(bytes), "r"(smem_u32(b))
+                 : "memory");
+}
+__device__ __forceinline__ void mbar_wait(uint64_t *b, uint32_t parity)
+{
+    asm volatile("{\n\t.reg .pred p;\n"
+                 "WAIT_%=:\n\t"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n\t"
+                 "@!p bra WAIT_%=;\n}" ::"r"(smem_u32(b)),
+                 "r"(parity)
+                 : "memory");
+}
+
+/* fetch(bh, dst, bar) runs on thread 0: mbar_expect_tx with the bytes, then the bulk copies */
+template <int BYTES, class Fetch, class Body>
+__device__ __forceinline__ void persistent_bulk(int nh, uint8_t *buf, uint64_t *bars, Fetch fetch,
+                                                Body body)
+{
+    int bh = blockIdx.x, cur = 0;
+    uint32_t phase = 0; /* bit c: the parity buffer c's next completion has */
+    if (threadIdx.x == 0) {
+        mbar_init(&bars[0]);
+        mbar_init(&bars[1]);
+        asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+    }
+    __syncthreads();
+    if (threadIdx.x == 0 && bh < nh)
+        fetch(bh, buf, &bars[0]);
+    for (; bh < nh; bh += gridDim.x, cur ^= 1) {
+        const int nx = bh + gridDim.x;
+        if (threadIdx.x == 0 && nx < nh)
+            fetch(nx, buf + (cur ^ 1) * BYTES, &bars[cur ^ 1]);
+        mbar_wait(&bars[cur], (phase >> cur) & 1u);
+        phase ^= 1u << cur;
+        body(bh, buf + cur * BYTES);
+        __syncthreads(); /* buf[cur] and the block's shared scratch are free again */
+    }
+}
+
+/* thread 0: head bh's k, q, v (and w when given) rows into dst[0 .. 4 D floats), on bar */
+__device__ __forceinline__ void bulk_inputs(const float *k, const float *q, const float *v,
+                                            const float *w, int bh, uint8_t *dst, uint64_t *bar)
+{
+    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    bulk_g2s(dst, k + qk, 4 * D, bar);
+    bulk_g2s(dst + 4 * D, q + qk, 4 * D, bar);
+    bulk_g2s(dst + 8 * D, v + (size_t)bh * D, 4 * D, bar);
+    if (w)
+        bulk_g2s(dst + 12 * D, w + (size_t)(bh % HVN) * D, 4 * D, bar);
 }
 
 /* 8 consecutive floats of shared memory (16-byte aligned) into registers */
@@ -749,6 +831,26 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_pf(Args a
         },
         [&](int bh, const uint8_t *src) {
             f16_body<true, false>(a, Pos(a, bh, src, (const float *)(src + BLK)), sm);
+        });
+}
+
+/* the same with bulk copies (2 x PFB_F16 bytes of dynamic shared memory) */
+#define PFB_F16 (BLK + 4 * D * 4)
+template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_pfb(Args a, int nh)
+{
+    __shared__ Smem sm;
+    __shared__ uint64_t bars[2];
+    extern __shared__ __align__(16) uint8_t dyn[];
+    persistent_bulk<PFB_F16>(
+        nh, dyn, bars,
+        [&](int bh, uint8_t *dst, uint64_t *bar) {
+            mbar_expect_tx(bar, PFB_F16);
+            bulk_g2s(dst, a.pin + (size_t)bh * BLK, BLK, bar);
+            bulk_inputs(a.k, a.q, a.v, a.w, bh, dst + BLK, bar);
+        },
+        [&](int bh, const uint8_t *src) {
+            f16_body<true, false>(
+                a, Pos(a, bh, src, (const float *)(src + BLK), a.g + bh, a.beta + bh), sm);
         });
 }
 
@@ -1382,6 +1484,26 @@ __global__ void __launch_bounds__(NT, 2) dense_bf16_pf(DArgs a, int nh)
         });
 }
 
+/* the same with bulk copies (2 x PFB_DENSE bytes of dynamic shared memory) */
+#define PFB_DENSE (DBLK + 3 * D * 4)
+__global__ void __launch_bounds__(NT, 2) dense_bf16_pfb(DArgs a, int nh)
+{
+    __shared__ uint64_t bars[2];
+    extern __shared__ __align__(16) uint8_t dyn[];
+    persistent_bulk<PFB_DENSE>(
+        nh, dyn, bars,
+        [&](int bh, uint8_t *dst, uint64_t *bar) {
+            mbar_expect_tx(bar, PFB_DENSE);
+            bulk_g2s(dst, (const uint8_t *)a.sin + (size_t)bh * DBLK, DBLK, bar);
+            bulk_inputs(a.k, a.q, a.v, nullptr, bh, dst + DBLK, bar);
+        },
+        [&](int bh, const uint8_t *src) {
+            const float *in = (const float *)(src + DBLK);
+            dense_body<0>(a, bh, (const uint32_t *)src, in, in + D, in + 2 * D, a.g + bh,
+                          a.beta + bh);
+        });
+}
+
 /* bf16 bits of f, rounded to nearest even, and back (cuda_bf16.h's host conversions) */
 static uint16_t h_bf16(float f)
 {
@@ -1495,18 +1617,26 @@ static void dense_probe(const Case &c, const Args &pa, const Timer &T)
     const double cus = ct[ct.size() / 2], cbw = 2.0 * nh * DBLK / cus * 1e-3;
     printf("dense bf16 state, B = %d: device copy of the state %.1f us (%.0f GB/s read + write)\n",
            c.B, cus, cbw);
-    const char *names[3] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers",
-                             "dense bf16, fp32 registers, prefetch" };
+    const char *names[4] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers",
+                             "dense bf16, fp32 registers, prefetch",
+                             "dense bf16, fp32 registers, bulk prefetch" };
     int nsm = 0, occ = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     CK(cudaFuncSetAttribute(dense_bf16_pf, cudaFuncAttributeMaxDynamicSharedMemorySize,
                             2 * PF_DENSE));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ, dense_bf16_pf, NT, 2 * PF_DENSE));
     const int gpf = (int)std::min<size_t>(nh, (size_t)occ * nsm);
+    int bocc = 0;
+    CK(cudaFuncSetAttribute(dense_bf16_pfb, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            2 * PFB_DENSE));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bocc, dense_bf16_pfb, NT, 2 * PFB_DENSE));
+    const int gpfb = (int)std::min<size_t>(nh, (size_t)bocc * nsm);
     printf("dense prefetch variant: %d blocks per SM resident, grid %d\n", occ, gpf);
-    for (int var = 0; var < 3; var++) {
+    for (int var = 0; var < 4; var++) {
         auto f = [&] {
-            if (var == 2)
+            if (var == 3)
+                dense_bf16_pfb<<<gpfb, NT, 2 * PFB_DENSE, T.st>>>(a, (int)nh);
+            else if (var == 2)
                 dense_bf16_pf<<<gpf, NT, 2 * PF_DENSE, T.st>>>(a, (int)nh);
             else if (var)
                 dense_bf16<1><<<nh, NT, 0, T.st>>>(a);
@@ -1642,7 +1772,7 @@ int main(int argc, char **argv)
     /* the variants; OCC (blocks per SM in __launch_bounds__) caps the registers: the half2 state
      * holds 64 elements in 32 registers, so 3 blocks (80 registers) fit without spills and 4 (64)
      * spill a little */
-    enum { NVAR = 10 };
+    enum { NVAR = 12 };
     const char *names[NVAR] = { "fp32 arithmetic",
                                 "fp32 arithmetic, rows distributed",
                                 "fp16 arithmetic",
@@ -1652,10 +1782,11 @@ int main(int argc, char **argv)
                                 "fp16, rows distributed, 4 blocks/SM",
                                 "fp16, rows distr., mma, 3 blocks/SM",
                                 "fp16, rows distr., prefetch, 3 blocks/SM",
-                                "fp16, rows distr., prefetch, 4 blocks/SM" };
-    const bool mma_var[NVAR] = {
-        false, false, false, false, true, false, false, true, false, false
-    };
+                                "fp16, rows distr., prefetch, 4 blocks/SM",
+                                "fp16, rows distr., bulk prefetch, 3 blocks/SM",
+                                "fp16, rows distr., bulk prefetch, 4 blocks/SM" };
+    const bool mma_var[NVAR] = { false, false, false, false, true,  false,
+                                 false, true,  false, false, false, false };
     /* the persistent variants' grids: as many blocks as are resident at once */
     int nsm = 0, occ3 = 0, occ4 = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
@@ -1665,6 +1796,15 @@ int main(int argc, char **argv)
                             2 * PF_F16));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ3, step_f16_pf<3>, NT, 2 * PF_F16));
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&occ4, step_f16_pf<4>, NT, 2 * PF_F16));
+    int bocc3 = 0, bocc4 = 0;
+    CK(cudaFuncSetAttribute(step_f16_pfb<3>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            2 * PFB_F16));
+    CK(cudaFuncSetAttribute(step_f16_pfb<4>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                            2 * PFB_F16));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bocc3, step_f16_pfb<3>, NT, 2 * PFB_F16));
+    CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bocc4, step_f16_pfb<4>, NT, 2 * PFB_F16));
+    const int bg3 = (int)std::min<size_t>(nh, (size_t)bocc3 * nsm),
+              bg4 = (int)std::min<size_t>(nh, (size_t)bocc4 * nsm);
     const int g3 = (int)std::min<size_t>(nh, (size_t)occ3 * nsm),
               g4 = (int)std::min<size_t>(nh, (size_t)occ4 * nsm);
     printf("prefetch variants: %d and %d blocks per SM resident, grids %d and %d\n", occ3, occ4, g3,
@@ -1707,8 +1847,14 @@ int main(int argc, char **argv)
         case 8:
             step_f16_pf<3><<<g3, NT, 2 * PF_F16, st>>>(a, (int)nh);
             break;
-        default:
+        case 9:
             step_f16_pf<4><<<g4, NT, 2 * PF_F16, st>>>(a, (int)nh);
+            break;
+        case 10:
+            step_f16_pfb<3><<<bg3, NT, 2 * PFB_F16, st>>>(a, (int)nh);
+            break;
+        default:
+            step_f16_pfb<4><<<bg4, NT, 2 * PFB_F16, st>>>(a, (int)nh);
             break;
         }
     };
