@@ -232,18 +232,28 @@ __device__ __forceinline__ void persistent(int nh, uint8_t *buf, Fetch fetch, Bo
     }
 }
 
-/* the head inputs of head bh (q/k head (bh / HVN) HQN + (bh % HVN) / 2) into dst[0 .. PF_IN):
- * k, q, v, w (when given), then g at 16 D and beta at 16 D + 16 bytes */
+/* The head rows of head bh (its q/k head is (bh / HVN) HQN + (bh % HVN) / 2) into dst: k, q, v
+ * and, when given, w (D floats each, in that order), each by copy(dst, src, bytes). */
+template <class Copy>
+__device__ __forceinline__ void head_rows(const float *k, const float *q, const float *v,
+                                          const float *w, int bh, uint8_t *dst, Copy copy)
+{
+    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    copy(dst, k + qk, 4 * D);
+    copy(dst + 4 * D, q + qk, 4 * D);
+    copy(dst + 8 * D, v + (size_t)bh * D, 4 * D);
+    if (w)
+        copy(dst + 12 * D, w + (size_t)(bh % HVN) * D, 4 * D);
+}
+
+/* the head inputs of head bh into dst[0 .. PF_IN) by every thread's cp.asyncs: the rows, then g
+ * at 16 D and beta at 16 D + 16 bytes */
 __device__ __forceinline__ void fetch_inputs(const float *k, const float *q, const float *v,
                                              const float *w, const float *g, const float *beta,
                                              int bh, uint8_t *dst, int t)
 {
-    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
-    cp_async(dst, k + qk, 4 * D, t);
-    cp_async(dst + 4 * D, q + qk, 4 * D, t);
-    cp_async(dst + 8 * D, v + (size_t)bh * D, 4 * D, t);
-    if (w)
-        cp_async(dst + 12 * D, w + (size_t)(bh % HVN) * D, 4 * D, t);
+    head_rows(k, q, v, w, bh, dst,
+              [t](uint8_t *d, const float *src, int n) { cp_async(d, src, n, t); });
     if (t == 0) {
         cp_async4(dst + 16 * D, g + bh);
         cp_async4(dst + 16 * D + 16, beta + bh);
@@ -312,16 +322,12 @@ __device__ __forceinline__ void persistent_bulk(int nh, uint8_t *buf, uint64_t *
     }
 }
 
-/* thread 0: head bh's k, q, v (and w when given) rows into dst[0 .. 4 D floats), on bar */
+/* thread 0: head bh's rows (head_rows) by bulk copies on bar */
 __device__ __forceinline__ void bulk_inputs(const float *k, const float *q, const float *v,
                                             const float *w, int bh, uint8_t *dst, uint64_t *bar)
 {
-    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
-    bulk_g2s(dst, k + qk, 4 * D, bar);
-    bulk_g2s(dst + 4 * D, q + qk, 4 * D, bar);
-    bulk_g2s(dst + 8 * D, v + (size_t)bh * D, 4 * D, bar);
-    if (w)
-        bulk_g2s(dst + 12 * D, w + (size_t)(bh % HVN) * D, 4 * D, bar);
+    head_rows(k, q, v, w, bh, dst,
+              [bar](uint8_t *d, const float *src, int n) { bulk_g2s(d, src, n, bar); });
 }
 
 /* 8 consecutive floats of shared memory (16-byte aligned) into registers */
