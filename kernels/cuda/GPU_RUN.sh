@@ -2,9 +2,10 @@
 # GPU run of the CUDA kernels (the lead runs this on the H200 from the repo root
 # after: . .devdeps/env.sh && meson setup build-gpu -Dcuda=enabled --buildtype=release
 #        && ninja -C build-gpu). Logs go to $OUT (at most 8 files come back):
-# check.txt, sanitize.txt, peer.txt, peer.json, bench.txt, bench.json, ncu.txt, and
-# with FULL=1 the full bench (every batch) in bench_full.txt / bench_full.json, or
-# appended to bench.txt (no JSON) where separate files would make more than 8.
+# check.txt, sanitize.txt, peer.txt, peer.json, bench.txt, bench.json, ncu.txt,
+# probe.txt (the half2 design probe), and with FULL=1 the full bench (every batch) in
+# bench_full.txt / bench_full.json, or appended to bench.txt (no JSON) where separate
+# files would make more than 8.
 OUT=${OUT:-out/gpu}
 mkdir -p "$OUT"
 T=build-gpu/tests/checkasm/checkasm
@@ -14,10 +15,21 @@ S=build-gpu/tools/stepq
 $T >> "$OUT/check.txt" 2>&1
 echo "checkasm rc=$?" >> "$OUT/check.txt"
 
-{ SANITIZE=1 compute-sanitizer --tool memcheck --error-exitcode 9 $T 2>&1 | tail -30
-  echo "memcheck rc=$?"
-  SANITIZE=1 compute-sanitizer --tool racecheck --error-exitcode 9 $T 2>&1 | tail -15
-  echo "racecheck rc=$?"; } > "$OUT/sanitize.txt" 2>&1
+# sanitize TOOL LINES BINARY ARGS...: the tool's last LINES lines and its own status (a
+# pipe into tail would report tail's); the full log is a temporary file, removed after.
+sanitize() {
+    tool=$1 lines=$2
+    shift 2
+    compute-sanitizer --tool "$tool" --error-exitcode 9 "$@" > "$OUT/.sanitize.log" 2>&1
+    r=$?
+    tail -n "$lines" "$OUT/.sanitize.log"
+    echo "$tool rc=$r"
+    rm -f "$OUT/.sanitize.log"
+}
+export SANITIZE=1 # checkasm's sanitizer subset
+{ sanitize memcheck 30 $T
+  sanitize racecheck 15 $T; } > "$OUT/sanitize.txt" 2>&1
+unset SANITIZE
 
 # The peer (flash-linear-attention's fp32 kernels) when a snapshot of its `fla` package
 # was carried in the ignored peers/fla folder (see tools/scripts/bench_peer_fla.py). It runs
@@ -50,10 +62,10 @@ bench() { # text file, bench arguments...
 : > "$OUT/bench.txt"
 bench "$OUT/bench.txt" --quick --json "$OUT/bench.json"
 if [ "${FULL:-0}" = 1 ]; then
-    # Two more files next to those so far and ncu.txt, unless that makes more than 8
-    # (with the peer's two it makes 9): then the text goes into bench.txt, without JSON.
+    # Two more files next to those so far, ncu.txt and probe.txt, unless that makes more
+    # than 8 (with the peer's two it makes 10): then the text goes into bench.txt, without JSON.
     n=$(ls "$OUT" | wc -l)
-    if [ $((n + 3)) -le 8 ]; then
+    if [ $((n + 4)) -le 8 ]; then
         : > "$OUT/bench_full.txt"
         bench "$OUT/bench_full.txt" --json "$OUT/bench_full.json"
     else
@@ -83,4 +95,17 @@ ncu_one "gdn bf16 B=512" sq_tile --only bf16 --batch 512 --shape gdn
 ncu_one "gdn stepq@6 unpack B=512" sq_unpack --only 'stepq@6 unpack' --batch 512 --shape gdn
 ncu_one "kda stepq@6 unpack B=512" sq_unpack --only 'stepq@6 unpack' --batch 512 --shape kda
 ncu_one "gdn stepq@6 unpack [V,K] B=512" sq_unpack --only 'stepq@6 unpack [V,K]' --batch 512 --shape gdn
+
+# The half2 design probe of the next packed step (kernels/cuda/probe/fp16_step.cu, built with
+# the tree; not part of the library): its kernels side by side at B = 512 and 1, then its
+# sanitizer runs at B = 8 with one timed launch per kernel (STEPQ_PROBE_REPS=1).
+P=build-gpu/kernels/cuda/stepq-fp16-probe
+{ for b in 512 1; do
+      $P $b
+      echo "probe B=$b rc=$?"
+  done
+  export STEPQ_PROBE_REPS=1
+  sanitize memcheck 3 $P 8
+  sanitize racecheck 3 $P 8
+  unset STEPQ_PROBE_REPS; } > "$OUT/probe.txt" 2>&1
 exit 0
