@@ -36,11 +36,13 @@
  * step_f16_pfb the same with Hopper's bulk copies (thread 0 issues one cp.async.bulk per piece,
  * completing on an mbarrier).
  *
- * After them comes the dense bf16-state step (issue #15's 88%-of-copy target) in three versions:
- * the state as fp32 in registers (two blocks per SM, as the shipped tile kernel), as the loaded
- * bf16x2 words, converted on each use (three blocks per SM; ptxas: 80 registers, a small spill),
- * and the first in a persistent block that prefetches the next head's state and inputs into shared
- * memory (16-byte cp.asyncs, or bulk copies), beside a device copy of the same bytes.
+ * After them comes the dense bf16-state step (issue #15's 88%-of-copy target): the state as fp32
+ * in registers (two blocks per SM, as the shipped tile kernel), as the loaded bf16x2 words,
+ * converted on each use (three blocks per SM; ptxas: 80 registers, a small spill), the first in a
+ * persistent block that prefetches the next head's state and inputs into shared memory (16-byte
+ * cp.asyncs, or bulk copies), and dense_bf16_cols, which has no block barrier at all (a warp owns
+ * 16 columns of the head over all rows: the delta rule's columns are independent), with fp32 or
+ * bf16x2 registers; beside a device copy of the same bytes.
  *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
  * indirection, other layouts and dtypes. Compare step_f32's time with `stepq bench kernels`'
@@ -1471,6 +1473,104 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
                       a.v + (size_t)bh * D, a.g + bh, a.beta + bh);
 }
 
+/* One level of a warp's reduce-scatter of 2 N values: a lane keeps the half that its lane bit N
+ * selects and adds its partner's copy of that half (values 0 .. N - 1 after it). */
+template <int N, int M> __device__ __forceinline__ void rs_level(float (&pv)[M], int lane)
+{
+    const bool up = lane & N;
+#pragma unroll
+    for (int c = 0; c < N; c++) {
+        const float send = up ? pv[c] : pv[c + N], keep = up ? pv[c + N] : pv[c];
+        pv[c] = keep + __shfl_xor_sync(0xffffffffu, send, N);
+    }
+}
+
+/* The dense bf16 step without block barriers (COLS): the delta rule's columns are independent
+ * (u_j and o_j need column j of the state, k, q and v only), so warp w owns columns 16 w .. 16 w
+ * + 15 of the head and lane l its rows l, l + 32, l + 64, l + 96; every reduction is over the
+ * warp's lanes (the two dot products by a reduce-scatter, k.q by a butterfly) and nothing waits
+ * for the block. The state stays as the loaded bf16x2 words (REG16) or fp32 registers. */
+template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_bf16_cols(DArgs a)
+{
+    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31;
+    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    const uint32_t *src = a.sin + (size_t)bh * (D * D / 2) + 8 * wp;
+    uint32_t *dst = a.sout + (size_t)bh * (D * D / 2) + 8 * wp;
+    uint32_t W[4][8];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const uint4 *p = (const uint4 *)(src + (lane + 32 * r) * (D / 2));
+        const uint4 w0 = p[0], w1 = p[1];
+        W[r][0] = w0.x, W[r][1] = w0.y, W[r][2] = w0.z, W[r][3] = w0.w;
+        W[r][4] = w1.x, W[r][5] = w1.y, W[r][6] = w1.z, W[r][7] = w1.w;
+    }
+    float kr[4], qr[4], kq = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        kr[r] = a.k[qk + lane + 32 * r];
+        qr[r] = a.q[qk + lane + 32 * r];
+        kq = fmaf(kr[r], qr[r], kq);
+    }
+    const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
+    float x[REG16 ? 1 : 4][16];
+    if (!REG16)
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+#pragma unroll
+            for (int p = 0; p < 8; p++)
+                x[r][2 * p] = bf_lo(W[r][p]), x[r][2 * p + 1] = bf_hi(W[r][p]);
+    /* S^T k, then S^T q: partials of the warp's 16 columns over the lane's 4 rows, a
+     * reduce-scatter over lane bits 0-3 (lane l ends with column l & 15 over its half-warp's
+     * rows), then the other half-warp's rows */
+    float res[2];
+#pragma unroll
+    for (int vec = 0; vec < 2; vec++) {
+        float pv[16];
+#pragma unroll
+        for (int c = 0; c < 16; c++)
+            pv[c] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float wr = vec ? qr[r] : kr[r];
+#pragma unroll
+            for (int p = 0; p < 8; p++) {
+                const float lo = REG16 ? bf_lo(W[r][p]) : x[r][2 * p];
+                const float hi = REG16 ? bf_hi(W[r][p]) : x[r][2 * p + 1];
+                pv[2 * p] = fmaf(lo, wr, pv[2 * p]);
+                pv[2 * p + 1] = fmaf(hi, wr, pv[2 * p + 1]);
+            }
+        }
+        rs_level<8>(pv, lane);
+        rs_level<4>(pv, lane);
+        rs_level<2>(pv, lane);
+        rs_level<1>(pv, lane);
+        res[vec] = pv[0] + __shfl_xor_sync(0xffffffffu, pv[0], 16);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        kq += __shfl_xor_sync(0xffffffffu, kq, o);
+    const int col = 16 * wp + (lane & 15);
+    const float sj = res[0], tj = res[1];
+    const float u = beta * (a.v[(size_t)bh * D + col] - alpha * sj);
+    if (lane < 16)
+        a.o[(size_t)bh * D + col] = alpha * tj + u * kq;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        uint32_t o8[8];
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const float u0 = __shfl_sync(0xffffffffu, u, 2 * p),
+                        u1 = __shfl_sync(0xffffffffu, u, 2 * p + 1);
+            const float lo = REG16 ? bf_lo(W[r][p]) : x[r][2 * p];
+            const float hi = REG16 ? bf_hi(W[r][p]) : x[r][2 * p + 1];
+            o8[p] = bf_pack(fmaf(kr[r], u0, alpha * lo), fmaf(kr[r], u1, alpha * hi));
+        }
+        uint4 *q4 = (uint4 *)(dst + (lane + 32 * r) * (D / 2));
+        q4[0] = make_uint4(o8[0], o8[1], o8[2], o8[3]);
+        q4[1] = make_uint4(o8[4], o8[5], o8[6], o8[7]);
+    }
+}
+
 /* the persistent variant (fp32 registers, 2 blocks per SM): grid min(heads, 2 x SMs), the next
  * head's state and inputs prefetched into dynamic shared memory (2 x PF_DENSE bytes) */
 #define PF_DENSE (DBLK + PF_IN)
@@ -1623,9 +1723,12 @@ static void dense_probe(const Case &c, const Args &pa, const Timer &T)
     const double cus = ct[ct.size() / 2], cbw = 2.0 * nh * DBLK / cus * 1e-3;
     printf("dense bf16 state, B = %d: device copy of the state %.1f us (%.0f GB/s read + write)\n",
            c.B, cus, cbw);
-    const char *names[4] = { "dense bf16, fp32 registers", "dense bf16, bf16x2 registers",
+    const char *names[6] = { "dense bf16, fp32 registers",
+                             "dense bf16, bf16x2 registers",
                              "dense bf16, fp32 registers, prefetch",
-                             "dense bf16, fp32 registers, bulk prefetch" };
+                             "dense bf16, fp32 registers, bulk prefetch",
+                             "dense bf16, no barriers, fp32 registers",
+                             "dense bf16, no barriers, bf16x2 regs" };
     int nsm = 0, occ = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
     CK(cudaFuncSetAttribute(dense_bf16_pf, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -1638,9 +1741,13 @@ static void dense_probe(const Case &c, const Args &pa, const Timer &T)
     CK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&bocc, dense_bf16_pfb, NT, 2 * PFB_DENSE));
     const int gpfb = (int)std::min<size_t>(nh, (size_t)bocc * nsm);
     printf("dense prefetch variant: %d blocks per SM resident, grid %d\n", occ, gpf);
-    for (int var = 0; var < 4; var++) {
+    for (int var = 0; var < 6; var++) {
         auto f = [&] {
-            if (var == 3)
+            if (var == 5)
+                dense_bf16_cols<1><<<nh, NT, 0, T.st>>>(a);
+            else if (var == 4)
+                dense_bf16_cols<0><<<nh, NT, 0, T.st>>>(a);
+            else if (var == 3)
                 dense_bf16_pfb<<<gpfb, NT, 2 * PFB_DENSE, T.st>>>(a, (int)nh);
             else if (var == 2)
                 dense_bf16_pf<<<gpf, NT, 2 * PF_DENSE, T.st>>>(a, (int)nh);
