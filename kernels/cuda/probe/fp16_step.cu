@@ -23,10 +23,10 @@
  * `stepq-fp16-probe emul` (no GPU; a test) runs h_step_f16, an exact host emulation of step_f16's
  * arithmetic (each half operation rounded as the hardware rounds it; the MMA dots as exact sums),
  * over a grid of state spreads and scales, and compares the new state's quantization error against
- * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the twelve kernels
- * at B requests x 32 heads beside each other and checks them: the readout against the host fp32
- * step, the state error against the host fit's, and the code bytes that differ from the host's page
- * and from the emulation's (an fp16 kernel should match its emulation but for ties of its
+ * the exact update with the host fp32 fit's. `stepq-fp16-probe [B]` (GPU) times the fourteen
+ * kernels at B requests x 32 heads beside each other and checks them: the readout against the host
+ * fp32 step, the state error against the host fit's, and the code bytes that differ from the host's
+ * page and from the emulation's (an fp16 kernel should match its emulation but for ties of its
  * approximate square root and divisions, and for the MMA variant of the fp32 sums' order).
  *
  * The variants: step_f16 takes its blocks per SM (OCC: half2 state needs 32 registers for 64
@@ -34,7 +34,9 @@
  * rows-distributed half2 step in a persistent block that copies the next head's page and inputs
  * into shared memory (cp.async) while it computes the current one (software pipelining), and
  * step_f16_pfb the same with Hopper's bulk copies (thread 0 issues one cp.async.bulk per piece,
- * completing on an mbarrier).
+ * completing on an mbarrier); step_f16_cols gives each warp 16 columns over all rows, so that the
+ * column reductions stay within a warp and one barrier (the row maxima) remains, at the price of
+ * every warp computing the per-row factors of all rows.
  *
  * After them comes the dense bf16-state step (issue #15's 88%-of-copy target): the state as fp32
  * in registers (two blocks per SM, as the shipped tile kernel), as the loaded bf16x2 words,
@@ -1571,6 +1573,258 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
     }
 }
 
+/* ---- the half2 step with columns per warp (COLS)
+ * ------------------------------------------------- Warp w owns columns 16 w .. 16 w + 15 of the
+ * head over all 128 rows and lane l its rows l, l + 32, l + 64, l + 96 (64 elements, 32 half2 in
+ * X[4][8]: pair p = columns 2p, 2p + 1 of the warp's). The two dot products, u, the column maxima
+ * and the refit sums are then reductions over the warp's own lanes (shuffles), and the row maxima
+ * are the only exchange between warps: one
+ * __syncthreads in all, against five in step_f16. The normalisers are per warp (Pc over its 16
+ * old column scales, Su over its 16 u_j, N_i per row and warp), the power of two Pa of the refit
+ * weights per lane (its 4 rows). Same arithmetic as step_f16 otherwise; its sums run in another
+ * order, so its codes may differ from the emulation's at more ties than step_f16's. */
+
+/* 8 columns pairs of a 16-column row slice: the 12-bit field p holds the codes of columns 2p
+ * (bits 0-5) and 2p + 1 (6-11) */
+__device__ __forceinline__ uint32_t cols_field(uint32_t w0, uint32_t w1, uint32_t w2, int p)
+{
+    const int bit = 12 * p;
+    const uint32_t lo = bit < 32 ? w0 : bit < 64 ? w1 : w2, hi = bit < 32 ? w1 : w2;
+    return __funnelshift_r(lo, hi, bit & 31) & 0xFFFu;
+}
+
+/* One level of the column maxima's reduce-scatter: of 2 N half2 maxima a lane keeps the half that
+ * its lane bit 4 N selects, max-ed with its partner's copy of it */
+template <int N> __device__ __forceinline__ void cm_level(half2 (&c)[8], int lane)
+{
+    const bool up = lane & (4 * N);
+#pragma unroll
+    for (int j = 0; j < N; j++) {
+        const half2 send = up ? c[j] : c[j + N], keep = up ? c[j + N] : c[j];
+        c[j] = __hmax2(keep, u2h(__shfl_xor_sync(0xffffffffu, h2u(send), 4 * N)));
+    }
+}
+
+template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args a)
+{
+    __shared__ float rm[8][D]; /* the row maxima of each warp's columns */
+    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31, jl = lane & 15;
+    const int b = bh / HVN, h = bh % HVN, C0 = 16 * wp;
+    const uint8_t *blk = a.pin + (size_t)bh * BLK;
+    uint8_t *ob = a.pout + (size_t)bh * BLK;
+    const float *kp = a.k + ((size_t)b * HQN + h / 2) * D,
+                *qp = a.q + ((size_t)b * HQN + h / 2) * D;
+    const half *rs = (const half *)(blk + ROFF), *cs = (const half *)(blk + COFF);
+
+    /* the lane's rows: codes, old row scales, k, q, w */
+    half2 X[4][8];
+    float rf[4], kr[4], qr[4], wr[4], kq = 0.f;
+    const half2 off1056 = __float2half2_rn(1056.f);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int i = lane + 32 * r;
+        const uint32_t *row = (const uint32_t *)(blk + i * ROWB + 12 * wp);
+        const uint32_t w0 = row[0], w1 = row[1], w2 = row[2];
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const uint32_t F = cols_field(w0, w1, w2, p);
+            X[r][p] = __hsub2(u2h((F & 0x3Fu) | ((F << 10) & 0x3F0000u) | 0x64006400u), off1056);
+        }
+        rf[r] = __half2float(rs[i]);
+        kr[r] = kp[i];
+        qr[r] = qp[i];
+        wr[r] = a.w[(size_t)h * D + i];
+        kq = fmaf(kr[r], qr[r], kq);
+    }
+    float cf[16]; /* the warp's old column scales */
+    {
+        const uint4 c0 = *(const uint4 *)(cs + C0), c1 = *(const uint4 *)(cs + C0 + 8);
+        const half *h0 = (const half *)&c0, *h1 = (const half *)&c1;
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            cf[j] = __half2float(h0[j]), cf[8 + j] = __half2float(h1[j]);
+    }
+    const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        kq += __shfl_xor_sync(0xffffffffu, kq, o);
+
+    /* the dot products in the code domain: half2 partials over the lane's 4 rows (weights r_i k_i
+     * and r_i q_i over the lane's powers of two), fp32 across the lanes by a reduce-scatter of
+     * the 32 values (S^T k: 0..15, S^T q: 16..31) */
+    float pv[32];
+    {
+        float mk = 0.f, mq = 0.f;
+#pragma unroll
+        for (int r = 0; r < 4; r++)
+            mk = fmaxf(mk, fabsf(rf[r] * kr[r])), mq = fmaxf(mq, fabsf(rf[r] * qr[r]));
+        const float Pk = pow2ceil(mk), Pq = pow2ceil(mq), iPk = pow2inv(Pk), iPq = pow2inv(Pq);
+        half2 ak[8], aq[8];
+#pragma unroll
+        for (int p = 0; p < 8; p++)
+            ak[p] = aq[p] = __float2half2_rn(0.f);
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const half2 wk = __float2half2_rn(rf[r] * kr[r] * iPk),
+                        wq = __float2half2_rn(rf[r] * qr[r] * iPq);
+#pragma unroll
+            for (int p = 0; p < 8; p++) {
+                ak[p] = __hfma2(X[r][p], wk, ak[p]);
+                aq[p] = __hfma2(X[r][p], wq, aq[p]);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const float2 fk = __half22float2(ak[p]), fq = __half22float2(aq[p]);
+            pv[2 * p] = fk.x * Pk, pv[2 * p + 1] = fk.y * Pk;
+            pv[16 + 2 * p] = fq.x * Pq, pv[16 + 2 * p + 1] = fq.y * Pq;
+        }
+    }
+    rs_level<16>(pv, lane);
+    rs_level<8>(pv, lane);
+    rs_level<4>(pv, lane);
+    rs_level<2>(pv, lane);
+    rs_level<1>(pv, lane);
+    /* lane l: column C0 + (l & 15), S^T k (l < 16) or S^T q (l >= 16), in the code domain */
+    const float cj = __half2float(cs[C0 + jl]), f = cj * alpha * (1.0f / QMAX);
+    const float tq = __shfl_sync(0xffffffffu, pv[0], 16 | jl) * f;
+    const float sj = __shfl_sync(0xffffffffu, pv[0], jl) * f;
+    const float u = beta * (a.v[(size_t)bh * D + C0 + jl] - sj); /* every lane: column jl */
+    if (lane < 16)
+        a.o[(size_t)bh * D + C0 + jl] = tq + u * kq;
+
+    /* normalisers of the warp: Pc >= its old column scales, Su >= its |u_j|; per row N_i >=
+     * max(r_i Pc, |k_i| umax) */
+    float cm = 0.f, um = fabsf(u);
+#pragma unroll
+    for (int j = 0; j < 16; j++)
+        cm = fmaxf(cm, cf[j]);
+#pragma unroll
+    for (int o = 8; o; o >>= 1)
+        um = fmaxf(um, __shfl_xor_sync(0xffffffffu, um, o));
+    const float Pc = pow2ceil(cm), iPc = pow2inv(Pc), Su = pow2ceil(um), iSu = pow2inv(Su);
+    half2 C2[8], U2[8];
+#pragma unroll
+    for (int p = 0; p < 8; p++) {
+        const float u0 = __shfl_sync(0xffffffffu, u, 2 * p),
+                    u1 = __shfl_sync(0xffffffffu, u, 2 * p + 1);
+        C2[p] = __floats2half2_rn(cf[2 * p] * iPc, cf[2 * p + 1] * iPc);
+        U2[p] = __floats2half2_rn(u0 * iSu, u1 * iSu);
+    }
+    float N[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        N[r] = pow2ceil(fmaxf(rf[r] * Pc, fabsf(kr[r]) * um));
+        const float iN = pow2inv(N[r]);
+        const half2 F2 = __float2half2_rn(alpha * rf[r] * Pc * (1.0f / QMAX) * iN);
+        const half2 K2 = __float2half2_rn(kr[r] * Su * iN);
+        float M = 0.f;
+        half2 m2 = __float2half2_rn(0.f);
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
+            m2 = __hmax2(m2, __habs2(X[r][p]));
+        }
+        M = fmaxf(__low2float(m2), __high2float(m2));
+        rm[wp][lane + 32 * r] = M * N[r];
+    }
+    __syncthreads();
+
+    /* row scales r_i = fp16(sqrt(m_i / w_i)) from the maxima of all warps; y / Pc = X N_i / (Pc
+     * r_i); the refit weights A_i = w_i^2 r_i^2 over the lane's power of two Pa */
+    half2 A2[4];
+    float mA = 0.f, A[4];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const int i = lane + 32 * r;
+        float m = rm[0][i];
+#pragma unroll
+        for (int w = 1; w < 8; w++)
+            m = fmaxf(m, rm[w][i]);
+        const float rn = __half2float(__float2half_rn(fsqrt(fdiv(m, wr[r]))));
+        const half2 R2 = __float2half2_rn(rn > 0.f ? fdiv(N[r] * iPc, rn) : 0.f);
+#pragma unroll
+        for (int p = 0; p < 8; p++)
+            X[r][p] = __hmul2(X[r][p], R2);
+        A[r] = wr[r] * wr[r] * rn * rn;
+        mA = fmaxf(mA, A[r]);
+        if (wp == 0)
+            ((half *)(ob + ROFF))[i] = __float2half_rn(rn);
+    }
+    const float Pa = pow2ceil(mA), iPa = pow2inv(Pa);
+#pragma unroll
+    for (int r = 0; r < 4; r++)
+        A2[r] = __float2half2_rn(A[r] * iPa);
+
+    /* column maxima: the lane's 4 rows, then a reduce-scatter over lane bits 4, 3, 2 (lane l ends
+     * with pair (l >> 2) & 7 over 8 lanes) and a butterfly over bits 1, 0; then every lane gets
+     * the 8 pairs' maxima and quantize factors qmax / c (saturated at 65504) back */
+    half2 cmx[8];
+#pragma unroll
+    for (int p = 0; p < 8; p++)
+        cmx[p] = __hmax2(__hmax2(__habs2(X[0][p]), __habs2(X[1][p])),
+                         __hmax2(__habs2(X[2][p]), __habs2(X[3][p])));
+    cm_level<4>(cmx, lane);
+    cm_level<2>(cmx, lane);
+    cm_level<1>(cmx, lane);
+    cmx[0] = __hmax2(cmx[0], u2h(__shfl_xor_sync(0xffffffffu, h2u(cmx[0]), 2)));
+    cmx[0] = __hmax2(cmx[0], u2h(__shfl_xor_sync(0xffffffffu, h2u(cmx[0]), 1)));
+    uint32_t qmine;
+    {
+        const float2 c = __half22float2(cmx[0]);
+        qmine = h2u(__floats2half2_rn(c.x > 0.f ? fminf(fdiv(QMAX, c.x), 65504.f) : 0.f,
+                                      c.y > 0.f ? fminf(fdiv(QMAX, c.y), 65504.f) : 0.f));
+    }
+    const uint32_t cmine = h2u(cmx[0]);
+    half2 Q2[8];
+#pragma unroll
+    for (int p = 0; p < 8; p++)
+        Q2[p] = u2h(__shfl_sync(0xffffffffu, qmine, 4 * p));
+    /* the column maximum of column jl (step 2's scale over Pc), for the refit's fallback */
+    const uint32_t cpair = __shfl_sync(0xffffffffu, cmine, 4 * (jl >> 1));
+    const float cmax_j = (jl & 1) ? __high2float(u2h(cpair)) : __low2float(u2h(cpair));
+
+    /* quantize (magic 1568), refit partials, pack and store the lane's 4 row slices */
+    const half2 mag = __float2half2_rn(1568.f);
+    half2 an[8], ad[8];
+#pragma unroll
+    for (int p = 0; p < 8; p++)
+        an[p] = ad[p] = __float2half2_rn(0.f);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        uint32_t fl[8];
+#pragma unroll
+        for (int p = 0; p < 8; p++) {
+            const half2 T = __hfma2(X[r][p], Q2[p], mag);
+            const half2 z = __hsub2(T, mag);
+            an[p] = __hfma2(__hmul2(z, X[r][p]), A2[r], an[p]);
+            ad[p] = __hfma2(__hmul2(z, z), A2[r], ad[p]);
+            const uint32_t bb = h2u(T);
+            fl[p] = (bb & 0x3Fu) | ((bb >> 10) & 0xFC0u);
+        }
+        uint32_t *row = (uint32_t *)(ob + (lane + 32 * r) * ROWB + 12 * wp);
+        row[0] = fl[0] | (fl[1] << 12) | (fl[2] << 24);
+        row[1] = (fl[2] >> 8) | (fl[3] << 4) | (fl[4] << 16) | (fl[5] << 28);
+        row[2] = (fl[5] >> 4) | (fl[6] << 8) | (fl[7] << 20);
+    }
+#pragma unroll
+    for (int p = 0; p < 8; p++) {
+        const float2 n = __half22float2(an[p]), d = __half22float2(ad[p]);
+        pv[2 * p] = n.x * Pa, pv[2 * p + 1] = n.y * Pa;
+        pv[16 + 2 * p] = d.x * Pa, pv[16 + 2 * p + 1] = d.y * Pa;
+    }
+    rs_level<16>(pv, lane);
+    rs_level<8>(pv, lane);
+    rs_level<4>(pv, lane);
+    rs_level<2>(pv, lane);
+    rs_level<1>(pv, lane);
+    const float n = pv[0], d = __shfl_sync(0xffffffffu, pv[0], 16 | jl);
+    if (lane < 16) { /* c_j = qmax Pc num / den */
+        const float c = d > 0.f ? fdiv(QMAX * Pc * n, d) : cmax_j * Pc;
+        ((half *)(ob + COFF))[C0 + jl] = __float2half_rn(c);
+    }
+}
+
 /* the persistent variant (fp32 registers, 2 blocks per SM): grid min(heads, 2 x SMs), the next
  * head's state and inputs prefetched into dynamic shared memory (2 x PF_DENSE bytes) */
 #define PF_DENSE (DBLK + PF_IN)
@@ -1885,7 +2139,7 @@ int main(int argc, char **argv)
     /* the variants; OCC (blocks per SM in __launch_bounds__) caps the registers: the half2 state
      * holds 64 elements in 32 registers, so 3 blocks (80 registers) fit without spills and 4 (64)
      * spill a little */
-    enum { NVAR = 12 };
+    enum { NVAR = 14 };
     const char *names[NVAR] = { "fp32 arithmetic",
                                 "fp32 arithmetic, rows distributed",
                                 "fp16 arithmetic",
@@ -1897,9 +2151,11 @@ int main(int argc, char **argv)
                                 "fp16, rows distr., prefetch, 3 blocks/SM",
                                 "fp16, rows distr., prefetch, 4 blocks/SM",
                                 "fp16, rows distr., bulk prefetch, 3 blocks/SM",
-                                "fp16, rows distr., bulk prefetch, 4 blocks/SM" };
-    const bool mma_var[NVAR] = { false, false, false, false, true,  false,
-                                 false, true,  false, false, false, false };
+                                "fp16, rows distr., bulk prefetch, 4 blocks/SM",
+                                "fp16, columns per warp, 3 blocks/SM",
+                                "fp16, columns per warp, 4 blocks/SM" };
+    const bool mma_var[NVAR] = { false, false, false, false, true,  false, false,
+                                 true,  false, false, false, false, false, false };
     /* the persistent variants' grids: as many blocks as are resident at once */
     int nsm = 0, occ3 = 0, occ4 = 0;
     CK(cudaDeviceGetAttribute(&nsm, cudaDevAttrMultiProcessorCount, 0));
@@ -1966,8 +2222,14 @@ int main(int argc, char **argv)
         case 10:
             step_f16_pfb<3><<<bg3, NT, 2 * PFB_F16, st>>>(a, (int)nh);
             break;
-        default:
+        case 11:
             step_f16_pfb<4><<<bg4, NT, 2 * PFB_F16, st>>>(a, (int)nh);
+            break;
+        case 12:
+            step_f16_cols<3><<<nh, NT, 0, st>>>(a);
+            break;
+        default:
+            step_f16_cols<4><<<nh, NT, 0, st>>>(a);
             break;
         }
     };
