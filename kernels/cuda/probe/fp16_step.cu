@@ -553,6 +553,26 @@ __device__ __forceinline__ void dots_mma(const Args &a, const Pos &P, const uint
     }
 }
 
+/* A pair of codes to half2 integers z (exact): F holds the codes of the two columns in bits 0-5
+ * and 6-11, half(0x6400 | u) = 1024 + u, z = u - 32 */
+__device__ __forceinline__ half2 dec_pair(uint32_t F, half2 off1056)
+{
+    return __hsub2(u2h((F & 0x3Fu) | ((F << 10) & 0x3F0000u) | 0x64006400u), off1056);
+}
+
+/* The quantize of a pair y (t = y q + 1568 rounds half to even; its half's low 6 bits are then the
+ * offset code), the refit partials an += A z y and ad += A z^2, and the pair's 12-bit code field */
+__device__ __forceinline__ uint32_t quant_pair(half2 y, half2 q, half2 mag, half2 A, half2 &an,
+                                               half2 &ad)
+{
+    const half2 T = __hfma2(y, q, mag);
+    const half2 z = __hsub2(T, mag);
+    an = __hfma2(__hmul2(z, y), A, an);
+    ad = __hfma2(__hmul2(z, z), A, ad);
+    const uint32_t b = h2u(T);
+    return (b & 0x3Fu) | ((b >> 10) & 0xFC0u);
+}
+
 /* DIST: per-row factors computed once per row (lane (tx >> 1) & 7 of the half-warp owns row R0 +
  * that) and broadcast by shuffles, the row maxima by a reduce-scatter (5 shuffles); else every lane
  * computes all 8 of its rows and the maxima by a butterfly (16 shuffles) */
@@ -574,10 +594,8 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
         ld_codes(blk + (R0 + r) * ROWB, tx, lo, hi);
         const uint32_t F[4] = { lo, lo >> 12, __funnelshift_r(lo, hi, 24), hi >> 4 };
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
-            uint32_t bits = (F[p] & 0x3Fu) | ((F[p] << 10) & 0x3F0000u) | 0x64006400u;
-            X[r][p] = __hsub2(u2h(bits), off1056);
-        }
+        for (int p = 0; p < 4; p++)
+            X[r][p] = dec_pair(F[p], off1056);
     }
 
     /* the two dot products in the code domain: s_j = c_j alpha / qmax sum_i z_ij (r_i k_i) */
@@ -791,14 +809,8 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
     for (int r = 0; r < 8; r++) {
         uint32_t f[4];
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const half2 T = __hfma2(X[r][p], Q2[p], mag);
-            const half2 z = __hsub2(T, mag);
-            an[p] = __hfma2(__hmul2(z, X[r][p]), A2[r], an[p]);
-            ad[p] = __hfma2(__hmul2(z, z), A2[r], ad[p]);
-            const uint32_t b = h2u(T);
-            f[p] = (b & 0x3Fu) | ((b >> 10) & 0xFC0u);
-        }
+        for (int p = 0; p < 4; p++)
+            f[p] = quant_pair(X[r][p], Q2[p], mag, A2[r], an[p], ad[p]);
         const uint32_t lo = f[0] | (f[1] << 12) | (f[2] << 24), hi = (f[2] >> 8) | (f[3] << 4);
         st_codes(ob + (R0 + r) * ROWB, tx, lo, hi);
     }
@@ -1626,10 +1638,8 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
         const uint32_t *row = (const uint32_t *)(blk + i * ROWB + 12 * wp);
         const uint32_t w0 = row[0], w1 = row[1], w2 = row[2];
 #pragma unroll
-        for (int p = 0; p < 8; p++) {
-            const uint32_t F = cols_field(w0, w1, w2, p);
-            X[r][p] = __hsub2(u2h((F & 0x3Fu) | ((F << 10) & 0x3F0000u) | 0x64006400u), off1056);
-        }
+        for (int p = 0; p < 8; p++)
+            X[r][p] = dec_pair(cols_field(w0, w1, w2, p), off1056);
         rf[r] = __half2float(rs[i]);
         kr[r] = kp[i];
         qr[r] = qp[i];
@@ -1794,14 +1804,8 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
     for (int r = 0; r < 4; r++) {
         uint32_t fl[8];
 #pragma unroll
-        for (int p = 0; p < 8; p++) {
-            const half2 T = __hfma2(X[r][p], Q2[p], mag);
-            const half2 z = __hsub2(T, mag);
-            an[p] = __hfma2(__hmul2(z, X[r][p]), A2[r], an[p]);
-            ad[p] = __hfma2(__hmul2(z, z), A2[r], ad[p]);
-            const uint32_t bb = h2u(T);
-            fl[p] = (bb & 0x3Fu) | ((bb >> 10) & 0xFC0u);
-        }
+        for (int p = 0; p < 8; p++)
+            fl[p] = quant_pair(X[r][p], Q2[p], mag, A2[r], an[p], ad[p]);
         uint32_t *row = (uint32_t *)(ob + (lane + 32 * r) * ROWB + 12 * wp);
         row[0] = fl[0] | (fl[1] << 12) | (fl[2] << 24);
         row[1] = (fl[2] >> 8) | (fl[3] << 4) | (fl[4] << 16) | (fl[5] << 28);
