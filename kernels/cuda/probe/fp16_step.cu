@@ -1617,6 +1617,27 @@ template <int N> __device__ __forceinline__ void cm_level(half2 (&c)[8], int lan
     }
 }
 
+/* The warp-wide sums of two sets of 16 column partials held as half2 pairs over powers of two
+ * (a times Pa: values 0..15, b times Pb: 16..31) in fp32: the value of index lane, summed over
+ * the 32 lanes (a reduce-scatter) */
+__device__ __forceinline__ float warp_sums32(const half2 (&a)[8], float Pa, const half2 (&b)[8],
+                                             float Pb, int lane)
+{
+    float pv[32];
+#pragma unroll
+    for (int p = 0; p < 8; p++) {
+        const float2 fa = __half22float2(a[p]), fb = __half22float2(b[p]);
+        pv[2 * p] = fa.x * Pa, pv[2 * p + 1] = fa.y * Pa;
+        pv[16 + 2 * p] = fb.x * Pb, pv[16 + 2 * p + 1] = fb.y * Pb;
+    }
+    rs_level<16>(pv, lane);
+    rs_level<8>(pv, lane);
+    rs_level<4>(pv, lane);
+    rs_level<2>(pv, lane);
+    rs_level<1>(pv, lane);
+    return pv[0];
+}
+
 template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args a)
 {
     __shared__ float rm[8][D]; /* the row maxima of each warp's columns */
@@ -1662,7 +1683,7 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
     /* the dot products in the code domain: half2 partials over the lane's 4 rows (weights r_i k_i
      * and r_i q_i over the lane's powers of two), fp32 across the lanes by a reduce-scatter of
      * the 32 values (S^T k: 0..15, S^T q: 16..31) */
-    float pv[32];
+    float sum;
     {
         float mk = 0.f, mq = 0.f;
 #pragma unroll
@@ -1683,22 +1704,12 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
                 aq[p] = __hfma2(X[r][p], wq, aq[p]);
             }
         }
-#pragma unroll
-        for (int p = 0; p < 8; p++) {
-            const float2 fk = __half22float2(ak[p]), fq = __half22float2(aq[p]);
-            pv[2 * p] = fk.x * Pk, pv[2 * p + 1] = fk.y * Pk;
-            pv[16 + 2 * p] = fq.x * Pq, pv[16 + 2 * p + 1] = fq.y * Pq;
-        }
+        sum = warp_sums32(ak, Pk, aq, Pq, lane);
     }
-    rs_level<16>(pv, lane);
-    rs_level<8>(pv, lane);
-    rs_level<4>(pv, lane);
-    rs_level<2>(pv, lane);
-    rs_level<1>(pv, lane);
     /* lane l: column C0 + (l & 15), S^T k (l < 16) or S^T q (l >= 16), in the code domain */
     const float cj = __half2float(cs[C0 + jl]), f = cj * alpha * (1.0f / QMAX);
-    const float tq = __shfl_sync(0xffffffffu, pv[0], 16 | jl) * f;
-    const float sj = __shfl_sync(0xffffffffu, pv[0], jl) * f;
+    const float tq = __shfl_sync(0xffffffffu, sum, 16 | jl) * f;
+    const float sj = __shfl_sync(0xffffffffu, sum, jl) * f;
     const float u = beta * (a.v[(size_t)bh * D + C0 + jl] - sj); /* every lane: column jl */
     if (lane < 16)
         a.o[(size_t)bh * D + C0 + jl] = tq + u * kq;
@@ -1811,18 +1822,7 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
         row[1] = (fl[2] >> 8) | (fl[3] << 4) | (fl[4] << 16) | (fl[5] << 28);
         row[2] = (fl[5] >> 4) | (fl[6] << 8) | (fl[7] << 20);
     }
-#pragma unroll
-    for (int p = 0; p < 8; p++) {
-        const float2 n = __half22float2(an[p]), d = __half22float2(ad[p]);
-        pv[2 * p] = n.x * Pa, pv[2 * p + 1] = n.y * Pa;
-        pv[16 + 2 * p] = d.x * Pa, pv[16 + 2 * p + 1] = d.y * Pa;
-    }
-    rs_level<16>(pv, lane);
-    rs_level<8>(pv, lane);
-    rs_level<4>(pv, lane);
-    rs_level<2>(pv, lane);
-    rs_level<1>(pv, lane);
-    const float n = pv[0], d = __shfl_sync(0xffffffffu, pv[0], 16 | jl);
+    const float n = warp_sums32(an, Pa, ad, Pa, lane), d = __shfl_sync(0xffffffffu, n, 16 | jl);
     if (lane < 16) { /* c_j = qmax Pc num / den */
         const float c = d > 0.f ? fdiv(QMAX * Pc * n, d) : cmax_j * Pc;
         ((half *)(ob + COFF))[C0 + jl] = __float2half_rn(c);
