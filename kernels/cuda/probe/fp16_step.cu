@@ -44,7 +44,8 @@
  * persistent block that prefetches the next head's state and inputs into shared memory (16-byte
  * cp.asyncs, or bulk copies), and dense_bf16_cols, which has no block barrier at all (a warp owns
  * 16 columns of the head over all rows: the delta rule's columns are independent), with fp32 or
- * bf16x2 registers; beside a device copy of the same bytes.
+ * bf16x2 registers; beside a device copy of the same bytes. Last, dense_f32_cols, the same
+ * barrier-free mapping for an fp32 state (the 90%-of-copy target), beside its own copy.
  *
  * Not in the probe: pivot rows, per-row widths (KDA), health words, non-finite inputs, slot
  * indirection, other layouts and dtypes. Compare step_f32's time with `stepq bench kernels`'
@@ -1585,6 +1586,83 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
     }
 }
 
+/* The dense fp32 step in the same mapping (issue #15's 90%-of-copy target for an fp32 state): a
+ * warp owns 16 columns over all rows, lane l rows l + 32 r, the state in fp32 registers; no block
+ * barrier. S: [B * HV][D][D] fp32. */
+struct FArgs {
+    const float *sin;
+    float *sout;
+    const float *q, *k, *v, *g, *beta;
+    float *o;
+};
+__global__ void __launch_bounds__(NT, 2) dense_f32_cols(FArgs a)
+{
+    const int bh = blockIdx.x, t = threadIdx.x, wp = t >> 5, lane = t & 31;
+    const size_t qk = ((size_t)(bh / HVN) * HQN + (bh % HVN) / 2) * D;
+    const float *src = a.sin + (size_t)bh * D * D + 16 * wp;
+    float *dst = a.sout + (size_t)bh * D * D + 16 * wp;
+    float x[4][16];
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        const float4 *p = (const float4 *)(src + (size_t)(lane + 32 * r) * D);
+#pragma unroll
+        for (int q4 = 0; q4 < 4; q4++) {
+            const float4 v4 = p[q4];
+            x[r][4 * q4] = v4.x, x[r][4 * q4 + 1] = v4.y, x[r][4 * q4 + 2] = v4.z,
+                     x[r][4 * q4 + 3] = v4.w;
+        }
+    }
+    float kr[4], qr[4], kq = 0.f;
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        kr[r] = a.k[qk + lane + 32 * r];
+        qr[r] = a.q[qk + lane + 32 * r];
+        kq = fmaf(kr[r], qr[r], kq);
+    }
+    const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
+    float res[2];
+#pragma unroll
+    for (int vec = 0; vec < 2; vec++) {
+        float pv[16];
+#pragma unroll
+        for (int c = 0; c < 16; c++)
+            pv[c] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float wr = vec ? qr[r] : kr[r];
+#pragma unroll
+            for (int c = 0; c < 16; c++)
+                pv[c] = fmaf(x[r][c], wr, pv[c]);
+        }
+        rs_level<8>(pv, lane);
+        rs_level<4>(pv, lane);
+        rs_level<2>(pv, lane);
+        rs_level<1>(pv, lane);
+        res[vec] = pv[0] + __shfl_xor_sync(0xffffffffu, pv[0], 16);
+    }
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        kq += __shfl_xor_sync(0xffffffffu, kq, o);
+    const int col = 16 * wp + (lane & 15);
+    const float u = beta * (a.v[(size_t)bh * D + col] - alpha * res[0]);
+    if (lane < 16)
+        a.o[(size_t)bh * D + col] = alpha * res[1] + u * kq;
+    float uc[16];
+#pragma unroll
+    for (int c = 0; c < 16; c++)
+        uc[c] = __shfl_sync(0xffffffffu, u, c);
+#pragma unroll
+    for (int r = 0; r < 4; r++) {
+        float4 *p = (float4 *)(dst + (size_t)(lane + 32 * r) * D);
+#pragma unroll
+        for (int q4 = 0; q4 < 4; q4++)
+            p[q4] = make_float4(fmaf(kr[r], uc[4 * q4], alpha * x[r][4 * q4]),
+                                fmaf(kr[r], uc[4 * q4 + 1], alpha * x[r][4 * q4 + 1]),
+                                fmaf(kr[r], uc[4 * q4 + 2], alpha * x[r][4 * q4 + 2]),
+                                fmaf(kr[r], uc[4 * q4 + 3], alpha * x[r][4 * q4 + 3]));
+    }
+}
+
 /* ---- the half2 step with columns per warp (COLS)
  * ------------------------------------------------- Warp w owns columns 16 w .. 16 w + 15 of the
  * head over all 128 rows and lane l its rows l, l + 32, l + 64, l + 96 (64 elements, 32 half2 in
@@ -2041,6 +2119,73 @@ static void dense_probe(const Case &c, const Args &pa, const Timer &T)
     CK(cudaFree(dout));
 }
 
+/* The dense fp32 probe at B requests: dense_f32_cols beside a device copy of the same state bytes,
+ * checked against a host step of the first 64 heads (the new state's largest relative error,
+ * elements more than 4 fp32 ulps from the host's, the readout error). */
+static void dense_f32_probe(const Case &c, const Args &pa, const Timer &T)
+{
+    const size_t nh = c.nh, nref = c.nref, n = nh * D * D;
+    std::mt19937 rng(11);
+    std::normal_distribution<float> nd(0.f, 1.f);
+    std::vector<float> S(n);
+    for (auto &x : S)
+        x = 0.05f * nd(rng);
+    float *din, *dout;
+    CK(cudaMalloc(&din, n * 4));
+    CK(cudaMalloc(&dout, n * 4));
+    CK(cudaMemcpy(din, S.data(), n * 4, cudaMemcpyHostToDevice));
+    FArgs a{ din, dout, pa.q, pa.k, pa.v, pa.g, pa.beta, pa.o };
+    std::vector<float> Sref(nref * D * D), oref(nref * D);
+    for (size_t e = 0; e < nref; e++) {
+        const int b = (int)(e / HVN), h = (int)(e % HVN);
+        const float *kp = &c.k[((size_t)b * HQN + h / 2) * D],
+                    *qp = &c.q[((size_t)b * HQN + h / 2) * D];
+        const double al = std::exp((double)c.g[e]);
+        double kq = 0;
+        for (int i = 0; i < D; i++)
+            kq += (double)kp[i] * qp[i];
+        for (int j = 0; j < D; j++) {
+            double s = 0, tq = 0;
+            for (int i = 0; i < D; i++) {
+                const double x = S[e * D * D + i * D + j];
+                s += x * kp[i], tq += x * qp[i];
+            }
+            const double u = c.beta[e] * (c.v[e * D + j] - al * s);
+            oref[e * D + j] = (float)(al * tq + u * kq);
+            for (int i = 0; i < D; i++)
+                Sref[e * D * D + i * D + j] = (float)(al * S[e * D * D + i * D + j] + kp[i] * u);
+        }
+    }
+    const double sbytes = 2.0 * n * 4, bytes = sbytes + nh * D * 8.0 + (double)c.B * HQN * D * 8;
+    auto copy = [&] { CK(cudaMemcpyAsync(dout, din, n * 4, cudaMemcpyDeviceToDevice, T.st)); };
+    const std::vector<float> ct = launch_times(T, copy);
+    const double cus = ct[ct.size() / 2], cbw = sbytes / cus * 1e-3;
+    printf("dense fp32 state, B = %d: device copy of the state %.1f us (%.0f GB/s read + write)\n",
+           c.B, cus, cbw);
+    auto f = [&] { dense_f32_cols<<<nh, NT, 0, T.st>>>(a); };
+    const std::vector<float> ts = launch_times(T, f);
+    const double us = ts[ts.size() / 2], gus = graph_us(T, f);
+    CK(cudaGetLastError());
+    std::vector<float> out(nref * D * D), o(nref * D);
+    CK(cudaMemcpy(out.data(), dout, out.size() * 4, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(o.data(), pa.o, o.size() * 4, cudaMemcpyDeviceToHost));
+    size_t far = 0; /* more than 4 ulps (of the larger magnitude) from the host */
+    for (size_t f2 = 0; f2 < out.size(); f2++) {
+        const float m = std::max(std::fabs(out[f2]), std::fabs(Sref[f2]));
+        const float ulp = m > 0.f ? std::ldexp(1.0f, std::ilogb(m) - 23) : 0.f;
+        far += std::fabs(out[f2] - Sref[f2]) > 4.f * ulp;
+    }
+    double oe = 0, on = 0;
+    for (size_t j = 0; j < o.size(); j++)
+        oe += (double)(o[j] - oref[j]) * (o[j] - oref[j]), on += (double)oref[j] * oref[j];
+    printf("%-36s %8.1f us (in a graph %.1f)  %6.0f GB/s  %.1f%% of copy  readout rel err %.2e  "
+           "elements > 4 ulps from the host %zu\n",
+           "dense fp32, no barriers", us, gus, bytes / us * 1e-3,
+           100.0 * (sbytes / us * 1e-3) / cbw, std::sqrt(oe / on), far);
+    CK(cudaFree(din));
+    CK(cudaFree(dout));
+}
+
 static int usage(FILE *f)
 {
     fputs(
@@ -2054,8 +2199,9 @@ static int usage(FILE *f)
         "readout\n"
         "        against the host, the state error against the host fit's, code bytes differing "
         "from\n"
-        "        the host and from the emulation), then the two dense bf16-state kernels beside a\n"
-        "        device copy of the same bytes; exit 77 without a device\n"
+        "        the host and from the emulation), then the dense bf16-state kernels and the "
+        "dense\n"
+        "        fp32 one, each beside a device copy of the same bytes; exit 77 without a device\n"
         "  STEPQ_PROBE_REPS=N (1..20, default 20): timed launches, warm-ups (at most 3) and graph\n"
         "        size; 1 for compute-sanitizer\n",
         f);
@@ -2278,5 +2424,6 @@ int main(int argc, char **argv)
             100.0 * zdiff / (nref * D * ROWB), 100.0 * ediff / (nref * D * ROWB));
     }
     dense_probe(cs, a, T);
+    dense_f32_probe(cs, a, T);
     return 0;
 }
