@@ -574,6 +574,36 @@ __device__ __forceinline__ uint32_t quant_pair(half2 y, half2 q, half2 mag, half
     return (b & 0x3Fu) | ((b >> 10) & 0xFC0u);
 }
 
+/* The quantize factors qmax / c of a pair of column maxima c, saturated at fp16's largest: a
+ * column under qmax / 65504 of its normaliser gets fewer than 2 qmax + 1 codes; a zero column 0 */
+__device__ __forceinline__ half2 qfactor2(half2 cm)
+{
+    const float2 c = __half22float2(cm);
+    return __floats2half2_rn(c.x > 0.f ? fminf(fdiv(QMAX, c.x), 65504.f) : 0.f,
+                             c.y > 0.f ? fminf(fdiv(QMAX, c.y), 65504.f) : 0.f);
+}
+
+/* The quantize of a tile of R rows x P pairs (quant_pair, magic 1568) with the refit partials an,
+ * ad over its rows (zeroed first); store(r, f) takes row r's P code fields as soon as they exist */
+template <int R, int P, class Store>
+__device__ __forceinline__ void quant_tile(const half2 (&X)[R][P], const half2 (&Q2)[P],
+                                           const half2 (&A2)[R], half2 (&an)[P], half2 (&ad)[P],
+                                           Store store)
+{
+    const half2 mag = __float2half2_rn(1568.f);
+#pragma unroll
+    for (int p = 0; p < P; p++)
+        an[p] = ad[p] = __float2half2_rn(0.f);
+#pragma unroll
+    for (int r = 0; r < R; r++) {
+        uint32_t f[P];
+#pragma unroll
+        for (int p = 0; p < P; p++)
+            f[p] = quant_pair(X[r][p], Q2[p], mag, A2[r], an[p], ad[p]);
+        store(r, f);
+    }
+}
+
 /* DIST: per-row factors computed once per row (lane (tx >> 1) & 7 of the half-warp owns row R0 +
  * that) and broadcast by shuffles, the row maxima by a reduce-scatter (5 shuffles); else every lane
  * computes all 8 of its rows and the maxima by a butterfly (16 shuffles) */
@@ -792,29 +822,15 @@ __device__ __forceinline__ void f16_body(const Args &a, const Pos &P, Smem &sm)
     /* quantize: t = y * (qmax / c_j) + 1568 rounds half to even, bits 0x6600 + u with u = z + 32 */
     half2 Q2[4];
 #pragma unroll
-    for (int p = 0; p < 4; p++) {
-        float2 c = __half22float2(CM[p]);
-        /* saturated at fp16's largest: a column under qmax / 65504 of Pc gets fewer than 2 qmax + 1
-         * codes */
-        Q2[p] = __floats2half2_rn(c.x > 0.f ? fminf(fdiv(QMAX, c.x), 65504.f) : 0.f,
-                                  c.y > 0.f ? fminf(fdiv(QMAX, c.y), 65504.f) : 0.f);
-    }
-    const half2 mag = __float2half2_rn(1568.f);
+    for (int p = 0; p < 4; p++)
+        Q2[p] = qfactor2(CM[p]);
     /* refit partials: num_j ~ sum_i A_i z y, den_j ~ sum_i A_i z^2 with A_i = w_i^2 r_i^2
      * (power-of-two normaliser Pa) */
     half2 an[4], ad[4];
-#pragma unroll
-    for (int p = 0; p < 4; p++)
-        an[p] = ad[p] = __float2half2_rn(0.f);
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        uint32_t f[4];
-#pragma unroll
-        for (int p = 0; p < 4; p++)
-            f[p] = quant_pair(X[r][p], Q2[p], mag, A2[r], an[p], ad[p]);
+    quant_tile(X, Q2, A2, an, ad, [&](int r, const uint32_t(&f)[4]) {
         const uint32_t lo = f[0] | (f[1] << 12) | (f[2] << 24), hi = (f[2] >> 8) | (f[3] << 4);
         st_codes(ob + (R0 + r) * ROWB, tx, lo, hi);
-    }
+    });
     float pn[8], pd[8];
 #pragma unroll
     for (int p = 0; p < 4; p++) {
@@ -1500,6 +1516,35 @@ template <int N, int M> __device__ __forceinline__ void rs_level(float (&pv)[M],
     }
 }
 
+/* The two dot products of a warp's 16 columns (S^T k into res[0], S^T q into res[1]) from the
+ * lane's 4 rows x 16 columns, x(r, c) the element: partials over the rows, a reduce-scatter over
+ * lane bits 0-3 (lane l ends with column l & 15 over its half-warp's rows), then the other
+ * half-warp's rows */
+template <class Elem>
+__device__ __forceinline__ void warp_col_dots(Elem x, const float (&kr)[4], const float (&qr)[4],
+                                              int lane, float (&res)[2])
+{
+#pragma unroll
+    for (int vec = 0; vec < 2; vec++) {
+        float pv[16];
+#pragma unroll
+        for (int c = 0; c < 16; c++)
+            pv[c] = 0.f;
+#pragma unroll
+        for (int r = 0; r < 4; r++) {
+            const float wr = vec ? qr[r] : kr[r];
+#pragma unroll
+            for (int c = 0; c < 16; c++)
+                pv[c] = fmaf(x(r, c), wr, pv[c]);
+        }
+        rs_level<8>(pv, lane);
+        rs_level<4>(pv, lane);
+        rs_level<2>(pv, lane);
+        rs_level<1>(pv, lane);
+        res[vec] = pv[0] + __shfl_xor_sync(0xffffffffu, pv[0], 16);
+    }
+}
+
 /* The dense bf16 step without block barriers (COLS): the delta rule's columns are independent
  * (u_j and o_j need column j of the state, k, q and v only), so warp w owns columns 16 w .. 16 w
  * + 15 of the head and lane l its rows l, l + 32, l + 64, l + 96; every reduction is over the
@@ -1534,33 +1579,15 @@ template <int REG16> __global__ void __launch_bounds__(NT, REG16 ? 3 : 2) dense_
 #pragma unroll
             for (int p = 0; p < 8; p++)
                 x[r][2 * p] = bf_lo(W[r][p]), x[r][2 * p + 1] = bf_hi(W[r][p]);
-    /* S^T k, then S^T q: partials of the warp's 16 columns over the lane's 4 rows, a
-     * reduce-scatter over lane bits 0-3 (lane l ends with column l & 15 over its half-warp's
-     * rows), then the other half-warp's rows */
     float res[2];
-#pragma unroll
-    for (int vec = 0; vec < 2; vec++) {
-        float pv[16];
-#pragma unroll
-        for (int c = 0; c < 16; c++)
-            pv[c] = 0.f;
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const float wr = vec ? qr[r] : kr[r];
-#pragma unroll
-            for (int p = 0; p < 8; p++) {
-                const float lo = REG16 ? bf_lo(W[r][p]) : x[r][2 * p];
-                const float hi = REG16 ? bf_hi(W[r][p]) : x[r][2 * p + 1];
-                pv[2 * p] = fmaf(lo, wr, pv[2 * p]);
-                pv[2 * p + 1] = fmaf(hi, wr, pv[2 * p + 1]);
-            }
-        }
-        rs_level<8>(pv, lane);
-        rs_level<4>(pv, lane);
-        rs_level<2>(pv, lane);
-        rs_level<1>(pv, lane);
-        res[vec] = pv[0] + __shfl_xor_sync(0xffffffffu, pv[0], 16);
-    }
+    warp_col_dots(
+        [&](int r, int c) -> float {
+            if constexpr (REG16)
+                return c & 1 ? bf_hi(W[r][c >> 1]) : bf_lo(W[r][c >> 1]);
+            else
+                return x[r][c];
+        },
+        kr, qr, lane, res);
 #pragma unroll
     for (int o = 16; o; o >>= 1)
         kq += __shfl_xor_sync(0xffffffffu, kq, o);
@@ -1621,25 +1648,7 @@ __global__ void __launch_bounds__(NT, 2) dense_f32_cols(FArgs a)
     }
     const float alpha = __expf(a.g[bh]), beta = a.beta[bh];
     float res[2];
-#pragma unroll
-    for (int vec = 0; vec < 2; vec++) {
-        float pv[16];
-#pragma unroll
-        for (int c = 0; c < 16; c++)
-            pv[c] = 0.f;
-#pragma unroll
-        for (int r = 0; r < 4; r++) {
-            const float wr = vec ? qr[r] : kr[r];
-#pragma unroll
-            for (int c = 0; c < 16; c++)
-                pv[c] = fmaf(x[r][c], wr, pv[c]);
-        }
-        rs_level<8>(pv, lane);
-        rs_level<4>(pv, lane);
-        rs_level<2>(pv, lane);
-        rs_level<1>(pv, lane);
-        res[vec] = pv[0] + __shfl_xor_sync(0xffffffffu, pv[0], 16);
-    }
+    warp_col_dots([&](int r, int c) { return x[r][c]; }, kr, qr, lane, res);
 #pragma unroll
     for (int o = 16; o; o >>= 1)
         kq += __shfl_xor_sync(0xffffffffu, kq, o);
@@ -1868,12 +1877,7 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
     cm_level<1>(cmx, lane);
     cmx[0] = __hmax2(cmx[0], u2h(__shfl_xor_sync(0xffffffffu, h2u(cmx[0]), 2)));
     cmx[0] = __hmax2(cmx[0], u2h(__shfl_xor_sync(0xffffffffu, h2u(cmx[0]), 1)));
-    uint32_t qmine;
-    {
-        const float2 c = __half22float2(cmx[0]);
-        qmine = h2u(__floats2half2_rn(c.x > 0.f ? fminf(fdiv(QMAX, c.x), 65504.f) : 0.f,
-                                      c.y > 0.f ? fminf(fdiv(QMAX, c.y), 65504.f) : 0.f));
-    }
+    const uint32_t qmine = h2u(qfactor2(cmx[0]));
     const uint32_t cmine = h2u(cmx[0]);
     half2 Q2[8];
 #pragma unroll
@@ -1883,23 +1887,14 @@ template <int OCC> __global__ void __launch_bounds__(NT, OCC) step_f16_cols(Args
     const uint32_t cpair = __shfl_sync(0xffffffffu, cmine, 4 * (jl >> 1));
     const float cmax_j = (jl & 1) ? __high2float(u2h(cpair)) : __low2float(u2h(cpair));
 
-    /* quantize (magic 1568), refit partials, pack and store the lane's 4 row slices */
-    const half2 mag = __float2half2_rn(1568.f);
+    /* quantize, refit partials, pack and store the lane's 4 row slices */
     half2 an[8], ad[8];
-#pragma unroll
-    for (int p = 0; p < 8; p++)
-        an[p] = ad[p] = __float2half2_rn(0.f);
-#pragma unroll
-    for (int r = 0; r < 4; r++) {
-        uint32_t fl[8];
-#pragma unroll
-        for (int p = 0; p < 8; p++)
-            fl[p] = quant_pair(X[r][p], Q2[p], mag, A2[r], an[p], ad[p]);
+    quant_tile(X, Q2, A2, an, ad, [&](int r, const uint32_t(&fl)[8]) {
         uint32_t *row = (uint32_t *)(ob + (lane + 32 * r) * ROWB + 12 * wp);
         row[0] = fl[0] | (fl[1] << 12) | (fl[2] << 24);
         row[1] = (fl[2] >> 8) | (fl[3] << 4) | (fl[4] << 16) | (fl[5] << 28);
         row[2] = (fl[5] >> 4) | (fl[6] << 8) | (fl[7] << 20);
-    }
+    });
     const float n = warp_sums32(an, Pa, ad, Pa, lane), d = __shfl_sync(0xffffffffu, n, 16 | jl);
     if (lane < 16) { /* c_j = qmax Pc num / den */
         const float c = d > 0.f ? fdiv(QMAX * Pc * n, d) : cmax_j * Pc;
