@@ -290,6 +290,15 @@ static int parse_decode_fit(const char *s, void *out)
     return 0;
 }
 
+static int parse_arith(const char *s, void *out)
+{
+    stepq_arith arith;
+    if (stepq_arith_from_name(s, &arith) < 0)
+        return -1;
+    *(int *)out = (int)arith;
+    return 0;
+}
+
 static int parse_method(const char *s, void *out)
 {
     for (int i = 0; i < STEPQ_METHOD_COUNT; i++) {
@@ -1034,8 +1043,8 @@ done:
 /* --- document --- */
 
 static const char *const root_keys[] = {
-    "format",    "schema_version", "model",      "method", "budget_bits",
-    "row_split", "decode_fit",     "provenance", "layers",
+    "format",    "schema_version", "model", "method",     "budget_bits",
+    "row_split", "decode_fit",     "arith", "provenance", "layers",
 };
 enum {
     R_FORMAT,
@@ -1045,6 +1054,7 @@ enum {
     R_BUDGET,
     R_SPLIT,
     R_FIT,
+    R_ARITH,
     R_PROV,
     R_LAYERS,
     R_COUNT
@@ -1065,7 +1075,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
     stepq_map_t *m = NULL;
     int *ids = NULL;
     const char *name = NULL;
-    int st, v = 0, fit = STEPQ_DECODE_FIT_EXACT;
+    int st, v = 0, fit = STEPQ_DECODE_FIT_EXACT, arith = STEPQ_ARITH_FP32;
     int64_t ver = 0;
     double budget = 0.0, split = STEPQ__ROW_SPLIT_DEFAULT;
     size_t old;
@@ -1154,6 +1164,22 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
         if (st < 0)
             goto done;
     }
+    /* Optional likewise: only the dual-axis decode step has an fp16 variant ("fp32"
+     * elsewhere would claim a choice the method does not have), and fp16 only under the
+     * exact fit, whichever of the two fields comes first in the file. */
+    if (f[R_ARITH]) {
+        old = push_key(&c, "arith");
+        if (!stepq_method_has_col_scales(c.method)) {
+            st = not_allowed(&c, "only dsq, spatial and stepq have the dual-axis decode step's "
+                                 "fp16 variant");
+            goto done;
+        }
+        st = get_enum(&c, f[R_ARITH], parse_arith, "fp32, fp16", &arith);
+        pop(&c, old);
+        if (st < 0 ||
+            (st = stepq__arith_check(c.method, (stepq_decode_fit)fit, (stepq_arith)arith)) < 0)
+            goto done;
+    }
 
     if (!stepq__method_has_units(c.method)) {
         if (f[R_LAYERS]) {
@@ -1175,6 +1201,7 @@ static int load_doc(const cJSON *root, stepq_map_t **out)
         goto done;
     m->row_split = split;
     m->decode_fit = (stepq_decode_fit)fit;
+    m->arith = (stepq_arith)arith;
     if (name && (st = stepq__map_set_name(m, name)) < 0)
         goto done;
     if (f[R_PROV]) {

@@ -168,6 +168,23 @@ int stepq__decode_fit_check(stepq_method method, stepq_decode_fit fit)
     return STEPQ_OK;
 }
 
+int stepq__arith_check(stepq_method method, stepq_decode_fit fit, stepq_arith arith)
+{
+    if ((unsigned)arith >= STEPQ_ARITH_COUNT)
+        return stepq__error(STEPQ_EINVAL, "arith: %d is not an arithmetic", (int)arith);
+    if (arith != STEPQ_ARITH_FP32 && !stepq_method_has_col_scales(method))
+        return stepq__error(
+            STEPQ_ESCHEMA,
+            "arith: %s is not allowed for method %s (only dsq, spatial and stepq have the "
+            "dual-axis decode step's fp16 variant; its default is fp32)",
+            stepq_arith_name(arith), stepq_method_name(method));
+    /* fp16 is defined for the exact fit only (kernels/quant.h). */
+    if (arith == STEPQ_ARITH_FP16 && fit != STEPQ_DECODE_FIT_EXACT)
+        return stepq__error(STEPQ_ESCHEMA, "arith: %s needs decode_fit exact, not %s",
+                            stepq_arith_name(arith), stepq_decode_fit_name(fit));
+    return STEPQ_OK;
+}
+
 /* The largest integer width <= budget: where a fresh quantized map starts. */
 static int initial_bits(double budget)
 {
@@ -194,6 +211,7 @@ int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double
     m->budget_bits = budget;
     m->row_split = STEPQ__ROW_SPLIT_DEFAULT;
     m->decode_fit = STEPQ_DECODE_FIT_EXACT;
+    m->arith = STEPQ_ARITH_FP32;
     m->n_candidates = -1;
     m->units_per_layer =
         shape->arch == STEPQ_ARCH_GDN ? shape->num_v_heads : shape->num_v_heads * shape->head_k_dim;
@@ -474,7 +492,38 @@ int stepq_map_set_decode_fit(stepq_map_t *h, stepq_decode_fit fit)
                                 "stepq_map_set_decode_fit: method %s has no column scales (only "
                                 "dsq, spatial and stepq have the dual-axis fit's column refit)",
                                 stepq_method_name(map->method));
+    if (fit != STEPQ_DECODE_FIT_EXACT && map->arith == STEPQ_ARITH_FP16)
+        return stepq__error_obj(map->err, STEPQ_EINVAL,
+                                "stepq_map_set_decode_fit: the map's arith is fp16, which needs "
+                                "decode_fit exact, not %s (set arith fp32 first)",
+                                stepq_decode_fit_name(fit));
     map->decode_fit = fit;
+    return STEPQ_OK;
+}
+
+int stepq_map_set_arith(stepq_map_t *h, stepq_arith arith)
+{
+    stepq_map_t *map;
+    int st = stepq__map_resolve(h, "stepq_map_set_arith", &map);
+
+    if (st < 0)
+        return st;
+    if ((unsigned)arith >= STEPQ_ARITH_COUNT)
+        return stepq__error_obj(map->err, STEPQ_EINVAL,
+                                "stepq_map_set_arith: %d is not an arithmetic (fp32, fp16)",
+                                (int)arith);
+    if (arith != STEPQ_ARITH_FP32 && !stepq_method_has_col_scales(map->method))
+        return stepq__error_obj(
+            map->err, STEPQ_EINVAL,
+            "stepq_map_set_arith: method %s has no column scales (only dsq, spatial and "
+            "stepq have the dual-axis decode step's fp16 variant)",
+            stepq_method_name(map->method));
+    if (arith == STEPQ_ARITH_FP16 && map->decode_fit != STEPQ_DECODE_FIT_EXACT)
+        return stepq__error_obj(map->err, STEPQ_EINVAL,
+                                "stepq_map_set_arith: fp16 needs decode_fit exact, not %s (set "
+                                "decode_fit exact first)",
+                                stepq_decode_fit_name(map->decode_fit));
+    map->arith = arith;
     return STEPQ_OK;
 }
 
@@ -826,6 +875,8 @@ int stepq__map_check(const stepq_map_t *m)
         return st;
     if ((st = stepq__decode_fit_check(m->method, m->decode_fit)) < 0)
         return st;
+    if ((st = stepq__arith_check(m->method, m->decode_fit, m->arith)) < 0)
+        return st;
     if (!stepq__method_has_units(m->method))
         return STEPQ_OK;
 
@@ -967,6 +1018,12 @@ stepq_decode_fit stepq_map_decode_fit(const stepq_map_t *h)
 {
     stepq_map_t *map = stepq__map_of(h, "stepq_map_decode_fit");
     return map ? map->decode_fit : STEPQ_DECODE_FIT_COUNT;
+}
+
+stepq_arith stepq_map_arith(const stepq_map_t *h)
+{
+    stepq_map_t *map = stepq__map_of(h, "stepq_map_arith");
+    return map ? map->arith : STEPQ_ARITH_COUNT;
 }
 
 const char *stepq_map_model_name(const stepq_map_t *h)
@@ -1300,6 +1357,12 @@ int stepq_map_fingerprint(const stepq_map_t *handle, uint64_t *out)
         h = stepq__fnv1a(h, fit_tag, sizeof(fit_tag) - 1);
         h = fnv_u64(h, (uint64_t)map->decode_fit);
     }
+    /* And the arithmetic: only one other than fp32 is hashed. */
+    if (map->arith != STEPQ_ARITH_FP32) {
+        static const char arith_tag[] = "arith";
+        h = stepq__fnv1a(h, arith_tag, sizeof(arith_tag) - 1);
+        h = fnv_u64(h, (uint64_t)map->arith);
+    }
     if (map->bits)
         h = stepq__fnv1a(h, map->bits, (size_t)map->n_units);
     if (map->row_impact) {
@@ -1341,7 +1404,8 @@ bool stepq__map_equal(const stepq_map_t *ha, const stepq_map_t *hb)
     if (sa->conv_rank && sa->conv_dtype != sb->conv_dtype)
         return false;
     if (a->method != b->method || memcmp(&a->budget_bits, &b->budget_bits, sizeof(double)) ||
-        memcmp(&a->row_split, &b->row_split, sizeof(double)) || a->decode_fit != b->decode_fit)
+        memcmp(&a->row_split, &b->row_split, sizeof(double)) || a->decode_fit != b->decode_fit ||
+        a->arith != b->arith)
         return false;
     if (!str_eq(a->model_name, b->model_name))
         return false;

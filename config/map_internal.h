@@ -75,8 +75,9 @@ struct stepq_map {
     double budget_bits;
     double row_split; /* the dual-axis fit's row split: 0.5 unless dsq/spatial/stepq say else */
     stepq_decode_fit
-        decode_fit;   /* the decode step's fit: exact unless dsq/spatial/stepq say else */
-    char *model_name; /* NULL when absent */
+        decode_fit;    /* the decode step's fit: exact unless dsq/spatial/stepq say else */
+    stepq_arith arith; /* the decode step's arithmetic: fp32 unless dsq/spatial/stepq say else */
+    char *model_name;  /* NULL when absent */
 
     int units_per_layer; /* HV (GDN) or HV * d_k (KDA) */
     int values_per_unit; /* d_k * d_v (GDN) or d_v (KDA) */
@@ -130,10 +131,19 @@ int stepq__row_split_check(stepq_method method, double row_split);
 int stepq__decode_fit_check(stepq_method method, stepq_decode_fit fit);
 
 /**
+ * Checks a decode step's arithmetic for a method and a decode fit ("arith:
+ * ..."): one of the list (else STEPQ_EINVAL), fp32 unless the method has
+ * column scales (else STEPQ_ESCHEMA), and fp16 only with the exact decode
+ * fit (else STEPQ_ESCHEMA, naming both fields). Thread error only.
+ */
+int stepq__arith_check(stepq_method method, stepq_decode_fit fit, stepq_arith arith);
+
+/**
  * Allocates a map for a checked shape, method and budget: every unit at the
  * budget width (quantized methods), unit row impact where the method has
- * it, row split 0.5, exact decode fit, no statistics, no provenance. Returns STEPQ_ENOMEM or
- * STEPQ_ERANGE (too many units) with a thread error.
+ * it, row split 0.5, exact decode fit, fp32 arithmetic, no statistics, no
+ * provenance. Returns STEPQ_ENOMEM or STEPQ_ERANGE (too many units) with a
+ * thread error.
  */
 int stepq__map_alloc(const stepq_model_shape *shape, stepq_method method, double budget_bits,
                      stepq_map_t **out);

@@ -318,6 +318,8 @@ int stepq_map_write_buffer(const stepq_map_t *h, char **out, size_t *len)
     }
     if (map->decode_fit != STEPQ_DECODE_FIT_EXACT) /* nor is the default fit */
         printf_(&o, ",\n  \"decode_fit\": \"%s\"", stepq_decode_fit_name(map->decode_fit));
+    if (map->arith != STEPQ_ARITH_FP32) /* nor is the default arithmetic */
+        printf_(&o, ",\n  \"arith\": \"%s\"", stepq_arith_name(map->arith));
     write_provenance(&o, map);
     if (stepq__method_has_units(map->method))
         write_layers(&o, map);

@@ -96,6 +96,7 @@ int stepq__head_layout_init(struct stepq__head_layout *hl, stepq_method method, 
     hl->align = align;
     hl->row_split = 0.5;
     hl->decode_fit = STEPQ_DECODE_FIT_EXACT;
+    hl->arith = STEPQ_ARITH_FP32;
     hl->quantized = !dense;
     hl->has_col = method_has_col(method);
 

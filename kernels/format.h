@@ -150,6 +150,16 @@ struct stepq__head_layout {
      * the pool's layout sets its map's. Unused by the other methods.
      */
     stepq_decode_fit decode_fit;
+    /**
+     * dsq / spatial / stepq: the arithmetic of a decode step (the map field
+     * arith; kernels/quant.h): STEPQ_ARITH_FP16 does the step's per-element
+     * work in IEEE fp16 under power-of-two normalisers, and only under the
+     * exact decode fit. Packs, unpacks and calibration compute in fp32
+     * whatever it says, and the block format and its decoding do not depend
+     * on it. Init sets fp32; the pool's layout sets its map's. Unused by the
+     * other methods.
+     */
+    stepq_arith arith;
 
     /** d_k bit widths (2..8 or STEPQ_BITS_PIVOT); all 0 for dense methods. */
     uint8_t *row_bits;

@@ -200,4 +200,62 @@ int stepq__quant_set_arith_fp16(int on);
 /** Whether it is on. */
 int stepq__quant_arith_fp16(void);
 
+/*
+ * The fp16 arithmetic of the packed decode step (the map field arith = fp16; kernels/step_f16.c,
+ * the C reference of kernels/cuda/f16_kernel.cuh). It applies to the integer heads of a GDN layer
+ * of a dual-axis method whose rows share one width b (stepq__step_f16_supports); pivot heads
+ * take the fp32 step. Packs, unpacks and calibration always use fp32.
+ *
+ * The block is the format's (kernels/format.h) either way: the arithmetic decides only which
+ * codes and scales a decode step writes. Notation: h(x) = x rounded to fp16 (to nearest even,
+ * subnormals kept), each half operation rounded once (the GPU's HMUL2 / HFMA2 / HSUB2 / HMNMX2);
+ * other operations are correctly rounded fp32, left to right as written; P(x) = the smallest
+ * power of two >= x (2^-126 for 0); rows fall into groups g of 8 (the kernel's thread tiles) and
+ * blocks w of 16 (its warps: groups 2w and 2w + 1). Inputs as for the fp32 step (prepared q, k;
+ * v, beta), alpha = (float)exp((double)g); r_i, c_j, z_ij the old block's scales and codes;
+ * qmax = 2^(b-1) - 1, iq = RN(1 / qmax); w_i the row impact.
+ *
+ *   1. dots: Pk_g = P(max_{i in g} |r_i k_i|), wk_i = h(r_i k_i (1 / Pk_g)) (q likewise);
+ *      ak_gj = the half sum over i in g, in order, of fma(z_ij, wk_i, .); a_j = (fp32)
+ *      0 + (ak_0j Pk_0 + ak_1j Pk_1) + (ak_2j Pk_2 + ak_3j Pk_3) + ... (pairs, then in order);
+ *      f_j = c_j alpha iq; s_j = a_j f_j, t_j = b_j f_j; u_j = beta (v_j - s_j);
+ *      o_j = fma(u_j, k.q, t_j) (0 and OUTPUT when not finite).
+ *   2. update: Pc = P(max_j c_j), Su = P(max_j |u_j|); C_j = h(c_j / Pc), U_j = h(u_j / Su);
+ *      N_i = P(max(alpha r_i Pc, |k_i| max_j |u_j|)) (so |x_ij| / N_i <= 1),
+ *      F_i = h(alpha r_i Pc iq / N_i), K_i = h(k_i Su / N_i);
+ *      X_ij = h(fma(K_i, U_j, h(h(z_ij F_i) C_j))) = x_ij / N_i.
+ *   3. rows: m_i = max_j |X_ij| N_i (exact); r'_i = the exact fit's row scale of m_i (sqrt(m_i /
+ *      w_i), or the row split's formula; clamped as every stored scale); A_i = w_i w_i r'_i r'_i.
+ *   4. Y: P_w = P(max_{i in w} m_i / r'_i), P = max_w P_w; R_i = h(min(N_i (1 / P_w) / r'_i,
+ *      65504)); Y_ij = h(X_ij R_i) = x_ij / (r'_i P_w).
+ *   5. columns: CM_j = max_w h(max_{i in w} |Y_ij| (P_w / P)); when some CM_j P > 65504 the
+ *      block saturates (SATURATED; CM_j clamped to 65504 / P, the codes clamped below);
+ *      Q_j = h(CM_j > 0 ? min(qmax / CM_j, 65504) : 0), per block Q_wj = h(Q_j (P_w / P)).
+ *   6. codes: T_ij = h(fma(Y_ij, Q_wj, 1536 + qmax)) (clamped to 1536 + [0, 2 qmax] when the
+ *      block saturates), z'_ij = T_ij - 1536 - qmax (exact; the stored u = z' + qmax is the low
+ *      b bits of T's half); refit: Pa_g = P(max_{i in g} A_i) (times 4 at b = 8: 8 rows of
+ *      A z^2 stay below 65504), A'_i = h(A_i / Pa_g); half sums over i in g, in order, of
+ *      n: fma(h(z' Y), A'_i, .) and d: fma(h(z' z'), A'_i, .); n_j, d_j = the fp32 sums of 1.
+ *      with the partials n_gj Pa_g (P_w / P) and d_gj Pa_g;
+ *      c'_j = d_j > 0 ? qmax P n_j / d_j : CM_j P (clamped as every stored scale).
+ *
+ * The state passes through fp16 in the normalised domains only (|X|, |Y| <= 1 but for rounding),
+ * so fp16's range does not bind but for columns more than 2^14 below the largest of their block
+ * (subnormal) and rows whose new maximum is 2^-16 of their bound N_i (R_i saturates).
+ */
+/** Whether head layout hl takes the fp16 step: GDN, integer rows of one width, column scales,
+ * and a block of codes, row scales and column scales back to back with no other bytes. */
+int stepq__step_f16_supports(const struct stepq__head_layout *hl);
+/**
+ * One head's fp16 decode step: block in -> block out (may be the same), readout o[d_v], the
+ * health flags raised (SATURATED, OUTPUT). q, k, v, beta prepared as for the fp32 step (q
+ * scaled), g the log decay, w the row impact (NULL = 1). scratch: 2 d_k d_v floats. targ, if not
+ * NULL, gets each code's argument Y_ij Q_wj before rounding (the tie checks of the tests).
+ * The layout must pass stepq__step_f16_supports.
+ */
+uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t *in,
+                              const float *w, const float *q, const float *k, const float *v,
+                              float g, float beta, uint8_t *out, float *o, float *scratch,
+                              float *targ);
+
 #endif /* STEPQ_KERNELS_QUANT_H */

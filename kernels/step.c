@@ -72,7 +72,8 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
     if ((rc = stepq__check_slot_list(a->batch, a->slots, pl->n_slots, 1, who)) < 0)
         return rc;
 
-    float *tile = malloc(sizeof(float) * (size_t)a->d_k * a->d_v);
+    /* the fp32 tile, or the fp16 step's scratch (two tiles) */
+    float *tile = malloc(sizeof(float) * 2 * (size_t)a->d_k * a->d_v);
     if (!tile)
         return stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
 
@@ -88,6 +89,13 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
                 continue;
             const struct stepq__head_layout *hl = &pl->heads[h];
             uint8_t *blk = head_block(pl, s, h);
+            if (hl->arith == STEPQ_ARITH_FP16 && stepq__step_f16_supports(hl)) {
+                uint32_t fl = stepq__step_head_f16(hl, blk, head_w(pl, h, a->d_k), q, k, v, g[0],
+                                                   beta, blk, o, tile, NULL);
+                stepq__store_out(a, b, h, o);
+                stepq__health_note(a->health, a->counts, s, fl);
+                continue;
+            }
             stepq__dequantize_head(hl, blk, tile);
             uint32_t fl = stepq__head_update(tile, (size_t)a->d_v, 1, a->arch == STEPQ_ARCH_KDA,
                                              a->d_k, a->d_v, q, k, v, g, beta, o);

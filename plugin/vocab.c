@@ -39,6 +39,12 @@ static const char *const fit_names[STEPQ_DECODE_FIT_COUNT] = {
 #undef XX
 };
 
+static const char *const arith_names[STEPQ_ARITH_COUNT] = {
+#define XX(n, value, text, desc) [value] = text,
+    STEPQ_ARITH_MAP(XX)
+#undef XX
+};
+
 #define N_ARCH  (sizeof(arch_names) / sizeof(arch_names[0]))
 #define N_DTYPE (sizeof(dtypes) / sizeof(dtypes[0]))
 
@@ -65,6 +71,11 @@ const char *stepq_dtype_name(stepq_dtype dtype)
 const char *stepq_decode_fit_name(stepq_decode_fit fit)
 {
     return (unsigned)fit < STEPQ_DECODE_FIT_COUNT ? fit_names[fit] : "?";
+}
+
+const char *stepq_arith_name(stepq_arith a)
+{
+    return (unsigned)a < STEPQ_ARITH_COUNT ? arith_names[a] : "?";
 }
 
 size_t stepq_dtype_size(stepq_dtype dtype)
@@ -182,5 +193,14 @@ int stepq_decode_fit_from_name(const char *name, stepq_decode_fit *out)
                               sizeof(fit_names[0]), out ? &v : NULL);
     if (st == STEPQ_OK)
         *out = (stepq_decode_fit)v;
+    return st;
+}
+
+int stepq_arith_from_name(const char *name, stepq_arith *out)
+{
+    int v = 0, st = from_name("arith", name, arith_names, STEPQ_ARITH_COUNT, sizeof(arith_names[0]),
+                              out ? &v : NULL);
+    if (st == STEPQ_OK)
+        *out = (stepq_arith)v;
     return st;
 }

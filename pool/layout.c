@@ -290,6 +290,7 @@ int stepq__pool_layout_build(const stepq_pool_config *cfg, struct stepq__pool_la
             }
             hl.row_split = stepq_map_row_split(map);   /* the fit's; 0.5 without column scales */
             hl.decode_fit = stepq_map_decode_fit(map); /* exact without column scales */
+            hl.arith = stepq_map_arith(map);           /* fp32 without column scales */
             if (hl.block_bytes > UINT32_MAX || hl.block_bytes % block_align) {
                 stepq__head_layout_free(&hl);
                 ret =

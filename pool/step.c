@@ -322,6 +322,17 @@ int stepq_pool_decode_step(stepq_pool_t *h, int layer, const stepq_step_args *ar
         (ret = check_layer(pool, layer, 0, fn)) < 0 || (ret = check_step_shape(pool, &p, fn)) < 0 ||
         (ret = check_step_tensors(pool, &p, fn)) < 0)
         goto out;
+    /* The fp16 decode step is defined for GDN layers only (kernels/quant.h): a KDA map asking
+     * for it is refused rather than stepped in fp32 under its name. Its pool opens (layouts,
+     * packs and unpacks do not depend on the arithmetic). */
+    if (pool->layout.pub.arch == STEPQ_ARCH_KDA && pool->layout.heads &&
+        pool->layout.heads[0].arith == STEPQ_ARITH_FP16) {
+        ret = FAIL(pool, STEPQ_ENOTSUP,
+                   "%s: the map's arith fp16 covers GDN layers only (its decode step has no "
+                   "per-row gates or widths yet); this pool is kda",
+                   fn);
+        goto out;
+    }
     if (p.batch == 0)
         goto out;
     if (pool->backend == STEPQ_POOL_BACKEND_HOST &&

@@ -248,7 +248,7 @@ static stepq_state_layout kind_layout(enum kind k)
 /* One row's launch, what fx_time_us times. */
 struct ctx {
     enum kind kind;
-    int old;                       /* the "(old)" rows: STEPQ__CUDA_COLUMN */
+    int old; /* the "(old)" rows: STEPQ__CUDA_COLUMN; 2: STEPQ__CUDA_F16_OCC3 (prepared handle) */
     stepq_pool_t *pool;            /* the packed rows' pool */
     stepq_step_args args;          /* the step through the public API */
     stepq_prefill_args pf;         /* the pack / unpack through the public API */
@@ -330,19 +330,22 @@ struct method {
     stepq_method m;
     int budget;           /* 0 dense */
     stepq_decode_fit fit; /* the map's decode_fit: the norefit / rows rows' A/B against exact */
+    stepq_arith arith;    /* the map's arith: the fp16 rows (GDN only) */
 };
 
 static const struct method methods[] = {
-    { "fp32", STEPQ_METHOD_FP32, 0, STEPQ_DECODE_FIT_EXACT },
-    { "bf16", STEPQ_METHOD_BF16, 0, STEPQ_DECODE_FIT_EXACT },
-    { "uniform@6", STEPQ_METHOD_UNIFORM, 6, STEPQ_DECODE_FIT_EXACT },
-    { "stepq@4", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_EXACT },
-    { "stepq@6", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_EXACT },
-    { "fp8", STEPQ_METHOD_FP8, 8, STEPQ_DECODE_FIT_EXACT },
-    { "stepq@4 norefit", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_NOREFIT },
-    { "stepq@6 norefit", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_NOREFIT },
-    { "stepq@4 rows", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_ROWS },
-    { "stepq@6 rows", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_ROWS },
+    { "fp32", STEPQ_METHOD_FP32, 0, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32 },
+    { "bf16", STEPQ_METHOD_BF16, 0, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32 },
+    { "uniform@6", STEPQ_METHOD_UNIFORM, 6, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32 },
+    { "stepq@4", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32 },
+    { "stepq@6", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32 },
+    { "fp8", STEPQ_METHOD_FP8, 8, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32 },
+    { "stepq@4 norefit", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_NOREFIT, STEPQ_ARITH_FP32 },
+    { "stepq@6 norefit", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_NOREFIT, STEPQ_ARITH_FP32 },
+    { "stepq@4 rows", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_ROWS, STEPQ_ARITH_FP32 },
+    { "stepq@6 rows", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_ROWS, STEPQ_ARITH_FP32 },
+    { "stepq@4 fp16", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP16 },
+    { "stepq@6 fp16", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP16 },
 };
 
 /*
@@ -404,6 +407,7 @@ static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cu
         .w_lo = 0.75f,
         .w_hi = 1.25f,
         .decode_fit = me->fit,
+        .arith = me->arith,
     };
     const stepq_pool_layout *lay;
     int ret;
@@ -447,6 +451,10 @@ static const struct row rows[] = {
     /* the decode fit rows, likewise: the old column scales kept, no column reduction */
     { "stepq@4 rows", 8, K_PACKED, 0 },
     { "stepq@6 rows", 9, K_PACKED, 0 },
+    /* the map field arith fp16 (GDN only): the fp16 kernel, 4 blocks per SM; old = 2: 3 */
+    { "stepq@4 fp16", 10, K_PACKED, 0 },
+    { "stepq@6 fp16", 11, K_PACKED, 0 },
+    { "stepq@6 fp16 3 blocks/SM", 11, K_PACKED, 2 },
     { "fp8", 5, K_PACKED, 0 },
     { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
     { "stepq@6 pack", 4, K_PACK, 0 },
@@ -818,6 +826,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 const int step = is_step(rw->kind);
                 if (only && strcmp(only, rw->label))
                     continue;
+                if (me->arith == STEPQ_ARITH_FP16 && arch != STEPQ_ARCH_GDN)
+                    continue; /* the fp16 step covers GDN layers only (kernels/quant.h) */
                 struct ctx c;
                 memset(&c, 0, sizeof(c));
                 c.kind = rw->kind;
@@ -887,7 +897,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     if (rc == 0 && (rw->old || rw->kind == K_PACKED_2S) &&
                         (fx_packed_layer(c.pool, 0, &c.pl) < 0 ||
                          fx_kernel_args(c.pool, &c.args, ts, &c.ka) < 0 ||
-                         stepq__cuda_layer_prepare_ex(&c.pl, rw->old ? STEPQ__CUDA_COLUMN : 0,
+                         stepq__cuda_layer_prepare_ex(&c.pl,
+                                                      rw->old == 2 ? STEPQ__CUDA_F16_OCC3
+                                                      : rw->old    ? STEPQ__CUDA_COLUMN
+                                                                   : 0,
                                                       &c.L) < 0))
                         rc = 1;
                     if (rc)

@@ -64,6 +64,7 @@ struct copts {
     const char *report;
     double row_split; /* the dual-axis fit's row split (dsq, spatial, stepq): 0.5 by default */
     stepq_decode_fit decode_fit; /* recorded in the map only: calibration fits exactly */
+    stepq_arith arith;           /* likewise: calibration computes in fp32 */
 };
 
 struct head_res {
@@ -294,6 +295,9 @@ static void usage(FILE *f)
            "                       (decode steps keep the page's column scales and refit\n"
            "                       the row scales); the distortions are still measured\n"
            "                       with the exact fit\n"
+           "  --arith A            dsq, spatial, stepq: the map's arith, the decode step's\n"
+           "                       arithmetic, fp32 (default) or fp16 (needs --decode-fit\n"
+           "                       exact); the distortions are still measured in fp32\n"
            "  --threads N          default: online CPUs, at most one per head\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
@@ -333,12 +337,17 @@ static int cmp_risk_q(const void *a, const void *b)
 
 int stepq_tool_calibrate(int argc, char **argv)
 {
+    /* Two lines, in the order of the fields (kept out of clang-format, which would give
+     * each its own line). */
+    /* clang-format off */
     struct copts o = {
         STEPQ_METHOD_STEPQ,    -1.0, 2048, { 0 }, 0, -1.0, 0, 4, 64, -1, -1, 1, 0.05, NULL, 0.5,
-        STEPQ_DECODE_FIT_EXACT
+        STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP32
     };
+    /* clang-format on */
     const char *out = NULL, *model_name = NULL, *candidates_arg = NULL;
-    int fit_given = 0; /* --decode-fit, exact included: refused for methods without the refit */
+    int fit_given = 0;   /* --decode-fit, exact included: refused for methods without the refit */
+    int arith_given = 0; /* --arith, fp32 included: likewise */
     const char *traces[4096];
     int n_traces = 0, conv_kernel = 4, have_method = 0, lifetime_set = 0, json = 0, threads_set = 0;
     o.threads = stepq__calib_default_threads();
@@ -361,10 +370,12 @@ int stepq_tool_calibrate(int argc, char **argv)
         const char *v = i + 1 < argc ? argv[i + 1] : NULL;
         if (!v) {
             static const char *const value_opts[] = {
-                "--budget",         "--candidates", "--conv-kernel", "--distortion", "--horizon",
-                "--lifetime",       "--method",     "--model-name",  "--normalize",  "--out",
-                "--pivot-fraction", "--prop-steps", "--report",      "--row-split",  "--decode-fit",
-                "--samples",        "--threads",    "--w-floor",     "-o",           NULL
+                "--budget",    "--candidates", "--conv-kernel",    "--distortion",
+                "--horizon",   "--lifetime",   "--method",         "--model-name",
+                "--normalize", "--out",        "--pivot-fraction", "--prop-steps",
+                "--report",    "--row-split",  "--decode-fit",     "--arith",
+                "--samples",   "--threads",    "--w-floor",        "-o",
+                NULL
             };
             return stepq_tool_missing_value("calibrate", a, value_opts);
         }
@@ -451,6 +462,10 @@ int stepq_tool_calibrate(int argc, char **argv)
             if (stepq_tool_decode_fit("calibrate", a, v, &o.decode_fit) < 0)
                 return 2;
             fit_given = 1;
+        } else if (!strcmp(a, "--arith")) {
+            if (stepq_tool_arith("calibrate", a, v, &o.arith) < 0)
+                return 2;
+            arith_given = 1;
         } else {
             fprintf(stderr, "stepq calibrate: unknown option '%s' (see stepq calibrate --help)\n",
                     a);
@@ -477,6 +492,18 @@ int stepq_tool_calibrate(int argc, char **argv)
                 "stepq calibrate: --decode-fit %s: method %s has no column refit (only dsq, "
                 "spatial and stepq)\n",
                 stepq_decode_fit_name(o.decode_fit), stepq_method_name(o.method));
+        return 2;
+    }
+    if (arith_given && !stepq_method_has_col_scales(o.method)) {
+        fprintf(stderr,
+                "stepq calibrate: --arith %s: method %s has no dual-axis decode step (only dsq, "
+                "spatial and stepq)\n",
+                stepq_arith_name(o.arith), stepq_method_name(o.method));
+        return 2;
+    }
+    if (o.arith == STEPQ_ARITH_FP16 && o.decode_fit != STEPQ_DECODE_FIT_EXACT) {
+        fprintf(stderr, "stepq calibrate: --arith fp16 needs --decode-fit exact, not %s\n",
+                stepq_decode_fit_name(o.decode_fit));
         return 2;
     }
     int single = o.method != STEPQ_METHOD_TEMPORAL && o.method != STEPQ_METHOD_STEPQ;
@@ -656,6 +683,8 @@ int stepq_tool_calibrate(int argc, char **argv)
             st = stepq_map_set_row_split(map, o.row_split);
         if (st >= 0)
             st = stepq_map_set_decode_fit(map, o.decode_fit);
+        if (st >= 0)
+            st = stepq_map_set_arith(map, o.arith); /* after the fit it may need */
         const char *nm = model_name ? model_name : stepq__trace_set_meta(ts, "model");
         if (st >= 0 && nm)
             st = stepq_map_set_model_name(map, nm);
@@ -687,6 +716,11 @@ int stepq_tool_calibrate(int argc, char **argv)
             size_t at = strlen(split_detail);
             snprintf(split_detail + at, sizeof(split_detail) - at, " decode_fit=%s",
                      stepq_decode_fit_name(o.decode_fit));
+        }
+        if (o.arith != STEPQ_ARITH_FP32) {
+            size_t at = strlen(split_detail);
+            snprintf(split_detail + at, sizeof(split_detail) - at, " arith=%s",
+                     stepq_arith_name(o.arith));
         }
         snprintf(detail, sizeof(detail),
                  "distortion=%s lifetime=%s normalize=%s samples=%d prop_steps=%d w_floor=%g "
@@ -750,6 +784,8 @@ int stepq_tool_calibrate(int argc, char **argv)
                 fprintf(f, "\"row_split\": %g, ", o.row_split);
             if (o.decode_fit != STEPQ_DECODE_FIT_EXACT)
                 fprintf(f, "\"decode_fit\": \"%s\", ", stepq_decode_fit_name(o.decode_fit));
+            if (o.arith != STEPQ_ARITH_FP32)
+                fprintf(f, "\"arith\": \"%s\", ", stepq_arith_name(o.arith));
             fprintf(f, "\"candidates\": [");
             for (int c = 0; c < m; c++)
                 fprintf(f, "%s%d", c ? ", " : "", o.cand[c]);
@@ -791,11 +827,12 @@ int stepq_tool_calibrate(int argc, char **argv)
             fputs("{\"map\": ", stdout);
             stepq_tool_json_str(stdout, out);
             printf(", \"method\": \"%s\", \"budget\": %g, \"row_split\": %g, \"decode_fit\": "
-                   "\"%s\", \"units\": %lld, "
+                   "\"%s\", \"arith\": \"%s\", \"units\": %lld, "
                    "\"pivots\": %d, \"distortion\": \"%s\", \"solver\": \"%s\", \"threads\": %d, "
                    "\"seconds\": %.3f, \"widths\": {",
                    stepq_method_name(o.method), o.budget, o.row_split,
-                   stepq_decode_fit_name(o.decode_fit), U, n_piv, dist_names[o.dist],
+                   stepq_decode_fit_name(o.decode_fit), stepq_arith_name(o.arith), U, n_piv,
+                   dist_names[o.dist],
                    single        ? "none"
                    : solver == 0 ? "exact-dp"
                                  : "lagrangian",

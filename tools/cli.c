@@ -65,6 +65,15 @@ int stepq_tool_decode_fit(const char *tool, const char *opt, const char *v, step
     return 0;
 }
 
+int stepq_tool_arith(const char *tool, const char *opt, const char *v, stepq_arith *out)
+{
+    if (stepq_arith_from_name(v, out) < 0) {
+        fprintf(stderr, "stepq %s: %s: '%s' is not fp32 or fp16\n", tool, opt, v);
+        return -1;
+    }
+    return 0;
+}
+
 /* --- progress on stderr ------------------------------------------------------ */
 
 #define BAR_PERIOD_S   0.2 /* seconds between redraws of the bar: smooth, yet cheap */

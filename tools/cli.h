@@ -39,6 +39,12 @@ int stepq_tool_real(const char *tool, const char *opt, const char *v, double lo,
  */
 int stepq_tool_decode_fit(const char *tool, const char *opt, const char *v, stepq_decode_fit *out);
 
+/**
+ * The same for a decode step's arithmetic (stepq_arith_from_name()): "stepq
+ * TOOL: OPT: 'V' is not fp32 or fp16" on stderr for another.
+ */
+int stepq_tool_arith(const char *tool, const char *opt, const char *v, stepq_arith *out);
+
 /* --- progress on stderr ------------------------------------------------------ */
 
 /**

@@ -23,8 +23,9 @@ static void inspect_usage(FILE *f)
                "FP32 state bytes, compact bytes (codes + fp16 scales + fp16 pivots; fp8:\n"
                "e4m3 codes + fp32 tile scales), allocated bytes (head blocks with\n"
                "alignment), conv bytes, bits per value and the ratio against FP32.\n"
-               "A row split other than 0.5 (the map's row_split) and a decode fit other\n"
-               "than exact (decode_fit) are shown with the method.\n"
+               "A row split other than 0.5 (the map's row_split), a decode fit other\n"
+               "than exact (decode_fit) and a decode arithmetic other than fp32 (arith)\n"
+               "are shown with the method.\n"
                "--tp N: also each GPU's heads and page when N GPUs split the model, every\n"
                "page padded to the largest, and that padding per GPU and per replica.\n"
                "--json: the numbers as JSON; -o: into FILE.\n");
@@ -196,6 +197,7 @@ int stepq_tool_inspect(int argc, char **argv)
     stepq_map_shape(map, &shape);
     const double split = stepq_map_row_split(map);
     const stepq_decode_fit fit = stepq_map_decode_fit(map);
+    const stepq_arith arith = stepq_map_arith(map);
     if (json) {
         fputs("{\"map\": ", f);
         stepq_tool_json_str(f, path);
@@ -214,6 +216,8 @@ int stepq_tool_inspect(int argc, char **argv)
             fprintf(f, ", \"row_split\": %.15g", split);
         if (fit != STEPQ_DECODE_FIT_EXACT) /* likewise */
             fprintf(f, ", \"decode_fit\": \"%s\"", stepq_decode_fit_name(fit));
+        if (arith != STEPQ_ARITH_FP32) /* likewise */
+            fprintf(f, ", \"arith\": \"%s\"", stepq_arith_name(arith));
         if (tp)
             print_tp_json(f, tp, sh, tpp);
         fputs("}\n", f);
@@ -240,6 +244,11 @@ int stepq_tool_inspect(int argc, char **argv)
                     "decode fit     %s (decode steps keep the page's column scales and refit "
                     "the row scales; packs fit exactly)\n",
                     stepq_decode_fit_name(fit));
+        if (arith == STEPQ_ARITH_FP16)
+            fprintf(f,
+                    "arith          %s (decode steps compute per element in IEEE fp16; packs "
+                    "compute in fp32)\n",
+                    stepq_arith_name(arith));
         fprintf(f, "per request:\n");
         fprintf(f, "  state fp32       %12llu B  %10.4f MiB\n",
                 (unsigned long long)mem.state_bytes_fp32, mib(mem.state_bytes_fp32));

@@ -104,8 +104,8 @@ static const struct preset presets[] = {
 static void mkmap_usage(FILE *f)
 {
     fprintf(f, "usage: stepq mkmap --shape NAME --method METHOD [--bits B] [--pivots P]\n"
-               "                   [--row-split A] [--decode-fit F] [--out FILE | -o FILE]\n"
-               "                   [--name TEXT]\n"
+               "                   [--row-split A] [--decode-fit F] [--arith A]\n"
+               "                   [--out FILE | -o FILE] [--name TEXT]\n"
                "Builds an uncalibrated precision map for a built-in model shape.\n"
                "  --shape    one of:");
     for (size_t i = 0; i < N_PRESETS; i++)
@@ -127,6 +127,9 @@ static void mkmap_usage(FILE *f)
                "             step's fit: exact (default: not written), norefit (no\n"
                "             column refit) or rows (the page's column scales kept, the\n"
                "             row scales refitted)\n"
+               "  --arith    dsq, spatial, stepq: the map field arith, the decode step's\n"
+               "             arithmetic: fp32 (default: not written) or fp16 (the\n"
+               "             per-element work in IEEE fp16; needs the exact decode fit)\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 
@@ -345,6 +348,8 @@ int stepq_tool_mkmap(int argc, char **argv)
     double row_split = 0.0;      /* 0: the default 0.5, not written */
     const char *fit_name = NULL; /* NULL: the default exact, not written */
     stepq_decode_fit fit = STEPQ_DECODE_FIT_EXACT;
+    const char *arith_name = NULL; /* NULL: the default fp32, not written */
+    stepq_arith arith = STEPQ_ARITH_FP32;
     stepq_method method;
 
     for (int i = 1; i < argc; i++) {
@@ -360,8 +365,8 @@ int stepq_tool_mkmap(int argc, char **argv)
         }
         if (!v) {
             static const char *const value_opts[] = {
-                "--bits",   "--decode-fit", "--method", "--name", "--out",
-                "--pivots", "--row-split",  "--shape",  "-o",     NULL,
+                "--arith",  "--bits",      "--decode-fit", "--method", "--name", "--out",
+                "--pivots", "--row-split", "--shape",      "-o",       NULL,
             };
             return stepq_tool_missing_value("mkmap", a, value_opts);
         }
@@ -388,6 +393,10 @@ int stepq_tool_mkmap(int argc, char **argv)
             if (stepq_tool_decode_fit("mkmap", a, v, &fit) < 0)
                 return 2;
             fit_name = v;
+        } else if (!strcmp(a, "--arith")) {
+            if (stepq_tool_arith("mkmap", a, v, &arith) < 0)
+                return 2;
+            arith_name = v;
         } else if (!strcmp(a, "--out") || !strcmp(a, "-o")) {
             out = v;
         } else if (!strcmp(a, "--name")) {
@@ -446,6 +455,19 @@ int stepq_tool_mkmap(int argc, char **argv)
         return 2;
     }
 
+    if (arith_name && !stepq_method_has_col_scales(method)) {
+        fprintf(stderr,
+                "stepq mkmap: --arith %s: method %s has no dual-axis decode step (only dsq, "
+                "spatial and stepq)\n",
+                arith_name, method_name);
+        return 2;
+    }
+    if (arith == STEPQ_ARITH_FP16 && fit != STEPQ_DECODE_FIT_EXACT) {
+        fprintf(stderr, "stepq mkmap: --arith fp16 needs --decode-fit exact, not %s\n",
+                stepq_decode_fit_name(fit));
+        return 2;
+    }
+
     stepq_map_t *map = NULL;
     int st = stepq_tool_mkmap_build("mkmap", shape_key, method, bits, pivots, name, &map);
     if (st)
@@ -457,6 +479,10 @@ int stepq_tool_mkmap(int argc, char **argv)
     if ((st = stepq_map_set_decode_fit(map, fit)) < 0) {
         stepq_map_close(map);
         return die("mkmap", "--decode-fit", st);
+    }
+    if ((st = stepq_map_set_arith(map, arith)) < 0) { /* after the fit it may need */
+        stepq_map_close(map);
+        return die("mkmap", "--arith", st);
     }
 
     /* Written whole or not at all; a write error names the file (not its temporary name). */

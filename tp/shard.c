@@ -248,6 +248,7 @@ int stepq_map_shard(const stepq_map_t *map, int tp_size, int tp_rank, stepq_map_
         return ret;
     if ((ret = stepq_map_set_row_split(dst, stepq_map_row_split(map))) < 0 ||
         (ret = stepq_map_set_decode_fit(dst, stepq_map_decode_fit(map))) < 0 ||
+        (ret = stepq_map_set_arith(dst, stepq_map_arith(map))) < 0 || /* after the fit it needs */
         (ret = copy_meta(map, dst)) < 0 || (ret = copy_heads(map, &s, &sh, dst)) < 0)
         goto fail;
     if ((ret = stepq_map_validate(dst)) < 0) {

@@ -30,12 +30,13 @@ struct sq_head_desc {
     uint32_t row_scale_off, col_scale_off;
     uint32_t tile_scale_off; /* fp8: the ceil(d_v/32) fp32 tile scales; 0 otherwise */
     uint8_t method, quantized, has_col, dual;
-    uint8_t any_int, ubits;  /* ubits: the one integer width of every row, else 0 */
-    uint8_t needs_zero, pad; /* the block has bytes no field covers (zeroed by the tile kernel) */
-    uint8_t bits[SQ_D];      /* 2..8 or 16 (pivot); 0 for dense methods */
-    uint16_t row_off[SQ_D];  /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
-    float w[SQ_D];           /* row impact used by the fit (1 when unused) */
-    double row_split;        /* the dual-axis fit's row split (map field row_split; 0.5 default) */
+    uint8_t any_int, ubits; /* ubits: the one integer width of every row, else 0 */
+    uint8_t needs_zero;     /* the block has bytes no field covers (zeroed by the tile kernel) */
+    uint8_t f16;            /* the decode step is the fp16 kernel's (f16_kernel.cuh; arith fp16) */
+    uint8_t bits[SQ_D];     /* 2..8 or 16 (pivot); 0 for dense methods */
+    uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
+    float w[SQ_D];          /* row impact used by the fit (1 when unused) */
+    double row_split;       /* the dual-axis fit's row split (map field row_split; 0.5 default) */
 };
 
 /*
@@ -85,6 +86,10 @@ struct sq_io {
     uint32_t *health;
     unsigned long long *counts;
     int *skip; /* two-stage: [entries][HV], stage 1 marks heads left untouched */
+    /* the heads a launch covers: hlist[blockIdx.y] of hv_all (the fused step's heads that are
+     * not the fp16 kernel's, with arith fp16); NULL: every head, blockIdx.y itself */
+    const int *hlist;
+    int hv_all;
 };
 
 __device__ __forceinline__ float sq_h2f(uint16_t h)

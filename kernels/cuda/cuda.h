@@ -72,13 +72,20 @@ int stepq__cuda_device_count(void);
  * process: handles of either kind may be used side by side.
  */
 #define STEPQ__CUDA_COLUMN 1u
+/*
+ * The fp16 kernel (arith fp16 layers, kernels/cuda/f16_kernel.cuh) at 3 blocks per SM (80
+ * registers, no spill) instead of 4 (64 registers): the benchmark's A/B of its occupancy.
+ */
+#define STEPQ__CUDA_F16_OCC3 2u
 
 /**
  * Mirrors a packed layer's description (pl->heads, head_offset, row_impact:
  * host memory) into a device descriptor table. pl->base, n_slots and
  * page_stride are NOT captured: they are passed again at each call.
- * `flags`: 0 or STEPQ__CUDA_COLUMN, kept in the handle for its steps, packs
- * and unpacks. Synchronous (a blocking copy). Release with
+ * `flags`: 0, STEPQ__CUDA_COLUMN or STEPQ__CUDA_F16_OCC3, kept in the handle for its
+ * steps, packs and unpacks. A layer with arith fp16 heads steps them on the fp16 kernel (its
+ * pivot heads on the tile kernel, a second launch); its handle's two-stage variant and column
+ * kernels refuse its steps (STEPQ_ENOTSUP). Synchronous (a blocking copy). Release with
  * stepq__cuda_layer_release.
  * The dual-axis heads' decode_fit (all the same: one template variant per
  * launch) selects the fit of the handle's decode steps (fused and two-stage

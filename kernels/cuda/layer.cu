@@ -17,6 +17,7 @@ extern "C" {
 #include "plugin/cuda_err.h"
 #include "plugin/err.h"
 }
+#include "kernels/cuda/f16_kernel.cuh"
 #include "kernels/cuda/tile_kernel.cuh"
 #include "kernels/cuda/unpack_kernel.cuh"
 
@@ -33,6 +34,9 @@ struct stepq__cuda_layer {
     int column;           /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;      /* some head has one integer width for all rows (ubits) */
     stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
+    int any_f16, all_f16; /* heads whose decode step is the fp16 kernel's (sq_head_desc f16) */
+    int f16_occ3;         /* STEPQ__CUDA_F16_OCC3 */
+    int *d_rest, n_rest; /* with any_f16: the other heads' ids (device), the tile kernel's launch */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
      * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
@@ -135,6 +139,16 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         for (int i = 1; i < SQ_D && h->ubits; i++)
             if (hl->row_bits[i] != hl->row_bits[0])
                 h->ubits = 0;
+        /* arith fp16: the heads the C reference steps in fp16 (kernels/step_f16.c) */
+        h->f16 = hl->arith == STEPQ_ARITH_FP16 && stepq__step_f16_supports(hl) && h->ubits;
+        /* and its GDN pivot heads, in fp32 as the reference steps them, in the same launch */
+        if (hl->arith == STEPQ_ARITH_FP16 && hl->arch == STEPQ_ARCH_GDN && hl->quantized &&
+            hl->n_pivot_rows == SQ_D && hl->codes_offset == 0) {
+            h->f16 = 2; /* sq_f16_pivot_item: rows back to back, 2 d_v bytes each */
+            for (int i = 0; i < SQ_D; i++)
+                if (hl->row_bitoff[i] != (uint64_t)i * 16 * SQ_D)
+                    h->f16 = 0;
+        }
         {
             size_t covered = hl->codes_bytes + (hl->quantized ? 2 * (size_t)SQ_D : 0) +
                              (hl->has_col ? 2 * (size_t)SQ_D : 0);
@@ -164,7 +178,7 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     if (!out)
         return stepq__error(STEPQ_EINVAL, "%s: NULL output", who);
     *out = NULL;
-    if (flags & ~STEPQ__CUDA_COLUMN)
+    if (flags & ~(STEPQ__CUDA_COLUMN | STEPQ__CUDA_F16_OCC3))
         return stepq__error(STEPQ_EINVAL, "%s: unknown flags 0x%x", who, flags);
     if (!pl || pl->n_heads < 1)
         return stepq__error(STEPQ_EINVAL, "%s: NULL or empty packed layer", who);
@@ -216,10 +230,14 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     }
     L->n_heads = pl->n_heads;
     L->column = (flags & STEPQ__CUDA_COLUMN) != 0;
+    L->f16_occ3 = (flags & STEPQ__CUDA_F16_OCC3) != 0;
     L->fit = decode_fit < 0 ? STEPQ_DECODE_FIT_EXACT
                             : (stepq_decode_fit)decode_fit; /* no dual heads: exact */
     L->all_quant = 1;
+    L->all_f16 = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
+        L->any_f16 |= h[hv].f16;
+        L->all_f16 &= h[hv].f16;
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
         L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
@@ -233,12 +251,35 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
             pl->head_offset[hv] == pl->head_offset[0] + (size_t)hv * SQ_D * SQ_D * sizeof(uint16_t);
     }
     L->dense_off = L->dense_bf16 ? pl->head_offset[0] : 0;
+    if (L->any_f16 && !L->all_f16) {
+        int *rest = (int *)malloc(sizeof(int) * (size_t)pl->n_heads);
+        if (!rest) {
+            rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
+            goto fail;
+        }
+        for (int hv = 0; hv < pl->n_heads; hv++)
+            if (!h[hv].f16)
+                rest[L->n_rest++] = hv;
+        cudaError_t err = cudaMalloc((void **)&L->d_rest, sizeof(int) * (size_t)L->n_rest);
+        if (err == cudaSuccess)
+            err = cudaMemcpy(L->d_rest, rest, sizeof(int) * (size_t)L->n_rest,
+                             cudaMemcpyHostToDevice);
+        if (err == cudaSuccess)
+            err = cudaStreamSynchronize(cudaStreamLegacy); /* as the descriptors' upload */
+        free(rest);
+        if (err != cudaSuccess) {
+            rc = cuda_fail(err, who, "head list upload");
+            goto fail;
+        }
+    }
     free(h);
     *out = L;
     return STEPQ_OK;
 fail:
     if (L && L->d_heads)
         cudaFree(L->d_heads);
+    if (L && L->d_rest)
+        cudaFree(L->d_rest);
     free(L);
     free(h);
     return rc;
@@ -268,6 +309,7 @@ extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
     cudaFree(L->scratch);
     cudaFree(L->skip);
     cudaFree(L->d_heads);
+    cudaFree(L->d_rest);
     cudaGetLastError();
     free(L);
 }
@@ -553,6 +595,28 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     const int tile = use_tile(L);
     if (tile)
         smem = tile_smem(L->max_block);
+    if (L->any_f16 && (variant != STEPQ__CUDA_FUSED || !tile))
+        return stepq__error(STEPQ_ENOTSUP,
+                            "%s: the layer's arith is fp16, which only the fused step on the "
+                            "tile kernels implements (not the %s)",
+                            who,
+                            variant != STEPQ__CUDA_FUSED ? "two-stage variant" : "column kernels");
+    if (L->any_f16) {
+        /* the fp16 kernel takes its heads; the tile kernel the others (pivot heads) */
+        const dim3 g2(grid.y, grid.x);
+        if (L->f16_occ3)
+            rc = st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16, 3>>(g2, 0, s, who, st, io)
+                            : launch_k<sq_f16_kernel<SQ_V_IN32, 3>>(g2, 0, s, who, st, io);
+        else
+            rc = st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16>>(g2, 0, s, who, st, io)
+                            : launch_k<sq_f16_kernel<SQ_V_IN32>>(g2, 0, s, who, st, io);
+        if (rc < 0 || L->all_f16)
+            return rc;
+        /* the other heads only: a grid of (batch, those heads), not blocks that return at once */
+        io.hlist = L->d_rest;
+        io.hv_all = pl->n_heads;
+        grid.x = (unsigned)L->n_rest;
+    }
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */
     const int vt = SQ_V_ORDER | (L->any_uniform ? 0 : SQ_V_RTU) |
@@ -720,7 +784,7 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
                                          stepq_dtype dtype, unsigned flags)
 {
     static const char who[] = "cuda step (dense)";
-    if (flags & ~STEPQ__CUDA_COLUMN)
+    if (flags & ~(STEPQ__CUDA_COLUMN | STEPQ__CUDA_F16_OCC3))
         return stepq__error(STEPQ_EINVAL, "%s: unknown flags 0x%x", who, flags);
     int rc = check_args(a, who);
     if (rc < 0 || a->batch == 0)

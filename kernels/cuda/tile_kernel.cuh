@@ -658,7 +658,7 @@ struct __align__(16) sq_tsmem
     float aw[SQ_D]; /* uniform-width heads: refit weight w^2 r^2 */
     uint16_t roff[SQ_D];
     uint8_t bits[SQ_D];
-    float l2[4][2];
+    double l2[4][2];
     float kqp[4];
     float beta, dec0;
     unsigned fl, sat;
@@ -907,8 +907,10 @@ __device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in
     if (!bad)
         bad = !isfinite(kv);
     if (st.l2norm) {
-        /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
-        float sq2 = qv * qv, sk2 = kv * kv;
+        /* double sums, as the reference's: the norm's fp32 reciprocal is then the same bits but
+         * where the two orders of the sum straddle a rounding boundary (~2^-29), so that the
+         * fp16 kernel's code-domain weights (f16_kernel.cuh) see the reference's k and q */
+        double sq2 = (double)qv * qv, sk2 = (double)kv * kv;
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
             sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
@@ -962,10 +964,10 @@ __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io 
         float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
         float qv = sm.q[t], kv = sm.k[t];
         if (st.l2norm) {
-            float a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
-            float b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
-            qv *= 1.0f / sqrtf(a + 1e-6f);
-            kv *= 1.0f / sqrtf(b + 1e-6f);
+            const double a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
+            const double b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
+            qv *= (float)(1.0 / sqrt(a + 1e-6)); /* kernels/recurrence.c l2normalize */
+            kv *= (float)(1.0 / sqrt(b + 1e-6));
         }
         qv *= sc;
         sm.q[t] = qv;
@@ -1793,8 +1795,9 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     __shared__ sq_tsmem sm;
     /* SQ_V_ORDER: grid (batch, heads), so that resident blocks mostly share a head */
     constexpr bool ORD = V & SQ_V_ORDER;
-    const int hv = ORD ? blockIdx.y : blockIdx.x, e = ORD ? blockIdx.x : blockIdx.y;
-    const int HV = ORD ? gridDim.y : gridDim.x;
+    const int hb = ORD ? blockIdx.y : blockIdx.x, e = ORD ? blockIdx.x : blockIdx.y;
+    const int hv = io.hlist ? io.hlist[hb] : hb;
+    const int HV = io.hlist ? io.hv_all : ORD ? gridDim.y : gridDim.x;
     /*
      * The pack issues its dense head first: the source is indexed by entry
      * (io.dense_by_slot is 0 for a pack), so its copy need not wait for the

@@ -222,6 +222,34 @@ def main():
                  "--out", os.path.join(d, "no.json"), "--decode-fit", fit], ok=False)
         assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
         assert not os.path.exists(os.path.join(d, "no.json"))
+    # --arith: recorded in the map (and its provenance), the distortions still measured in fp32
+    # (the same widths); fp32 is the default, written nowhere; inspect shows fp16; a method
+    # without column scales refuses it, and so do another name and fp16 with another fit.
+    assert "arith" not in m
+    kf = os.path.join(d, "kda-fp16.json")
+    p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4",
+             "--out", kf, "--pivot-fraction", "0.02", "--arith", "fp16", "--json"])
+    assert json.loads(p.stdout)["arith"] == "fp16", p.stdout
+    mf = json.load(open(kf))
+    assert mf["arith"] == "fp16" and "arith=fp16" in mf["provenance"]["method_detail"]
+    assert "decode_fit" not in mf and mf["layers"] == m["layers"]
+    assert "arith          fp16" in run([exe, "inspect", kf]).stdout
+    assert json.loads(run([exe, "inspect", kf, "--json"]).stdout)["arith"] == "fp16"
+    ke = os.path.join(d, "kda-fp32.json")
+    run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", "stepq", "--budget", "4", "--out", ke,
+         "--pivot-fraction", "0.02", "--arith", "fp32"])
+    assert open(ke, "rb").read() == open(km, "rb").read(), "--arith fp32 is not the default"
+    assert "arith" not in run([exe, "inspect", km]).stdout
+    assert "arith" not in json.loads(run([exe, "inspect", km, "--json"]).stdout)
+    for meth, extra, want in (("temporal", ["--arith", "fp16"], "--arith fp16: method temporal has no dual-axis decode step"),
+                              ("uniform", ["--arith", "fp32"], "--arith fp32: method uniform has no dual-axis decode step"),
+                              ("stepq", ["--arith", "half"], "--arith: 'half' is not fp32 or fp16"),
+                              ("stepq", ["--arith", "fp16", "--decode-fit", "rows"],
+                               "--arith fp16 needs --decode-fit exact, not rows")):
+        p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", meth, "--budget", "4",
+                 "--out", os.path.join(d, "no.json")] + extra, ok=False)
+        assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+        assert not os.path.exists(os.path.join(d, "no.json"))
     # --plot creates its folder when missing and writes the chart specs there.
     pd = os.path.join(d, "plots-new")
     run([exe, "eval", "--map", km, "--trace", kt + "-000.safetensors", "--plot", pd])

@@ -169,7 +169,14 @@ static int tie_check(const struct tie_head *th, int i, int j, double qm, int za,
 /* What the differing-code accounting of one comparison found. */
 struct flips {
     size_t codes, diff, ties_scale, by_scale;
+    size_t codes16, diff16; /* of them, the codes of fp16-step heads (arith fp16) */
 };
+
+/* Whether head layout hl's decode steps run in fp16 (arith fp16, kernels/step_f16.c). */
+static int f16_head(const struct stepq__head_layout *hl)
+{
+    return hl->arith == STEPQ_ARITH_FP16 && stepq__step_f16_supports(hl);
+}
 
 /*
  * bf16 / fp16 pages: the GPU and the reference round differently computed
@@ -205,6 +212,8 @@ static int compare_quant(const struct stepq__head_layout *hl, const float *w, co
     static struct tie_head th;
     double den[D] = { 0 }, flip[D] = { 0 };
     int8_t za[D], zb[D];
+    const int f16 = !ps && f16_head(hl);
+    const int scale_ulps = f16 ? TOL_F16_SCALE_ULPS : TOL_FP16_ULPS;
 
     if (ps)
         tie_head_load(&th, ps, entry, h, hl, a, b);
@@ -232,7 +241,7 @@ static int compare_quant(const struct stepq__head_layout *hl, const float *w, co
             continue;
         }
         size_t rp = hl->row_scale_offset + 2 * (size_t)i;
-        CA_CHECK(ca_ulp16(ca_rd16(a + rp), ca_rd16(b + rp)) <= TOL_FP16_ULPS,
+        CA_CHECK(ca_ulp16(ca_rd16(a + rp), ca_rd16(b + rp)) <= scale_ulps,
                  "slot %d head %d row scale %d: 0x%04x vs 0x%04x", s, h, i, ca_rd16(a + rp),
                  ca_rd16(b + rp));
         stepq__unpack_codes(a, hl->row_bitoff[i], za, D, bi);
@@ -247,6 +256,7 @@ static int compare_quant(const struct stepq__head_layout *hl, const float *w, co
             if (za[j] == zb[j])
                 continue;
             f->diff++;
+            f->diff16 += (size_t)f16;
             flip[j] += W * (3 * fabs(zt) + 2 / qm) / qm;
             CA_CHECK(abs(za[j] - zb[j]) <= 1, "slot %d head %d code (%d,%d): %d vs %d", s, h, i, j,
                      za[j], zb[j]);
@@ -277,7 +287,7 @@ static int compare_quant(const struct stepq__head_layout *hl, const float *w, co
         for (int j = 0; j < D; j++) {
             size_t cp = hl->col_scale_offset + 2 * (size_t)j;
             uint16_t ca = ca_rd16(a + cp), cb = ca_rd16(b + cp);
-            if (ca_ulp16(ca, cb) <= TOL_FP16_ULPS)
+            if (ca_ulp16(ca, cb) <= scale_ulps)
                 continue;
             double fa = stepq__fp16_to_float(ca), fb = stepq__fp16_to_float(cb);
             CA_CHECK(flip[j] > 0 && (den[j] == 0 ||
@@ -393,6 +403,7 @@ int ca_compare_pages(const struct fx_pools *fx, const uint8_t *got, const uint8_
             /* the 1e-4 budget is over every code compared, identical blocks included */
             const size_t head_codes = hl->quantized ? (size_t)(D - hl->n_pivot_rows) * D : 0;
             f.codes += head_codes;
+            f.codes16 += f16_head(hl) ? head_codes : 0;
             if (!written[s] || !memcmp(a, b, hl->block_bytes))
                 continue;
             const int entry = ps ? src_entry(ps, s) : -1;
@@ -418,8 +429,14 @@ int ca_compare_pages(const struct fx_pools *fx, const uint8_t *got, const uint8_
             if (compare_quant(hl, w, a, b, ps, entry, s, h, &f))
                 return 1;
         }
-    CA_CHECK(ps || (double)f.diff <= TOL_STEP_CODE_FLIPS * (double)f.codes,
-             "%zu of %zu codes differ (> %g)", f.diff, f.codes, TOL_STEP_CODE_FLIPS);
+    CA_CHECK(ps || (double)(f.diff - f.diff16) <= TOL_STEP_CODE_FLIPS * (double)f.codes,
+             "%zu of %zu codes differ (> %g)", f.diff - f.diff16, f.codes, TOL_STEP_CODE_FLIPS);
+    CA_CHECK(ps || (double)f.diff16 <= TOL_F16_STEP_CODE_FLIPS * (double)f.codes16,
+             "fp16 step: %zu of %zu codes differ (> %g)", f.diff16, f.codes16,
+             TOL_F16_STEP_CODE_FLIPS);
+    if (!ps && f.codes16)
+        checkasm_note("fp16 step: %zu of %zu codes differ by +-1 (bound %g)", f.diff16, f.codes16,
+                      TOL_F16_STEP_CODE_FLIPS);
     if (f.diff && ps)
         checkasm_note("%zu of %zu codes differ by +-1, each a proven tie (%zu of them under the"
                       " GPU's own scales); %zu column scales moved by them beyond one ulp",
@@ -489,6 +506,12 @@ static int compare_o_bf16(const struct fx_step_io *io, const uint16_t *got, cons
 int ca_compare_o(const struct fx_step_io *io, const void *got, const void *ref,
                  const int32_t *slots, double *nmse)
 {
+    return ca_compare_o_tol(io, got, ref, slots, TOL_F32_NMSE, nmse);
+}
+
+int ca_compare_o_tol(const struct fx_step_io *io, const void *got, const void *ref,
+                     const int32_t *slots, double tol, double *nmse)
+{
     if (io->view)
         return compare_o_bf16(io, got, ref, slots);
     const size_t row = (size_t)io->HV * D;
@@ -514,7 +537,7 @@ int ca_compare_o(const struct fx_step_io *io, const void *got, const void *ref,
     const double e = den > 0 ? num / den : num;
     if (nmse)
         *nmse = e;
-    CA_CHECK(e <= TOL_F32_NMSE, "output NMSE %g > %g", e, TOL_F32_NMSE);
+    CA_CHECK(e <= tol, "output NMSE %g > %g", e, tol);
     return 0;
 }
 

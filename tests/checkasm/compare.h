@@ -23,6 +23,17 @@
  * at most this fraction of the codes compared.
  */
 #define TOL_STEP_CODE_FLIPS 1e-4
+/*
+ * The fp16 decode step (arith fp16; kernels/quant.h): the kernel runs the reference's half
+ * operations, but its inputs' preparation (gate, beta sigmoid: CUDA's expf against libm's) can
+ * differ by an ulp, which moves an fp16 rounding of a weight or of u now and then, and with it
+ * the codes at near-ties of a column and the scales by an fp16 ulp or two. Bounds for those: the
+ * fraction of codes of fp16 heads that differ (each by +-1), the ulps of their row and column
+ * scales, the NMSE of the readout (half partial sums: one moved rounding is 2^-11 of a partial).
+ */
+#define TOL_F16_STEP_CODE_FLIPS 1e-3
+#define TOL_F16_SCALE_ULPS      2
+#define TOL_F16_OUT_NMSE        1e-6
 /* fp16 scales and pivots: one ulp (the two sides compute the fp32 value in another order). */
 #define TOL_FP16_ULPS 1
 /* bf16 outputs: at most this fraction of the elements one rounding apart. */
@@ -68,6 +79,9 @@ int ca_compare_health(const struct fx_pools *fx, const uint32_t *got, const uint
  */
 int ca_compare_o(const struct fx_step_io *io, const void *got, const void *ref,
                  const int32_t *slots, double *nmse);
+/** ca_compare_o with the fp32 NMSE bound tol instead of TOL_F32_NMSE. */
+int ca_compare_o_tol(const struct fx_step_io *io, const void *got, const void *ref,
+                     const int32_t *slots, double tol, double *nmse);
 
 /**
  * A refused call of the public API: its status is `want` and both the pool's

@@ -15,6 +15,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include <cuda_runtime_api.h>
+
 #include "kernels/cuda/cuda.h"
 #include "tests/checkasm/checkasm.h"
 #include "tests/checkasm/compare.h"
@@ -45,6 +47,7 @@ struct params {
     stepq_decode_fit fit; /* the map's decode_fit; 0: exact */
     int zero_col;         /* one column scale 0 in a head of every start page (pivot heads aside) */
     int nan_state;        /* one fp16 NaN in a pivot row of a head of every start page */
+    stepq_arith arith;    /* the map's arith; 0: fp32 */
 };
 
 /* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
@@ -65,7 +68,7 @@ static int start(const struct params *p)
     if (p->row_split > 0)
         snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
+        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
         stepq_method_name(p->method), width_name(p->arch, p->method, p->bits, w, sizeof(w)), p->H,
         p->HV, p->batch, p->gate ? " in-kernel gate" : "", p->nonfinite ? " NaN in q" : "",
         p->view ? " bf16 strided" : "", p->huge ? " huge state" : "",
@@ -77,7 +80,8 @@ static int start(const struct params *p)
         p->fit == STEPQ_DECODE_FIT_NOREFIT ? " norefit"
         : p->fit == STEPQ_DECODE_FIT_ROWS  ? " rows"
                                            : "",
-        p->zero_col ? " zero column scale" : "", p->nan_state ? " NaN in a pivot row" : "");
+        p->zero_col ? " zero column scale" : "", p->nan_state ? " NaN in a pivot row" : "",
+        p->arith == STEPQ_ARITH_FP16 ? " arith fp16" : "");
 }
 
 /* The CUDA call of a check, also what bench_new times. */
@@ -130,6 +134,7 @@ static int run(const struct params *p)
         .w_hi = 2.0f,
         .row_split = p->row_split,
         .decode_fit = p->fit,
+        .arith = p->arith,
     };
     struct fx_rng *rng = checkasm_rng();
     struct fx_pools fx = { 0 };
@@ -142,6 +147,7 @@ static int run(const struct params *p)
     uint64_t c_got[STEPQ__HEALTH_NCOUNTS], c_ref[STEPQ__HEALTH_NCOUNTS];
     stepq_step_args ah, ad;
     struct stepq__step_args ka;
+    double o_nmse = 0;
     int rc = 0;
 
     CA_OK(fx_pools_open(&fx, &spec, p->batch + 2, rng));
@@ -225,10 +231,14 @@ static int run(const struct params *p)
     CA_OK(fx_buf_get(&hio.counts, c_ref));
     if (ca_compare_pages(&fx, got, fx.hpages, start, written, NULL) ||
         ca_compare_health(&fx, h_got, fx.hhealth, c_got, c_ref) ||
-        ca_compare_o(&hio, o_got, o_ref, in.slots, NULL) || check_io(&hio, &dio)) {
+        ca_compare_o_tol(&hio, o_got, o_ref, in.slots,
+                         p->arith == STEPQ_ARITH_FP16 ? TOL_F16_OUT_NMSE : TOL_F32_NMSE, &o_nmse) ||
+        check_io(&hio, &dio)) {
         rc = 1;
         goto out;
     }
+    if (p->arith == STEPQ_ARITH_FP16)
+        checkasm_note("fp16 step: output NMSE %.3g (bound %g)", o_nmse, TOL_F16_OUT_NMSE);
     if (checkasm_benchmarking())
         rc = checkasm_bench(launch_new, &lc, NULL);
 out:
@@ -758,6 +768,68 @@ out:
 }
 
 /*
+ * A layer of arith fp16 heads on a handle of the two-stage variant or of the column kernels:
+ * STEPQ_ENOTSUP naming the arith, and no page byte changed.
+ */
+static int run_f16_refused(void)
+{
+    const struct fx_map_spec spec = {
+        .arch = STEPQ_ARCH_GDN,
+        .method = STEPQ_METHOD_STEPQ,
+        .bits = 6,
+        .H = 2,
+        .HV = 4,
+        .w_lo = 0.5f,
+        .w_hi = 2.0f,
+        .arith = STEPQ_ARITH_FP16,
+    };
+    struct fx_rng *rng = checkasm_rng();
+    struct fx_pools fx = { 0 };
+    struct fx_inputs in = { 0 };
+    struct fx_step_io dio = { 0 };
+    stepq__cuda_layer *L = NULL;
+    uint8_t *before = NULL, *after = NULL;
+    stepq_step_args ad;
+    struct stepq__step_args ka;
+    int rc = 0;
+
+    CA_OK(fx_pools_open(&fx, &spec, 4, rng));
+    CA_OK(fx_pools_fill(&fx, AMP, rng));
+    CA_OK(fx_inputs_alloc(&in, STEPQ_ARCH_GDN, 2, 2, 4));
+    CA_OK(fx_inputs_gen(&in, fx.slots + 1, 0, rng));
+    CA_OK(fx_step_io_init(&dio, &in, 0, 1));
+    fx_step_io_args(&dio, step_flags(0), &ad);
+    CA_OK(fx_kernel_args(fx.cuda, &ad, NULL, &ka));
+    before = malloc(fx.pages_bytes);
+    after = malloc(fx.pages_bytes);
+    CA_TRY(before && after, "out of memory");
+    CA_OK(fx_pools_download(&fx, before, NULL));
+    for (int k = 0; k < 2 && rc == 0; k++) {
+        CA_OK(stepq__cuda_layer_prepare_ex(&fx.dpl, k ? STEPQ__CUDA_COLUMN : 0, &L));
+        const int got = stepq__cuda_step_packed_prepared(
+            &ka, &fx.dpl, L, k ? STEPQ__CUDA_FUSED : STEPQ__CUDA_TWO_STAGE);
+        stepq__cuda_layer_release(L);
+        L = NULL;
+        CA_TRY(got == STEPQ_ENOTSUP && strstr(stepq_last_error(), "arith"),
+               "%s: returned %s (%s), expected STEPQ_ENOTSUP naming arith",
+               k ? "column kernels" : "two-stage variant", stepq_status_name(got),
+               stepq_last_error());
+        CA_TRY(cudaDeviceSynchronize() == cudaSuccess && cudaGetLastError() == cudaSuccess,
+               "a CUDA error after the refused call");
+        CA_OK(fx_pools_download(&fx, after, NULL));
+        CA_TRY(!memcmp(before, after, fx.pages_bytes), "%s: the refused call changed the pages",
+               k ? "column kernels" : "two-stage variant");
+    }
+out:
+    free(before);
+    free(after);
+    fx_step_io_free(&dio);
+    fx_inputs_free(&in);
+    fx_pools_close(&fx);
+    return rc;
+}
+
+/*
  * The cases each cheaper decode fit (norefit, rows) runs first, in this order: GDN stepq@6 and
  * @4 (uniform widths), GDN stepq mixed with a pivot head, KDA stepq mixed rows (run-time
  * widths), bf16 views, dsq GDN and KDA, spatial@3. batch and fit are set per run.
@@ -1090,6 +1162,92 @@ void checkasm_check_decode(void)
         one((struct params){ .arch = K, .method = F8, .H = 2, .HV = 2, .batch = 1, .view = 1 });
         one((struct params){
             .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .wild_ids = 1, .gate = 1 });
+    }
+
+    /*
+     * The fp16 decode step (arith fp16, kernels/cuda/f16_kernel.cuh): GDN dual-axis heads of
+     * every width, the mixed map with a pivot head (the tile kernel's, a second launch), dsq and
+     * spatial, in-kernel gates, bf16 views, a NaN in q, huge states (saturating scales), a zero
+     * column scale in the start pages, ids outside 0..slots, a row split; the variants that do
+     * not implement it refuse (run_f16_refused).
+     */
+    {
+        const stepq_arith F16 = STEPQ_ARITH_FP16;
+        for (int w = 0; w < 6; w++)
+            one((struct params){ .arch = G,
+                                 .method = SQ,
+                                 .bits = widths[w],
+                                 .H = 2,
+                                 .HV = 4,
+                                 .batch = B,
+                                 .gate = w & 1,
+                                 .arith = F16 });
+        one((struct params){ .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .arith = F16 });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 5,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_SPATIAL,
+                             .bits = 3,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .gate = 1,
+                             .arith = F16 });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .view = 1, .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .nonfinite = 1,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .huge = 1,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .zero_col = 1,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 8,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .wild_ids = 1,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .gate = 1,
+                             .row_split = 0.75,
+                             .arith = F16 });
+        if (!small)
+            one((struct params){
+                .arch = G, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
+        if (checkasm_check("decode arith fp16: the two-stage variant and the column kernels "
+                           "refuse (STEPQ_ENOTSUP)"))
+            checkasm_report(run_f16_refused());
     }
 
     if (checkasm_check("decode invalid arguments (public API, host and CUDA pools)"))

@@ -244,6 +244,8 @@ int fx_map_create(const struct fx_map_spec *spec, struct fx_rng *rng, stepq_map_
         goto fail;
     if ((ret = stepq_map_set_decode_fit(map, spec->decode_fit)) < 0)
         goto fail;
+    if (spec->arith != STEPQ_ARITH_FP32 && (ret = stepq_map_set_arith(map, spec->arith)) < 0)
+        goto fail;
     *out = map;
     return STEPQ_OK;
 fail:

@@ -92,6 +92,8 @@ struct fx_map_spec {
     double row_split;
     /** The map field decode_fit (dual-axis methods); 0: the default exact. */
     stepq_decode_fit decode_fit;
+    /** The map field arith (dual-axis methods); 0: the default fp32. */
+    stepq_arith arith;
 };
 
 /** Builds spec's map (*out owns it). rng draws the mixed widths and the row impact. */

@@ -912,6 +912,164 @@ static void decode_fit_round_trips_and_is_refused_where_it_means_nothing(void **
     assert_int_equal(stepq_decode_fit_from_name(NULL, &fit), STEPQ_EINVAL);
 }
 
+/*
+ * The decode step's arithmetic: fp32 by default and then neither written nor
+ * fingerprinted (maps without the field keep their bytes and fingerprints);
+ * fp16 round-trips (after decode_fit too), changes the fingerprint and the
+ * equality; fp16 is refused with a fit other than exact, by either setter
+ * (the map unchanged) and by validation and the writer (a map made so
+ * behind the setters' backs); values outside the list and methods without
+ * column scales are refused, changing nothing; the names parse both ways.
+ */
+static void arith_round_trips_and_is_refused_where_it_means_nothing(void **state)
+{
+    stepq_map_t *m = full_map(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 6), *back;
+    stepq_map_t *ref = full_map(STEPQ_ARCH_GDN, STEPQ_METHOD_STEPQ, 6);
+    char *t0, *t1;
+    size_t n0, n1;
+    uint64_t f0, f1, fs;
+    stepq_arith arith;
+
+    assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP32);
+    assert_int_equal(stepq_map_write_buffer(m, &t0, &n0), STEPQ_OK);
+    assert_null(strstr(t0, "arith"));
+    assert_int_equal(stepq_map_fingerprint(m, &f0), STEPQ_OK);
+
+    /* fp32 set explicitly: the bytes and the fingerprint of a map without the field. */
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP32), STEPQ_OK);
+    assert_true(stepq__map_equal(m, ref));
+    assert_reload_keeps(m, f0, t0, n0);
+
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP16), STEPQ_OK);
+    assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP16);
+    assert_int_equal(stepq_map_validate(m), STEPQ_OK);
+    assert_false(stepq__map_equal(m, ref));
+    assert_int_equal(stepq_map_fingerprint(m, &f1), STEPQ_OK);
+    assert_true(f1 != f0);
+    back = reload(m, &t1, &n1);
+    assert_non_null(strstr(t1, "\"budget_bits\": 6,\n  \"arith\": \"fp16\",\n  \"provenance\""));
+    assert_true(stepq__map_equal(m, back));
+    assert_int_equal(stepq_map_arith(back), STEPQ_ARITH_FP16);
+    assert_reload_keeps(back, f1, t1, n1);
+    stepq_free(t1);
+    stepq_map_close(back);
+
+    /* With a row split: both fields, in that order, and a fingerprint of its own. */
+    assert_int_equal(stepq_map_set_row_split(m, 0.75), STEPQ_OK);
+    back = reload(m, &t1, &n1);
+    assert_non_null(strstr(t1, "\"row_split\": 0.75,\n  \"arith\": \"fp16\",\n"));
+    assert_true(stepq__map_equal(m, back));
+    assert_int_equal(stepq_map_fingerprint(m, &fs), STEPQ_OK);
+    assert_true(fs != f0 && fs != f1);
+    stepq_free(t1);
+    stepq_map_close(back);
+    assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_OK);
+
+    /* fp16 needs the exact fit: another fit is refused with fp16 set, naming both fields
+     * and the function, the map as it was. */
+    for (int fit = STEPQ_DECODE_FIT_NOREFIT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+        assert_int_equal(stepq_map_set_decode_fit(m, (stepq_decode_fit)fit), STEPQ_EINVAL);
+        assert_non_null(strstr(stepq_map_last_error(m), "stepq_map_set_decode_fit"));
+        assert_non_null(strstr(stepq_map_last_error(m), "arith is fp16"));
+        assert_non_null(
+            strstr(stepq_map_last_error(m), stepq_decode_fit_name((stepq_decode_fit)fit)));
+        assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_EXACT);
+        assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP16);
+        assert_int_equal(stepq_map_fingerprint(m, &fs), STEPQ_OK);
+        assert_true(fs == f1);
+    }
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
+    /* ... and fp16 is refused with another fit set. */
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP32), STEPQ_OK);
+    for (int fit = STEPQ_DECODE_FIT_NOREFIT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+        assert_int_equal(stepq_map_set_decode_fit(m, (stepq_decode_fit)fit), STEPQ_OK);
+        assert_int_equal(stepq_map_fingerprint(m, &fs), STEPQ_OK);
+        assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP16), STEPQ_EINVAL);
+        assert_non_null(strstr(stepq_map_last_error(m), "stepq_map_set_arith"));
+        assert_non_null(strstr(stepq_map_last_error(m), "fp16 needs decode_fit exact, not"));
+        assert_non_null(
+            strstr(stepq_map_last_error(m), stepq_decode_fit_name((stepq_decode_fit)fit)));
+        assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP32);
+        assert_int_equal(stepq_map_decode_fit(m), fit);
+        assert_int_equal(stepq_map_fingerprint(m, &f1), STEPQ_OK);
+        assert_true(f1 == fs);
+        /* The pair made behind the setters' backs: validation and the writer refuse it. */
+        stepq__map_of(m, "test")->arith = STEPQ_ARITH_FP16;
+        assert_int_equal(stepq_map_validate(m), STEPQ_ESCHEMA);
+        assert_non_null(strstr(stepq_last_error(), "arith: fp16 needs decode_fit exact, not"));
+        assert_non_null(strstr(stepq_last_error(), stepq_decode_fit_name((stepq_decode_fit)fit)));
+        assert_int_equal(stepq_map_write_buffer(m, &t1, &n1), STEPQ_ESCHEMA);
+        stepq__map_of(m, "test")->arith = STEPQ_ARITH_FP32;
+        assert_int_equal(stepq_map_validate(m), STEPQ_OK);
+    }
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
+
+    /* Back to fp32: the bytes and the fingerprint of a map that never had the field. */
+    assert_true(stepq__map_equal(m, ref));
+    assert_reload_keeps(m, f0, t0, n0);
+    stepq_free(t0);
+
+    /* Not an arithmetic: refused naming the value, the map as it was. */
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_COUNT), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_map_last_error(m), "2 is not an arithmetic"));
+    assert_int_equal(stepq_map_set_arith(m, (stepq_arith)-1), STEPQ_EINVAL);
+    assert_true(stepq__map_equal(m, ref));
+    stepq_map_close(ref);
+    stepq_map_close(m);
+
+    /* dsq and spatial take it too. */
+    for (int method = STEPQ_METHOD_DSQ; method <= STEPQ_METHOD_SPATIAL; method++) {
+        m = full_map(STEPQ_ARCH_KDA, (stepq_method)method, 6);
+        assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP16), STEPQ_OK);
+        back = reload(m, &t1, &n1);
+        assert_int_equal(stepq_map_arith(back), STEPQ_ARITH_FP16);
+        assert_true(stepq__map_equal(m, back));
+        stepq_free(t1);
+        stepq_map_close(back);
+        stepq_map_close(m);
+    }
+
+    /* Methods without column scales: only fp32. */
+    for (int method = 0; method < STEPQ_METHOD_COUNT; method++) {
+        if (stepq_method_has_col_scales((stepq_method)method))
+            continue;
+        stepq_model_shape sh = fx_shape_small(STEPQ_ARCH_KDA);
+        const int units = stepq__method_has_units((stepq_method)method);
+        m = create_ok(&sh, (stepq_method)method,
+                      units ? 6 : stepq__method_fixed_bits((stepq_method)method));
+        assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP32);
+        assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP16), STEPQ_EINVAL);
+        assert_non_null(strstr(stepq_map_last_error(m), "stepq_map_set_arith"));
+        assert_non_null(strstr(stepq_map_last_error(m), "has no column scales"));
+        assert_non_null(strstr(stepq_map_last_error(m), stepq_method_name((stepq_method)method)));
+        assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP32);
+        assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP32), STEPQ_OK);
+        /* Behind the setters' backs: validation refuses it. */
+        stepq__map_of(m, "test")->arith = STEPQ_ARITH_FP16;
+        assert_int_equal(stepq_map_validate(m), STEPQ_ESCHEMA);
+        assert_non_null(strstr(stepq_last_error(), "arith: fp16 is not allowed for method"));
+        stepq__map_of(m, "test")->arith = STEPQ_ARITH_FP32;
+        stepq_map_close(m);
+    }
+    assert_int_equal(stepq_map_arith(NULL), STEPQ_ARITH_COUNT);
+    assert_int_equal(stepq_map_set_arith(NULL, STEPQ_ARITH_FP16), STEPQ_EINVAL);
+
+    /* The names. */
+    assert_string_equal(stepq_arith_name(STEPQ_ARITH_FP32), "fp32");
+    assert_string_equal(stepq_arith_name(STEPQ_ARITH_FP16), "fp16");
+    assert_string_equal(stepq_arith_name(STEPQ_ARITH_COUNT), "?");
+    assert_string_equal(stepq_arith_name((stepq_arith)-1), "?");
+    assert_int_equal(stepq_arith_from_name("fp16", &arith), STEPQ_OK);
+    assert_int_equal(arith, STEPQ_ARITH_FP16);
+    assert_int_equal(stepq_arith_from_name("fp32", &arith), STEPQ_OK);
+    assert_int_equal(arith, STEPQ_ARITH_FP32);
+    assert_int_equal(stepq_arith_from_name("fast", &arith), STEPQ_EINVAL);
+    assert_non_null(strstr(stepq_last_error(), "unknown arith \"fast\" (one of fp32, fp16)"));
+    assert_int_equal(stepq_arith_from_name("FP16", &arith), STEPQ_EINVAL);
+    assert_int_equal(arith, STEPQ_ARITH_FP32);
+    assert_int_equal(stepq_arith_from_name(NULL, &arith), STEPQ_EINVAL);
+}
+
 static void extension_keys_are_ignored_and_not_written_back(void **state)
 {
     const char *doc =
@@ -1110,6 +1268,8 @@ static void a_closed_map_handle_is_refused_everywhere(void **state)
     assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_EBADF);
     assert_int_equal(stepq_map_decode_fit(m), STEPQ_DECODE_FIT_COUNT);
     assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_EBADF);
+    assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_COUNT);
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP32), STEPQ_EBADF);
     stepq_map_close(m); /* a double close: refused, nothing freed twice */
     assert_non_null(strstr(stepq_last_error(), "closed or not valid"));
     /* A later map may take the memory and the table entry, never the handle. */
@@ -1182,6 +1342,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(equality_sees_every_field),
         cmocka_unit_test(row_split_round_trips_and_is_refused_where_it_means_nothing),
         cmocka_unit_test(decode_fit_round_trips_and_is_refused_where_it_means_nothing),
+        cmocka_unit_test(arith_round_trips_and_is_refused_where_it_means_nothing),
         cmocka_unit_test(extension_keys_are_ignored_and_not_written_back),
         cmocka_unit_test(writer_output_does_not_depend_on_the_locale),
         cmocka_unit_test(write_file_is_atomic_and_loadable),

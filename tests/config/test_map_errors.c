@@ -83,6 +83,15 @@
     DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " RS("1") \
             DF("\"norefit\"") "\"layers\": [" LAY(3, "[]", KR(4, 4) ", " KR(4, 4)) "]")
 
+/* The decode step's arithmetic (dsq, spatial, stepq only; fp16 with the exact fit only). */
+#define AR(v)                "\"arith\": " v ", "
+#define S6_ARITH(v)          DOC(GDN_MODEL S6 AR(v) S6_LAYERS(HW(4), HW(16), HW(6)))
+#define S6_FIT_ARITH(fit, v) DOC(GDN_MODEL S6 DF(fit) AR(v) S6_LAYERS(HW(4), HW(16), HW(6)))
+#define S6_ARITH_FIT(v, fit) DOC(GDN_MODEL S6 AR(v) DF(fit) S6_LAYERS(HW(4), HW(16), HW(6)))
+#define KDA_DSQ_ARITH                                                 \
+    DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " RS("1") \
+            AR("\"fp16\"") "\"layers\": [" LAY(3, "[]", KR(4, 4) ", " KR(4, 4)) "]")
+
 struct bad_case {
     const char *name;
     const char *doc;
@@ -107,6 +116,11 @@ static const char *const good_docs[] = {
     S6_FIT("\"rows\""),
     KDA_DSQ_FIT,
     S6_FIT("\"exact\""), /* the default, written out: accepted (the writer leaves it out) */
+    S6_ARITH("\"fp16\""),
+    KDA_DSQ_ARITH,
+    S6_FIT_ARITH("\"exact\"", "\"fp16\""),   /* fp16 with the exact fit, written out */
+    S6_FIT_ARITH("\"norefit\"", "\"fp32\""), /* another fit with the default arithmetic */
+    S6_ARITH("\"fp32\""), /* the default, written out: accepted (the writer leaves it out) */
 };
 
 static const struct bad_case cases[] = {
@@ -547,6 +561,50 @@ static const struct bad_case cases[] = {
       DOC(GDN_MODEL
           "\"method\": \"fp8\", \"budget_bits\": 8, " DF("\"norefit\"") "\"provenance\": {}"),
       0, STEPQ_ESCHEMA, "decode_fit: not allowed for method fp8" },
+
+    /* --- decode arithmetic --- */
+    { "arith unknown", S6_ARITH("\"fast\""), 0, STEPQ_ESCHEMA,
+      "arith: \"fast\" is not one of fp32, fp16" },
+    { "arith upper case", S6_ARITH("\"FP16\""), 0, STEPQ_ESCHEMA,
+      "arith: \"FP16\" is not one of fp32, fp16" },
+    { "arith bf16", S6_ARITH("\"bf16\""), 0, STEPQ_ESCHEMA,
+      "arith: \"bf16\" is not one of fp32, fp16" },
+    { "arith empty", S6_ARITH("\"\""), 0, STEPQ_ESCHEMA, "arith: \"\" is not one of fp32, fp16" },
+    { "arith as a number", S6_ARITH("16"), 0, STEPQ_ESCHEMA,
+      "arith: expected a string, got a number" },
+    { "arith as a bool", S6_ARITH("true"), 0, STEPQ_ESCHEMA,
+      "arith: expected a string, got a bool" },
+    { "arith null", S6_ARITH("null"), 0, STEPQ_ESCHEMA, "arith: expected a string, got null" },
+    { "arith as an array", S6_ARITH("[\"fp16\"]"), 0, STEPQ_ESCHEMA,
+      "arith: expected a string, got an array" },
+    { "arith twice",
+      DOC(GDN_MODEL S6 AR("\"fp16\"") AR("\"fp16\"") S6_LAYERS(HW(4), HW(16), HW(6))), 0,
+      STEPQ_ESCHEMA, "arith: duplicate key" },
+    { "arith on temporal",
+      DOC(GDN_MODEL "\"method\": \"temporal\", \"budget_bits\": 6, " AR("\"fp16\"") U6_LAYERS), 0,
+      STEPQ_ESCHEMA, "arith: not allowed for method temporal" },
+    { "arith fp32 on uniform", DOC(GDN_MODEL U6 AR("\"fp32\"") U6_LAYERS), 0, STEPQ_ESCHEMA,
+      "arith: not allowed for method uniform" },
+    { "arith fp16 on uniform", DOC(GDN_MODEL U6 AR("\"fp16\"") U6_LAYERS), 0, STEPQ_ESCHEMA,
+      "arith: not allowed for method uniform" },
+    { "arith on fp8",
+      DOC(GDN_MODEL
+          "\"method\": \"fp8\", \"budget_bits\": 8, " AR("\"fp16\"") "\"provenance\": {}"),
+      0, STEPQ_ESCHEMA, "arith: not allowed for method fp8" },
+    { "arith on fp32",
+      DOC(GDN_MODEL
+          "\"method\": \"fp32\", \"budget_bits\": 32, " AR("\"fp32\"") "\"provenance\": {}"),
+      0, STEPQ_ESCHEMA, "arith: not allowed for method fp32" },
+    { "arith fp16 with decode fit norefit", S6_FIT_ARITH("\"norefit\"", "\"fp16\""), 0,
+      STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact, not norefit" },
+    { "arith fp16 with decode fit rows", S6_FIT_ARITH("\"rows\"", "\"fp16\""), 0, STEPQ_ESCHEMA,
+      "arith: fp16 needs decode_fit exact, not rows" },
+    { "arith fp16 before decode fit norefit", S6_ARITH_FIT("\"fp16\"", "\"norefit\""), 0,
+      STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact, not norefit" },
+    { "arith fp16 with decode fit norefit on KDA dsq",
+      DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " DF("\"norefit\"")
+              AR("\"fp16\"") "\"layers\": [" LAY(3, "[]", KR(4, 4) ", " KR(4, 4)) "]"),
+      0, STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact, not norefit" },
 };
 
 static void every_base_document_loads(void **state)

@@ -350,6 +350,49 @@ static void plan_and_open_agree_and_fingerprints_are_stable(void **state)
     stepq_map_close(map);
 }
 
+/*
+ * The map's decode arithmetic (arith) reaches the head layout of every block, with the map's
+ * decode fit; it is no part of the page: fp16 and fp32 pages have the same blocks and the same
+ * layout fingerprint. A method without column scales keeps fp32.
+ */
+static void the_maps_arith_reaches_every_block_and_not_the_page(void **state)
+{
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ, STEPQ_METHOD_UNIFORM };
+
+    for (int arch = 0; arch < 2; arch++) {
+        for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+            stepq_model_shape s = fx_shape_small((stepq_arch)arch);
+            stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+            struct stepq__pool_layout l32, l16;
+            stepq_map_t *map = NULL;
+            const int dual = stepq_method_has_col_scales(methods[k]);
+
+            assert_int_equal(stepq_map_create(&s, methods[k], 6.0, &map), STEPQ_OK);
+            cfg.map = map;
+            cfg.num_slots = 1;
+            assert_int_equal(stepq__pool_layout_build(&cfg, &l32, NULL), STEPQ_OK);
+            assert_int_equal(stepq_map_set_arith(map, STEPQ_ARITH_FP16),
+                             dual ? STEPQ_OK : STEPQ_EINVAL);
+            assert_int_equal(stepq__pool_layout_build(&cfg, &l16, NULL), STEPQ_OK);
+            assert_int_equal(l16.pub.n_blocks, l32.pub.n_blocks);
+            for (int b = 0; b < l32.pub.n_blocks; b++) {
+                assert_int_equal(l32.heads[b].arith, STEPQ_ARITH_FP32);
+                assert_int_equal(l16.heads[b].arith, dual ? STEPQ_ARITH_FP16 : STEPQ_ARITH_FP32);
+                assert_int_equal(l16.heads[b].decode_fit, STEPQ_DECODE_FIT_EXACT);
+                assert_int_equal(l16.heads[b].block_bytes, l32.heads[b].block_bytes);
+                assert_int_equal(l16.block_offset[b], l32.block_offset[b]);
+            }
+            assert_int_equal(l16.pub.page_bytes, l32.pub.page_bytes);
+            assert_true(stepq__pool_layout_fingerprint(&l16.pub) ==
+                        stepq__pool_layout_fingerprint(&l32.pub));
+            stepq__pool_layout_free(&l16);
+            stepq__pool_layout_free(&l32);
+            stepq_map_close(map);
+        }
+    }
+}
+
 int main(void)
 {
     const struct CMUnitTest tests[] = {
@@ -362,6 +405,7 @@ int main(void)
         cmocka_unit_test(plan_and_open_agree_and_fingerprints_are_stable),
         cmocka_unit_test(sizes_that_would_wrap_are_refused),
         cmocka_unit_test(fp8_blocks_are_codes_plus_tile_scales),
+        cmocka_unit_test(the_maps_arith_reaches_every_block_and_not_the_page),
     };
 
     return cmocka_run_group_tests(tests, NULL, NULL);

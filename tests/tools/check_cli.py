@@ -88,6 +88,61 @@ def main():
           "exact = no option, refused for temporal, uniform, an unknown name, no value"
           % ("ok  " if ok else "FAIL"))
     bad += not ok
+    # mkmap --arith: fp16 written into the map for a dual-axis method with the exact fit, fp32 the
+    # default (written nowhere), refused elsewhere, with another fit and for another name, each
+    # refusal one line naming the option.
+    ok = True
+    for meth in ("stepq", "dsq", "spatial"):
+        p = subprocess.run(base + ["--method", meth, "--arith", "fp16"], capture_output=True,
+                           text=True)
+        ok = ok and p.returncode == 0 and json.loads(p.stdout).get("arith") == "fp16"
+    p = subprocess.run(base + ["--method", "stepq", "--arith", "fp16", "--decode-fit", "exact"],
+                       capture_output=True, text=True)
+    ok = ok and p.returncode == 0 and json.loads(p.stdout).get("arith") == "fp16"
+    p = subprocess.run(base + ["--method", "stepq", "--arith", "fp32"], capture_output=True,
+                       text=True)
+    ok = ok and p.returncode == 0 and p.stdout == p0.stdout and "arith" not in json.loads(p0.stdout)
+    p = subprocess.run(base + ["--method", "stepq", "--arith", "fp32", "--decode-fit", "rows"],
+                       capture_output=True, text=True)
+    ok = ok and p.returncode == 0 and "arith" not in json.loads(p.stdout)
+    for bad_args in (["--method", "temporal", "--arith", "fp16"],
+                     ["--method", "uniform", "--arith", "fp32"],
+                     ["--method", "stepq", "--arith", "FP16"],
+                     ["--method", "stepq", "--arith", "bf16"],
+                     ["--method", "stepq", "--arith", "fp16", "--decode-fit", "norefit"],
+                     ["--method", "stepq", "--decode-fit", "rows", "--arith", "fp16"],
+                     ["--method", "stepq", "--arith"]):
+        q = subprocess.run(base + bad_args, capture_output=True, text=True)
+        ok = ok and q.returncode == 2 and "--arith" in q.stderr and not q.stdout
+        ok = ok and len(q.stderr.strip().splitlines()) == 1
+    q = subprocess.run(base + ["--method", "stepq", "--arith", "fp16", "--decode-fit", "norefit"],
+                       capture_output=True, text=True)
+    ok = ok and "--decode-fit exact, not norefit" in q.stderr
+    print("%s mkmap --arith: fp16 written for stepq, dsq and spatial, fp32 = no option, refused "
+          "for temporal, uniform, an unknown name, another fit, no value"
+          % ("ok  " if ok else "FAIL"))
+    bad += not ok
+    # inspect shows arith when it is not fp32, in its text and its JSON, and nowhere for fp32.
+    import os
+    import tempfile
+    with tempfile.TemporaryDirectory() as d:
+        f16, f32 = os.path.join(d, "fp16.json"), os.path.join(d, "fp32.json")
+        r16 = subprocess.run(base + ["--method", "stepq", "--arith", "fp16", "-o", f16],
+                             capture_output=True, text=True)
+        r32 = subprocess.run(base + ["--method", "stepq", "-o", f32], capture_output=True,
+                             text=True)
+        ok = r16.returncode == 0 and r32.returncode == 0
+        t16 = subprocess.run([exe, "inspect", f16], capture_output=True, text=True)
+        j16 = subprocess.run([exe, "inspect", f16, "--json"], capture_output=True, text=True)
+        t32 = subprocess.run([exe, "inspect", f32], capture_output=True, text=True)
+        j32 = subprocess.run([exe, "inspect", f32, "--json"], capture_output=True, text=True)
+        ok = ok and all(x.returncode == 0 for x in (t16, j16, t32, j32))
+        ok = ok and any(line.startswith("arith          fp16") for line in t16.stdout.splitlines())
+        ok = ok and json.loads(j16.stdout).get("arith") == "fp16"
+        ok = ok and "arith" not in t32.stdout and "arith" not in json.loads(j32.stdout)
+    print("%s inspect: arith fp16 shown in text and JSON, fp32 shown nowhere"
+          % ("ok  " if ok else "FAIL"))
+    bad += not ok
     # bench pool --json: one JSON document on stdout, tables and messages elsewhere.
     p = subprocess.run([exe, "bench", "pool", "--backend", "host", "--page-bytes", "4096", "--slots",
                         "1,2", "--min-ms", "1", "--json"], capture_output=True, text=True)

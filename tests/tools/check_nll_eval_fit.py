@@ -1,10 +1,12 @@
 #!/usr/bin/env python3
-"""nll_eval.py refuses a map whose decode_fit it cannot measure, and keeps taking exact ones.
+"""nll_eval.py refuses a map whose decode_fit or arith it cannot measure, and keeps taking exact
+fp32 ones.
 
 nll_eval stores states through the prefill pack, which always takes the exact fit; a map
 with decode_fit norefit or rows must be refused with a message naming the map and the field
-(else its numbers would be the exact fit's under another name). An explicit "exact" and an
-absent field must still pass the self-test; --shrink takes 0 < G < 1 only, --jitter 0..16. Usage: check_nll_eval_fit.py NLL_EVAL SHIM MAP
+(else its numbers would be the exact fit's under another name), and so must a map with arith
+fp16 (the pack computes in fp32). An explicit "exact" or "fp32" and an absent field must still
+pass the self-test; --shrink takes 0 < G < 1 only, --jitter 0..16. Usage: check_nll_eval_fit.py NLL_EVAL SHIM MAP
 (MAP: a calibrated stepq map, e.g. config/calibrated/tiny-gdn/stepq@4.json)."""
 import json
 import os
@@ -44,6 +46,30 @@ def main():
                 fails += 1
             else:
                 print("ok   decode_fit %s: %s" % (fit or "(absent)", "taken" if ok else err[-1]))
+    # arith likewise: the prefill pack computes in fp32, so a map with arith fp16 is refused naming
+    # the map and the field; fp32 written out and an absent field are taken.
+    with tempfile.TemporaryDirectory() as d:
+        for arith, ok in (("fp32", True), (None, True), ("fp16", False)):
+            mm = dict(m)
+            mm.pop("decode_fit", None)
+            mm.pop("arith", None)
+            if arith is not None:
+                mm["arith"] = arith
+            path = os.path.join(d, "map-arith-%s.json" % (arith or "absent"))
+            with open(path, "w") as f:
+                json.dump(mm, f)
+            r = run(nll_eval, shim, path)
+            err = (r.stderr or "").strip().splitlines()
+            if ok and r.returncode != 0:
+                print("FAIL: arith %s refused: %s" % (arith, err[-1:] or r.returncode))
+                fails += 1
+            elif not ok and (r.returncode == 0 or not err or "arith \"%s\"" % arith not in err[-1]
+                             or path not in err[-1]):
+                print("FAIL: arith %s: expected a refusal naming the map and the field, got rc %d: %s"
+                      % (arith, r.returncode, err[-1:]))
+                fails += 1
+            else:
+                print("ok   arith %s: %s" % (arith or "(absent)", "taken" if ok else err[-1]))
     # --shrink G (the fp32 state times G after every step) takes 0 < G < 1 only, --jitter N 0..16,
     # each refusal naming the option.
     for opt, g, ok in (("--shrink", "0.999", True), ("--shrink", "1", False), ("--shrink", "0", False),

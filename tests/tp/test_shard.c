@@ -534,6 +534,33 @@ static void every_slice_keeps_the_decode_fit(void **state)
     stepq_map_close(map);
 }
 
+/* Every rank's slice keeps the map's decode arithmetic, with the exact fit it needs; a slice of
+ * an fp32 map stays fp32 under each fit. */
+static void every_slice_keeps_the_arith(void **state)
+{
+    stepq_model_shape s = toy(4, 4);
+    stepq_map_t *map = NULL, *shard = NULL;
+
+    assert_int_equal(stepq_map_create(&s, STEPQ_METHOD_STEPQ, 6, &map), STEPQ_OK);
+    assert_int_equal(stepq_map_set_arith(map, STEPQ_ARITH_FP16), STEPQ_OK);
+    for (int tp = 1; tp <= 4; tp *= 2)
+        for (int r = 0; r < tp; r++) {
+            assert_int_equal(stepq_map_shard(map, tp, r, &shard), STEPQ_OK);
+            assert_int_equal(stepq_map_arith(shard), STEPQ_ARITH_FP16);
+            assert_int_equal(stepq_map_decode_fit(shard), STEPQ_DECODE_FIT_EXACT);
+            stepq_map_close(shard);
+        }
+    assert_int_equal(stepq_map_set_arith(map, STEPQ_ARITH_FP32), STEPQ_OK);
+    for (int fit = STEPQ_DECODE_FIT_EXACT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+        assert_int_equal(stepq_map_set_decode_fit(map, (stepq_decode_fit)fit), STEPQ_OK);
+        assert_int_equal(stepq_map_shard(map, 2, 1, &shard), STEPQ_OK);
+        assert_int_equal(stepq_map_arith(shard), STEPQ_ARITH_FP32);
+        assert_int_equal(stepq_map_decode_fit(shard), fit);
+        stepq_map_close(shard);
+    }
+    stepq_map_close(map);
+}
+
 int main(int argc, char **argv)
 {
     const struct CMUnitTest tests[] = {
@@ -546,6 +573,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(kda_pivots_are_renumbered_per_rank),
         cmocka_unit_test(every_slice_keeps_the_row_split),
         cmocka_unit_test(every_slice_keeps_the_decode_fit),
+        cmocka_unit_test(every_slice_keeps_the_arith),
     };
     if (argc != 2) {
         fprintf(stderr, "usage: %s REPOSITORY_ROOT\n", argv[0]);

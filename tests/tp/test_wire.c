@@ -214,6 +214,35 @@ static void a_decode_fit_changes_every_fingerprint_unless_it_is_exact(void **sta
     }
 }
 
+/*
+ * The decode arithmetic (map field arith) changes what a decode step writes too: ranks whose
+ * maps differ in it alone must not agree; fp32, the default, gives the fingerprints of the map
+ * without the field.
+ */
+static void an_arith_changes_every_fingerprint_unless_it_is_fp32(void **state)
+{
+    const char *maps[] = { GDN6, KDA6 };
+
+    for (size_t i = 0; i < 2; i++) {
+        stepq_map_t *a = load(maps[i]), *b = load(maps[i]);
+
+        assert_int_equal(stepq_map_set_arith(b, STEPQ_ARITH_FP16), STEPQ_OK);
+        for (int r = 0; r < 2; r++) {
+            stepq_tp_fingerprint_info fa = fp_of(a, 2, r), fb = fp_of(b, 2, r);
+            assert_true(fa.map != fb.map);
+            assert_true(fa.group != fb.group);
+            assert_true(fa.page != fb.page);
+        }
+        assert_int_equal(stepq_map_set_arith(b, STEPQ_ARITH_FP32), STEPQ_OK);
+        for (int r = 0; r < 2; r++) {
+            stepq_tp_fingerprint_info fa = fp_of(a, 2, r), fb = fp_of(b, 2, r);
+            assert_true(fa.map == fb.map && fa.group == fb.group && fa.page == fb.page);
+        }
+        stepq_map_close(a);
+        stepq_map_close(b);
+    }
+}
+
 /* --- the message header --- */
 
 static const stepq_tp_msg_header hdr = {
@@ -446,6 +475,7 @@ int main(int argc, char **argv)
         cmocka_unit_test(one_changed_head_changes_every_fingerprint),
         cmocka_unit_test(a_row_split_changes_every_fingerprint_unless_it_is_the_default),
         cmocka_unit_test(a_decode_fit_changes_every_fingerprint_unless_it_is_exact),
+        cmocka_unit_test(an_arith_changes_every_fingerprint_unless_it_is_fp32),
         cmocka_unit_test(a_header_round_trips_in_little_endian),
         cmocka_unit_test(decode_refuses_truncated_foreign_and_corrupted_headers),
         cmocka_unit_test(decode_refuses_another_layout_naming_both),

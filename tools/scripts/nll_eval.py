@@ -355,20 +355,27 @@ def row_split_check(shim, maps, rng):
 
 
 def check_decode_fit(path, who="nll_eval"):
-    """Refuses a map whose decode_fit is not the exact fit (config/SCHEMA.md).
+    """Refuses a map whose decode_fit is not the exact fit, or whose arith is not fp32
+    (config/SCHEMA.md).
 
     This harness stores every state through the library's prefill pack and unpack
-    (the shim's roundtrip), and a prefill pack always takes the exact dual-axis fit:
-    decode_fit norefit or rows only change the decode step's fit. Measuring such a map
-    here would silently measure the exact fit under its name, so it is refused; the
-    served path's drift probe (tools/scripts/served_path.py --check drift) runs real
-    decode steps and measures them."""
+    (the shim's roundtrip), and a prefill pack always takes the exact dual-axis fit in
+    fp32 arithmetic: decode_fit norefit or rows and arith fp16 only change the decode
+    step. Measuring such a map here would silently measure the exact fp32 fit under its
+    name, so it is refused; the served path's drift probe
+    (tools/scripts/served_path.py --check drift) runs real decode steps and measures them."""
     with open(path) as f:
-        fit = json.load(f).get("decode_fit", "exact")
+        m = json.load(f)
+    fit, arith = m.get("decode_fit", "exact"), m.get("arith", "fp32")
     if fit != "exact":
         raise SystemExit("%s: %s: decode_fit \"%s\": this harness stores states through the prefill "
                          "pack, which always fits exactly, so the map's decode fit would not be measured; "
                          "use tools/scripts/served_path.py --check drift for it" % (who, path, fit))
+    if arith != "fp32":
+        raise SystemExit("%s: %s: arith \"%s\": this harness stores states through the prefill "
+                         "pack, which always computes in fp32, so the map's decode arithmetic would not be "
+                         "measured; use tools/scripts/served_path.py --check drift for it"
+                         % (who, path, arith))
 
 
 def self_test(a):

@@ -79,6 +79,17 @@ typedef struct stepq_map stepq_map_t;
        "row scales only: the column scales of the page read are kept, the row scales "    \
        "refitted to them (decode steps only; packs stay exact)")
 
+/*
+ * The arithmetic of a decode step's per-element work (map field `arith`, dsq /
+ * spatial / stepq only; kernels/quant.h defines it operation by operation):
+ * XX(NAME, value, "name", description)
+ */
+#define STEPQ_ARITH_MAP(XX)                                                             \
+    XX(FP32, 0, "fp32", "fp32 arithmetic throughout")                                   \
+    XX(FP16, 1, "fp16",                                                                 \
+       "packed half2 arithmetic for the per-element work of the fused decode step, in " \
+       "IEEE fp16 under power-of-two normalisers (decode steps only; packs stay fp32)")
+
 /* Element types of dense tensors: XX(NAME, value, "name", bytes) */
 #define STEPQ_DTYPE_MAP(XX) \
     XX(FP32, 0, "fp32", 4)  \
@@ -116,6 +127,14 @@ typedef enum stepq_decode_fit {
 #undef STEPQ__XX
         STEPQ_DECODE_FIT_COUNT
 } stepq_decode_fit;
+
+/** The arithmetic of a dual-axis map's decode step (STEPQ_ARITH_MAP). */
+typedef enum stepq_arith {
+#define STEPQ__XX(name, value, text, desc) STEPQ_ARITH_##name = (value),
+    STEPQ_ARITH_MAP(STEPQ__XX)
+#undef STEPQ__XX
+        STEPQ_ARITH_COUNT
+} stepq_arith;
 
 /**
  * Largest head dimension (head_k_dim, head_v_dim) of a map: the limit the
@@ -271,11 +290,31 @@ STEPQ_API int stepq_map_set_row_split(stepq_map_t *map, double alpha);
  * fingerprint (when not exact) but not of the page layout. Both backends
  * serve every fit.
  *
- * @return STEPQ_OK; STEPQ_EINVAL for a value outside the list, or for
- *         a fit other than EXACT on a map whose method has no column scales. The map is
- *         unchanged on failure.
+ * @return STEPQ_OK; STEPQ_EINVAL for a value outside the list, for
+ *         a fit other than EXACT on a map whose method has no column scales, or for
+ *         a fit other than EXACT on a map whose arithmetic is FP16
+ *         (stepq_map_set_arith()). The map is unchanged on failure.
  */
 STEPQ_API int stepq_map_set_decode_fit(stepq_map_t *map, stepq_decode_fit fit);
+
+/**
+ * Sets the arithmetic of a decode step of a dual-axis map (dsq, spatial,
+ * stepq; the map field `arith`, config/SCHEMA.md): STEPQ_ARITH_FP32, every
+ * map's default, computes in fp32 throughout; STEPQ_ARITH_FP16 does the
+ * decode step's per-element arithmetic in IEEE fp16 (packed half2) under
+ * power-of-two normalisers, defined operation by operation in
+ * kernels/quant.h. Prefill packs, unpacks and calibration are unchanged, and
+ * the blocks decode the same way either way. FP16 is defined for the exact
+ * decode fit only (stepq_map_set_decode_fit()). It changes what a decode
+ * step writes, so it is part of the map's fingerprint (when not fp32) but
+ * not of the page layout.
+ *
+ * @return STEPQ_OK; STEPQ_EINVAL for a value outside the list, for an
+ *         arithmetic other than FP32 on a map whose method has no column
+ *         scales, or for FP16 on a map whose decode fit is not EXACT. The map
+ *         is unchanged on failure.
+ */
+STEPQ_API int stepq_map_set_arith(stepq_map_t *map, stepq_arith arith);
 
 /** Per-unit calibration statistics (what the calibrator measured for a unit). */
 typedef struct stepq_unit_stats {
@@ -360,6 +399,12 @@ STEPQ_API double stepq_map_row_split(const stepq_map_t *map);
  * without column scales); STEPQ_DECODE_FIT_COUNT for a NULL or closed map.
  */
 STEPQ_API stepq_decode_fit stepq_map_decode_fit(const stepq_map_t *map);
+/**
+ * The decode step's arithmetic (stepq_map_set_arith()): STEPQ_ARITH_FP32
+ * unless the map's `arith` says otherwise (always fp32 for methods without
+ * column scales); STEPQ_ARITH_COUNT for a NULL or closed map.
+ */
+STEPQ_API stepq_arith stepq_map_arith(const stepq_map_t *map);
 /** Model name, or "" when the map has none. */
 STEPQ_API const char *stepq_map_model_name(const stepq_map_t *map);
 /** Index (0..n_layers-1) of a model layer id; STEPQ_ENOENT when it is not recurrent. */
@@ -403,10 +448,11 @@ STEPQ_API int stepq_map_provenance_candidates(const stepq_map_t *map, int *bits,
 /**
  * A 64-bit fingerprint of everything that decides the stored bytes and their
  * reconstruction: shape (conv state included), method, budget, unit widths,
- * row impact, the row split when it is not 0.5 and the decode fit when it
- * is not exact (so the fingerprints of maps without a `row_split` or
- * `decode_fit` field are what they were before them). Calibration statistics,
- * provenance and the model name are not included. Two maps with the same fingerprint produce the
+ * row impact, the row split when it is not 0.5, the decode fit when it
+ * is not exact and the arithmetic when it is not fp32 (so the fingerprints
+ * of maps without a `row_split`, `decode_fit` or `arith` field are what they
+ * were before them). Calibration statistics, provenance and the model name
+ * are not included. Two maps with the same fingerprint produce the
  * same pages (tensor-parallel ranks compare it when a pool opens). The value does not depend on the
  * platform.
  */
@@ -420,6 +466,10 @@ STEPQ_API const char *stepq_dtype_name(stepq_dtype dtype);
 STEPQ_API const char *stepq_decode_fit_name(stepq_decode_fit fit);
 /** Parses a decode fit name; STEPQ_EINVAL for unknown names. */
 STEPQ_API int stepq_decode_fit_from_name(const char *name, stepq_decode_fit *out);
+/** Name of a decode step's arithmetic ("fp32", "fp16"); "?" for unknown values. */
+STEPQ_API const char *stepq_arith_name(stepq_arith a);
+/** Parses an arithmetic name; STEPQ_EINVAL for unknown names. */
+STEPQ_API int stepq_arith_from_name(const char *name, stepq_arith *out);
 /** Parses a method name; STEPQ_EINVAL for unknown names. */
 STEPQ_API int stepq_method_from_name(const char *name, stepq_method *out);
 /** Parses an arch name ("gdn", "kda"); STEPQ_EINVAL for unknown names. */

@@ -356,6 +356,7 @@ _SIGNATURES = {
     "stepq_map_budget_bits": (c_double, [c_void_p]),
     "stepq_map_row_split": (c_double, [c_void_p]),
     "stepq_map_decode_fit": (c_enum, [c_void_p]),
+    "stepq_map_arith": (c_enum, [c_void_p]),
     "stepq_map_model_name": (c_char_p, [c_void_p]),
     "stepq_map_layer_index": (c_int, [c_void_p, c_int]),
     "stepq_map_units_per_layer": (c_int, [c_void_p]),
@@ -368,6 +369,7 @@ _SIGNATURES = {
     "stepq_arch_name": (c_char_p, [c_enum]),
     "stepq_dtype_name": (c_char_p, [c_enum]),
     "stepq_decode_fit_name": (c_char_p, [c_enum]),
+    "stepq_arith_name": (c_char_p, [c_enum]),
     # pool.h
     "stepq_pool_policy_slots": (c_int, [c_enum]),
     "stepq_pool_plan": (c_int, [_P(PoolConfig), _P(PoolPlanInfo)]),

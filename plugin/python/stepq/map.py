@@ -23,7 +23,8 @@ class Map:
     ``budget_bits``, ``row_split`` (the dual-axis fit's row split: 0.5 unless
     the map's ``row_split`` field says otherwise), ``decode_fit`` (the decode
     step's fit, "exact", "norefit" or "rows": "exact" unless the map's ``decode_fit``
-    field says otherwise), ``model_name``.
+    field says otherwise), ``arith`` (the decode step's arithmetic, "fp32" or "fp16":
+    "fp32" unless the map's ``arith`` field says otherwise), ``model_name``.
     """
 
     def __init__(self, handle, path=None):
@@ -43,6 +44,7 @@ class Map:
         self.budget_bits = lib.stepq_map_budget_bits(self._h)
         self.row_split = lib.stepq_map_row_split(self._h)
         self.decode_fit = _lib._text(lib.stepq_decode_fit_name(lib.stepq_map_decode_fit(self._h)))
+        self.arith = _lib._text(lib.stepq_arith_name(lib.stepq_map_arith(self._h)))
         self.model_name = _lib._text(lib.stepq_map_model_name(self._h))
 
     @property

@@ -413,6 +413,65 @@ def test_decode_fit_is_read_from_the_map_and_served_on_the_host():
         pool.close()
 
 
+def test_arith_is_read_from_the_map_and_needs_the_exact_fit():
+    with stepq.load_map(GDN6) as m:
+        assert m.arith == "fp32"
+        text = m.to_json()
+        assert '"arith"' not in text
+        f = m.fingerprint()
+    fp16 = text.replace('"budget_bits": 6,', '"budget_bits": 6,\n  "arith": "fp16",', 1)
+    with stepq.load_map_buffer(fp16) as m:
+        assert m.arith == "fp16" and m.decode_fit == "exact" and m.fingerprint() != f
+        assert '"arith": "fp16"' in m.to_json()
+    # fp32 written out: the map without the field, fingerprint and bytes.
+    with stepq.load_map_buffer(fp16.replace('"arith": "fp16"', '"arith": "fp32"')) as m:
+        assert m.arith == "fp32" and m.fingerprint() == f and m.to_json() == text
+    with raises(stepq.StepqError, name="STEPQ_ESCHEMA", match="arith"):
+        stepq.load_map_buffer(fp16.replace('"arith": "fp16"', '"arith": "fast"'))
+    norefit = fp16.replace('"arith": "fp16"', '"decode_fit": "norefit",\n  "arith": "fp16"')
+    with raises(stepq.StepqError, name="STEPQ_ESCHEMA",
+                match="arith: fp16 needs decode_fit exact, not norefit"):
+        stepq.load_map_buffer(norefit)
+
+
+def test_arith_fp16_steps_gdn_pools_and_kda_pools_refuse_it():
+    # A GDN pool opens with it (its decode step is the fp16 one, kernels/step_f16.c); a KDA pool
+    # opens too (layouts, packs do not depend on it) but its decode step is refused,
+    # STEPQ_ENOTSUP naming the arith, not run in fp32 under its name.
+    with stepq.load_map(GDN6) as m:
+        text = m.to_json()
+    fp16 = text.replace('"budget_bits": 6,', '"budget_bits": 6,\n  "arith": "fp16",', 1)
+    with stepq.load_map_buffer(fp16) as m:
+        pool = stepq.StatePool(m, size=2)
+        ids = pool.alloc(1)
+        assert ids is not None
+        pool.free(ids)
+        pool.close()
+    kda = _harness.data("config", "calibrated", "tiny-kda", "stepq@6.json")
+    with stepq.load_map(kda) as m:
+        text = m.to_json()
+    fp16 = text.replace('"budget_bits": 6,', '"budget_bits": 6,\n  "arith": "fp16",', 1)
+    assert '"arith": "fp16"' in fp16
+    np = _harness.need_numpy()
+    with stepq.load_map_buffer(fp16) as m:
+        pool = stepq.StatePool(m, size=4)
+    try:
+        H, HV, K, V = pool.num_k_heads, pool.num_v_heads, pool.head_k_dim, pool.head_v_dim
+        ids = pool.alloc(2)
+        pool.pack(0, ids, np.full((2, HV, K, V), 0.01, np.float32))
+        t = dict(q=np.full((2, H, K), 0.1, np.float32), k=np.full((2, H, K), 0.1, np.float32),
+                 v=np.full((2, HV, V), 0.1, np.float32), a=np.full((2, HV, K), -0.1, np.float32),
+                 b=np.full((2, HV), 0.5, np.float32), cache_indices=np.array(ids, np.int32),
+                 out=np.full((2, HV, V), 3.0, np.float32))
+        pages = pool.get_cpu_copy(ids)
+        with raises(stepq.StepqError, name="STEPQ_ENOTSUP", match="arith fp16 covers GDN"):
+            pool.decode(0, **t)
+        assert (t["out"] == 3.0).all() and np.array_equal(pool.get_cpu_copy(ids), pages)
+        pool.free(ids)
+    finally:
+        pool.close()
+
+
 def test_concurrent_alloc_and_free_never_share_a_slot():
     pool = _pool(16)
     held, errors = [], []

@@ -1,0 +1,618 @@
+/*
+ * The fused packed decode step in fp16 arithmetic (the map field arith = fp16): one 256-thread
+ * block per (entry, value head) of a GDN integer head of one width B with column scales
+ * (stepq__step_f16_supports; the layer's other heads, pivot heads, take the tile kernel in a
+ * second launch). kernels/quant.h lists its operations and kernels/step_f16.c is its C
+ * reference; this file follows the list step by step. The thread mapping is the tile kernel's
+ * (thread t: warp w, tx = t % 16 owns columns 8tx..8tx+7, rows 8ty..8ty+7 with ty = 2w +
+ * (t % 32) / 16), but a thread's 64 elements are 32 half2 registers (X[row][pair], the pair =
+ * two adjacent columns), so that the kernel fits in 64 registers and four blocks (32 warps)
+ * share an SM: the occupancy that hides the page loads of one block behind the arithmetic of
+ * the others (kernels/cuda/README.md, the fp16 design probe: 2 blocks per SM 371 us, 3 314 us,
+ * 4 294 us at B = 512 in the probe's frame).
+ *
+ * Per-row work (normalisers, row scales, refit weights) runs once per row: lanes 2r and 2r + 1
+ * of a half-warp own row R0 + r and broadcast its factors by one shuffle per row; the row
+ * maxima come from a reduce-scatter (5 shuffles for the thread's 8 rows). The page is read and
+ * written in place: every thread reads its codes and the scales it needs before the first
+ * barrier and writes after the last one it reads across.
+ *
+ * Departures from the reference's order of fp32 operations: none intended. The inputs' own
+ * preparation (l2norm, gate, beta) is the tile kernel's (fp32 sums), so q and k may differ from
+ * the reference's by an ulp, and with them, rarely, an fp16 rounding and a code; the checkasm
+ * decode family bounds those differences (tests/checkasm/decode.c, arith fp16).
+ */
+#ifndef STEPQ_KERNELS_CUDA_F16_KERNEL_CUH
+#define STEPQ_KERNELS_CUDA_F16_KERNEL_CUH
+
+#include <cuda_fp16.h>
+
+#include "kernels/cuda/tile_kernel.cuh"
+
+/* Blocks per SM the launch bounds ask for by default: 4 (64 registers a thread; 3: 80). */
+#define SQ_F16_OCC 4
+
+/* the smallest power of two >= x (x >= 0 finite; 0 gives 2^-126): step_f16.c's p2 */
+__device__ __forceinline__ float sq_p2(float x)
+{
+    uint32_t e = (__float_as_uint(x) + 0x007FFFFFu) & 0x7F800000u;
+    return __uint_as_float(e ? e : 0x00800000u);
+}
+
+/* 1 / p for a power of two p in the normal range, exact */
+__device__ __forceinline__ float sq_p2inv(float p)
+{
+    return __uint_as_float(0x7F000000u - __float_as_uint(p));
+}
+
+__device__ __forceinline__ half2 sq_u2h(uint32_t u)
+{
+    return *reinterpret_cast<half2 *>(&u);
+}
+
+__device__ __forceinline__ uint32_t sq_h2u(half2 h)
+{
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+__device__ __forceinline__ float sq_max16(float x)
+{
+#pragma unroll
+    for (int s = 1; s < 16; s <<= 1)
+        x = fmaxf(x, __shfl_xor_sync(0xffffffffu, x, s));
+    return x;
+}
+
+/* The stored scale of s (stepq__scale_to_fp16, SATURATED beyond 65504) */
+__device__ __forceinline__ uint16_t sq_f16_scale(float s, unsigned &fl)
+{
+    if (s > STEPQ__SCALE_MAX)
+        fl |= STEPQ_HEALTH_SATURATED;
+    return sq_scale_h(s);
+}
+
+/* Shared memory beside the tile kernel's input phase (sq_tsmem: q, k, v, decay, beta, k.q). */
+struct __align__(16) sq_f16_smem
+{
+    uint32_t cm[8][64]; /* column maxima (half2) per warp */
+    uint32_t ct[64];    /* the block's column maxima (half2, scale P) */
+    uint32_t qt[64];    /* their quantize factors qmax / c (half2, scale P) */
+    float pw[8];        /* P_w per warp */
+    float P;
+};
+
+/* Column sums of a thread's 8 partials a[] and b[] over the block: the other half-warp's, then
+ * the 8 warps in order (part: [2][8 warps][128]); after the barrier, thread t < 128 gets column
+ * t's in *sa, *sb. */
+__device__ __forceinline__ void sq_f16_colsums(float *part, float (&a)[8], float (&b)[8],
+                                               const sq_tpos &pos, float *sa, float *sb)
+{
+    const int w = pos.w, C0 = pos.C0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        a[j] += __shfl_xor_sync(0xffffffffu, a[j], 16);
+        b[j] += __shfl_xor_sync(0xffffffffu, b[j], 16);
+    }
+    if (pos.lane < 16) {
+        float *pa = part + w * SQ_D + C0, *pb = part + 8 * SQ_D + w * SQ_D + C0;
+        *(float4 *)pa = make_float4(a[0], a[1], a[2], a[3]);
+        *(float4 *)(pa + 4) = make_float4(a[4], a[5], a[6], a[7]);
+        *(float4 *)pb = make_float4(b[0], b[1], b[2], b[3]);
+        *(float4 *)(pb + 4) = make_float4(b[4], b[5], b[6], b[7]);
+    }
+    __syncthreads();
+    float x = 0.0f, y = 0.0f;
+    if (pos.t < SQ_D)
+#pragma unroll
+        for (int wi = 0; wi < 8; wi++) {
+            x += part[wi * SQ_D + pos.t];
+            y += part[8 * SQ_D + wi * SQ_D + pos.t];
+        }
+    *sa = x;
+    *sb = y;
+}
+
+/* The 8 B-bit codes of a thread's row (lo, hi: 8B bits) as 4 half2 z (exact): half(0x6400 | u)
+ * = 1024 + u, z = u - qmax */
+template <int B> __device__ __forceinline__ void sq_f16_dec(uint32_t lo, uint32_t hi, half2 (&X)[4])
+{
+    constexpr uint32_t M = sq_bw<B>::MASK;
+    const half2 off = __float2half2_rn(1024.0f + (float)sq_bw<B>::QM);
+    const uint64_t W = (uint64_t)lo | ((uint64_t)hi << 32);
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const uint32_t F = (uint32_t)(W >> (2 * p * B));
+        X[p] = __hsub2(sq_u2h((F & M) | ((F << (16 - B)) & (M << 16)) | 0x64006400u), off);
+    }
+}
+
+/* A row's 4 code pairs (the low B bits of each half of T) as the 8B bits lo, hi */
+template <int B>
+__device__ __forceinline__ void sq_f16_enc(const uint32_t (&T)[4], uint32_t &lo, uint32_t &hi)
+{
+    constexpr uint32_t M = sq_bw<B>::MASK;
+    uint64_t W = 0;
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+        W |= (uint64_t)((T[p] & M) | ((T[p] >> (16 - B)) & (M << B))) << (2 * p * B);
+    lo = (uint32_t)W;
+    hi = (uint32_t)(W >> 32);
+}
+
+/*
+ * One (entry e, head hv) work item at width B (hd->f16). V: the input dtype bit (SQ_V_IN32 or
+ * SQ_V_IN16). Ends with a barrier.
+ */
+template <int B, int V>
+__device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, int hv, int e,
+                                            int HV, int32_t slot, sq_tsmem &sm, sq_f16_smem &fs,
+                                            const sq_in &in)
+{
+    constexpr int QM = sq_bw<B>::QM;
+    const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
+    const int lane = t & 31, w = t >> 5, tx = lane & 15;
+    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    const int R0 = pos.R0, C0 = pos.C0;
+    const sq_head_desc *hd = io.heads + hv;
+    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
+    const uint8_t *codes = blk; /* codes_offset 0 */
+    unsigned fl = 0;
+    if (t == 0)
+        sm.fl = 0;
+
+    /* the thread's codes and old scales first: in flight through the input phase */
+    uint32_t clo[8], chi[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_ld_codes<B>(codes + (size_t)(R0 + r) * (SQ_D * B / 8), tx, clo[r], chi[r]);
+    const uint4 rr = *(const uint4 *)(blk + hd->row_scale_off + 2 * R0);
+    const uint4 cc = *(const uint4 *)(blk + hd->col_scale_off + 2 * C0);
+    const int myl = (tx >> 1) & 7, src0 = lane & 16; /* the row this lane owns: R0 + myl */
+
+    bool bad = false;
+    if (t < SQ_D)
+        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
+    else
+        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
+    if (__syncthreads_or(bad)) {
+        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
+        __syncthreads();
+        return;
+    }
+    const float kq = sq_tile_in_norm<SQ_SRC_PACKED>(st, io, sm, hv, e, HV, pos);
+    const float alpha = sm.dec0, beta = sm.beta, iq = 1.0f / (float)QM;
+
+    half2 X[8][4];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        sq_f16_dec<B>(clo[r], chi[r], X[r]);
+    /* the old scales stay packed (4 registers each) and widen where they are used */
+    const uint32_t rw[4] = { rr.x, rr.y, rr.z, rr.w }, cw[4] = { cc.x, cc.y, cc.z, cc.w };
+    float rf[8];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const float2 a = __half22float2(sq_u2h(rw[p]));
+        rf[2 * p] = a.x, rf[2 * p + 1] = a.y;
+    }
+
+    /* 1. the dot products in the code domain */
+    {
+        float pk[8], pq[8];
+        float mk = 0.0f, mq = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            mk = fmaxf(mk, fabsf(__fmul_rn(rf[r], sm.k[R0 + r])));
+            mq = fmaxf(mq, fabsf(__fmul_rn(rf[r], sm.q[R0 + r])));
+        }
+        const float Pk = sq_p2(mk), Pq = sq_p2(mq), iPk = sq_p2inv(Pk), iPq = sq_p2inv(Pq);
+        half2 ak[4], aq[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            ak[p] = aq[p] = __float2half2_rn(0.0f);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const half2 wk = __float2half2_rn(__fmul_rn(__fmul_rn(rf[r], sm.k[R0 + r]), iPk));
+            const half2 wq = __float2half2_rn(__fmul_rn(__fmul_rn(rf[r], sm.q[R0 + r]), iPq));
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                ak[p] = __hfma2(X[r][p], wk, ak[p]);
+                aq[p] = __hfma2(X[r][p], wq, aq[p]);
+            }
+        }
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 fk = __half22float2(ak[p]), fq = __half22float2(aq[p]);
+            pk[2 * p] = __fmul_rn(fk.x, Pk), pk[2 * p + 1] = __fmul_rn(fk.y, Pk);
+            pq[2 * p] = __fmul_rn(fq.x, Pq), pq[2 * p + 1] = __fmul_rn(fq.y, Pq);
+        }
+        float s, tq;
+        sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
+        if (t < SQ_D) {
+            const float c = sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t]);
+            const float f = __fmul_rn(__fmul_rn(c, alpha), iq);
+            const float u = __fmul_rn(beta, __fsub_rn(sm.v[t], __fmul_rn(s, f)));
+            sm.cola[t] = u;
+            float o = __fmaf_rn(u, kq, __fmul_rn(tq, f));
+            if (!isfinite(o)) {
+                o = 0.0f;
+                fl |= STEPQ_HEALTH_OUTPUT;
+            }
+            sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
+        }
+    }
+    __syncthreads();
+
+    /* 2. the decode and the update in half under the row normalisers N_i */
+    float uc[8];
+    {
+        const float4 a = *(const float4 *)&sm.cola[C0], b = *(const float4 *)&sm.cola[C0 + 4];
+        uc[0] = a.x, uc[1] = a.y, uc[2] = a.z, uc[3] = a.w;
+        uc[4] = b.x, uc[5] = b.y, uc[6] = b.z, uc[7] = b.w;
+    }
+    float cf[8];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const float2 b = __half22float2(sq_u2h(cw[p]));
+        cf[2 * p] = b.x, cf[2 * p + 1] = b.y;
+    }
+    const float r_my = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[R0 + myl]);
+    const float w_my = hd->w[R0 + myl];
+    float cm = 0.0f, um = 0.0f;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        cm = fmaxf(cm, cf[j]);
+        um = fmaxf(um, fabsf(uc[j]));
+    }
+    cm = sq_max16(cm); /* a half-warp's 16 lanes hold all 128 columns */
+    um = sq_max16(um);
+    const float Pc = sq_p2(cm), iPc = sq_p2inv(Pc), Su = sq_p2(um), iSu = sq_p2inv(Su);
+    half2 C2[4], U2[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        C2[p] = __floats2half2_rn(__fmul_rn(cf[2 * p], iPc), __fmul_rn(cf[2 * p + 1], iPc));
+        U2[p] = __floats2half2_rn(__fmul_rn(uc[2 * p], iSu), __fmul_rn(uc[2 * p + 1], iSu));
+    }
+    const float k_my = sm.k[R0 + myl], ar = __fmul_rn(alpha, r_my);
+    const float N_my = sq_p2(fmaxf(__fmul_rn(ar, Pc), __fmul_rn(fabsf(k_my), um)));
+    const float iN = sq_p2inv(N_my);
+    {
+        const uint32_t FK = sq_h2u(__floats2half2_rn(
+            __fmul_rn(__fmul_rn(__fmul_rn(ar, Pc), iq), iN), __fmul_rn(__fmul_rn(k_my, Su), iN)));
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const half2 fk = sq_u2h(__shfl_sync(0xffffffffu, FK, src0 | (2 * r)));
+            const half2 F2 = __low2half2(fk), K2 = __high2half2(fk);
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
+        }
+    }
+
+    /* 3. row maxima (reduce-scatter: lane pair myl ends with row R0 + myl's) and row scales */
+    float rn_my, yb;
+    {
+        half2 RM[4];
+#pragma unroll
+        for (int r = 0; r < 8; r += 2) {
+            const half2 m0 = __hmax2(__hmax2(__habs2(X[r][0]), __habs2(X[r][1])),
+                                     __hmax2(__habs2(X[r][2]), __habs2(X[r][3])));
+            const half2 m1 = __hmax2(__hmax2(__habs2(X[r + 1][0]), __habs2(X[r + 1][1])),
+                                     __hmax2(__habs2(X[r + 1][2]), __habs2(X[r + 1][3])));
+            RM[r / 2] = __hmax2(__lows2half2(m0, m1), __highs2half2(m0, m1));
+        }
+        const bool b3 = tx & 8, b2 = tx & 4, b1 = tx & 2;
+        half2 k0 = b3 ? RM[2] : RM[0], k1 = b3 ? RM[3] : RM[1];
+        const half2 s0 = b3 ? RM[0] : RM[2], s1 = b3 ? RM[1] : RM[3];
+        k0 = __hmax2(k0, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(s0), 8)));
+        k1 = __hmax2(k1, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(s1), 8)));
+        half2 kk = b2 ? k1 : k0;
+        const half2 sx = b2 ? k0 : k1;
+        kk = __hmax2(kk, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(sx), 4)));
+        kk = __hmax2(kk, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(kk), 2)));
+        kk = __hmax2(kk, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(kk), 1)));
+        const float m = __fmul_rn(__half2float(b1 ? __high2half(kk) : __low2half(kk)), N_my);
+        const uint16_t rh = sq_f16_scale(sq_dual_row_scale(m, w_my, hd->row_split), fl);
+        rn_my = sq_h2f(rh);
+        yb = __fdiv_rn(m, rn_my);
+        if (!(tx & 1))
+            ((uint16_t *)(blk + hd->row_scale_off))[R0 + myl] = rh; /* read by no one since */
+    }
+    /* 4. P_w over the warp's 16 rows; Y = X R_i; the refit weights A_i / Pa_g */
+    float ybw = fmaxf(yb, __shfl_xor_sync(0xffffffffu, yb, 2));
+    ybw = fmaxf(ybw, __shfl_xor_sync(0xffffffffu, ybw, 4));
+    ybw = fmaxf(ybw, __shfl_xor_sync(0xffffffffu, ybw, 8));
+    ybw = fmaxf(ybw, __shfl_xor_sync(0xffffffffu, ybw, 16));
+    const float Pw = sq_p2(ybw);
+    uint32_t RA; /* this lane's row: R_i and A_i / Pa (half2), shuffled to the row's lanes */
+    float Pa;
+    {
+        const float R = fminf(__fdiv_rn(__fmul_rn(N_my, sq_p2inv(Pw)), rn_my), 65504.0f);
+        const float A = __fmul_rn(__fmul_rn(__fmul_rn(w_my, w_my), rn_my), rn_my);
+        float Am = fmaxf(A, __shfl_xor_sync(0xffffffffu, A, 2));
+        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 4));
+        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 8));
+        Pa = sq_p2(Am) * (B == 8 ? 4.0f : 1.0f); /* 8 rows of A z^2 below 65504 */
+        RA = sq_h2u(__floats2half2_rn(R, __fmul_rn(A, sq_p2inv(Pa))));
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const half2 R2 = __low2half2(sq_u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r))));
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hmul2(X[r][p], R2);
+        }
+    }
+
+    /* 5. column maxima: 8 rows in-thread, the other half-warp, then the warps in scale P */
+    {
+        half2 CM[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            half2 m = __habs2(X[0][p]);
+#pragma unroll
+            for (int r = 1; r < 8; r++)
+                m = __hmax2(m, __habs2(X[r][p]));
+            CM[p] = __hmax2(m, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(m), 16)));
+        }
+        if (lane < 16)
+            *(uint4 *)&fs.cm[w][4 * tx] =
+                make_uint4(sq_h2u(CM[0]), sq_h2u(CM[1]), sq_h2u(CM[2]), sq_h2u(CM[3]));
+        if (lane == 0)
+            fs.pw[w] = Pw;
+    }
+    __syncthreads();
+    bool csat = false;
+    if (t < 64) {
+        float P = fs.pw[0];
+#pragma unroll
+        for (int wi = 1; wi < 8; wi++)
+            P = fmaxf(P, fs.pw[wi]);
+        half2 m = __float2half2_rn(0.0f);
+#pragma unroll
+        for (int wi = 0; wi < 8; wi++)
+            m = __hmax2(m, __hmul2(sq_u2h(fs.cm[wi][t]), __float2half2_rn(fs.pw[wi] / P)));
+        fs.ct[t] = sq_h2u(m);
+        /* once per column: qmax / c_j with c_j clamped to 65504 / P (a no-op but for the
+         * columns that saturate), saturated at 65504 */
+        float2 c = __half22float2(m);
+        csat = fmaxf(c.x, c.y) * P > STEPQ__SCALE_MAX;
+        const float cl = STEPQ__SCALE_MAX * (1.0f / P);
+        c.x = fminf(c.x, cl), c.y = fminf(c.y, cl);
+        fs.qt[t] =
+            sq_h2u(__floats2half2_rn(c.x > 0.0f ? fminf(__fdiv_rn(QM, c.x), 65504.0f) : 0.0f,
+                                     c.y > 0.0f ? fminf(__fdiv_rn(QM, c.y), 65504.0f) : 0.0f));
+        if (t == 0)
+            fs.P = P;
+    }
+    const bool sat = __syncthreads_or(csat);
+    const float P = fs.P, pw = Pw / P;
+
+    /* 6. quantize factors, codes, the refit's partials; codes stored row by row */
+    half2 Q2[4];
+    {
+        const uint4 q4 = *(const uint4 *)&fs.qt[4 * tx];
+        const half2 pw2 = __float2half2_rn(pw);
+        Q2[0] = __hmul2(sq_u2h(q4.x), pw2), Q2[1] = __hmul2(sq_u2h(q4.y), pw2);
+        Q2[2] = __hmul2(sq_u2h(q4.z), pw2), Q2[3] = __hmul2(sq_u2h(q4.w), pw2);
+    }
+    if (sat && t == 0)
+        fl |= STEPQ_HEALTH_SATURATED;
+    float pn[8], pd[8];
+    {
+        const half2 mag = __float2half2_rn(1536.0f + (float)QM);
+        half2 an[4], ad[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++)
+            an[p] = ad[p] = __float2half2_rn(0.0f);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            /* the row's refit weight, shuffled again (8 registers fewer than keeping them) */
+            const half2 A2 = __high2half2(sq_u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r))));
+            uint32_t T[4];
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                half2 Tp = __hfma2(X[r][p], Q2[p], mag);
+                if (sat)
+                    Tp = __hmin2(__hmax2(Tp, __float2half2_rn(1536.0f)),
+                                 __float2half2_rn(1536.0f + 2.0f * QM));
+                const half2 z = __hsub2(Tp, mag);
+                an[p] = __hfma2(__hmul2(z, X[r][p]), A2, an[p]);
+                ad[p] = __hfma2(__hmul2(z, z), A2, ad[p]);
+                T[p] = sq_h2u(Tp);
+            }
+            uint32_t lo, hi;
+            sq_f16_enc<B>(T, lo, hi);
+            sq_st_codes<B>(blk + (size_t)(R0 + r) * (SQ_D * B / 8), tx, lo, hi);
+        }
+        const float fa = __fmul_rn(Pa, pw);
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 n = __half22float2(an[p]), d = __half22float2(ad[p]);
+            pn[2 * p] = __fmul_rn(n.x, fa), pn[2 * p + 1] = __fmul_rn(n.y, fa);
+            pd[2 * p] = __fmul_rn(d.x, Pa), pd[2 * p + 1] = __fmul_rn(d.y, Pa);
+        }
+    }
+    float n, d;
+    sq_f16_colsums(sm.part[0], pn, pd, pos, &n, &d);
+    if (t < SQ_D) {
+        const float c2 = __half2float(((const half *)fs.ct)[t]);
+        const float c =
+            d > 0.0f ? __fdiv_rn(__fmul_rn(__fmul_rn((float)QM, P), n), d) : __fmul_rn(c2, P);
+        ((uint16_t *)(blk + hd->col_scale_off))[t] = sq_f16_scale(c, fl);
+    }
+    if (fl)
+        atomicOr(&sm.fl, fl);
+    __syncthreads();
+    if (t == 0 && sm.fl)
+        sq_tile_report(io, sm.fl, slot);
+}
+
+/*
+ * A pivot head of an fp16 layer (hd->f16 == 2: every row fp16 values, GDN) in the same launch,
+ * so that a layer is one kernel: the C reference steps pivot heads in fp32 (kernels/step.c), and
+ * so does this, as the tile kernel's pivot rows do (decode x alpha, the two dot products with
+ * fp32 partial sums, the update by one FFMA, non-finite elements zeroed with the readout
+ * recomputed, the store saturating at +-65504), the thread's 64 values held as the 32 half2
+ * words they are stored as (a GDN pivot head's rows lie back to back, 2 d_v bytes each).
+ */
+template <int V>
+__device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io &io, int hv, int e,
+                                                  int HV, int32_t slot, sq_tsmem &sm,
+                                                  const sq_in &in)
+{
+    const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
+    const int lane = t & 31, w = t >> 5, tx = lane & 15;
+    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    const int R0 = pos.R0, C0 = pos.C0;
+    const sq_head_desc *hd = io.heads + hv;
+    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
+    unsigned fl = 0;
+    if (t == 0)
+        sm.fl = 0;
+
+    bool bad = false;
+    if (t < SQ_D)
+        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
+    else
+        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
+    if (__syncthreads_or(bad)) {
+        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
+        __syncthreads();
+        return;
+    }
+    const float kq = sq_tile_in_norm<SQ_SRC_PACKED>(st, io, sm, hv, e, HV, pos);
+    const float alpha = sm.dec0;
+    /* loaded after the input phase: its registers and the values' 32 do not fit together */
+    uint4 X[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        X[r] = *(const uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx);
+
+    /* the decayed state's S^T k and S^T q */
+    float pk[8], pq[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        pk[j] = pq[j] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 x = __half22float2(sq_u2h(xw[p]));
+            const float a = __fmul_rn(x.x, alpha), b = __fmul_rn(x.y, alpha);
+            pk[2 * p] = fmaf(a, kr, pk[2 * p]), pk[2 * p + 1] = fmaf(b, kr, pk[2 * p + 1]);
+            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+        }
+    }
+    float s, tq;
+    sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
+    if (t < SQ_D) {
+        sm.cola[t] = (sm.v[t] - s) * sm.beta;
+        sm.colb[t] = tq;
+    }
+    __syncthreads();
+
+    /* the update, in place (no other thread reads this thread's values); non-finite elements
+     * zeroed, and the sanitised fp32 state's S'^T q summed alongside for the readout they need */
+    float u[8];
+    {
+        const float4 a = *(const float4 *)&sm.cola[C0], b = *(const float4 *)&sm.cola[C0 + 4];
+        u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z;
+        u[7] = b.w;
+    }
+    bool nf = false;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        pk[j] = pq[j] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+        uint32_t yw[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 x = __half22float2(sq_u2h(xw[p]));
+            float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
+            float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
+            if (!isfinite(a) || !isfinite(b)) {
+                nf = true;
+                a = isfinite(a) ? a : 0.0f;
+                b = isfinite(b) ? b : 0.0f;
+            }
+            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+            yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
+        }
+        *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
+            make_uint4(yw[0], yw[1], yw[2], yw[3]);
+    }
+    if (__syncthreads_or(nf)) {
+        /* rare: the readout of the sanitised state, as the reference reads it */
+        if (nf)
+            fl |= STEPQ_HEALTH_STATE;
+        float o2, unused;
+        sq_f16_colsums(sm.part[0], pq, pk, pos, &o2, &unused);
+        if (t < SQ_D) {
+            sm.colb[t] = o2;
+            sm.cola[t] = 0.0f; /* o = S'^T q: no u (k.q) term */
+        }
+        __syncthreads();
+    }
+    if (t < SQ_D) {
+        float o = fmaf(sm.cola[t], kq, sm.colb[t]);
+        if (!isfinite(o)) {
+            o = 0.0f;
+            fl |= STEPQ_HEALTH_OUTPUT;
+        }
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
+    }
+    if (fl)
+        atomicOr(&sm.fl, fl);
+    __syncthreads();
+    if (t == 0 && sm.fl)
+        sq_tile_report(io, sm.fl, slot);
+}
+
+/*
+ * The launch: grid (batch, heads), the heads the layer routes here (hd->f16: 1 at their width,
+ * 2 pivot heads); other heads and padding entries return at once (the tile kernel's launch over
+ * a list of them takes those).
+ */
+template <int V, int OCC = SQ_F16_OCC>
+__global__ void __launch_bounds__(SQ_THREADS, OCC) sq_f16_kernel(sq_step st, sq_io io)
+{
+    __shared__ sq_tsmem sm;
+    __shared__ sq_f16_smem fs;
+    const int hv = blockIdx.y, e = blockIdx.x, HV = gridDim.y;
+    const int32_t slot = io.slots ? io.slots[e] : e;
+    const sq_head_desc *hd = io.heads + hv;
+    if (slot < 0 || slot >= io.n_slots || !hd->f16)
+        return; /* uniform over the block */
+    sq_in in;
+    sq_load_in<true, V>(in, st, hv, e, HV, threadIdx.x);
+    if (hd->f16 == 2) {
+        sq_f16_pivot_item<V>(st, io, hv, e, HV, slot, sm, in);
+        return;
+    }
+    switch (hd->ubits) {
+    case 2:
+        sq_f16_item<2, V>(st, io, hv, e, HV, slot, sm, fs, in);
+        break;
+    case 3:
+        sq_f16_item<3, V>(st, io, hv, e, HV, slot, sm, fs, in);
+        break;
+    case 4:
+        sq_f16_item<4, V>(st, io, hv, e, HV, slot, sm, fs, in);
+        break;
+    case 5:
+        sq_f16_item<5, V>(st, io, hv, e, HV, slot, sm, fs, in);
+        break;
+    case 6:
+        sq_f16_item<6, V>(st, io, hv, e, HV, slot, sm, fs, in);
+        break;
+    default:
+        sq_f16_item<8, V>(st, io, hv, e, HV, slot, sm, fs, in);
+        break;
+    }
+}
+
+#endif /* STEPQ_KERNELS_CUDA_F16_KERNEL_CUH */

@@ -1,0 +1,283 @@
+/*
+ * The fp16 arithmetic of the packed decode step (the map field `arith` = fp16): the C reference
+ * of kernels/cuda/f16_kernel.cuh, one integer head at a time. kernels/quant.h spells out the
+ * operations; this file is that list in C. Every half operation is computed exactly in double
+ * (a product of two halves has at most 22 significant bits; an fma of halves is exact in double
+ * but where the addends' exponents lie more than 31 apart) and rounded once to fp16, to nearest
+ * even, as the GPU's HMUL2 / HFMA2 / HSUB2 round; everything marked float is a correctly rounded
+ * binary32 operation, as the kernel's __fmul_rn / __fdiv_rn / __fsqrt_rn.
+ */
+#include <math.h>
+#include <string.h>
+
+#include "kernels/format.h"
+#include "kernels/quant.h"
+
+/* x rounded to the nearest fp16 value (ties to even; subnormals kept; beyond 65520, Inf) */
+static double half_rn(double x)
+{
+    const double a = fabs(x);
+    if (!(a < 65520.0))
+        return isnan(x) ? x : copysign(INFINITY, x);
+    int e;
+    (void)frexp(a, &e);                   /* a = m 2^e, m in [0.5, 1) */
+    const int q = e < -13 ? -24 : e - 11; /* the quantum: 11 significant bits, 2^-24 below 2^-14 */
+    return ldexp(nearbyint(ldexp(x, -q)), q);
+}
+
+static float h(double x)
+{
+    return (float)half_rn(x);
+}
+
+/* the smallest power of two >= x (x >= 0 finite; 0 gives 2^-126), as the kernel's sq_p2 */
+static float p2(float x)
+{
+    uint32_t b;
+    memcpy(&b, &x, 4);
+    uint32_t e = (b + 0x007FFFFFu) & 0x7F800000u;
+    e = e ? e : 0x00800000u;
+    float r;
+    memcpy(&r, &e, 4);
+    return r;
+}
+
+static float fmaxabs(float m, float x)
+{
+    return fmaxf(m, fabsf(x));
+}
+
+/*
+ * A stored scale: the fp16 of s clamped to [2^-14, 65504] (stepq__scale_to_fp16), SATURATED
+ * raised beyond 65504; *hv gets the bits.
+ */
+static float scale16(float s, uint16_t *hv, uint32_t *flags)
+{
+    if (s > STEPQ__SCALE_MAX)
+        *flags |= STEPQ_HEALTH_SATURATED;
+    *hv = stepq__scale_to_fp16(s);
+    return stepq__fp16_to_float(*hv);
+}
+
+static float rd_h(const uint8_t *p)
+{
+    uint16_t v;
+    memcpy(&v, p, 2);
+    return stepq__fp16_to_float(v);
+}
+
+static void wr_h(uint8_t *p, uint16_t v)
+{
+    memcpy(p, &v, 2);
+}
+
+int stepq__step_f16_supports(const struct stepq__head_layout *hl)
+{
+    if (!hl || !hl->quantized || !hl->has_col || hl->n_pivot_rows != 0 ||
+        hl->arch != STEPQ_ARCH_GDN || hl->d_k > STEPQ__MAX_HEAD_DIM ||
+        hl->d_v > STEPQ__MAX_HEAD_DIM)
+        return 0;
+    for (int i = 1; i < hl->d_k; i++)
+        if (hl->row_bits[i] != hl->row_bits[0])
+            return 0;
+    /* every byte of the block belongs to a field (the step writes each field, nothing else) */
+    if (hl->codes_offset != 0 || hl->row_scale_offset != hl->codes_bytes ||
+        hl->col_scale_offset != hl->row_scale_offset + 2 * (size_t)hl->d_k ||
+        hl->block_bytes != hl->col_scale_offset + 2 * (size_t)hl->d_v)
+        return 0;
+    return stepq__format_int_bits(hl->row_bits[0]);
+}
+
+uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t *in,
+                              const float *w, const float *q, const float *k, const float *v,
+                              float g, float beta, uint8_t *out, float *o, float *scratch,
+                              float *targ)
+{
+    const int d_k = hl->d_k, d_v = hl->d_v, b = hl->row_bits[0], qmax = stepq__qmax(b);
+    const int ng = (d_k + 7) / 8;   /* groups of 8 rows: the kernel's thread tiles */
+    const int nw = (d_k + 15) / 16; /* blocks of 16 rows: the kernel's warps */
+    const double split = stepq__quant_row_split_of(hl);
+    float *X = scratch, *Z = scratch + (size_t)d_k * d_v;
+    float r[STEPQ__MAX_HEAD_DIM], c[STEPQ__MAX_HEAD_DIM], u[STEPQ__MAX_HEAD_DIM];
+    float N[STEPQ__MAX_HEAD_DIM], rn[STEPQ__MAX_HEAD_DIM], A[STEPQ__MAX_HEAD_DIM];
+    float CM[STEPQ__MAX_HEAD_DIM], Q[STEPQ__MAX_HEAD_DIM], yb[STEPQ__MAX_HEAD_DIM];
+    uint16_t rh[STEPQ__MAX_HEAD_DIM], ch[STEPQ__MAX_HEAD_DIM];
+    int8_t zc[STEPQ__MAX_HEAD_DIM];
+    uint32_t flags = 0;
+
+    /* The old block, read whole before anything is written (out may be in). */
+    for (int i = 0; i < d_k; i++) {
+        r[i] = rd_h(in + hl->row_scale_offset + 2 * (size_t)i);
+        stepq__unpack_codes(in, hl->row_bitoff[i], zc, (size_t)d_v, b);
+        for (int j = 0; j < d_v; j++)
+            Z[(size_t)i * d_v + j] = (float)zc[j];
+    }
+    for (int j = 0; j < d_v; j++)
+        c[j] = rd_h(in + hl->col_scale_offset + 2 * (size_t)j);
+    const float alpha = (float)exp((double)g);
+    double kq_d = 0.0;
+    for (int i = 0; i < d_k; i++)
+        kq_d += (double)k[i] * (double)q[i];
+    const float kq = (float)kq_d, iq = 1.0f / (float)qmax;
+
+    /* 1. The two dot products in the code domain: half partial sums over each group's rows
+     * (weights r_i k_i and r_i q_i over the group's power of two), fp32 across the groups. */
+    for (int j = 0; j < d_v; j++) {
+        float sa = 0.0f, sb = 0.0f, pa = 0.0f, pb = 0.0f;
+        for (int gi = 0; gi < ng; gi++) {
+            const int i0 = 8 * gi, i1 = i0 + 8 < d_k ? i0 + 8 : d_k;
+            float mk = 0.0f, mq = 0.0f;
+            for (int i = i0; i < i1; i++) {
+                mk = fmaxabs(mk, r[i] * k[i]);
+                mq = fmaxabs(mq, r[i] * q[i]);
+            }
+            const float Pk = p2(mk), Pq = p2(mq);
+            double ak = 0.0, aq = 0.0;
+            for (int i = i0; i < i1; i++) {
+                const double z = Z[(size_t)i * d_v + j];
+                ak = half_rn(z * h(r[i] * k[i] * (1.0f / Pk)) + ak);
+                aq = half_rn(z * h(r[i] * q[i] * (1.0f / Pq)) + aq);
+            }
+            const float fk = (float)ak * Pk, fq = (float)aq * Pq;
+            /* pairs of groups first (the two half-warps of a warp), then the pairs in order */
+            if (gi % 2 == 0 && gi + 1 < ng) {
+                pa = fk;
+                pb = fq;
+                continue;
+            }
+            sa += gi % 2 ? pa + fk : fk;
+            sb += gi % 2 ? pb + fq : fq;
+        }
+        const float f = c[j] * alpha * iq;
+        const float s = sa * f, t = sb * f;
+        u[j] = beta * (v[j] - s);
+        float oj = fmaf(u[j], kq, t);
+        if (!isfinite(oj)) {
+            oj = 0.0f;
+            flags |= STEPQ_HEALTH_OUTPUT;
+        }
+        o[j] = oj;
+    }
+
+    /* 2. The decode and the update in half under the row normalisers N_i. */
+    float cmax = 0.0f, umax = 0.0f;
+    for (int j = 0; j < d_v; j++) {
+        cmax = fmaxf(cmax, c[j]);
+        umax = fmaxabs(umax, u[j]);
+    }
+    const float Pc = p2(cmax), Su = p2(umax);
+    for (int i = 0; i < d_k; i++) {
+        const float ar = alpha * r[i];
+        N[i] = p2(fmaxf(ar * Pc, fabsf(k[i]) * umax));
+        const float iN = 1.0f / N[i];
+        const float F = h(ar * Pc * iq * iN), K = h(k[i] * Su * iN);
+        float M = 0.0f;
+        for (int j = 0; j < d_v; j++) {
+            const float C = h(c[j] * (1.0f / Pc)), U = h(u[j] * (1.0f / Su));
+            const float zf = h((double)Z[(size_t)i * d_v + j] * F);
+            const float x = h((double)K * U + (double)h((double)zf * C));
+            X[(size_t)i * d_v + j] = x;
+            M = fmaxabs(M, x);
+        }
+        /* 3. Row scales from the row maxima m_i = M_i N_i (exact). */
+        const float m = M * N[i], wi = w ? w[i] : 1.0f;
+        rn[i] = scale16(split == 0.5 ? sqrtf(m / wi)
+                                     : (float)(pow((double)m, split) / sqrt((double)wi)),
+                        &rh[i], &flags);
+        A[i] = wi * wi * rn[i] * rn[i];
+        yb[i] = m / rn[i]; /* >= max_j |x_ij| / r_i */
+    }
+    /* 4. Y = X N_i / (P_w r_i) = y / P_w, with P_w a power of two >= max |y| over the rows of
+     * 16-row block w (a warp of the kernel); P the largest P_w. */
+    float Pw[STEPQ__MAX_HEAD_DIM / 16 + 1], P = 0.0f;
+    for (int wi = 0; wi < nw; wi++) {
+        float mb = 0.0f;
+        for (int i = 16 * wi; i < 16 * wi + 16 && i < d_k; i++)
+            mb = fmaxf(mb, yb[i]);
+        Pw[wi] = p2(mb);
+        P = fmaxf(P, Pw[wi]);
+    }
+    for (int i = 0; i < d_k; i++) {
+        const float R = h(fminf(N[i] * (1.0f / Pw[i / 16]) / rn[i], 65504.0f));
+        for (int j = 0; j < d_v; j++)
+            X[(size_t)i * d_v + j] = h((double)X[(size_t)i * d_v + j] * R);
+    }
+    /* 5. Column maxima in the scale of P (each block's maxima times P_w / P, a power of two),
+     * the quantize factors qmax / c_j (saturated at 65504) in it and in each block's scale. A
+     * column whose scale would pass 65504 is clamped there, and with it the codes, as the exact
+     * fit clamps them. */
+    int sat = 0;
+    for (int j = 0; j < d_v; j++) {
+        float mj = 0.0f;
+        for (int wi = 0; wi < nw; wi++) {
+            float mw = 0.0f;
+            for (int i = 16 * wi; i < 16 * wi + 16 && i < d_k; i++)
+                mw = fmaxabs(mw, X[(size_t)i * d_v + j]);
+            mj = fmaxf(mj, h((double)mw * (Pw[wi] / P)));
+        }
+        CM[j] = mj;
+        sat |= mj * P > STEPQ__SCALE_MAX;
+    }
+    for (int j = 0; j < d_v; j++) {
+        /* the clamp changes only the columns that saturate */
+        const float cj = fminf(CM[j], STEPQ__SCALE_MAX * (1.0f / P));
+        Q[j] = h(cj > 0.0f ? fminf((float)qmax / cj, 65504.0f) : 0.0f);
+    }
+    if (sat)
+        flags |= STEPQ_HEALTH_SATURATED;
+
+    /* 6. The quantize (T = Y Q_w + 1536 + qmax in half: the code u = z + qmax in its low bits),
+     * the refit's half partial sums over each group of 8 rows, fp32 across the groups. */
+    const float MAG = 1536.0f + (float)qmax;
+    const float asc = b == 8 ? 4.0f : 1.0f; /* keeps sum A z^2 of 8 rows below 65504 */
+    float Pa[STEPQ__MAX_HEAD_DIM / 8 + 1];
+    for (int gi = 0; gi < ng; gi++) {
+        float ma = 0.0f;
+        for (int i = 8 * gi; i < 8 * gi + 8 && i < d_k; i++)
+            ma = fmaxf(ma, A[i]);
+        Pa[gi] = p2(ma) * asc;
+    }
+    for (int j = 0; j < d_v; j++) {
+        float sn = 0.0f, sd = 0.0f, pn = 0.0f, pd = 0.0f;
+        for (int gi = 0; gi < ng; gi++) {
+            const int i0 = 8 * gi, i1 = i0 + 8 < d_k ? i0 + 8 : d_k;
+            const float pw = Pw[gi / 2] / P, Qw = h((double)Q[j] * pw);
+            double an = 0.0, ad = 0.0;
+            for (int i = i0; i < i1; i++) {
+                const float y = X[(size_t)i * d_v + j];
+                float T = h((double)y * Qw + MAG);
+                if (targ)
+                    targ[(size_t)i * d_v + j] = y * Qw;
+                if (sat)
+                    T = fminf(fmaxf(T, MAG - (float)qmax), MAG + (float)qmax);
+                const float z = T - MAG; /* exact */
+                Z[(size_t)i * d_v + j] = z;
+                const float a2 = h(A[i] * (1.0f / Pa[gi]));
+                an = half_rn((double)h((double)z * y) * a2 + an);
+                ad = half_rn((double)h((double)z * z) * a2 + ad);
+            }
+            const float fn = (float)an * Pa[gi] * pw, fd = (float)ad * Pa[gi];
+            if (gi % 2 == 0 && gi + 1 < ng) {
+                pn = fn;
+                pd = fd;
+                continue;
+            }
+            sn += gi % 2 ? pn + fn : fn;
+            sd += gi % 2 ? pd + fd : fd;
+        }
+        const float cj = sd > 0.0f ? (float)qmax * P * sn / sd : CM[j] * P;
+        (void)scale16(cj, &ch[j], &flags);
+    }
+
+    /* 7. The new block: codes, row scales, column scales (they cover it: ..._supports). */
+    memset(out, 0, hl->codes_bytes);
+    for (int i = 0; i < d_k; i++) {
+        for (int j = 0; j < d_v; j++)
+            zc[j] = (int8_t)Z[(size_t)i * d_v + j];
+        stepq__pack_codes(out, hl->row_bitoff[i], zc, (size_t)d_v, b);
+        wr_h(out + hl->row_scale_offset + 2 * (size_t)i, rh[i]);
+    }
+    for (int j = 0; j < d_v; j++)
+        wr_h(out + hl->col_scale_offset + 2 * (size_t)j, ch[j]);
+    return flags;
+}
