@@ -112,6 +112,31 @@ __device__ __forceinline__ void sq_f16_colsums(float *part, float (&a)[8], float
     *sb = y;
 }
 
+/*
+ * The input phase of both items: the tile kernel's (sq_tile_in_qk, sq_tile_in_vgb,
+ * sq_tile_in_norm) with the l2norm in double. false where an input is not finite: the head
+ * keeps its page, its output row is 0, INPUT is raised, and the block has synced (the caller
+ * returns). Else *kq = k.q.
+ */
+__device__ __forceinline__ bool sq_f16_inputs(const sq_step &st, const sq_io &io, int hv, int e,
+                                              int HV, int32_t slot, sq_tsmem &sm, const sq_in &in,
+                                              int bfi, const sq_tpos &pos, float &kq)
+{
+    const int t = pos.t;
+    bool bad = false;
+    if (t < SQ_D)
+        bad = sq_tile_in_qk<true>(st, in, sm, bfi, pos);
+    else
+        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
+    if (__syncthreads_or(bad)) {
+        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
+        __syncthreads();
+        return false;
+    }
+    kq = sq_tile_in_norm<SQ_SRC_PACKED, true>(st, io, sm, hv, e, HV, pos);
+    return true;
+}
+
 /* The 8 B-bit codes of a thread's row (lo, hi: 8B bits) as 4 half2 z (exact): half(0x6400 | u)
  * = 1024 + u, z = u - qmax */
 template <int B> __device__ __forceinline__ void sq_f16_dec(uint32_t lo, uint32_t hi, half2 (&X)[4])
@@ -169,17 +194,9 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     const uint4 cc = *(const uint4 *)(blk + hd->col_scale_off + 2 * C0);
     const int myl = (tx >> 1) & 7, src0 = lane & 16; /* the row this lane owns: R0 + myl */
 
-    bool bad = false;
-    if (t < SQ_D)
-        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
-    else
-        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
-    if (__syncthreads_or(bad)) {
-        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
-        __syncthreads();
+    float kq;
+    if (!sq_f16_inputs(st, io, hv, e, HV, slot, sm, in, bfi, pos, kq))
         return;
-    }
-    const float kq = sq_tile_in_norm<SQ_SRC_PACKED>(st, io, sm, hv, e, HV, pos);
     const float alpha = sm.dec0, beta = sm.beta, iq = 1.0f / (float)QM;
 
     half2 X[8][4];
@@ -469,17 +486,9 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
     if (t == 0)
         sm.fl = 0;
 
-    bool bad = false;
-    if (t < SQ_D)
-        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
-    else
-        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
-    if (__syncthreads_or(bad)) {
-        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
-        __syncthreads();
+    float kq;
+    if (!sq_f16_inputs(st, io, hv, e, HV, slot, sm, in, bfi, pos, kq))
         return;
-    }
-    const float kq = sq_tile_in_norm<SQ_SRC_PACKED>(st, io, sm, hv, e, HV, pos);
     const float alpha = sm.dec0;
     /* loaded after the input phase: its registers and the values' 32 do not fit together */
     uint4 X[8];

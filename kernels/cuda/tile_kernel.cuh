@@ -891,8 +891,16 @@ sq_tile_load(float (&x)[64], const sq_io &io, const sq_head_desc *hd, sq_tsmem &
 /*
  * Inputs, channel t of q and k (threads 0..127): widened from their bits
  * (bf16 when bfi), their squares' warp sums for the l2norm, into shared
- * memory. Returns whether one is not finite.
+ * memory. Returns whether one is not finite. DBL (the fp16 kernel,
+ * f16_kernel.cuh): the sums and the norm's reciprocal in double, as the
+ * reference's; the fp32 reciprocal is then the same bits but where the two
+ * orders of the sum straddle a rounding boundary (~2^-29), so that the fp16
+ * kernel's code-domain weights see the reference's k and q (with fp32 sums
+ * a third of them differed by an ulp). The tile kernel keeps fp32 sums
+ * (the norms agree to ~1e-7): with the double ones its GDN stepq@6 step
+ * measured 508-516 us at B = 512 (H200), with fp32 sums 504.7 us.
  */
+template <bool DBL = false>
 __device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in, sq_tsmem &sm,
                                               int bfi, const sq_tpos &pos)
 {
@@ -906,10 +914,7 @@ __device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in
     bool bad = !isfinite(qv);
     if (!bad)
         bad = !isfinite(kv);
-    if (st.l2norm) {
-        /* double sums, as the reference's: the norm's fp32 reciprocal is then the same bits but
-         * where the two orders of the sum straddle a rounding boundary (~2^-29), so that the
-         * fp16 kernel's code-domain weights (f16_kernel.cuh) see the reference's k and q */
+    if (st.l2norm && DBL) {
         double sq2 = (double)qv * qv, sk2 = (double)kv * kv;
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
@@ -918,6 +923,17 @@ __device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in
         }
         if (lane == 0) {
             sm.l2[w][0] = sq2;
+            sm.l2[w][1] = sk2;
+        }
+    } else if (st.l2norm) {
+        float sq2 = qv * qv, sk2 = kv * kv;
+#pragma unroll
+        for (int o = 16; o; o >>= 1) {
+            sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
+            sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
+        }
+        if (lane == 0) {
+            sm.l2[w][0] = sq2; /* exact in the double slot */
             sm.l2[w][1] = sk2;
         }
     }
@@ -955,7 +971,7 @@ __device__ __forceinline__ bool sq_tile_in_vgb(const sq_step &st, const sq_in &i
  * decay copied to every row, the head left to two-stage stage 2 (io.skip);
  * waits for a staged packed block. Returns k.q for the readout.
  */
-template <int SRC>
+template <int SRC, bool DBL = false>
 __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io &io, sq_tsmem &sm,
                                                  int hv, int e, int HV, const sq_tpos &pos)
 {
@@ -963,11 +979,19 @@ __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io 
     if (t < SQ_D) {
         float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
         float qv = sm.q[t], kv = sm.k[t];
-        if (st.l2norm) {
+        if (st.l2norm && DBL) {
             const double a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
             const double b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
             qv *= (float)(1.0 / sqrt(a + 1e-6)); /* kernels/recurrence.c l2normalize */
             kv *= (float)(1.0 / sqrt(b + 1e-6));
+        } else if (st.l2norm) {
+            /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
+            const float a = ((float)sm.l2[0][0] + (float)sm.l2[1][0]) +
+                            ((float)sm.l2[2][0] + (float)sm.l2[3][0]);
+            const float b = ((float)sm.l2[0][1] + (float)sm.l2[1][1]) +
+                            ((float)sm.l2[2][1] + (float)sm.l2[3][1]);
+            qv *= 1.0f / sqrtf(a + 1e-6f);
+            kv *= 1.0f / sqrtf(b + 1e-6f);
         }
         qv *= sc;
         sm.q[t] = qv;
