@@ -204,7 +204,8 @@ int stepq__quant_arith_fp16(void);
  * The fp16 arithmetic of the packed decode step (the map field arith = fp16; kernels/step_f16.c,
  * the C reference of kernels/cuda/f16_kernel.cuh). It applies to the integer heads of a GDN layer
  * of a dual-axis method whose rows share one width b (stepq__step_f16_supports); pivot heads
- * take the fp32 step. Packs, unpacks and calibration always use fp32.
+ * take the fp32 step. Bytes of the block that no field covers (alignment padding) are written 0.
+ * Packs, unpacks and calibration always use fp32.
  *
  * The block is the format's (kernels/format.h) either way: the arithmetic decides only which
  * codes and scales a decode step writes. Notation: h(x) = x rounded to fp16 (to nearest even,
@@ -243,8 +244,7 @@ int stepq__quant_arith_fp16(void);
  * so fp16's range does not bind but for columns more than 2^14 below the largest of their block
  * (subnormal) and rows whose new maximum is 2^-16 of their bound N_i (R_i saturates).
  */
-/** Whether head layout hl takes the fp16 step: GDN, integer rows of one width, column scales,
- * and a block of codes, row scales and column scales back to back with no other bytes. */
+/** Whether head layout hl takes the fp16 step: GDN, integer rows of one width, column scales. */
 int stepq__step_f16_supports(const struct stepq__head_layout *hl);
 /**
  * One head's fp16 decode step: block in -> block out (may be the same), readout o[d_v], the

@@ -80,11 +80,6 @@ int stepq__step_f16_supports(const struct stepq__head_layout *hl)
     for (int i = 1; i < hl->d_k; i++)
         if (hl->row_bits[i] != hl->row_bits[0])
             return 0;
-    /* every byte of the block belongs to a field (the step writes each field, nothing else) */
-    if (hl->codes_offset != 0 || hl->row_scale_offset != hl->codes_bytes ||
-        hl->col_scale_offset != hl->row_scale_offset + 2 * (size_t)hl->d_k ||
-        hl->block_bytes != hl->col_scale_offset + 2 * (size_t)hl->d_v)
-        return 0;
     return stepq__format_int_bits(hl->row_bits[0]);
 }
 
@@ -269,8 +264,8 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
         (void)scale16(cj, &ch[j], &flags);
     }
 
-    /* 7. The new block: codes, row scales, column scales (they cover it: ..._supports). */
-    memset(out, 0, hl->codes_bytes);
+    /* 7. The new block: codes, row scales, column scales; bytes no field covers are 0. */
+    memset(out, 0, hl->block_bytes);
     for (int i = 0; i < d_k; i++) {
         for (int j = 0; j < d_v; j++)
             zc[j] = (int8_t)Z[(size_t)i * d_v + j];

@@ -157,6 +157,11 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
                 (covered != hl->block_bytes || hl->row_scale_offset != hl->codes_bytes ||
                  (hl->has_col && hl->col_scale_offset != hl->row_scale_offset + 2 * SQ_D));
         }
+        if (h->f16 && h->needs_zero) /* not at 128x128 with the pools' alignments */
+            return stepq__error(STEPQ_ENOTSUP,
+                                "%s: head %d: arith fp16 on a block with alignment padding (%zu B; "
+                                "the fp16 kernel writes the fields only)",
+                                who, hv, hl->block_bytes);
         if (pl->head_offset[hv] % 16)
             return stepq__error(STEPQ_EINVAL, "%s: head %d offset %zu is not a multiple of 16", who,
                                 hv, pl->head_offset[hv]);

@@ -43,16 +43,16 @@ struct fixture {
     float *dense; /* [BATCH][HV][K][V] */
 };
 
-static stepq_map_t *make_map(stepq_arch arch, stepq_method m)
+/* The map of method m at `bits` (fp32 / fp8: their one width); stepq mixes widths around it. */
+static stepq_map_t *make_map_bits(stepq_arch arch, stepq_method m, int bits)
 {
     stepq_model_shape sh = fx_shape_small(arch);
     stepq_map_t *map = NULL;
-    /* fp32 / fp8 have one fixed width; the quantized methods run at 6 bits. */
-    double budget = stepq__method_has_units(m) ? 6 : stepq__method_fixed_bits(m);
+    double budget = stepq__method_has_units(m) ? bits : stepq__method_fixed_bits(m);
 
     assert_int_equal(stepq_map_create(&sh, m, budget, &map), STEPQ_OK);
     if (m == STEPQ_METHOD_STEPQ)
-        assert_int_equal(fx_layout_exact(map, 6, 1), STEPQ_OK);
+        assert_int_equal(fx_layout_exact(map, bits, 1), STEPQ_OK);
     if (m == STEPQ_METHOD_STEPQ) {
         /* Row impact that is not all 1, so the fit's weights matter. */
         float w[8];
@@ -105,15 +105,15 @@ static void fill_inputs(struct fixture *f, unsigned long long seed)
  * A fixture whose map has the row split `split` (map field row_split) and the decode fit
  * `fit` (decode_fit) before its pool opens.
  */
-static void fixture_open_fit(struct fixture *f, stepq_arch arch, stepq_method m, double split,
-                             stepq_decode_fit fit)
+static void fixture_open_fit_bits(struct fixture *f, stepq_arch arch, stepq_method m, double split,
+                                  stepq_decode_fit fit, int bits)
 {
     stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
     stepq_model_shape sh;
 
     memset(f, 0, sizeof(*f));
     f->arch = arch;
-    f->map = make_map(arch, m);
+    f->map = make_map_bits(arch, m, bits);
     assert_int_equal(stepq_map_set_row_split(f->map, split), STEPQ_OK);
     assert_int_equal(stepq_map_set_decode_fit(f->map, fit), STEPQ_OK);
     assert_int_equal(stepq_map_shape(f->map, &sh), STEPQ_OK);
@@ -145,6 +145,18 @@ static void fixture_open_fit(struct fixture *f, stepq_arch arch, stepq_method m,
     f->dt_bias = falloc((size_t)f->HV * gk);
     f->dense = falloc((size_t)BATCH * f->HV * f->K * f->V);
     fill_inputs(f, 7);
+}
+
+static void fixture_open_fit(struct fixture *f, stepq_arch arch, stepq_method m, double split,
+                             stepq_decode_fit fit)
+{
+    fixture_open_fit_bits(f, arch, m, split, fit, 6);
+}
+
+/* The fixture of method m at `bits` (make_map_bits), exact fit, split 0.5. */
+static void fixture_open_bits(struct fixture *f, stepq_arch arch, stepq_method m, int bits)
+{
+    fixture_open_fit_bits(f, arch, m, 0.5, STEPQ_DECODE_FIT_EXACT, bits);
 }
 
 static void fixture_open_split(struct fixture *f, stepq_arch arch, stepq_method m, double split)
@@ -842,6 +854,101 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
 }
 
 /*
+ * The map's arith fp16 on the host pool (GDN dsq, spatial, stepq): pools on an fp16 and an
+ * fp32 map pack the same pages; after a decode step every head the fp16 step covers
+ * (stepq__step_f16_supports) holds the C reference's fp16 step of its start block
+ * (kernels/step_f16.c on the prepared inputs) and the output row is its readout, bit for bit;
+ * every other head (pivot heads) is the fp32 pool's block. Every map has fp16 heads, the stepq
+ * map pivot heads too, and the fp16 pages differ from the fp32 ones.
+ */
+static void test_map_arith_fp16_is_the_host_pools_step(void **state)
+{
+    static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
+                                            STEPQ_METHOD_STEPQ };
+
+    (void)state;
+    for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+        struct fixture a, b;
+        size_t n;
+        memset(&a, 0, sizeof(a));
+        /* the fp16 map: the fixture's map with arith fp16 before its pool opens */
+        fixture_open_bits(&b, STEPQ_ARCH_GDN, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
+        {
+            stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
+            a = b;
+            /* dsq and spatial at 4 bits, stepq mixed around 6 bits with pivot heads */
+            a.map =
+                make_map_bits(STEPQ_ARCH_GDN, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
+            assert_int_equal(stepq_map_set_arith(a.map, STEPQ_ARITH_FP16), STEPQ_OK);
+            cfg.map = a.map;
+            cfg.num_slots = SLOTS;
+            assert_int_equal(stepq_pool_open(&cfg, &a.pool), STEPQ_OK);
+            int32_t all[SLOTS];
+            assert_int_equal(stepq_pool_alloc(a.pool, SLOTS, all), STEPQ_OK);
+        }
+        stepq_pool_t *pa_ = stepq__pool_resolve(a.pool);
+        stepq_prefill_args pb = prefill_args(&b, b.ids, BATCH, b.dense);
+        for (int layer = 0; layer < b.L; layer++) {
+            assert_int_equal(stepq_pool_prefill_pack(a.pool, layer, &pb, NULL), STEPQ_OK);
+            assert_int_equal(stepq_pool_prefill_pack(b.pool, layer, &pb, NULL), STEPQ_OK);
+        }
+        const uint8_t *pg_a = pages_of(&a, &n), *pg_b = pages_of(&b, &n);
+        assert_memory_equal(pg_a, pg_b, n); /* packs compute in fp32 either way */
+        uint8_t *start = malloc(n);
+        assert_non_null(start);
+        memcpy(start, pg_a, n);
+        const size_t head = (size_t)b.K * b.V;
+        float *scratch = falloc(2 * head), *o_a = falloc((size_t)BATCH * b.HV * b.V);
+        uint8_t *blk = malloc(n);
+        assert_non_null(blk);
+        int n16 = 0, n32 = 0;
+        for (int layer = 0; layer < b.L; layer++) {
+            stepq_step_args sb = step_args(&b, b.ids, BATCH);
+            fill_inputs(&b, 500 + layer);
+            assert_int_equal(stepq_pool_decode_step(a.pool, layer, &sb, NULL), STEPQ_OK);
+            memcpy(o_a, b.o, sizeof(float) * BATCH * b.HV * b.V);
+            assert_int_equal(stepq_pool_decode_step(b.pool, layer, &sb, NULL), STEPQ_OK);
+
+            struct stepq__packed_layer pl;
+            struct stepq__step_args ka;
+            stepq__pool_packed_layer(pa_, layer, &pl);
+            kernel_args(&b, &sb, &ka);
+            assert_true(b.K <= 8 && b.V <= 8);
+            for (int e = 0; e < BATCH; e++)
+                for (int h = 0; h < b.HV; h++) {
+                    const struct stepq__head_layout *hl = &pl.heads[h];
+                    const size_t off = (size_t)b.ids[e] * pl.page_stride + pl.head_offset[h];
+                    assert_int_equal(hl->arith, STEPQ_ARITH_FP16);
+                    if (!stepq__step_f16_supports(hl)) {
+                        assert_memory_equal(pg_a + off, pg_b + off, hl->block_bytes);
+                        n32++;
+                        continue;
+                    }
+                    float q[8], kk[8], v[8], g[8], beta, o[8];
+                    const float *w = pl.row_impact ? pl.row_impact + (size_t)h * b.K : NULL;
+                    assert_int_equal(stepq__prep_step_head(&ka, e, h, b.ids[e], q, kk, v, g, &beta),
+                                     0);
+                    (void)stepq__step_head_f16(hl, start + off, w, q, kk, v, g[0], beta, blk, o,
+                                               scratch, NULL);
+                    assert_memory_equal(blk, pg_a + off, hl->block_bytes);
+                    assert_memory_equal(o, o_a + ((size_t)e * b.HV + h) * b.V, sizeof(float) * b.V);
+                    n16++;
+                }
+            memcpy(start, pg_a, n);
+        }
+        assert_true(n16 > 0 && (methods[k] != STEPQ_METHOD_STEPQ || n32 > 0));
+        assert_true(memcmp(pg_a, pg_b, n) != 0);
+        free(blk);
+        free(scratch);
+        free(o_a);
+        free(start);
+        assert_int_equal(stepq_pool_close(a.pool, STEPQ_POOL_CLOSE_FORCE), STEPQ_OK);
+        stepq_map_close(a.map);
+        fixture_close(&b);
+    }
+}
+
+/*
  * The decode fit rows on the host pool (dsq, spatial, stepq; GDN and KDA): pools on a rows,
  * an exact and a norefit map pack the same pages and read out the same o, but the rows
  * pool steps to pages of its own (other than both); every stepped block is the C
@@ -1127,6 +1234,7 @@ int main(void)
         cmocka_unit_test(test_supports_host_and_conv_view),
         cmocka_unit_test(test_map_row_split_is_the_host_pools_fit),
         cmocka_unit_test(test_map_decode_fit_is_the_host_pools_step),
+        cmocka_unit_test(test_map_arith_fp16_is_the_host_pools_step),
         cmocka_unit_test(test_map_decode_fit_rows_is_the_host_pools_step),
         cmocka_unit_test(test_step_bad_arguments_change_nothing),
         cmocka_unit_test(test_step_gdn_fp8),
