@@ -122,8 +122,8 @@ static void usage(FILE *f)
                "Replays the traces with every map's method in the loop against the fp32\n"
                "reference and prints a table of readout errors (a legend follows it).\n"
                "Each store fits as the pool's decode step does: the map's decode_fit\n"
-               "(exact unless it says norefit or rows), from a fresh page per stream, in\n"
-               "fp32 arithmetic (a map's arith fp16 is noted and measured in fp32).\n"
+               "(exact unless it says norefit or rows), from a fresh page per stream; a\n"
+               "map whose arith is fp16 steps its GDN integer heads in fp16, as its pool.\n"
                "  --json         every detail (curves, per-head and per-class errors) as JSON\n"
                "                 on stdout instead of the table\n"
                "  --json FILE    the JSON into FILE and the table on stdout as well\n"
@@ -307,14 +307,17 @@ int stepq_tool_eval(int argc, char **argv)
             rc = 1;
             break;
         }
-        if (stepq_map_arith(maps[nm]) == STEPQ_ARITH_FP16)
-            fprintf(stderr,
-                    "stepq eval: %s: arith fp16: the replay measures its format and fit in fp32 "
-                    "arithmetic (the fp16 step itself is measured through a pool: "
-                    "tools/scripts/served_path.py --check drift)\n",
-                    maps_p[nm]);
         stepq_model_shape sh;
         stepq_map_shape(maps[nm], &sh);
+        if (sh.arch == STEPQ_ARCH_KDA && stepq_map_arith(maps[nm]) == STEPQ_ARITH_FP16) {
+            fprintf(stderr,
+                    "stepq eval: %s: arith fp16 covers GDN layers only (its pool refuses the "
+                    "decode step of a kda map)\n",
+                    maps_p[nm]);
+            stepq_map_close(maps[nm]);
+            rc = 1;
+            break;
+        }
         int same = sh.arch == I->arch && sh.n_layers == I->n_layers && sh.num_k_heads == I->H &&
                    sh.num_v_heads == I->HV && sh.head_k_dim == I->K && sh.head_v_dim == I->V;
         for (int l = 0; same && l < sh.n_layers; l++)

@@ -110,6 +110,24 @@ def main():
     assert ex["readout_rel"] == r["stepq@4"]["readout_rel"], (ex["readout_rel"], r["stepq@4"]["readout_rel"])
     assert nr["store_gain"]["mean"] > 1.0 > ex["store_gain"]["mean"], (nr["store_gain"], ex["store_gain"])
     assert len({ex["readout_rel"]["mean"], nr["readout_rel"]["mean"], ro["readout_rel"]["mean"]}) == 3
+    # arith fp16: eval steps a map's GDN integer heads with the fp16 decode step (kernels/step_f16.c),
+    # as the map's pool does, so its readout error differs from the fp32 map's, by a few percent on
+    # these traces; the pivot heads and everything else are the same maps.
+    f16 = {}
+    for b in (4, 6):
+        m = json.load(open(maps["stepq@%d" % b]))
+        m["arith"] = "fp16"
+        f16[b] = os.path.join(d, "stepq-fp16@%d.json" % b)
+        json.dump(m, open(f16[b], "w"))
+    ej16 = os.path.join(d, "eval-fp16.json")
+    run([exe, "eval", "--map", maps["stepq@4"], f16[4], maps["stepq@6"], f16[6], "--trace"] + traces +
+        ["--json", ej16, "--threads", "2"])
+    r16 = {x["name"]: x["readout_rel"]["mean"] for x in json.load(open(ej16))["methods"]}
+    for b in (4, 6):
+        a, h = r16["stepq@%d" % b], r16["stepq-fp16@%d" % b]
+        assert a == r["stepq@%d" % b]["readout_rel"]["mean"] and h != a and abs(h / a - 1) < 0.1, (b, a, h)
+    print("arith fp16 on the synthetic traces: readout error stepq@4 %.5g -> %.5g, stepq@6 %.5g -> %.5g"
+          % (r16["stepq@4"], r16["stepq-fp16@4"], r16["stepq@6"], r16["stepq-fp16@6"]))
     # The fit rows' fallback rate: counted where the map's fit is rows, null for the others; at
     # least every stream's first store falls back (a fresh zero page has no column scales), and
     # the rest is the growth trigger's decision, neither never nor always on these traces.
@@ -241,6 +259,11 @@ def main():
     assert open(ke, "rb").read() == open(km, "rb").read(), "--arith fp32 is not the default"
     assert "arith" not in run([exe, "inspect", km]).stdout
     assert "arith" not in json.loads(run([exe, "inspect", km, "--json"]).stdout)
+    # ... but eval refuses a KDA map with arith fp16 (the fp16 step covers GDN only; its pool
+    # refuses the decode step), in one line naming the map.
+    p = run([exe, "eval", "--map", kf, "--trace", kt + "-000.safetensors"], ok=False)
+    assert p.returncode == 1 and "kda-fp16.json: arith fp16 covers GDN layers only" in p.stderr, p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1, p.stderr
     for meth, extra, want in (("temporal", ["--arith", "fp16"], "--arith fp16: method temporal has no dual-axis decode step"),
                               ("uniform", ["--arith", "fp32"], "--arith fp32: method uniform has no dual-axis decode step"),
                               ("stepq", ["--arith", "half"], "--arith: 'half' is not fp32 or fp16"),

@@ -232,7 +232,25 @@ int stepq__calib_quant_apply(struct stepq__calib_quant *qz, float *x)
 void stepq__calib_quant_use_decode_fit(struct stepq__calib_quant *qz)
 {
     qz->decode_fit = !qz->dense_fp32;
+    /* the map's arith fp16: the decode step is the fp16 one where it covers the head (its
+     * scratch is allocated once; without it the store stays the fp32 fit, as the tile path) */
+    if (qz->decode_fit && qz->hl.arith == STEPQ_ARITH_FP16 && stepq__step_f16_supports(&qz->hl)) {
+        qz->scratch = malloc(sizeof(float) * 2 * (size_t)qz->hl.d_k * (size_t)qz->hl.d_v);
+        qz->f16 = qz->scratch != NULL;
+    }
     stepq__calib_quant_reset(qz);
+}
+
+uint32_t stepq__calib_quant_step_f16(struct stepq__calib_quant *qz,
+                                     const struct stepq__calib_head *h, int t, float *x, float *o)
+{
+    const int K = h->K, V = h->V;
+    const float *g = h->g + (size_t)t * (h->kda ? K : 1);
+    uint32_t fl = stepq__step_head_f16(&qz->hl, qz->block, qz->w, h->q + (size_t)t * K,
+                                       h->k + (size_t)t * K, h->v + (size_t)t * V, g[0], h->beta[t],
+                                       qz->block, o, qz->scratch, NULL);
+    stepq__dequantize_head(&qz->hl, qz->block, x);
+    return fl;
 }
 
 void stepq__calib_quant_reset(struct stepq__calib_quant *qz)
@@ -263,6 +281,7 @@ void stepq__calib_quant_free(struct stepq__calib_quant *qz)
     if (!qz->dense_fp32 && !qz->borrowed)
         stepq__head_layout_free(&qz->hl);
     free(qz->block);
+    free(qz->scratch);
     memset(qz, 0, sizeof(*qz));
 }
 

@@ -42,7 +42,20 @@ struct stepq__calib_quant {
     const float *w; /* row impact (spatial, stepq) or NULL */
     int dense_fp32; /* nothing to do */
     int decode_fit; /* stepq__calib_quant_use_decode_fit: stores fit as a decode step does */
+    /* with decode_fit, a head of an arith fp16 map the fp16 step covers (kernels/step_f16.c):
+     * its stores are that step (stepq__calib_quant_step_f16), scratch its 2 K V floats */
+    int f16;
+    float *scratch;
 };
+
+/**
+ * A decode step of an f16 quantizer (qz->f16): the fp16 step of its block with token t's
+ * inputs of h, in place, readout into o (V floats); x gets the decoded new state. Returns the
+ * step's health flags.
+ */
+struct stepq__calib_head;
+uint32_t stepq__calib_quant_step_f16(struct stepq__calib_quant *qz,
+                                     const struct stepq__calib_head *h, int t, float *x, float *o);
 
 /** row_bits: K widths (NULL for dense methods). */
 int stepq__calib_quant_init(struct stepq__calib_quant *qz, stepq_method method, stepq_arch arch,

@@ -75,10 +75,11 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
     float *Sr = malloc(sizeof(float) * KV), *Sq = malloc(sizeof(float) * KV * (size_t)M);
     float *E = malloc(sizeof(float) * KV * 4), *orf = malloc(sizeof(float) * (size_t)V);
     float *oq = malloc(sizeof(float) * (size_t)V), *Xb = malloc(sizeof(float) * KV);
+    float *orq = malloc(sizeof(float) * (size_t)V); /* the fp32 update's readout, unused */
     int nq = 0, ni = 0;
     memset(qz, 0, sizeof(qz));
     memset(qi, 0, sizeof(qi));
-    if (!Sr || !Sq || !E || !orf || !oq || !Xb) {
+    if (!Sr || !Sq || !E || !orf || !oq || !Xb || !orq) {
         c->rc[job] = stepq__error(STEPQ_ENOMEM, "eval: out of memory");
         goto out;
     }
@@ -132,7 +133,15 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
             for (int m = 0; m < M; m++) {
                 struct stepq__eval_acc *a = &c->acc[((size_t)m * H + job) * S + s];
                 float *X = Sq + KV * m;
-                stepq__calib_step(X, &h, t, oq);
+                if (qz[m].f16) {
+                    /* the fp16 step reads its old block and writes the new one: its readout
+                     * is oq; Xb (the gain's reference) is the fp32 update of the old state */
+                    memcpy(Xb, X, sizeof(float) * KV);
+                    stepq__calib_step(Xb, &h, t, orq);
+                    (void)stepq__calib_quant_step_f16(&qz[m], &h, t, X, oq);
+                } else {
+                    stepq__calib_step(X, &h, t, oq);
+                }
                 double e2m = 0.0, odm = 0.0, qdm = 0.0, qrm = 0.0;
                 for (int j = 0; j < V; j++) {
                     e2m += ((double)oq[j] - orf[j]) * ((double)oq[j] - orf[j]);
@@ -141,8 +150,10 @@ void stepq__eval_head_job(void *vctx, int job, int worker)
                 e2[m] = e2m;
                 /* The store's gain: how much of the state a store keeps along itself (a
                  * shrinking quantizer, e.g. a least-squares refit of noisy codes, gives < 1). */
-                memcpy(Xb, X, sizeof(float) * KV);
-                a->rows_exact += stepq__calib_quant_apply(&qz[m], X);
+                if (!qz[m].f16) {
+                    memcpy(Xb, X, sizeof(float) * KV);
+                    a->rows_exact += stepq__calib_quant_apply(&qz[m], X);
+                }
                 for (size_t e = 0; e < KV; e++) {
                     qdm += (double)X[e] * Xb[e];
                     qrm += (double)Xb[e] * Xb[e];
@@ -215,4 +226,5 @@ out:
     free(orf);
     free(oq);
     free(Xb);
+    free(orq);
 }
