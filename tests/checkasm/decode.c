@@ -48,6 +48,7 @@ struct params {
     int zero_col;         /* one column scale 0 in a head of every start page (pivot heads aside) */
     int nan_state;        /* one fp16 NaN in a pivot row of a head of every start page */
     stepq_arith arith;    /* the map's arith; 0: fp32 */
+    int zero_pages;       /* the tested layer's blocks of every start page zeroed (fresh slots) */
 };
 
 /* "@6", " mixed+pivot head" (GDN), " mixed rows" (KDA), or "" for a dense method or fp8. */
@@ -68,7 +69,7 @@ static int start(const struct params *p)
     if (p->row_split > 0)
         snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
+        "decode %s %s%s H=%d HV=%d B=%d%s%s%s%s%s%s%s%s%s%s%s%s", stepq_arch_name(p->arch),
         stepq_method_name(p->method), width_name(p->arch, p->method, p->bits, w, sizeof(w)), p->H,
         p->HV, p->batch, p->gate ? " in-kernel gate" : "", p->nonfinite ? " NaN in q" : "",
         p->view ? " bf16 strided" : "", p->huge ? " huge state" : "",
@@ -81,7 +82,7 @@ static int start(const struct params *p)
         : p->fit == STEPQ_DECODE_FIT_ROWS  ? " rows"
                                            : "",
         p->zero_col ? " zero column scale" : "", p->nan_state ? " NaN in a pivot row" : "",
-        p->arith == STEPQ_ARITH_FP16 ? " arith fp16" : "");
+        p->arith == STEPQ_ARITH_FP16 ? " arith fp16" : "", p->zero_pages ? " zero pages" : "");
 }
 
 /* The CUDA call of a check, also what bench_new times. */
@@ -163,6 +164,14 @@ static int run(const struct params *p)
                          hl->col_scale_offset + 2 * (size_t)((7 * s + 3) % hl->d_v);
             c[0] = c[1] = 0;
         }
+        CA_OK(fx_pools_upload(&fx));
+    }
+    if (p->zero_pages) {
+        /* every block of the tested layer all zero bytes, as a fresh slot's page: scales 0 */
+        for (int32_t s = 0; s <= fx.slots; s++)
+            for (int h = 0; h < fx.HV; h++)
+                memset(fx.hpl.base + (size_t)s * fx.hpl.page_stride + fx.hpl.head_offset[h], 0,
+                       fx.hpl.heads[h].block_bytes);
         CA_OK(fx_pools_upload(&fx));
     }
     if (p->nan_state) {
@@ -1168,8 +1177,9 @@ void checkasm_check_decode(void)
      * The fp16 decode step (arith fp16, kernels/cuda/f16_kernel.cuh): GDN dual-axis heads of
      * every width, the mixed map with a pivot head (the tile kernel's, a second launch), dsq and
      * spatial, in-kernel gates, bf16 views, a NaN in q, huge states (saturating scales), a zero
-     * column scale in the start pages, ids outside 0..slots, a row split; the variants that do
-     * not implement it refuse (run_f16_refused).
+     * column scale in the start pages, zeroed start pages (fresh slots; with fp32 arithmetic
+     * too), ids outside 0..slots, a row split; the variants that do not implement it refuse
+     * (run_f16_refused).
      */
     {
         const stepq_arith F16 = STEPQ_ARITH_FP16;
@@ -1242,6 +1252,10 @@ void checkasm_check_decode(void)
                              .gate = 1,
                              .row_split = 0.75,
                              .arith = F16 });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .zero_pages = 1, .arith = F16 });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .zero_pages = 1 });
         if (!small)
             one((struct params){
                 .arch = G, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
