@@ -32,7 +32,7 @@ static int check_layout(const struct stepq__head_layout *hl)
     return STEPQ_OK;
 }
 
-static float scale_value(float s, uint16_t *h, uint32_t *flags)
+float stepq__scale_value(float s, uint16_t *h, uint32_t *flags)
 {
     if (s > STEPQ__SCALE_MAX)
         *flags |= STEPQ_HEALTH_SATURATED;
@@ -214,7 +214,7 @@ static void fit_rowmax(const struct stepq__head_layout *hl, const float *x, uint
         int b = hl->row_bits[i];
         int qmax = stepq__qmax(b);
         uint16_t rh;
-        float r = scale_value(row_absmax(xr, d_v), &rh, flags);
+        float r = stepq__scale_value(row_absmax(xr, d_v), &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
         row_over_scale(y, xr, r, d_v, 1.0f); /* |y| <= 1 (to an fp16 rounding of r) */
         quant_row(y, NULL, d_v, qmax, z);
@@ -278,9 +278,9 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
         float wi = w ? w[i] : 1.0f;
         uint16_t rh;
         const float m = row_absmax(xr, d_v);
-        r[i] = scale_value(split == 0.5 ? sqrtf(m / wi)
-                                        : (float)(pow((double)m, split) / sqrt((double)wi)),
-                           &rh, flags);
+        r[i] = stepq__scale_value(split == 0.5 ? sqrtf(m / wi)
+                                               : (float)(pow((double)m, split) / sqrt((double)wi)),
+                                  &rh, flags);
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, rh);
         if (r[i] > 0.0f)
             ymax = max_keep(ymax, m / r[i]);
@@ -304,7 +304,7 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
     }
     for (int j = 0; j < d_v; j++) {
         uint16_t ch;
-        c[j] = scale_value(c[j], &ch, flags);
+        c[j] = stepq__scale_value(c[j], &ch, flags);
         num[j] = 0.0;
         den[j] = 0.0;
     }
@@ -362,7 +362,7 @@ static void fit_dual(const struct stepq__head_layout *hl, const float *x, const 
     for (int j = 0; j < d_v; j++) {
         uint16_t ch;
         if (den[j] > 0.0)
-            scale_value((float)(num[j] / den[j]), &ch, flags);
+            stepq__scale_value((float)(num[j] / den[j]), &ch, flags);
         else
             ch = stepq__scale_to_fp16(c[j]);
         wr16(blk + hl->col_scale_offset + 2 * (size_t)j, ch);
@@ -424,7 +424,7 @@ static int fit_rows(const struct stepq__head_layout *hl, const float *x, const u
         const float *xr = x + (size_t)i * d_v;
         int b = hl->row_bits[i];
         uint16_t r16; /* the new row scale (rh holds the old ones) */
-        const float r = scale_value(m[i], &r16, flags);
+        const float r = stepq__scale_value(m[i], &r16, flags);
         const int qmax = stepq__qmax(b);
         const float qf = (float)qmax, s = qf / r;
         wr16(blk + hl->row_scale_offset + 2 * (size_t)i, r16);

@@ -244,6 +244,12 @@ int stepq__quant_arith_fp16(void);
  * so fp16's range does not bind but for columns more than 2^14 below the largest of their block
  * (subnormal) and rows whose new maximum is 2^-16 of their bound N_i (R_i saturates).
  */
+/**
+ * A scale as a fit stores it: *h = stepq__scale_to_fp16(s), STEPQ_HEALTH_SATURATED raised in
+ * *flags where s > 65504; returns the float of *h (the value the fit then divides by).
+ */
+float stepq__scale_value(float s, uint16_t *h, uint32_t *flags);
+
 /** Whether head layout hl takes the fp16 step: GDN, integer rows of one width, column scales. */
 int stepq__step_f16_supports(const struct stepq__head_layout *hl);
 /**

@@ -42,21 +42,26 @@ static float p2(float x)
     return r;
 }
 
+/*
+ * A column's fp32 sum over the groups of 8 rows in the kernel's order: each pair of groups
+ * (2w, 2w + 1: a warp's two half-warps) first, then the pairs in order (an odd last group alone).
+ */
+struct pair_sum {
+    float sum, pend;
+};
+
+static void pair_add(struct pair_sum *ps, int gi, int ng, float x)
+{
+    if (gi % 2 == 0 && gi + 1 < ng) {
+        ps->pend = x;
+        return;
+    }
+    ps->sum += gi % 2 ? ps->pend + x : x;
+}
+
 static float fmaxabs(float m, float x)
 {
     return fmaxf(m, fabsf(x));
-}
-
-/*
- * A stored scale: the fp16 of s clamped to [2^-14, 65504] (stepq__scale_to_fp16), SATURATED
- * raised beyond 65504; *hv gets the bits.
- */
-static float scale16(float s, uint16_t *hv, uint32_t *flags)
-{
-    if (s > STEPQ__SCALE_MAX)
-        *flags |= STEPQ_HEALTH_SATURATED;
-    *hv = stepq__scale_to_fp16(s);
-    return stepq__fp16_to_float(*hv);
 }
 
 static float rd_h(const uint8_t *p)
@@ -118,7 +123,7 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
     /* 1. The two dot products in the code domain: half partial sums over each group's rows
      * (weights r_i k_i and r_i q_i over the group's power of two), fp32 across the groups. */
     for (int j = 0; j < d_v; j++) {
-        float sa = 0.0f, sb = 0.0f, pa = 0.0f, pb = 0.0f;
+        struct pair_sum sa = { 0.0f, 0.0f }, sb = { 0.0f, 0.0f };
         for (int gi = 0; gi < ng; gi++) {
             const int i0 = 8 * gi, i1 = i0 + 8 < d_k ? i0 + 8 : d_k;
             float mk = 0.0f, mq = 0.0f;
@@ -133,18 +138,11 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
                 ak = half_rn(z * h(r[i] * k[i] * (1.0f / Pk)) + ak);
                 aq = half_rn(z * h(r[i] * q[i] * (1.0f / Pq)) + aq);
             }
-            const float fk = (float)ak * Pk, fq = (float)aq * Pq;
-            /* pairs of groups first (the two half-warps of a warp), then the pairs in order */
-            if (gi % 2 == 0 && gi + 1 < ng) {
-                pa = fk;
-                pb = fq;
-                continue;
-            }
-            sa += gi % 2 ? pa + fk : fk;
-            sb += gi % 2 ? pb + fq : fq;
+            pair_add(&sa, gi, ng, (float)ak * Pk);
+            pair_add(&sb, gi, ng, (float)aq * Pq);
         }
         const float f = c[j] * alpha * iq;
-        const float s = sa * f, t = sb * f;
+        const float s = sa.sum * f, t = sb.sum * f;
         u[j] = beta * (v[j] - s);
         float oj = fmaf(u[j], kq, t);
         if (!isfinite(oj)) {
@@ -176,9 +174,9 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
         }
         /* 3. Row scales from the row maxima m_i = M_i N_i (exact). */
         const float m = M * N[i], wi = w ? w[i] : 1.0f;
-        rn[i] = scale16(split == 0.5 ? sqrtf(m / wi)
-                                     : (float)(pow((double)m, split) / sqrt((double)wi)),
-                        &rh[i], &flags);
+        rn[i] = stepq__scale_value(split == 0.5 ? sqrtf(m / wi)
+                                                : (float)(pow((double)m, split) / sqrt((double)wi)),
+                                   &rh[i], &flags);
         A[i] = wi * wi * rn[i] * rn[i];
         yb[i] = m / rn[i]; /* >= max_j |x_ij| / r_i */
     }
@@ -233,7 +231,7 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
         Pa[gi] = p2(ma) * asc;
     }
     for (int j = 0; j < d_v; j++) {
-        float sn = 0.0f, sd = 0.0f, pn = 0.0f, pd = 0.0f;
+        struct pair_sum sn = { 0.0f, 0.0f }, sd = { 0.0f, 0.0f };
         for (int gi = 0; gi < ng; gi++) {
             const int i0 = 8 * gi, i1 = i0 + 8 < d_k ? i0 + 8 : d_k;
             const float pw = Pw[gi / 2] / P, Qw = h((double)Q[j] * pw);
@@ -251,17 +249,11 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
                 an = half_rn((double)h((double)z * y) * a2 + an);
                 ad = half_rn((double)h((double)z * z) * a2 + ad);
             }
-            const float fn = (float)an * Pa[gi] * pw, fd = (float)ad * Pa[gi];
-            if (gi % 2 == 0 && gi + 1 < ng) {
-                pn = fn;
-                pd = fd;
-                continue;
-            }
-            sn += gi % 2 ? pn + fn : fn;
-            sd += gi % 2 ? pd + fd : fd;
+            pair_add(&sn, gi, ng, (float)an * Pa[gi] * pw);
+            pair_add(&sd, gi, ng, (float)ad * Pa[gi]);
         }
-        const float cj = sd > 0.0f ? (float)qmax * P * sn / sd : CM[j] * P;
-        (void)scale16(cj, &ch[j], &flags);
+        const float cj = sd.sum > 0.0f ? (float)qmax * P * sn.sum / sd.sum : CM[j] * P;
+        (void)stepq__scale_value(cj, &ch[j], &flags);
     }
 
     /* 7. The new block: codes, row scales, column scales; bytes no field covers are 0. */

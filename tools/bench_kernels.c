@@ -248,10 +248,10 @@ static stepq_state_layout kind_layout(enum kind k)
 /* One row's launch, what fx_time_us times. */
 struct ctx {
     enum kind kind;
-    int old; /* the "(old)" rows: STEPQ__CUDA_COLUMN; 2: STEPQ__CUDA_F16_OCC3 (prepared handle) */
-    stepq_pool_t *pool;            /* the packed rows' pool */
-    stepq_step_args args;          /* the step through the public API */
-    stepq_prefill_args pf;         /* the pack / unpack through the public API */
+    unsigned prep;         /* a handle of this kernel choice (stepq__cuda_layer_prepare_ex flags) */
+    stepq_pool_t *pool;    /* the packed rows' pool */
+    stepq_step_args args;  /* the step through the public API */
+    stepq_prefill_args pf; /* the pack / unpack through the public API */
     struct stepq__step_args ka;    /* the step as the internal entries take it */
     struct stepq__packed_layer pl; /* the pool's layer 0, for the internal entries */
     stepq__cuda_layer *L;          /* the two-stage and "(old)" rows' handle */
@@ -266,12 +266,11 @@ static int launch(void *p)
     switch (c->kind) {
     case K_DENSE_F32:
     case K_DENSE_BF16:
-        return stepq__cuda_step_dense_ex(&c->ka, c->dense, c->stride, STEPQ__LAYOUT_KV,
-                                         c->kind == K_DENSE_BF16 ? STEPQ_DTYPE_BF16
-                                                                 : STEPQ_DTYPE_FP32,
-                                         c->old ? STEPQ__CUDA_COLUMN : 0);
+        return stepq__cuda_step_dense_ex(
+            &c->ka, c->dense, c->stride, STEPQ__LAYOUT_KV,
+            c->kind == K_DENSE_BF16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32, c->prep);
     case K_PACKED:
-        if (c->old)
+        if (c->prep)
             return stepq__cuda_step_packed_prepared(&c->ka, &c->pl, c->L, STEPQ__CUDA_FUSED);
         return stepq_pool_decode_step(c->pool, 0, &c->args, c->s);
     case K_PACKED_2S:
@@ -283,7 +282,7 @@ static int launch(void *p)
     case K_UNPACK:
     case K_UNPACK_BF16:
     case K_UNPACK_VK:
-        if (c->old)
+        if (c->prep)
             return stepq__cuda_unpack_prepared(&c->pl, c->L, c->pf.n, c->pf.slot_ids, c->dense,
                                                c->stride, (stepq__layout)c->pf.layout, c->pf.dtype,
                                                c->s);
@@ -436,7 +435,7 @@ struct row {
     const char *label; /* unique: --only selects by it */
     int method;        /* index into methods[] */
     enum kind kind;
-    int old;
+    unsigned prep; /* 0: the pool's kernels; else the handle flags of the row's kernel choice */
 };
 
 static const struct row rows[] = {
@@ -451,10 +450,10 @@ static const struct row rows[] = {
     /* the decode fit rows, likewise: the old column scales kept, no column reduction */
     { "stepq@4 rows", 8, K_PACKED, 0 },
     { "stepq@6 rows", 9, K_PACKED, 0 },
-    /* the map field arith fp16 (GDN only): the fp16 kernel, 4 blocks per SM; old = 2: 3 */
+    /* the map field arith fp16 (GDN only): the fp16 kernel at 4 blocks per SM, and at 3 */
     { "stepq@4 fp16", 10, K_PACKED, 0 },
     { "stepq@6 fp16", 11, K_PACKED, 0 },
-    { "stepq@6 fp16 3 blocks/SM", 11, K_PACKED, 2 },
+    { "stepq@6 fp16 3 blocks/SM", 11, K_PACKED, STEPQ__CUDA_F16_OCC3 },
     { "fp8", 5, K_PACKED, 0 },
     { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
     { "stepq@6 pack", 4, K_PACK, 0 },
@@ -469,12 +468,12 @@ static const struct row rows[] = {
     { "fp8 unpack", 5, K_UNPACK, 0 },
     { "fp8 unpack bf16", 5, K_UNPACK_BF16, 0 },
     { "fp8 unpack [V,K]", 5, K_UNPACK_VK, 0 },
-    { "fp32 (old)", 0, K_DENSE_F32, 1 },
-    { "bf16 (old)", 1, K_DENSE_BF16, 1 },
-    { "stepq@6 (old)", 4, K_PACKED, 1 },
-    { "stepq@6 unpack (old)", 4, K_UNPACK, 1 },
-    { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, 1 },
-    { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, 1 },
+    { "fp32 (old)", 0, K_DENSE_F32, STEPQ__CUDA_COLUMN },
+    { "bf16 (old)", 1, K_DENSE_BF16, STEPQ__CUDA_COLUMN },
+    { "stepq@6 (old)", 4, K_PACKED, STEPQ__CUDA_COLUMN },
+    { "stepq@6 unpack (old)", 4, K_UNPACK, STEPQ__CUDA_COLUMN },
+    { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, STEPQ__CUDA_COLUMN },
+    { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, STEPQ__CUDA_COLUMN },
 };
 #define N_ROWS ((int)(sizeof(rows) / sizeof(rows[0])))
 
@@ -831,7 +830,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 struct ctx c;
                 memset(&c, 0, sizeof(c));
                 c.kind = rw->kind;
-                c.old = rw->old;
+                c.prep = rw->prep;
                 c.s = ts;
                 c.dense = dstate;
                 c.stride = (size_t)HV * D * D;
@@ -894,14 +893,10 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                      * shipped kernels, an "(old)" row the column kernels, on pages written by
                      * the shipped pack.
                      */
-                    if (rc == 0 && (rw->old || rw->kind == K_PACKED_2S) &&
+                    if (rc == 0 && (rw->prep || rw->kind == K_PACKED_2S) &&
                         (fx_packed_layer(c.pool, 0, &c.pl) < 0 ||
                          fx_kernel_args(c.pool, &c.args, ts, &c.ka) < 0 ||
-                         stepq__cuda_layer_prepare_ex(&c.pl,
-                                                      rw->old == 2 ? STEPQ__CUDA_F16_OCC3
-                                                      : rw->old    ? STEPQ__CUDA_COLUMN
-                                                                   : 0,
-                                                      &c.L) < 0))
+                         stepq__cuda_layer_prepare_ex(&c.pl, rw->prep, &c.L) < 0))
                         rc = 1;
                     if (rc)
                         fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());

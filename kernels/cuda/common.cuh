@@ -86,10 +86,6 @@ struct sq_io {
     uint32_t *health;
     unsigned long long *counts;
     int *skip; /* two-stage: [entries][HV], stage 1 marks heads left untouched */
-    /* the heads a launch covers: hlist[blockIdx.y] of hv_all (the fused step's heads that are
-     * not the fp16 kernel's, with arith fp16); NULL: every head, blockIdx.y itself */
-    const int *hlist;
-    int hv_all;
 };
 
 __device__ __forceinline__ float sq_h2f(uint16_t h)

@@ -83,9 +83,10 @@ int stepq__cuda_device_count(void);
  * host memory) into a device descriptor table. pl->base, n_slots and
  * page_stride are NOT captured: they are passed again at each call.
  * `flags`: 0, STEPQ__CUDA_COLUMN or STEPQ__CUDA_F16_OCC3, kept in the handle for its
- * steps, packs and unpacks. A layer with arith fp16 heads steps them on the fp16 kernel (its
- * pivot heads on the tile kernel, a second launch); its handle's two-stage variant and column
- * kernels refuse its steps (STEPQ_ENOTSUP). Synchronous (a blocking copy). Release with
+ * steps, packs and unpacks. A layer with arith fp16 heads steps them, pivot heads included, in
+ * one launch of the fp16 kernel (a head it does not step, or a block with alignment padding, is
+ * refused here, STEPQ_ENOTSUP); its handle's two-stage variant and column kernels refuse its
+ * steps (STEPQ_ENOTSUP). Synchronous (a blocking copy). Release with
  * stepq__cuda_layer_release.
  * The dual-axis heads' decode_fit (all the same: one template variant per
  * launch) selects the fit of the handle's decode steps (fused and two-stage

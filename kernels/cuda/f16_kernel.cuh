@@ -1,8 +1,8 @@
 /*
  * The fused packed decode step in fp16 arithmetic (the map field arith = fp16): one 256-thread
  * block per (entry, value head) of a GDN integer head of one width B with column scales
- * (stepq__step_f16_supports; the layer's other heads, pivot heads, take the tile kernel in a
- * second launch). kernels/quant.h lists its operations and kernels/step_f16.c is its C
+ * (stepq__step_f16_supports), or of a pivot head of the same layer (sq_f16_pivot_item, fp32):
+ * one launch per layer. kernels/quant.h lists its operations and kernels/step_f16.c is its C
  * reference; this file follows the list step by step. The thread mapping is the tile kernel's
  * (thread t: warp w, tx = t % 16 owns columns 8tx..8tx+7, rows 8ty..8ty+7 with ty = 2w +
  * (t % 32) / 16), but a thread's 64 elements are 32 half2 registers (X[row][pair], the pair =
@@ -137,6 +137,16 @@ __device__ __forceinline__ bool sq_f16_inputs(const sq_step &st, const sq_io &io
     return true;
 }
 
+/* A thread's 4 half2 partial sums of its 8 columns as fp32, times the power of two f (exact). */
+__device__ __forceinline__ void sq_f16_widen(const half2 (&h)[4], float f, float (&x)[8])
+{
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        const float2 v = __half22float2(h[p]);
+        x[2 * p] = __fmul_rn(v.x, f), x[2 * p + 1] = __fmul_rn(v.y, f);
+    }
+}
+
 /* The 8 B-bit codes of a thread's row (lo, hi: 8B bits) as 4 half2 z (exact): half(0x6400 | u)
  * = 1024 + u, z = u - qmax */
 template <int B> __device__ __forceinline__ void sq_f16_dec(uint32_t lo, uint32_t hi, half2 (&X)[4])
@@ -236,12 +246,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 aq[p] = __hfma2(X[r][p], wq, aq[p]);
             }
         }
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const float2 fk = __half22float2(ak[p]), fq = __half22float2(aq[p]);
-            pk[2 * p] = __fmul_rn(fk.x, Pk), pk[2 * p + 1] = __fmul_rn(fk.y, Pk);
-            pq[2 * p] = __fmul_rn(fq.x, Pq), pq[2 * p + 1] = __fmul_rn(fq.y, Pq);
-        }
+        sq_f16_widen(ak, Pk, pk);
+        sq_f16_widen(aq, Pq, pq);
         float s, tq;
         sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
         if (t < SQ_D) {
@@ -441,12 +447,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
             sq_st_codes<B>(blk + (size_t)(R0 + r) * (SQ_D * B / 8), tx, lo, hi);
         }
         const float fa = __fmul_rn(Pa, pw);
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const float2 n = __half22float2(an[p]), d = __half22float2(ad[p]);
-            pn[2 * p] = __fmul_rn(n.x, fa), pn[2 * p + 1] = __fmul_rn(n.y, fa);
-            pd[2 * p] = __fmul_rn(d.x, Pa), pd[2 * p + 1] = __fmul_rn(d.y, Pa);
-        }
+        sq_f16_widen(an, fa, pn);
+        sq_f16_widen(ad, Pa, pd);
     }
     float n, d;
     sq_f16_colsums(sm.part[0], pn, pd, pos, &n, &d);
@@ -582,9 +584,8 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
 }
 
 /*
- * The launch: grid (batch, heads), the heads the layer routes here (hd->f16: 1 at their width,
- * 2 pivot heads); other heads and padding entries return at once (the tile kernel's launch over
- * a list of them takes those).
+ * The launch: grid (batch, heads), every head of the layer (hd->f16: 1 at its width, 2 a pivot
+ * head; layer prepare refuses a layer with any other); padding entries return at once.
  */
 template <int V, int OCC = SQ_F16_OCC>
 __global__ void __launch_bounds__(SQ_THREADS, OCC) sq_f16_kernel(sq_step st, sq_io io)

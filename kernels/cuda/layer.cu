@@ -34,9 +34,8 @@ struct stepq__cuda_layer {
     int column;           /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
     int any_uniform;      /* some head has one integer width for all rows (ubits) */
     stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
-    int any_f16, all_f16; /* heads whose decode step is the fp16 kernel's (sq_head_desc f16) */
+    int any_f16;          /* an arith fp16 layer: every head's decode step is the fp16 kernel's */
     int f16_occ3;         /* STEPQ__CUDA_F16_OCC3 */
-    int *d_rest, n_rest; /* with any_f16: the other heads' ids (device), the tile kernel's launch */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
      * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
@@ -212,6 +211,17 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
             goto fail;
         }
     }
+    /* an arith fp16 layer is one launch of the fp16 kernel: every head must be its (today's
+     * formats always are: GDN integer heads of one width, and pivot heads) */
+    for (int hv = 0; hv < pl->n_heads; hv++)
+        if (pl->heads[hv].arith == STEPQ_ARITH_FP16 && pl->heads[hv].arch == STEPQ_ARCH_GDN &&
+            !h[hv].f16) {
+            rc = stepq__error(STEPQ_ENOTSUP,
+                              "%s: head %d of an arith fp16 layer is not one the fp16 kernel "
+                              "steps (kernels/cuda/f16_kernel.cuh)",
+                              who, hv);
+            goto fail;
+        }
     if (dyn_smem(L->max_block) > SQ_DYN_SMEM_MAX) {
         rc = stepq__error(STEPQ_ENOTSUP, "%s: a head block of %zu B exceeds the kernel's buffer",
                           who, L->max_block);
@@ -239,10 +249,8 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     L->fit = decode_fit < 0 ? STEPQ_DECODE_FIT_EXACT
                             : (stepq_decode_fit)decode_fit; /* no dual heads: exact */
     L->all_quant = 1;
-    L->all_f16 = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         L->any_f16 |= h[hv].f16;
-        L->all_f16 &= h[hv].f16;
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
         L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
@@ -256,35 +264,12 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
             pl->head_offset[hv] == pl->head_offset[0] + (size_t)hv * SQ_D * SQ_D * sizeof(uint16_t);
     }
     L->dense_off = L->dense_bf16 ? pl->head_offset[0] : 0;
-    if (L->any_f16 && !L->all_f16) {
-        int *rest = (int *)malloc(sizeof(int) * (size_t)pl->n_heads);
-        if (!rest) {
-            rc = stepq__error(STEPQ_ENOMEM, "%s: out of memory", who);
-            goto fail;
-        }
-        for (int hv = 0; hv < pl->n_heads; hv++)
-            if (!h[hv].f16)
-                rest[L->n_rest++] = hv;
-        cudaError_t err = cudaMalloc((void **)&L->d_rest, sizeof(int) * (size_t)L->n_rest);
-        if (err == cudaSuccess)
-            err = cudaMemcpy(L->d_rest, rest, sizeof(int) * (size_t)L->n_rest,
-                             cudaMemcpyHostToDevice);
-        if (err == cudaSuccess)
-            err = cudaStreamSynchronize(cudaStreamLegacy); /* as the descriptors' upload */
-        free(rest);
-        if (err != cudaSuccess) {
-            rc = cuda_fail(err, who, "head list upload");
-            goto fail;
-        }
-    }
     free(h);
     *out = L;
     return STEPQ_OK;
 fail:
     if (L && L->d_heads)
         cudaFree(L->d_heads);
-    if (L && L->d_rest)
-        cudaFree(L->d_rest);
     free(L);
     free(h);
     return rc;
@@ -314,7 +299,6 @@ extern "C" void stepq__cuda_layer_release(stepq__cuda_layer *L)
     cudaFree(L->scratch);
     cudaFree(L->skip);
     cudaFree(L->d_heads);
-    cudaFree(L->d_rest);
     cudaGetLastError();
     free(L);
 }
@@ -607,20 +591,13 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
                             who,
                             variant != STEPQ__CUDA_FUSED ? "two-stage variant" : "column kernels");
     if (L->any_f16) {
-        /* the fp16 kernel takes its heads; the tile kernel the others (pivot heads) */
+        /* the fp16 kernel takes every head, its pivot heads included, on a (batch, heads) grid */
         const dim3 g2(grid.y, grid.x);
         if (L->f16_occ3)
-            rc = st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16, 3>>(g2, 0, s, who, st, io)
-                            : launch_k<sq_f16_kernel<SQ_V_IN32, 3>>(g2, 0, s, who, st, io);
-        else
-            rc = st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16>>(g2, 0, s, who, st, io)
-                            : launch_k<sq_f16_kernel<SQ_V_IN32>>(g2, 0, s, who, st, io);
-        if (rc < 0 || L->all_f16)
-            return rc;
-        /* the other heads only: a grid of (batch, those heads), not blocks that return at once */
-        io.hlist = L->d_rest;
-        io.hv_all = pl->n_heads;
-        grid.x = (unsigned)L->n_rest;
+            return st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16, 3>>(g2, 0, s, who, st, io)
+                              : launch_k<sq_f16_kernel<SQ_V_IN32, 3>>(g2, 0, s, who, st, io);
+        return st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16>>(g2, 0, s, who, st, io)
+                          : launch_k<sq_f16_kernel<SQ_V_IN32>>(g2, 0, s, who, st, io);
     }
     /* grid by head (measured faster: one width's code hot per SM); run-time widths when no head is
      * uniform (less code) */

@@ -62,6 +62,8 @@
 #ifndef STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH
 
+#include <type_traits>
+
 #include "kernels/cuda/common.cuh"
 /* not used here: layer.cu, which launches sq_head_kernel too, includes only this and unpack */
 #include "kernels/cuda/head_kernel.cuh"
@@ -900,6 +902,8 @@ sq_tile_load(float (&x)[64], const sq_io &io, const sq_head_desc *hd, sq_tsmem &
  * (the norms agree to ~1e-7): with the double ones its GDN stepq@6 step
  * measured 508-516 us at B = 512 (H200), with fp32 sums 504.7 us.
  */
+template <bool DBL> using sq_l2_t = typename std::conditional<DBL, double, float>::type;
+
 template <bool DBL = false>
 __device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in, sq_tsmem &sm,
                                               int bfi, const sq_tpos &pos)
@@ -914,26 +918,16 @@ __device__ __forceinline__ bool sq_tile_in_qk(const sq_step &st, const sq_in &in
     bool bad = !isfinite(qv);
     if (!bad)
         bad = !isfinite(kv);
-    if (st.l2norm && DBL) {
-        double sq2 = (double)qv * qv, sk2 = (double)kv * kv;
+    if (st.l2norm) {
+        using A = sq_l2_t<DBL>;
+        A sq2 = (A)qv * qv, sk2 = (A)kv * kv;
 #pragma unroll
         for (int o = 16; o; o >>= 1) {
             sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
             sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
         }
         if (lane == 0) {
-            sm.l2[w][0] = sq2;
-            sm.l2[w][1] = sk2;
-        }
-    } else if (st.l2norm) {
-        float sq2 = qv * qv, sk2 = kv * kv;
-#pragma unroll
-        for (int o = 16; o; o >>= 1) {
-            sq2 += __shfl_xor_sync(0xffffffffu, sq2, o);
-            sk2 += __shfl_xor_sync(0xffffffffu, sk2, o);
-        }
-        if (lane == 0) {
-            sm.l2[w][0] = sq2; /* exact in the double slot */
+            sm.l2[w][0] = sq2; /* a float sum is exact in the double slot */
             sm.l2[w][1] = sk2;
         }
     }
@@ -979,19 +973,13 @@ __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io 
     if (t < SQ_D) {
         float sc = st.scale > 0.0f ? st.scale : 0.08838834764831845f; /* 128^-1/2 */
         float qv = sm.q[t], kv = sm.k[t];
-        if (st.l2norm && DBL) {
-            const double a = (sm.l2[0][0] + sm.l2[1][0]) + (sm.l2[2][0] + sm.l2[3][0]);
-            const double b = (sm.l2[0][1] + sm.l2[1][1]) + (sm.l2[2][1] + sm.l2[3][1]);
-            qv *= (float)(1.0 / sqrt(a + 1e-6)); /* kernels/recurrence.c l2normalize */
-            kv *= (float)(1.0 / sqrt(b + 1e-6));
-        } else if (st.l2norm) {
-            /* fp32 sums (the reference uses double: the norms agree to ~1e-7) */
-            const float a = ((float)sm.l2[0][0] + (float)sm.l2[1][0]) +
-                            ((float)sm.l2[2][0] + (float)sm.l2[3][0]);
-            const float b = ((float)sm.l2[0][1] + (float)sm.l2[1][1]) +
-                            ((float)sm.l2[2][1] + (float)sm.l2[3][1]);
-            qv *= 1.0f / sqrtf(a + 1e-6f);
-            kv *= 1.0f / sqrtf(b + 1e-6f);
+        if (st.l2norm) {
+            /* as kernels/recurrence.c l2normalize, in the sums' type (sq_tile_in_qk) */
+            using A = sq_l2_t<DBL>;
+            const A a = ((A)sm.l2[0][0] + (A)sm.l2[1][0]) + ((A)sm.l2[2][0] + (A)sm.l2[3][0]);
+            const A b = ((A)sm.l2[0][1] + (A)sm.l2[1][1]) + ((A)sm.l2[2][1] + (A)sm.l2[3][1]);
+            qv *= (float)((A)1 / sqrt(a + (A)1e-6));
+            kv *= (float)((A)1 / sqrt(b + (A)1e-6));
         }
         qv *= sc;
         sm.q[t] = qv;
@@ -1819,9 +1807,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     __shared__ sq_tsmem sm;
     /* SQ_V_ORDER: grid (batch, heads), so that resident blocks mostly share a head */
     constexpr bool ORD = V & SQ_V_ORDER;
-    const int hb = ORD ? blockIdx.y : blockIdx.x, e = ORD ? blockIdx.x : blockIdx.y;
-    const int hv = io.hlist ? io.hlist[hb] : hb;
-    const int HV = io.hlist ? io.hv_all : ORD ? gridDim.y : gridDim.x;
+    const int hv = ORD ? blockIdx.y : blockIdx.x, e = ORD ? blockIdx.x : blockIdx.y;
+    const int HV = ORD ? gridDim.y : gridDim.x;
     /*
      * The pack issues its dense head first: the source is indexed by entry
      * (io.dense_by_slot is 0 for a pack), so its copy need not wait for the
