@@ -603,26 +603,10 @@ __global__ void __launch_bounds__(SQ_THREADS, OCC) sq_f16_kernel(sq_step st, sq_
         sq_f16_pivot_item<V>(st, io, hv, e, HV, slot, sm, in);
         return;
     }
-    switch (hd->ubits) {
-    case 2:
-        sq_f16_item<2, V>(st, io, hv, e, HV, slot, sm, fs, in);
-        break;
-    case 3:
-        sq_f16_item<3, V>(st, io, hv, e, HV, slot, sm, fs, in);
-        break;
-    case 4:
-        sq_f16_item<4, V>(st, io, hv, e, HV, slot, sm, fs, in);
-        break;
-    case 5:
-        sq_f16_item<5, V>(st, io, hv, e, HV, slot, sm, fs, in);
-        break;
-    case 6:
-        sq_f16_item<6, V>(st, io, hv, e, HV, slot, sm, fs, in);
-        break;
-    default:
-        sq_f16_item<8, V>(st, io, hv, e, HV, slot, sm, fs, in);
-        break;
-    }
+    /* the head's width (2..6 or 8): the tile kernel's one dispatch per head */
+    sq_by_width(hd->ubits, [&](auto w) {
+        sq_f16_item<decltype(w)::value, V>(st, io, hv, e, HV, slot, sm, fs, in);
+    });
 }
 
 #endif /* STEPQ_KERNELS_CUDA_F16_KERNEL_CUH */
