@@ -239,6 +239,9 @@ int stepq__quant_arith_fp16(void);
  *      n: fma(h(z' Y), A'_i, .) and d: fma(h(z' z'), A'_i, .); n_j, d_j = the fp32 sums of 1.
  *      with the partials n_gj Pa_g (P_w / P) and d_gj Pa_g;
  *      c'_j = d_j > 0 ? qmax P n_j / d_j : CM_j P (clamped as every stored scale).
+ *   The decode fit norefit (hl->decode_fit) skips the refit: no A_i, Pa_g, n or d, and
+ *   c'_j = CM_j P, the scale the codes were rounded with (clamped as every stored scale), as the
+ *   fp32 step's norefit stores its step-2 c_j. Codes and row scales are the exact fit's.
  *
  * The state passes through fp16 in the normalised domains only (|X|, |Y| <= 1 but for rounding),
  * so fp16's range does not bind but for columns more than 2^14 below the largest of their block

@@ -222,6 +222,7 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
     /* 6. The quantize (T = Y Q_w + 1536 + qmax in half: the code u = z + qmax in its low bits),
      * the refit's half partial sums over each group of 8 rows, fp32 across the groups. */
     const float MAG = 1536.0f + (float)qmax;
+    const int refit = hl->decode_fit != STEPQ_DECODE_FIT_NOREFIT; /* kernels/quant.h */
     const float asc = b == 8 ? 4.0f : 1.0f; /* keeps sum A z^2 of 8 rows below 65504 */
     float Pa[STEPQ__MAX_HEAD_DIM / 8 + 1];
     for (int gi = 0; gi < ng; gi++) {
@@ -245,6 +246,8 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
                     T = fminf(fmaxf(T, MAG - (float)qmax), MAG + (float)qmax);
                 const float z = T - MAG; /* exact */
                 Z[(size_t)i * d_v + j] = z;
+                if (!refit)
+                    continue;
                 const float a2 = h(A[i] * (1.0f / Pa[gi]));
                 an = half_rn((double)h((double)z * y) * a2 + an);
                 ad = half_rn((double)h((double)z * z) * a2 + ad);
@@ -252,7 +255,7 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
             pair_add(&sn, gi, ng, (float)an * Pa[gi] * pw);
             pair_add(&sd, gi, ng, (float)ad * Pa[gi]);
         }
-        const float cj = sd.sum > 0.0f ? (float)qmax * P * sn.sum / sd.sum : CM[j] * P;
+        const float cj = refit && sd.sum > 0.0f ? (float)qmax * P * sn.sum / sd.sum : CM[j] * P;
         (void)stepq__scale_value(cj, &ch[j], &flags);
     }
 

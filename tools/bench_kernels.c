@@ -16,7 +16,9 @@
  * on the same maps with the decode fit norefit (map field decode_fit): the
  * A/B of the column refit in one run; "stepq@4 rows" / "stepq@6 rows" the
  * same with the decode fit rows (the old column scales kept: no column
- * reduction; the start pages are the pack's, so every head is served).
+ * reduction; the start pages are the pack's, so every head is served). The
+ * "fp16" rows take the map field arith fp16 (GDN only), "fp16 norefit" with
+ * the decode fit norefit as well.
  *
  * Bytes moved = state bytes read + written (packed head blocks incl. their
  * alignment, from the pool's layout, or the dense state; the two-stage rows
@@ -345,6 +347,8 @@ static const struct method methods[] = {
     { "stepq@6 rows", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_ROWS, STEPQ_ARITH_FP32 },
     { "stepq@4 fp16", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP16 },
     { "stepq@6 fp16", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_EXACT, STEPQ_ARITH_FP16 },
+    { "stepq@4 fp16 norefit", STEPQ_METHOD_STEPQ, 4, STEPQ_DECODE_FIT_NOREFIT, STEPQ_ARITH_FP16 },
+    { "stepq@6 fp16 norefit", STEPQ_METHOD_STEPQ, 6, STEPQ_DECODE_FIT_NOREFIT, STEPQ_ARITH_FP16 },
 };
 
 /*
@@ -454,6 +458,9 @@ static const struct row rows[] = {
     { "stepq@4 fp16", 10, K_PACKED, 0 },
     { "stepq@6 fp16", 11, K_PACKED, 0 },
     { "stepq@6 fp16 3 blocks/SM", 11, K_PACKED, STEPQ__CUDA_F16_OCC3 },
+    /* both: the fp16 step without its refit (A/B against the two rows above) */
+    { "stepq@4 fp16 norefit", 12, K_PACKED, 0 },
+    { "stepq@6 fp16 norefit", 13, K_PACKED, 0 },
     { "fp8", 5, K_PACKED, 0 },
     { "stepq@6 two-stage", 4, K_PACKED_2S, 0 },
     { "stepq@6 pack", 4, K_PACK, 0 },

@@ -297,7 +297,8 @@ static void usage(FILE *f)
            "                       with the exact fit\n"
            "  --arith A            dsq, spatial, stepq: the map's arith, the decode step's\n"
            "                       arithmetic, fp32 (default) or fp16 (needs --decode-fit\n"
-           "                       exact); the distortions are still measured in fp32\n"
+           "                       exact or norefit); the distortions are still measured\n"
+           "                       in fp32\n"
            "  --threads N          default: online CPUs, at most one per head\n"
            "  --report FILE        per-unit statistics and costs as JSON\n"
            "  --conv-kernel N      conv state width + 1 for the map's shape (default 4)\n"
@@ -501,8 +502,9 @@ int stepq_tool_calibrate(int argc, char **argv)
                 stepq_arith_name(o.arith), stepq_method_name(o.method));
         return 2;
     }
-    if (o.arith == STEPQ_ARITH_FP16 && o.decode_fit != STEPQ_DECODE_FIT_EXACT) {
-        fprintf(stderr, "stepq calibrate: --arith fp16 needs --decode-fit exact, not %s\n",
+    if (o.arith == STEPQ_ARITH_FP16 && o.decode_fit == STEPQ_DECODE_FIT_ROWS) {
+        fprintf(stderr,
+                "stepq calibrate: --arith fp16 needs --decode-fit exact or norefit, not %s\n",
                 stepq_decode_fit_name(o.decode_fit));
         return 2;
     }

@@ -129,7 +129,8 @@ static void mkmap_usage(FILE *f)
                "             row scales refitted)\n"
                "  --arith    dsq, spatial, stepq: the map field arith, the decode step's\n"
                "             arithmetic: fp32 (default: not written) or fp16 (the\n"
-               "             per-element work in IEEE fp16; needs the exact decode fit)\n"
+               "             per-element work in IEEE fp16; needs the decode fit exact\n"
+               "             or norefit)\n"
                "  --name     model name to record (default: the preset's)\n");
 }
 
@@ -462,8 +463,8 @@ int stepq_tool_mkmap(int argc, char **argv)
                 arith_name, method_name);
         return 2;
     }
-    if (arith == STEPQ_ARITH_FP16 && fit != STEPQ_DECODE_FIT_EXACT) {
-        fprintf(stderr, "stepq mkmap: --arith fp16 needs --decode-fit exact, not %s\n",
+    if (arith == STEPQ_ARITH_FP16 && fit == STEPQ_DECODE_FIT_ROWS) {
+        fprintf(stderr, "stepq mkmap: --arith fp16 needs --decode-fit exact or norefit, not %s\n",
                 stepq_decode_fit_name(fit));
         return 2;
     }

@@ -184,6 +184,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                                             const sq_in &in)
 {
     constexpr int QM = sq_bw<B>::QM;
+    constexpr bool REFIT = !(V & SQ_V_NOREFIT); /* the decode fit norefit: no step-6 refit */
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
@@ -347,15 +348,19 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     ybw = fmaxf(ybw, __shfl_xor_sync(0xffffffffu, ybw, 16));
     const float Pw = sq_p2(ybw);
     uint32_t RA; /* this lane's row: R_i and A_i / Pa (half2), shuffled to the row's lanes */
-    float Pa;
+    float Pa = 0.0f;
     {
         const float R = fminf(__fdiv_rn(__fmul_rn(N_my, sq_p2inv(Pw)), rn_my), 65504.0f);
-        const float A = __fmul_rn(__fmul_rn(__fmul_rn(w_my, w_my), rn_my), rn_my);
-        float Am = fmaxf(A, __shfl_xor_sync(0xffffffffu, A, 2));
-        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 4));
-        Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 8));
-        Pa = sq_p2(Am) * (B == 8 ? 4.0f : 1.0f); /* 8 rows of A z^2 below 65504 */
-        RA = sq_h2u(__floats2half2_rn(R, __fmul_rn(A, sq_p2inv(Pa))));
+        float Ah = 0.0f;
+        if constexpr (REFIT) {
+            const float A = __fmul_rn(__fmul_rn(__fmul_rn(w_my, w_my), rn_my), rn_my);
+            float Am = fmaxf(A, __shfl_xor_sync(0xffffffffu, A, 2));
+            Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 4));
+            Am = fmaxf(Am, __shfl_xor_sync(0xffffffffu, Am, 8));
+            Pa = sq_p2(Am) * (B == 8 ? 4.0f : 1.0f); /* 8 rows of A z^2 below 65504 */
+            Ah = __fmul_rn(A, sq_p2inv(Pa));
+        }
+        RA = sq_h2u(__floats2half2_rn(R, Ah));
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const half2 R2 = __low2half2(sq_u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r))));
@@ -429,7 +434,9 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             /* the row's refit weight, shuffled again (8 registers fewer than keeping them) */
-            const half2 A2 = __high2half2(sq_u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r))));
+            const half2 A2 =
+                REFIT ? __high2half2(sq_u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r))))
+                      : __float2half2_rn(0.0f);
             uint32_t T[4];
 #pragma unroll
             for (int p = 0; p < 4; p++) {
@@ -437,9 +444,11 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 if (sat)
                     Tp = __hmin2(__hmax2(Tp, __float2half2_rn(1536.0f)),
                                  __float2half2_rn(1536.0f + 2.0f * QM));
-                const half2 z = __hsub2(Tp, mag);
-                an[p] = __hfma2(__hmul2(z, X[r][p]), A2, an[p]);
-                ad[p] = __hfma2(__hmul2(z, z), A2, ad[p]);
+                if (REFIT) {
+                    const half2 z = __hsub2(Tp, mag);
+                    an[p] = __hfma2(__hmul2(z, X[r][p]), A2, an[p]);
+                    ad[p] = __hfma2(__hmul2(z, z), A2, ad[p]);
+                }
                 T[p] = sq_h2u(Tp);
             }
             uint32_t lo, hi;
@@ -450,12 +459,13 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         sq_f16_widen(an, fa, pn);
         sq_f16_widen(ad, Pa, pd);
     }
-    float n, d;
-    sq_f16_colsums(sm.part[0], pn, pd, pos, &n, &d);
+    float n = 0.0f, d = 0.0f;
+    if (REFIT) /* norefit: no sums, and no barrier before the column scales */
+        sq_f16_colsums(sm.part[0], pn, pd, pos, &n, &d);
     if (t < SQ_D) {
         const float c2 = __half2float(((const half *)fs.ct)[t]);
-        const float c =
-            d > 0.0f ? __fdiv_rn(__fmul_rn(__fmul_rn((float)QM, P), n), d) : __fmul_rn(c2, P);
+        const float c = REFIT && d > 0.0f ? __fdiv_rn(__fmul_rn(__fmul_rn((float)QM, P), n), d)
+                                          : __fmul_rn(c2, P);
         ((uint16_t *)(blk + hd->col_scale_off))[t] = sq_f16_scale(c, fl);
     }
     if (fl)
@@ -585,7 +595,8 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
 
 /*
  * The launch: grid (batch, heads), every head of the layer (hd->f16: 1 at its width, 2 a pivot
- * head; layer prepare refuses a layer with any other); padding entries return at once.
+ * head; layer prepare refuses a layer with any other); padding entries return at once. V: the
+ * input dtype bit, with SQ_V_NOREFIT for the decode fit norefit (kernels/quant.h, step 6).
  */
 template <int V, int OCC = SQ_F16_OCC>
 __global__ void __launch_bounds__(SQ_THREADS, OCC) sq_f16_kernel(sq_step st, sq_io io)

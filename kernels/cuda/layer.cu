@@ -593,6 +593,11 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
     if (L->any_f16) {
         /* the fp16 kernel takes every head, its pivot heads included, on a (batch, heads) grid */
         const dim3 g2(grid.y, grid.x);
+        if (L->fit == STEPQ_DECODE_FIT_NOREFIT) /* the map check allows exact and norefit */
+            return st.in_bf16
+                       ? launch_k<sq_f16_kernel<SQ_V_IN16 | SQ_V_NOREFIT>>(g2, 0, s, who, st, io)
+                       : launch_k<sq_f16_kernel<SQ_V_IN32 | SQ_V_NOREFIT>>(g2, 0, s, who, st, io);
+        /* 3 blocks per SM: a bench comparison row of the exact fit only */
         if (L->f16_occ3)
             return st.in_bf16 ? launch_k<sq_f16_kernel<SQ_V_IN16, 3>>(g2, 0, s, who, st, io)
                               : launch_k<sq_f16_kernel<SQ_V_IN32, 3>>(g2, 0, s, who, st, io);

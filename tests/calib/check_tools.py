@@ -268,7 +268,7 @@ def main():
                               ("uniform", ["--arith", "fp32"], "--arith fp32: method uniform has no dual-axis decode step"),
                               ("stepq", ["--arith", "half"], "--arith: 'half' is not fp32 or fp16"),
                               ("stepq", ["--arith", "fp16", "--decode-fit", "rows"],
-                               "--arith fp16 needs --decode-fit exact, not rows")):
+                               "--arith fp16 needs --decode-fit exact or norefit, not rows")):
         p = run([exe, "calibrate", "--trace", kt + "-000.safetensors", "--method", meth, "--budget", "4",
                  "--out", os.path.join(d, "no.json")] + extra, ok=False)
         assert p.returncode == 2 and want in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr

@@ -1178,8 +1178,8 @@ void checkasm_check_decode(void)
      * every width, the mixed map with a pivot head (the tile kernel's, a second launch), dsq and
      * spatial, in-kernel gates, bf16 views, a NaN in q, huge states (saturating scales), a zero
      * column scale in the start pages, zeroed start pages (fresh slots; with fp32 arithmetic
-     * too), ids outside 0..slots, a row split; the variants that do not implement it refuse
-     * (run_f16_refused).
+     * too), ids outside 0..slots, a row split; the decode fit norefit; the variants that do not
+     * implement it refuse (run_f16_refused).
      */
     {
         const stepq_arith F16 = STEPQ_ARITH_FP16;
@@ -1259,6 +1259,56 @@ void checkasm_check_decode(void)
         if (!small)
             one((struct params){
                 .arch = G, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
+        /* with the decode fit norefit (no step-6 refit): every width, the mixed map, dsq, bf16
+         * views, saturating scales, a zero column scale, zeroed start pages */
+        const stepq_decode_fit NR = STEPQ_DECODE_FIT_NOREFIT;
+        for (int w = 0; w < 6; w++)
+            one((struct params){ .arch = G,
+                                 .method = SQ,
+                                 .bits = widths[w],
+                                 .H = 2,
+                                 .HV = 4,
+                                 .batch = B,
+                                 .gate = !(w & 1),
+                                 .fit = NR,
+                                 .arith = F16 });
+        one((struct params){
+            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .fit = NR, .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 5,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .view = 1,
+                             .fit = NR,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 6,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .huge = 1,
+                             .fit = NR,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .zero_col = 1,
+                             .fit = NR,
+                             .arith = F16 });
+        one((struct params){ .arch = G,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 4,
+                             .batch = B,
+                             .zero_pages = 1,
+                             .fit = NR,
+                             .arith = F16 });
         if (checkasm_check("decode arith fp16: the two-stage variant and the column kernels "
                            "refuse (STEPQ_ENOTSUP)"))
             checkasm_report(run_f16_refused());

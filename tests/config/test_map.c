@@ -965,9 +965,26 @@ static void arith_round_trips_and_is_refused_where_it_means_nothing(void **state
     stepq_map_close(back);
     assert_int_equal(stepq_map_set_row_split(m, 0.5), STEPQ_OK);
 
-    /* fp16 needs the exact fit: another fit is refused with fp16 set, naming both fields
-     * and the function, the map as it was. */
-    for (int fit = STEPQ_DECODE_FIT_NOREFIT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+    /* fp16 takes the fit norefit (kernels/quant.h), both ways round, with a fingerprint of its
+     * own ... */
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_NOREFIT), STEPQ_OK);
+    assert_int_equal(stepq_map_validate(m), STEPQ_OK);
+    assert_int_equal(stepq_map_fingerprint(m, &fs), STEPQ_OK);
+    assert_true(fs != f0 && fs != f1);
+    back = reload(m, &t1, &n1);
+    assert_int_equal(stepq_map_decode_fit(back), STEPQ_DECODE_FIT_NOREFIT);
+    assert_int_equal(stepq_map_arith(back), STEPQ_ARITH_FP16);
+    stepq_free(t1);
+    stepq_map_close(back);
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP32), STEPQ_OK);
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_NOREFIT), STEPQ_OK);
+    assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP16), STEPQ_OK);
+    assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
+
+    /* ... but not the fit rows: refused with fp16 set, naming both fields and the function,
+     * the map as it was. */
+    for (int fit = STEPQ_DECODE_FIT_ROWS; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
         assert_int_equal(stepq_map_set_decode_fit(m, (stepq_decode_fit)fit), STEPQ_EINVAL);
         assert_non_null(strstr(stepq_map_last_error(m), "stepq_map_set_decode_fit"));
         assert_non_null(strstr(stepq_map_last_error(m), "arith is fp16"));
@@ -979,14 +996,15 @@ static void arith_round_trips_and_is_refused_where_it_means_nothing(void **state
         assert_true(fs == f1);
     }
     assert_int_equal(stepq_map_set_decode_fit(m, STEPQ_DECODE_FIT_EXACT), STEPQ_OK);
-    /* ... and fp16 is refused with another fit set. */
+    /* ... and fp16 is refused with the fit rows set. */
     assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP32), STEPQ_OK);
-    for (int fit = STEPQ_DECODE_FIT_NOREFIT; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
+    for (int fit = STEPQ_DECODE_FIT_ROWS; fit <= STEPQ_DECODE_FIT_ROWS; fit++) {
         assert_int_equal(stepq_map_set_decode_fit(m, (stepq_decode_fit)fit), STEPQ_OK);
         assert_int_equal(stepq_map_fingerprint(m, &fs), STEPQ_OK);
         assert_int_equal(stepq_map_set_arith(m, STEPQ_ARITH_FP16), STEPQ_EINVAL);
         assert_non_null(strstr(stepq_map_last_error(m), "stepq_map_set_arith"));
-        assert_non_null(strstr(stepq_map_last_error(m), "fp16 needs decode_fit exact, not"));
+        assert_non_null(
+            strstr(stepq_map_last_error(m), "fp16 needs decode_fit exact or norefit, not"));
         assert_non_null(
             strstr(stepq_map_last_error(m), stepq_decode_fit_name((stepq_decode_fit)fit)));
         assert_int_equal(stepq_map_arith(m), STEPQ_ARITH_FP32);
@@ -996,7 +1014,8 @@ static void arith_round_trips_and_is_refused_where_it_means_nothing(void **state
         /* The pair made behind the setters' backs: validation and the writer refuse it. */
         stepq__map_of(m, "test")->arith = STEPQ_ARITH_FP16;
         assert_int_equal(stepq_map_validate(m), STEPQ_ESCHEMA);
-        assert_non_null(strstr(stepq_last_error(), "arith: fp16 needs decode_fit exact, not"));
+        assert_non_null(
+            strstr(stepq_last_error(), "arith: fp16 needs decode_fit exact or norefit, not"));
         assert_non_null(strstr(stepq_last_error(), stepq_decode_fit_name((stepq_decode_fit)fit)));
         assert_int_equal(stepq_map_write_buffer(m, &t1, &n1), STEPQ_ESCHEMA);
         stepq__map_of(m, "test")->arith = STEPQ_ARITH_FP32;

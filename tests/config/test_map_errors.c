@@ -83,7 +83,7 @@
     DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " RS("1") \
             DF("\"norefit\"") "\"layers\": [" LAY(3, "[]", KR(4, 4) ", " KR(4, 4)) "]")
 
-/* The decode step's arithmetic (dsq, spatial, stepq only; fp16 with the exact fit only). */
+/* The decode step's arithmetic (dsq, spatial, stepq only; fp16 with the exact fit or norefit). */
 #define AR(v)                "\"arith\": " v ", "
 #define S6_ARITH(v)          DOC(GDN_MODEL S6 AR(v) S6_LAYERS(HW(4), HW(16), HW(6)))
 #define S6_FIT_ARITH(fit, v) DOC(GDN_MODEL S6 DF(fit) AR(v) S6_LAYERS(HW(4), HW(16), HW(6)))
@@ -120,6 +120,8 @@ static const char *const good_docs[] = {
     KDA_DSQ_ARITH,
     S6_FIT_ARITH("\"exact\"", "\"fp16\""),   /* fp16 with the exact fit, written out */
     S6_FIT_ARITH("\"norefit\"", "\"fp32\""), /* another fit with the default arithmetic */
+    S6_FIT_ARITH("\"norefit\"", "\"fp16\""), /* fp16 with the fit norefit */
+    S6_ARITH_FIT("\"fp16\"", "\"norefit\""), /* the same, the other order */
     S6_ARITH("\"fp32\""), /* the default, written out: accepted (the writer leaves it out) */
 };
 
@@ -595,16 +597,14 @@ static const struct bad_case cases[] = {
       DOC(GDN_MODEL
           "\"method\": \"fp32\", \"budget_bits\": 32, " AR("\"fp32\"") "\"provenance\": {}"),
       0, STEPQ_ESCHEMA, "arith: not allowed for method fp32" },
-    { "arith fp16 with decode fit norefit", S6_FIT_ARITH("\"norefit\"", "\"fp16\""), 0,
-      STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact, not norefit" },
     { "arith fp16 with decode fit rows", S6_FIT_ARITH("\"rows\"", "\"fp16\""), 0, STEPQ_ESCHEMA,
-      "arith: fp16 needs decode_fit exact, not rows" },
-    { "arith fp16 before decode fit norefit", S6_ARITH_FIT("\"fp16\"", "\"norefit\""), 0,
-      STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact, not norefit" },
-    { "arith fp16 with decode fit norefit on KDA dsq",
-      DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " DF("\"norefit\"")
+      "arith: fp16 needs decode_fit exact or norefit, not rows" },
+    { "arith fp16 before decode fit rows", S6_ARITH_FIT("\"fp16\"", "\"rows\""), 0, STEPQ_ESCHEMA,
+      "arith: fp16 needs decode_fit exact or norefit, not rows" },
+    { "arith fp16 with decode fit rows on KDA dsq",
+      DOC(KDA_MODEL "\"method\": \"dsq\", \"budget_bits\": 4, " DF("\"rows\"")
               AR("\"fp16\"") "\"layers\": [" LAY(3, "[]", KR(4, 4) ", " KR(4, 4)) "]"),
-      0, STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact, not norefit" },
+      0, STEPQ_ESCHEMA, "arith: fp16 needs decode_fit exact or norefit, not rows" },
 };
 
 static void every_base_document_loads(void **state)

@@ -109,15 +109,19 @@ def main():
                      ["--method", "uniform", "--arith", "fp32"],
                      ["--method", "stepq", "--arith", "FP16"],
                      ["--method", "stepq", "--arith", "bf16"],
-                     ["--method", "stepq", "--arith", "fp16", "--decode-fit", "norefit"],
+                     ["--method", "stepq", "--arith", "fp16", "--decode-fit", "rows"],
                      ["--method", "stepq", "--decode-fit", "rows", "--arith", "fp16"],
                      ["--method", "stepq", "--arith"]):
         q = subprocess.run(base + bad_args, capture_output=True, text=True)
         ok = ok and q.returncode == 2 and "--arith" in q.stderr and not q.stdout
         ok = ok and len(q.stderr.strip().splitlines()) == 1
+    q = subprocess.run(base + ["--method", "stepq", "--arith", "fp16", "--decode-fit", "rows"],
+                       capture_output=True, text=True)
+    ok = ok and "--decode-fit exact or norefit, not rows" in q.stderr
     q = subprocess.run(base + ["--method", "stepq", "--arith", "fp16", "--decode-fit", "norefit"],
                        capture_output=True, text=True)
-    ok = ok and "--decode-fit exact, not norefit" in q.stderr
+    m = json.loads(q.stdout) if q.returncode == 0 else {}
+    ok = ok and m.get("arith") == "fp16" and m.get("decode_fit") == "norefit"
     print("%s mkmap --arith: fp16 written for stepq, dsq and spatial, fp32 = no option, refused "
           "for temporal, uniform, an unknown name, another fit, no value"
           % ("ok  " if ok else "FAIL"))

@@ -429,9 +429,12 @@ def test_arith_is_read_from_the_map_and_needs_the_exact_fit():
     with raises(stepq.StepqError, name="STEPQ_ESCHEMA", match="arith"):
         stepq.load_map_buffer(fp16.replace('"arith": "fp16"', '"arith": "fast"'))
     norefit = fp16.replace('"arith": "fp16"', '"decode_fit": "norefit",\n  "arith": "fp16"')
+    with stepq.load_map_buffer(norefit) as m:
+        assert m.arith == "fp16" and m.decode_fit == "norefit"
+    rows = fp16.replace('"arith": "fp16"', '"decode_fit": "rows",\n  "arith": "fp16"')
     with raises(stepq.StepqError, name="STEPQ_ESCHEMA",
-                match="arith: fp16 needs decode_fit exact, not norefit"):
-        stepq.load_map_buffer(norefit)
+                match="arith: fp16 needs decode_fit exact or norefit, not rows"):
+        stepq.load_map_buffer(rows)
 
 
 def test_arith_fp16_steps_gdn_pools_and_kda_pools_refuse_it():
