@@ -252,7 +252,7 @@ static int get_array(const struct ctx *c, const cJSON *it, int min, int max, int
 static int get_enum(const struct ctx *c, const cJSON *it, int (*parse)(const char *, void *),
                     const char *choices, int *out)
 {
-    const char *s;
+    const char *s = NULL; /* set by get_text when it succeeds (NULL keeps -O2 -Wall quiet) */
     int st;
     if ((st = get_text(c, it, &s)) < 0)
         return st;
@@ -567,7 +567,7 @@ static int parse_provenance(struct ctx *c, const cJSON *obj, stepq_map_t *m)
         (st = check_keys(c, obj, keys, n_keys, f)) < 0)
         return st;
     for (int i = 0; i < STEPQ__PROV_STR_COUNT; i++) {
-        const char *s;
+        const char *s = NULL;
         if (!f[i])
             continue;
         size_t old = push_key(c, keys[i]);
