@@ -1183,25 +1183,59 @@ void checkasm_check_decode(void)
      */
     {
         const stepq_arith F16 = STEPQ_ARITH_FP16;
-        for (int w = 0; w < 6; w++)
+        /* with the exact fit and with norefit (no step-6 refit) */
+        for (int f = 0; f < 2; f++) {
+            const stepq_decode_fit fit = f ? STEPQ_DECODE_FIT_NOREFIT : STEPQ_DECODE_FIT_EXACT;
+            for (int w = 0; w < 6; w++)
+                one((struct params){ .arch = G,
+                                     .method = SQ,
+                                     .bits = widths[w],
+                                     .H = 2,
+                                     .HV = 4,
+                                     .batch = B,
+                                     .gate = (w + f) & 1,
+                                     .fit = fit,
+                                     .arith = F16 });
+            one((struct params){
+                .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .fit = fit, .arith = F16 });
             one((struct params){ .arch = G,
-                                 .method = SQ,
-                                 .bits = widths[w],
+                                 .method = STEPQ_METHOD_DSQ,
+                                 .bits = 5,
                                  .H = 2,
                                  .HV = 4,
                                  .batch = B,
-                                 .gate = w & 1,
+                                 .view = f,
+                                 .fit = fit,
                                  .arith = F16 });
-        one((struct params){ .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .arith = F16 });
+            one((struct params){ .arch = G,
+                                 .method = SQ,
+                                 .bits = 6,
+                                 .H = 2,
+                                 .HV = 4,
+                                 .batch = B,
+                                 .huge = 1,
+                                 .fit = fit,
+                                 .arith = F16 });
+            one((struct params){ .arch = G,
+                                 .method = SQ,
+                                 .bits = 4,
+                                 .H = 2,
+                                 .HV = 4,
+                                 .batch = B,
+                                 .zero_col = 1,
+                                 .fit = fit,
+                                 .arith = F16 });
+            one((struct params){ .arch = G,
+                                 .method = SQ,
+                                 .H = 2,
+                                 .HV = 4,
+                                 .batch = B,
+                                 .zero_pages = 1,
+                                 .fit = fit,
+                                 .arith = F16 });
+        }
         one((struct params){
             .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 5,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .arith = F16 });
         one((struct params){ .arch = G,
                              .method = STEPQ_METHOD_SPATIAL,
                              .bits = 3,
@@ -1222,22 +1256,6 @@ void checkasm_check_decode(void)
                              .arith = F16 });
         one((struct params){ .arch = G,
                              .method = SQ,
-                             .bits = 6,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .huge = 1,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 4,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .zero_col = 1,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
                              .bits = 8,
                              .H = 2,
                              .HV = 4,
@@ -1253,62 +1271,10 @@ void checkasm_check_decode(void)
                              .row_split = 0.75,
                              .arith = F16 });
         one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .zero_pages = 1, .arith = F16 });
-        one((struct params){
             .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .zero_pages = 1 });
         if (!small)
             one((struct params){
                 .arch = G, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
-        /* with the decode fit norefit (no step-6 refit): every width, the mixed map, dsq, bf16
-         * views, saturating scales, a zero column scale, zeroed start pages */
-        const stepq_decode_fit NR = STEPQ_DECODE_FIT_NOREFIT;
-        for (int w = 0; w < 6; w++)
-            one((struct params){ .arch = G,
-                                 .method = SQ,
-                                 .bits = widths[w],
-                                 .H = 2,
-                                 .HV = 4,
-                                 .batch = B,
-                                 .gate = !(w & 1),
-                                 .fit = NR,
-                                 .arith = F16 });
-        one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .fit = NR, .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 5,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .view = 1,
-                             .fit = NR,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 6,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .huge = 1,
-                             .fit = NR,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 4,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .zero_col = 1,
-                             .fit = NR,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .zero_pages = 1,
-                             .fit = NR,
-                             .arith = F16 });
         if (checkasm_check("decode arith fp16: the two-stage variant and the column kernels "
                            "refuse (STEPQ_ENOTSUP)"))
             checkasm_report(run_f16_refused());
