@@ -78,7 +78,7 @@ struct __align__(16) sq_f16_smem
     uint32_t ct[64];    /* the block's column maxima (half2, scale P) */
     uint32_t qt[64];    /* their quantize factors qmax / c (half2, scale P) */
     float pw[8];        /* P_w per warp */
-    float P;
+    float P, iP;        /* the largest P_w and 1 / P (exact: a power of two) */
 };
 
 /* Column sums of a thread's 8 partials a[] and b[] over the block: the other half-warp's, then
@@ -203,6 +203,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         sq_ld_codes<B>(codes + (size_t)(R0 + r) * (SQ_D * B / 8), tx, clo[r], chi[r]);
     const uint4 rr = *(const uint4 *)(blk + hd->row_scale_off + 2 * R0);
     const uint4 cc = *(const uint4 *)(blk + hd->col_scale_off + 2 * C0);
+    /* column t's old scale for step 1's u (threads 0..127), off the tail's critical path */
+    const float c_t = sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t & (SQ_D - 1)]);
     const int myl = (tx >> 1) & 7, src0 = lane & 16; /* the row this lane owns: R0 + myl */
 
     float kq;
@@ -252,8 +254,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         float s, tq;
         sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
         if (t < SQ_D) {
-            const float c = sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t]);
-            const float f = __fmul_rn(__fmul_rn(c, alpha), iq);
+            const float f = __fmul_rn(__fmul_rn(c_t, alpha), iq);
             const float u = __fmul_rn(beta, __fsub_rn(sm.v[t], __fmul_rn(s, f)));
             sm.cola[t] = u;
             float o = __fmaf_rn(u, kq, __fmul_rn(tq, f));
@@ -394,25 +395,28 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
 #pragma unroll
         for (int wi = 1; wi < 8; wi++)
             P = fmaxf(P, fs.pw[wi]);
+        /* P_w / P as P_w (1 / P): powers of two, so the product is the quotient, rounded alike */
+        const float iP = 1.0f / P;
         half2 m = __float2half2_rn(0.0f);
 #pragma unroll
         for (int wi = 0; wi < 8; wi++)
-            m = __hmax2(m, __hmul2(sq_u2h(fs.cm[wi][t]), __float2half2_rn(fs.pw[wi] / P)));
+            m = __hmax2(m,
+                        __hmul2(sq_u2h(fs.cm[wi][t]), __float2half2_rn(__fmul_rn(fs.pw[wi], iP))));
         fs.ct[t] = sq_h2u(m);
         /* once per column: qmax / c_j with c_j clamped to 65504 / P (a no-op but for the
          * columns that saturate), saturated at 65504 */
         float2 c = __half22float2(m);
         csat = fmaxf(c.x, c.y) * P > STEPQ__SCALE_MAX;
-        const float cl = STEPQ__SCALE_MAX * (1.0f / P);
+        const float cl = STEPQ__SCALE_MAX * iP;
         c.x = fminf(c.x, cl), c.y = fminf(c.y, cl);
         fs.qt[t] =
             sq_h2u(__floats2half2_rn(c.x > 0.0f ? fminf(__fdiv_rn(QM, c.x), 65504.0f) : 0.0f,
                                      c.y > 0.0f ? fminf(__fdiv_rn(QM, c.y), 65504.0f) : 0.0f));
         if (t == 0)
-            fs.P = P;
+            fs.P = P, fs.iP = iP;
     }
     const bool sat = __syncthreads_or(csat);
-    const float P = fs.P, pw = Pw / P;
+    const float P = fs.P, pw = __fmul_rn(Pw, fs.iP); /* = Pw / P */
 
     /* 6. quantize factors, codes, the refit's partials; codes stored row by row */
     half2 Q2[4];
