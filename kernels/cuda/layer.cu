@@ -771,7 +771,8 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
                                          stepq_dtype dtype, unsigned flags)
 {
     static const char who[] = "cuda step (dense)";
-    if (flags & ~(STEPQ__CUDA_COLUMN | STEPQ__CUDA_F16_OCC3))
+    /* STEPQ__CUDA_COLUMN only: the fp16 kernel's occupancy flag is a packed layer's */
+    if (flags & ~STEPQ__CUDA_COLUMN)
         return stepq__error(STEPQ_EINVAL, "%s: unknown flags 0x%x", who, flags);
     int rc = check_args(a, who);
     if (rc < 0 || a->batch == 0)
