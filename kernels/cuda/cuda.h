@@ -74,7 +74,9 @@ int stepq__cuda_device_count(void);
 #define STEPQ__CUDA_COLUMN 1u
 /*
  * The fp16 kernel (arith fp16 layers, kernels/cuda/f16_kernel.cuh) at 3 blocks per SM (80
- * registers, no spill) instead of 4 (64 registers): the benchmark's A/B of its occupancy.
+ * registers, no spill) instead of 4 (64 registers): the benchmark's A/B of its occupancy. The
+ * exact fit's kernel only (a norefit layer keeps 4 blocks per SM); a packed layer's flag, which
+ * the dense step refuses.
  */
 #define STEPQ__CUDA_F16_OCC3 2u
 
