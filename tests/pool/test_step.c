@@ -859,7 +859,8 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
  * (stepq__step_f16_supports) holds the C reference's fp16 step of its start block
  * (kernels/step_f16.c on the prepared inputs) and the output row is its readout, bit for bit;
  * every other head (pivot heads) is the fp32 pool's block. Every map has fp16 heads, the stepq
- * map pivot heads too, and the fp16 pages differ from the fp32 ones.
+ * map pivot heads too, and the fp16 pages differ from the fp32 ones. With the decode fit exact
+ * and with norefit (the heads' layouts carry it, and the reference follows it).
  */
 static void test_map_arith_fp16_is_the_host_pools_step(void **state)
 {
@@ -867,7 +868,12 @@ static void test_map_arith_fp16_is_the_host_pools_step(void **state)
                                             STEPQ_METHOD_STEPQ };
 
     (void)state;
-    for (size_t k = 0; k < sizeof(methods) / sizeof(methods[0]); k++) {
+    /* every method with the exact fit, then with norefit (the reference follows hl->decode_fit) */
+    for (size_t kf = 0; kf < 2 * sizeof(methods) / sizeof(methods[0]); kf++) {
+        const size_t k = kf % (sizeof(methods) / sizeof(methods[0]));
+        const stepq_decode_fit fit = kf < sizeof(methods) / sizeof(methods[0])
+                                         ? STEPQ_DECODE_FIT_EXACT
+                                         : STEPQ_DECODE_FIT_NOREFIT;
         struct fixture a, b;
         size_t n;
         memset(&a, 0, sizeof(a));
@@ -879,6 +885,7 @@ static void test_map_arith_fp16_is_the_host_pools_step(void **state)
             /* dsq and spatial at 4 bits, stepq mixed around 6 bits with pivot heads */
             a.map =
                 make_map_bits(STEPQ_ARCH_GDN, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
+            assert_int_equal(stepq_map_set_decode_fit(a.map, fit), STEPQ_OK);
             assert_int_equal(stepq_map_set_arith(a.map, STEPQ_ARITH_FP16), STEPQ_OK);
             cfg.map = a.map;
             cfg.num_slots = SLOTS;
@@ -919,6 +926,7 @@ static void test_map_arith_fp16_is_the_host_pools_step(void **state)
                     const struct stepq__head_layout *hl = &pl.heads[h];
                     const size_t off = (size_t)b.ids[e] * pl.page_stride + pl.head_offset[h];
                     assert_int_equal(hl->arith, STEPQ_ARITH_FP16);
+                    assert_int_equal(hl->decode_fit, fit);
                     if (!stepq__step_f16_supports(hl)) {
                         assert_memory_equal(pg_a + off, pg_b + off, hl->block_bytes);
                         n32++;
