@@ -95,6 +95,23 @@ ncu_one "gdn bf16 B=512" sq_tile --only bf16 --batch 512 --shape gdn
 ncu_one "gdn stepq@6 unpack B=512" sq_unpack --only 'stepq@6 unpack' --batch 512 --shape gdn
 ncu_one "kda stepq@6 unpack B=512" sq_unpack --only 'stepq@6 unpack' --batch 512 --shape kda
 ncu_one "gdn stepq@6 unpack [V,K] B=512" sq_unpack --only 'stepq@6 unpack [V,K]' --batch 512 --shape gdn
+# The fp16 step (arith fp16, sq_f16_kernel), and its instructions and warp-stall samples per
+# barrier-delimited phase (tools/scripts/ncu_phases.py; phases 0-7, 8-15, 16-23 are the stepq@6
+# map's 6-, 8- and 4-bit paths, 24-30 its pivot head), appended to the same file.
+ncu_one "gdn stepq@6 fp16 B=512" sq_f16 --only 'stepq@6 fp16' --batch 512 --shape gdn
+ncu_one "gdn stepq@6 fp16 norefit B=512" sq_f16 --only 'stepq@6 fp16 norefit' --batch 512 --shape gdn
+echo "=== gdn stepq@6 fp16 B=512: phases" >> "$N"
+if ncu --clock-control none --kernel-name regex:sq_f16 --launch-skip 2 --launch-count 1 \
+    --section SourceCounters -f -o "$OUT/.f16" $S bench kernels --only 'stepq@6 fp16' --batch 512 \
+    --shape gdn > /dev/null 2>&1 &&
+    ncu -i "$OUT/.f16.ncu-rep" --page source --csv --print-source sass > "$OUT/.f16.csv" 2>> "$N"; then
+    python3 tools/scripts/ncu_phases.py "$OUT/.f16.csv" --groups \
+        "inputs=0,8,16,24;norm=1,9,17,25;step1=2,10,18;u=3,11,19;steps2-5=4,12,20;qf=5,13,21;step6=6,14,22;refit=7,15,23;pivot=26-30" \
+        >> "$N" 2>&1
+else
+    echo "source counters not collected" >> "$N"
+fi
+rm -f "$OUT/.f16.ncu-rep" "$OUT/.f16.csv"
 
 # The half2 design probe of the next packed step (kernels/cuda/probe/fp16_step.cu, built with
 # the tree; not part of the library): its kernels side by side at B = 512 and 1, then its
