@@ -168,6 +168,13 @@ int stepq__decode_fit_check(stepq_method method, stepq_decode_fit fit)
     return STEPQ_OK;
 }
 
+/* Whether a map may pair arith with fit: fp16 is defined for the exact fit and norefit
+ * (kernels/quant.h), not rows. The one statement of the rule for the check and both setters. */
+static int arith_takes_fit(stepq_arith arith, stepq_decode_fit fit)
+{
+    return arith != STEPQ_ARITH_FP16 || fit != STEPQ_DECODE_FIT_ROWS;
+}
+
 int stepq__arith_check(stepq_method method, stepq_decode_fit fit, stepq_arith arith)
 {
     if ((unsigned)arith >= STEPQ_ARITH_COUNT)
@@ -178,8 +185,7 @@ int stepq__arith_check(stepq_method method, stepq_decode_fit fit, stepq_arith ar
             "arith: %s is not allowed for method %s (only dsq, spatial and stepq have the "
             "dual-axis decode step's fp16 variant; its default is fp32)",
             stepq_arith_name(arith), stepq_method_name(method));
-    /* fp16 is defined for the exact fit and norefit (kernels/quant.h). */
-    if (arith == STEPQ_ARITH_FP16 && fit == STEPQ_DECODE_FIT_ROWS)
+    if (!arith_takes_fit(arith, fit))
         return stepq__error(STEPQ_ESCHEMA, "arith: %s needs decode_fit exact or norefit, not %s",
                             stepq_arith_name(arith), stepq_decode_fit_name(fit));
     return STEPQ_OK;
@@ -492,7 +498,7 @@ int stepq_map_set_decode_fit(stepq_map_t *h, stepq_decode_fit fit)
                                 "stepq_map_set_decode_fit: method %s has no column scales (only "
                                 "dsq, spatial and stepq have the dual-axis fit's column refit)",
                                 stepq_method_name(map->method));
-    if (fit == STEPQ_DECODE_FIT_ROWS && map->arith == STEPQ_ARITH_FP16)
+    if (!arith_takes_fit(map->arith, fit))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_decode_fit: the map's arith is fp16, which needs "
                                 "decode_fit exact or norefit, not %s (set arith fp32 first)",
@@ -518,7 +524,7 @@ int stepq_map_set_arith(stepq_map_t *h, stepq_arith arith)
             "stepq_map_set_arith: method %s has no column scales (only dsq, spatial and "
             "stepq have the dual-axis decode step's fp16 variant)",
             stepq_method_name(map->method));
-    if (arith == STEPQ_ARITH_FP16 && map->decode_fit == STEPQ_DECODE_FIT_ROWS)
+    if (!arith_takes_fit(arith, map->decode_fit))
         return stepq__error_obj(map->err, STEPQ_EINVAL,
                                 "stepq_map_set_arith: fp16 needs decode_fit exact or norefit, not "
                                 "%s (set decode_fit exact first)",
