@@ -142,8 +142,10 @@ int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl, stepq__cud
  * Dense decode step on fp32 or bf16 states (base is float* or bf16 bits;
  * slot_stride in elements; `dtype` is the states', a->dtype the inputs').
  * bf16 states are updated in fp32 and stored rounded to nearest even,
- * saturating to the largest finite bf16. `flags`: 0 or STEPQ__CUDA_COLUMN
- * (bf16 states on the column kernel; fp32 states always run there);
+ * saturating to the largest finite bf16. bf16 states run on the warp kernel
+ * (dense_kernel.cuh) where base and stride allow 16-byte vectors, else on the
+ * tile kernel. `flags`: 0 or STEPQ__CUDA_COLUMN (bf16 states on the column
+ * kernel; fp32 states always run there);
  * anything else is STEPQ_EINVAL.
  */
 int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void *base, size_t slot_stride,

@@ -17,6 +17,7 @@ extern "C" {
 #include "plugin/cuda_err.h"
 #include "plugin/err.h"
 }
+#include "kernels/cuda/dense_kernel.cuh"
 #include "kernels/cuda/f16_kernel.cuh"
 #include "kernels/cuda/tile_kernel.cuh"
 #include "kernels/cuda/unpack_kernel.cuh"
@@ -439,6 +440,18 @@ static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io
     return launch_k<sq_unpack_kernel<DT, VK>>(grid, smem, s, who, io);
 }
 
+/*
+ * The warp kernel (dense_kernel.cuh) on bf16 dense states of io.layout_vk's layout, grid
+ * (heads, batch); the caller has checked io.dense_vec. fp32 states stay on the column kernel:
+ * the warp kernel measured 782 us against its 608 at B = 512 (kernels/cuda/README.md).
+ */
+static int launch_dense(dim3 grid, cudaStream_t s, const sq_step &st, const sq_io &io,
+                        const char *who)
+{
+    return io.layout_vk ? launch_k<sq_dense_kernel<SQ_BF16, true>>(grid, 0, s, who, st, io)
+                        : launch_k<sq_dense_kernel<SQ_BF16, false>>(grid, 0, s, who, st, io);
+}
+
 /* Dynamic shared memory of the tile kernel: the block and 16 bytes read past it. */
 static size_t tile_smem(size_t max_block)
 {
@@ -579,6 +592,8 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
         io.dense_vec = dense_vec_ok(io.dense, io.dense_stride, STEPQ_DTYPE_BF16);
         io.dense_by_slot = 1;
         io.bf16 = 1;
+        if (io.dense_vec)
+            return launch_dense(grid, s, st, io, who);
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, s, st, io, 0, who);
     }
     const int tile = use_tile(L);
@@ -796,10 +811,12 @@ extern "C" int stepq__cuda_step_dense_ex(const struct stepq__step_args *a, void 
     io.counts = (unsigned long long *)a->counts;
     dim3 grid((unsigned)a->HV, (unsigned)a->batch);
     /*
-     * bf16 states on the tile kernel (8 bf16 per 16-byte access); fp32 on the
-     * thread-per-column kernel, whose warp-contiguous 128-byte rows measured
-     * 2.4x faster than the tile's 32-byte-per-thread rows.
+     * The warp kernel where the states allow 16-byte vectors (kernels/cuda/README.md, "The warp
+     * kernel"); else bf16 states on the tile kernel (8 bf16 per 16-byte access where it can, scalar
+     * elsewhere) and fp32 on the thread-per-column kernel. STEPQ__CUDA_COLUMN: the column kernel.
      */
+    if (!(flags & STEPQ__CUDA_COLUMN) && io.dense_vec && io.bf16)
+        return launch_dense(grid, (cudaStream_t)a->stream, st, io, who);
     if (!(flags & STEPQ__CUDA_COLUMN) && dtype == STEPQ_DTYPE_BF16)
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, (cudaStream_t)a->stream, st,
                                                               io, 0, who);

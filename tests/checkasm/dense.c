@@ -4,7 +4,9 @@
  * explicit argument, against the reference stepq__ref_step_dense), over one
  * step and over many steps of the same requests, in both state layouts, on
  * fp32 inputs or bf16 strided views with the in-kernel gate, on the shipped
- * and on the thread-per-column kernels. States and tensors carry guard bytes.
+ * and on the thread-per-column kernels. States and tensors carry guard bytes. The poisoned
+ * cases start with a NaN and an Inf in two heads' states and a NaN in one request's q, and
+ * compare every slot's health word and the four counters with the reference's.
  */
 #include <math.h>
 #include <stdio.h>
@@ -36,15 +38,16 @@ struct params {
     int bf16;   /* bf16 states */
     int view;   /* bf16 strided inputs with the in-kernel gate */
     int column; /* STEPQ__CUDA_COLUMN: bf16 states on the column kernel */
+    int poison; /* NaN, Inf start elements and a NaN in q; health and counters compared */
 };
 
 static int start(const struct params *p)
 {
     return checkasm_check(
-        "dense %s %s states %s H=%d HV=%d B=%d %d step%s%s%s", stepq_arch_name(p->arch),
+        "dense %s %s states %s H=%d HV=%d B=%d %d step%s%s%s%s", stepq_arch_name(p->arch),
         p->bf16 ? "bf16" : "fp32", p->layout == STEPQ__LAYOUT_KV ? "[K,V]" : "[V,K]", p->H, p->HV,
         p->batch, p->steps, p->steps > 1 ? "s" : "", p->view ? " bf16 strided in-kernel gate" : "",
-        p->column ? " column kernel" : "");
+        p->column ? " column kernel" : "", p->poison ? " NaN/Inf states, NaN in q" : "");
 }
 
 struct launch {
@@ -102,7 +105,8 @@ static int run(const struct params *p)
     struct fx_rng *rng = checkasm_rng();
     struct fx_inputs in = { 0 };
     struct fx_step_io hio = { 0 }, dio = { 0 };
-    struct fx_buf hS = { 0 }, dS = { 0 };
+    struct fx_buf hS = { 0 }, dS = { 0 }, dh = { 0 };
+    uint32_t *hh = NULL, *hg = NULL; /* poison: the health words, reference and CUDA */
     float *S = malloc(sizeof(float) * n), *Sg = malloc(sizeof(float) * n);
     uint16_t *S16 = malloc(2 * n);
     int32_t *slots0 = malloc(sizeof(int32_t) * (size_t)p->batch);
@@ -127,6 +131,26 @@ static int run(const struct params *p)
     CA_OK(fx_inputs_alloc(&in, p->arch, p->batch, p->H, p->HV));
     CA_OK(fx_inputs_gen(&in, n_slots, p->view, rng));
     memcpy(slots0, in.slots, sizeof(int32_t) * (size_t)p->batch);
+    if (p->poison) {
+        /* request 1's head 0: a NaN at (5, 7); request 2's last head: +Inf at (100, 3) */
+        const float bad[2] = { NAN, INFINITY };
+        const size_t at[2] = { 5 * FX_D + 7, 100 * FX_D + 3 };
+        for (int i = 0; i < 2; i++) {
+            CA_TRY(p->batch > 2 && in.slots[1 + i] >= 0, "poison: request %d is padding", 1 + i);
+            const size_t h = (size_t)in.slots[1 + i] * stride +
+                             (size_t)(i ? p->HV - 1 : 0) * FX_D * FX_D + at[i];
+            S[h] = bad[i];
+            S16[h] = stepq__bf16_from_float(bad[i]);
+        }
+        CA_OK(fx_buf_set(&hS, S));
+        CA_OK(fx_buf_set(&dS, p->bf16 ? (const void *)S16 : S));
+        in.q[0] = NAN; /* request 0's q head 0: its value heads keep their states */
+        hh = calloc((size_t)n_slots, sizeof(uint32_t));
+        hg = malloc(sizeof(uint32_t) * (size_t)n_slots);
+        CA_TRY(hh && hg, "out of memory");
+        CA_OK(fx_buf_alloc(&dh, sizeof(uint32_t) * (size_t)n_slots, 1));
+        CA_OK(fx_buf_set(&dh, hh));
+    }
     CA_OK(fx_step_io_init(&hio, &in, p->view, 0));
     CA_OK(fx_step_io_init(&dio, &in, p->view, 1));
     o_got = malloc(hio.o.bytes);
@@ -136,6 +160,8 @@ static int run(const struct params *p)
     fx_step_io_args(&dio, flags, &ad);
     fx_dense_kernel_args(p->arch, p->H, p->HV, n_slots, &ah, NULL, &ka);
     fx_dense_kernel_args(p->arch, p->H, p->HV, n_slots, &ad, NULL, &kd);
+    ka.health = hh;
+    kd.health = dh.p;
     const struct stepq__dense_states st = { hS.p, stride, p->layout };
     struct launch lc = { &kd, dS.p, stride, p->layout, p->bf16, p->column };
 
@@ -170,6 +196,26 @@ static int run(const struct params *p)
         ret = fx_step_io_check(io[i], what, sizeof(what));
         CA_TRY(ret == 0, "%s", ret < 0 ? stepq_last_error() : what);
     }
+    if (p->poison) {
+        uint64_t cr[STEPQ__HEALTH_NCOUNTS], cg[STEPQ__HEALTH_NCOUNTS];
+        CA_OK(fx_buf_get(&dh, hg));
+        CA_OK(fx_buf_get(&hio.counts, cr));
+        CA_OK(fx_buf_get(&dio.counts, cg));
+        for (int s = 0; s < n_slots; s++)
+            CA_TRY(hg[s] == hh[s], "slot %d: health 0x%x, reference 0x%x", s, hg[s], hh[s]);
+        for (int i = 0; i < STEPQ__HEALTH_NCOUNTS; i++)
+            CA_TRY(cg[i] == cr[i], "counter %d: %llu, reference %llu", i, (unsigned long long)cg[i],
+                   (unsigned long long)cr[i]);
+        /* the counters restart with each step's inputs: the poison is the first step's */
+        CA_TRY(p->steps > 1 || (cr[0] > 0 && cr[1] >= 2),
+               "poison: the reference counted input %llu, state %llu", (unsigned long long)cr[0],
+               (unsigned long long)cr[1]);
+        CA_TRY((hh[in.slots[1]] & STEPQ_HEALTH_STATE) && (hh[slots0[0]] & STEPQ_HEALTH_INPUT),
+               "poison: the reference flagged slot %d 0x%x, slot %d 0x%x", in.slots[1],
+               hh[in.slots[1]], slots0[0], hh[slots0[0]]);
+        checkasm_note("health of %d slots and counters (%llu input, %llu state) as the reference's",
+                      n_slots, (unsigned long long)cr[0], (unsigned long long)cr[1]);
+    }
     int64_t bad;
     CA_OK(fx_buf_compare(&hS, 1, &bad));
     CA_TRY(bad < 0, "host states: guard byte %lld changed", (long long)bad - FX_GUARD);
@@ -200,6 +246,9 @@ out:
     fx_inputs_free(&in);
     fx_buf_free(&hS);
     fx_buf_free(&dS);
+    fx_buf_free(&dh);
+    free(hh);
+    free(hg);
     free(S);
     free(Sg);
     free(S16);
@@ -313,6 +362,22 @@ void checkasm_check_dense(void)
     /* the fp32 recurrence over many steps */
     one((struct params){ .arch = G, .layout = VK, .H = 1, .HV = 2, .batch = 2, .steps = T });
     one((struct params){ .arch = K, .layout = KV, .H = 1, .HV = 1, .batch = 2, .steps = T });
+    /* NaN and Inf in the states, a NaN input: health words and counters as the reference's */
+    one((struct params){
+        .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = B, .steps = 1, .poison = 1 });
+    one((struct params){
+        .arch = K, .layout = VK, .H = 2, .HV = 2, .batch = B, .steps = 2, .poison = 1 });
+    one((struct params){ .arch = G,
+                         .layout = KV,
+                         .H = 2,
+                         .HV = 4,
+                         .batch = B,
+                         .steps = 1,
+                         .bf16 = 1,
+                         .view = 1,
+                         .poison = 1 });
+    one((struct params){
+        .arch = K, .layout = VK, .H = 2, .HV = 2, .batch = B, .steps = 1, .bf16 = 1, .poison = 1 });
     /* the thread-per-column kernel for bf16 states (fp32 states always run there) */
     one((struct params){
         .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = B, .steps = 1, .bf16 = 1, .column = 1 });
