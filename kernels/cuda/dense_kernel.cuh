@@ -1,6 +1,7 @@
 /*
- * sq_dense_kernel<DT, VK> (the warp kernel): the decode step on dense fp32 or bf16 states, [K,V]
- * or [V,K], with no barrier between its load and its store.
+ * sq_dense_kernel<VK> (the warp kernel): the decode step on dense bf16 states, [K,V] or [V,K],
+ * with no barrier between its load and its store (fp32 states run on the column kernel, which
+ * measured faster for them).
  *
  * A 128x128 head (one 256-thread block, one (request, value head)) is cut into eight column
  * strips of 16 columns, one per warp: the recurrence is column-independent once k, q, the
@@ -9,7 +10,8 @@
  * state's loads are in flight); from the loaded state to its store no warp waits for another.
  * Lane (cg = lane & 1, rg = lane >> 1) holds rows 8 rg .. 8 rg + 7 and columns
  * 16 w + 8 cg .. 16 w + 8 cg + 7 of warp w's strip, 64 values in registers, loaded as 16-byte
- * vectors (a [K,V] row's or a [V,K] column's 8 elements). The column sums S^T k and S^T q are
+ * vectors (a [K,V] row's or a [V,K] column's 8 elements: the tile kernel's sq_tload and sq_tstore,
+ * whose micro-tile indexing this lane tile shares). The column sums S^T k and S^T q are
  * warp reduce-scatters over the 16 row groups (8 shuffles for 8 columns: sq_dense_rs8), after
  * which lane holds column sq_dense_col(lane) of its 8; u goes back to the row groups by 8
  * shuffles.
@@ -79,77 +81,9 @@ __device__ __forceinline__ float sq_dense_rs8(const float (&p)[8], int lane)
     return s + __shfl_xor_sync(full, s, 2);
 }
 
-/*
- * The lane's 8 vectors of 8 elements: [K,V] vector a is row R0 + a, columns C0..C0+7; [V,K]
- * vector a is column C0 + a, rows R0..R0+7. x[r * 8 + c] is element (R0 + r, C0 + c). The
- * caller guarantees 16-byte alignment (layer.cu, dense_vec_ok).
- */
-template <int DT, bool VK>
-__device__ __forceinline__ void sq_dense_load(float (&x)[64], const void *p, size_t off, int R0,
-                                              int C0)
-{
-#pragma unroll
-    for (int a = 0; a < 8; a++) {
-        const size_t n = off + (VK ? (size_t)(C0 + a) * SQ_D + R0 : (size_t)(R0 + a) * SQ_D + C0);
-        float e[8];
-        if (DT == SQ_F32) {
-            const float4 u = *(const float4 *)((const float *)p + n);
-            const float4 v = *(const float4 *)((const float *)p + n + 4);
-            e[0] = u.x, e[1] = u.y, e[2] = u.z, e[3] = u.w;
-            e[4] = v.x, e[5] = v.y, e[6] = v.z, e[7] = v.w;
-        } else {
-            const uint4 h = *(const uint4 *)((const uint16_t *)p + n);
-            const uint32_t w[4] = { h.x, h.y, h.z, h.w };
-#pragma unroll
-            for (int i = 0; i < 4; i++) {
-                e[2 * i] = __uint_as_float(w[i] << 16);
-                e[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
-            }
-        }
-#pragma unroll
-        for (int b = 0; b < 8; b++)
-            x[VK ? b * 8 + a : a * 8 + b] = e[b];
-    }
-}
-
-/* The store of sq_dense_load's vectors; bf16 `sat`: some element rounds to Inf (scalar path). */
-template <int DT, bool VK>
-__device__ __forceinline__ void sq_dense_store(const float (&x)[64], void *p, size_t off, int R0,
-                                               int C0, bool sat, unsigned &fl)
-{
-    if (DT == SQ_BF16 && sat) {
-#pragma unroll
-        for (int r = 0; r < 8; r++)
-#pragma unroll
-            for (int c = 0; c < 8; c++) {
-                const size_t n = off + (VK ? (size_t)(C0 + c) * SQ_D + R0 + r
-                                           : (size_t)(R0 + r) * SQ_D + C0 + c);
-                ((uint16_t *)p)[n] = sq_bf16_sat(x[r * 8 + c], &fl);
-            }
-        return;
-    }
-#pragma unroll
-    for (int a = 0; a < 8; a++) {
-        const size_t n = off + (VK ? (size_t)(C0 + a) * SQ_D + R0 : (size_t)(R0 + a) * SQ_D + C0);
-        float e[8];
-#pragma unroll
-        for (int b = 0; b < 8; b++)
-            e[b] = x[VK ? b * 8 + a : a * 8 + b];
-        if (DT == SQ_F32) {
-            float4 *d = (float4 *)((float *)p + n);
-            d[0] = make_float4(e[0], e[1], e[2], e[3]);
-            d[1] = make_float4(e[4], e[5], e[6], e[7]);
-        } else {
-            *(uint4 *)((uint16_t *)p + n) =
-                make_uint4(sq_bf16x2(e[0], e[1]), sq_bf16x2(e[2], e[3]), sq_bf16x2(e[4], e[5]),
-                           sq_bf16x2(e[6], e[7]));
-        }
-    }
-}
-
-/* The readout partials of the lane's columns over its rows: p_c = sum_r x_rc q_r. */
-__device__ __forceinline__ void sq_dense_readout(const float (&x)[64], const float (&qr)[8],
-                                                 float (&p)[8])
+/* The lane's column partials of a product with a key-row vector: p_c = sum_r x_rc y_r. */
+__device__ __forceinline__ void sq_dense_coldot(const float (&x)[64], const float (&y)[8],
+                                                float (&p)[8])
 {
 #pragma unroll
     for (int c = 0; c < 8; c++)
@@ -158,15 +92,14 @@ __device__ __forceinline__ void sq_dense_readout(const float (&x)[64], const flo
     for (int r = 0; r < 8; r++)
 #pragma unroll
         for (int c = 0; c < 8; c++)
-            p[c] = fmaf(x[r * 8 + c], qr[r], p[c]);
+            p[c] = fmaf(x[r * 8 + c], y[r], p[c]);
 }
 
 /*
- * One (request e, value head hv) per block, grid (HV, batch). DT: the states' type (SQ_F32,
- * SQ_BF16); VK: [V,K] states. The inputs' dtype is st.in_bf16 (only the input phase and the
- * output store read it).
+ * One (request e, value head hv) per block, grid (HV, batch). VK: [V,K] states. The inputs' dtype
+ * is st.in_bf16 (only the input phase and the output store read it).
  */
-template <int DT, bool VK>
+template <bool VK>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq_step st, sq_io io)
 {
     const unsigned full = 0xffffffffu;
@@ -193,7 +126,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         const int t = threadIdx.x;
         sq_in in;
         sq_load_in<true, 0>(in, st, hv, e, HV, t);
-        sq_dense_load<DT, VK>(x, io.dense, off, R0, C0);
+        sq_tload<SQ_BF16>(x, io.dense, off, VK, true, R0, C0);
         bool bad;
         if (t < SQ_D) {
             const float qv = sq_bits_f(in.w[0], bfi), kv = sq_bits_f(in.w[1], bfi);
@@ -226,14 +159,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
                 sbeta = sq_beta(st, sq_bits_f(in.w[2], bfi), bad);
         }
         if (__syncthreads_or(bad)) {
-            if (!(lane & 2))
-                sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + col, 0.0f, bfi);
-            if (t == 0) {
-                if (io.health)
-                    atomicOr(io.health + slot, STEPQ_HEALTH_INPUT);
-                if (io.counts)
-                    atomicAdd(io.counts + 0, 1ull);
-            }
+            sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
             return; /* uniform over the block */
         }
         if (t < SQ_D) {
@@ -269,17 +195,13 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
     }
 
     /* decay, S^T k, u */
-    float p[8];
-#pragma unroll
-    for (int c = 0; c < 8; c++)
-        p[c] = 0.0f;
 #pragma unroll
     for (int r = 0; r < 8; r++)
 #pragma unroll
-        for (int c = 0; c < 8; c++) {
+        for (int c = 0; c < 8; c++)
             x[r * 8 + c] *= dr[r];
-            p[c] = fmaf(x[r * 8 + c], kr[r], p[c]);
-        }
+    float p[8];
+    sq_dense_coldot(x, kr, p);
     const float u = (vj - sq_dense_rs8(p, lane)) * beta;
     float uu[8];
 #pragma unroll
@@ -293,10 +215,9 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
 #pragma unroll
         for (int c = 0; c < 8; c++) {
             x[r * 8 + c] = fmaf(kr[r], uu[c], x[r * 8 + c]);
-            if (DT == SQ_BF16)
-                m = fmaxf(m, fabsf(x[r * 8 + c]));
+            m = fmaxf(m, fabsf(x[r * 8 + c]));
         }
-    sq_dense_readout(x, qr, p);
+    sq_dense_coldot(x, qr, p);
     unsigned fl = 0;
     bool nf = false;
 #pragma unroll
@@ -313,7 +234,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
             }
             m = fmaxf(m, fabsf(x[i]));
         }
-        sq_dense_readout(x, qr, p);
+        sq_dense_coldot(x, qr, p);
     }
     float o = sq_dense_rs8(p, lane);
     if (!isfinite(o)) {
@@ -322,8 +243,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
     }
     if (!(lane & 2))
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + col, o, bfi);
-    const bool sat = DT == SQ_BF16 && __float_as_uint(m) >= 0x7F7F8000u; /* rounds to Inf */
-    sq_dense_store<DT, VK>(x, io.dense, off, R0, C0, sat, fl);
+    const bool sat = __float_as_uint(m) >= 0x7F7F8000u; /* rounds to Inf */
+    sq_tstore<SQ_BF16>(x, io.dense, off, VK, true, R0, C0, sat, &fl);
 
     /* health: one report per (request, head), from thread 0, only where a bit was raised */
     if (__syncthreads_or(fl != 0)) {
@@ -334,14 +255,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         if (fl)
             atomicOr(&sfl, fl);
         __syncthreads();
-        if (threadIdx.x == 0) {
-            if (io.health)
-                atomicOr(io.health + slot, sfl);
-            if (io.counts)
-                for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
-                    if (sfl & (1u << bit))
-                        atomicAdd(io.counts + bit, 1ull);
-        }
+        if (threadIdx.x == 0)
+            sq_tile_report(io, sfl, slot);
     }
 }
 

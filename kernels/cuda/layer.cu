@@ -448,8 +448,8 @@ static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io
 static int launch_dense(dim3 grid, cudaStream_t s, const sq_step &st, const sq_io &io,
                         const char *who)
 {
-    return io.layout_vk ? launch_k<sq_dense_kernel<SQ_BF16, true>>(grid, 0, s, who, st, io)
-                        : launch_k<sq_dense_kernel<SQ_BF16, false>>(grid, 0, s, who, st, io);
+    return io.layout_vk ? launch_k<sq_dense_kernel<true>>(grid, 0, s, who, st, io)
+                        : launch_k<sq_dense_kernel<false>>(grid, 0, s, who, st, io);
 }
 
 /* Dynamic shared memory of the tile kernel: the block and 16 bytes read past it. */
