@@ -202,10 +202,12 @@ int stepq__quant_arith_fp16(void);
 
 /*
  * The fp16 arithmetic of the packed decode step (the map field arith = fp16; kernels/step_f16.c,
- * the C reference of kernels/cuda/f16_kernel.cuh). It applies to the integer heads of a GDN layer
- * of a dual-axis method whose rows share one width b (stepq__step_f16_supports); pivot heads
- * take the fp32 step. Bytes of the block that no field covers (alignment padding) are written 0.
- * Packs, unpacks and calibration always use fp32.
+ * the C reference of kernels/cuda/f16_kernel.cuh). It applies to the heads of a dual-axis method
+ * (stepq__step_f16_supports): on a GDN layer the integer heads whose rows share one width b
+ * (pivot heads take the fp32 step), on a KDA layer every head with at least one integer row,
+ * whatever its mix of widths and pivot rows (the KDA differences are listed after step 6). Bytes of
+ * the block that no field covers (alignment padding) are written 0. Packs, unpacks and calibration
+ * always use fp32.
  *
  * The block is the format's (kernels/format.h) either way: the arithmetic decides only which
  * codes and scales a decode step writes. Notation: h(x) = x rounded to fp16 (to nearest even,
@@ -239,6 +241,20 @@ int stepq__quant_arith_fp16(void);
  *      n: fma(h(z' Y), A'_i, .) and d: fma(h(z' z'), A'_i, .); n_j, d_j = the fp32 sums of 1.
  *      with the partials n_gj Pa_g (P_w / P) and d_gj Pa_g;
  *      c'_j = d_j > 0 ? qmax P n_j / d_j : CM_j P (clamped as every stored scale).
+ *   KDA (per-row decays alpha_i = (float)exp((double)g_i), widths b_i, qmax_i, iq_i = RN(1 /
+ *   qmax_i); pivot rows p with fp16 values x_pj, a non-finite one read as 0 with STATE):
+ *   1. e_i = r_i alpha_i iq_i (0 for a pivot row); Pk_g, wk_i as above with e_i in place of
+ *      r_i (q likewise), the half sums over the integer rows of g; each group's fp32 partial
+ *      is (ak_gj Pk_g) c_j, then for each pivot row p of g in order fma(x_pj alpha_p, k_p, .)
+ *      (q_p for b); s_j = a_j, t_j = b_j (no f_j); u_j and o_j as above.
+ *   2. integer rows as above with alpha_i r_i and iq_i; a pivot row is the fp32 step's
+ *      (x_pj alpha_p + k_p u_j, each operation rounded; not finite: 0, STATE), stored as its
+ *      fp16 saturating (SATURATED where clamped), and is in no maximum, scale or sum below
+ *      (its row scale slot is 0).
+ *   5. Q_j = h(CM_j > 0 ? min(1 / CM_j, 65504) : 0) (no qmax).
+ *   6. G_ij = h(Y_ij Q_wj), T_ij = h(fma(G_ij, qmax_i, 1536 + qmax_i)) (clamped to 1536 +
+ *      [0, 2 qmax_i]), z'_ij = T_ij - 1536 - qmax_i; the refit sums zt = h(z' h(iq_i)) for z'
+ *      (no factor 4 at b = 8: zt^2 <= 1) and c'_j = d_j > 0 ? P n_j / d_j : CM_j P.
  *   The decode fit norefit (hl->decode_fit) skips the refit: no A_i, Pa_g, n or d, and
  *   c'_j = CM_j P, the scale the codes were rounded with (clamped as every stored scale), as the
  *   fp32 step's norefit stores its step-2 c_j. Codes and row scales are the exact fit's.
@@ -253,18 +269,19 @@ int stepq__quant_arith_fp16(void);
  */
 float stepq__scale_value(float s, uint16_t *h, uint32_t *flags);
 
-/** Whether head layout hl takes the fp16 step: GDN, integer rows of one width, column scales. */
+/** Whether head layout hl takes the fp16 step: column scales, and GDN integer rows of one width
+ * or KDA rows of any widths and pivots with at least one integer row. */
 int stepq__step_f16_supports(const struct stepq__head_layout *hl);
 /**
  * One head's fp16 decode step: block in -> block out (may be the same), readout o[d_v], the
- * health flags raised (SATURATED, OUTPUT). q, k, v, beta prepared as for the fp32 step (q
- * scaled), g the log decay, w the row impact (NULL = 1). scratch: 2 d_k d_v floats. targ, if not
- * NULL, gets each code's argument Y_ij Q_wj before rounding (the tie checks of the tests).
- * The layout must pass stepq__step_f16_supports.
+ * health flags raised (SATURATED, OUTPUT; STATE for KDA pivot rows). q, k, v, beta prepared as
+ * for the fp32 step (q scaled), g the log decay (GDN: g[0]; KDA: d_k of them), w the row impact
+ * (NULL = 1). scratch: 2 d_k d_v floats. targ, if not NULL, gets each code's argument Y_ij Q_wj
+ * before rounding (the tie checks of the tests). The layout must pass stepq__step_f16_supports.
  */
 uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t *in,
                               const float *w, const float *q, const float *k, const float *v,
-                              float g, float beta, uint8_t *out, float *o, float *scratch,
+                              const float *g, float beta, uint8_t *out, float *o, float *scratch,
                               float *targ);
 
 #endif /* STEPQ_KERNELS_QUANT_H */

@@ -90,8 +90,8 @@ int stepq__ref_step_packed(const struct stepq__step_args *a, const struct stepq_
             const struct stepq__head_layout *hl = &pl->heads[h];
             uint8_t *blk = head_block(pl, s, h);
             if (hl->arith == STEPQ_ARITH_FP16 && stepq__step_f16_supports(hl)) {
-                uint32_t fl = stepq__step_head_f16(hl, blk, head_w(pl, h, a->d_k), q, k, v, g[0],
-                                                   beta, blk, o, tile, NULL);
+                uint32_t fl = stepq__step_head_f16(hl, blk, head_w(pl, h, a->d_k), q, k, v, g, beta,
+                                                   blk, o, tile, NULL);
                 stepq__store_out(a, b, h, o);
                 stepq__health_note(a->health, a->counts, s, fl);
                 continue;

@@ -78,9 +78,22 @@ static void wr_h(uint8_t *p, uint16_t v)
 
 int stepq__step_f16_supports(const struct stepq__head_layout *hl)
 {
-    if (!hl || !hl->quantized || !hl->has_col || hl->n_pivot_rows != 0 ||
-        hl->arch != STEPQ_ARCH_GDN || hl->d_k > STEPQ__MAX_HEAD_DIM ||
+    if (!hl || !hl->quantized || !hl->has_col || hl->d_k > STEPQ__MAX_HEAD_DIM ||
         hl->d_v > STEPQ__MAX_HEAD_DIM)
+        return 0;
+    if (hl->arch == STEPQ_ARCH_KDA) {
+        /* any mix of integer widths and pivot rows, but at least one integer row */
+        int n_int = 0;
+        for (int i = 0; i < hl->d_k; i++) {
+            if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+                continue;
+            if (!stepq__format_int_bits(hl->row_bits[i]))
+                return 0;
+            n_int++;
+        }
+        return n_int > 0;
+    }
+    if (hl->arch != STEPQ_ARCH_GDN || hl->n_pivot_rows != 0)
         return 0;
     for (int i = 1; i < hl->d_k; i++)
         if (hl->row_bits[i] != hl->row_bits[0])
@@ -90,59 +103,103 @@ int stepq__step_f16_supports(const struct stepq__head_layout *hl)
 
 uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t *in,
                               const float *w, const float *q, const float *k, const float *v,
-                              float g, float beta, uint8_t *out, float *o, float *scratch,
+                              const float *g, float beta, uint8_t *out, float *o, float *scratch,
                               float *targ)
 {
-    const int d_k = hl->d_k, d_v = hl->d_v, b = hl->row_bits[0], qmax = stepq__qmax(b);
+    const int d_k = hl->d_k, d_v = hl->d_v, kda = hl->arch == STEPQ_ARCH_KDA;
     const int ng = (d_k + 7) / 8;   /* groups of 8 rows: the kernel's thread tiles */
     const int nw = (d_k + 15) / 16; /* blocks of 16 rows: the kernel's warps */
     const double split = stepq__quant_row_split_of(hl);
+    /* X: the state in its normalised domains; Z: the old codes, or a pivot row's values */
     float *X = scratch, *Z = scratch + (size_t)d_k * d_v;
     float r[STEPQ__MAX_HEAD_DIM], c[STEPQ__MAX_HEAD_DIM], u[STEPQ__MAX_HEAD_DIM];
     float N[STEPQ__MAX_HEAD_DIM], rn[STEPQ__MAX_HEAD_DIM], A[STEPQ__MAX_HEAD_DIM];
     float CM[STEPQ__MAX_HEAD_DIM], Q[STEPQ__MAX_HEAD_DIM], yb[STEPQ__MAX_HEAD_DIM];
-    uint16_t rh[STEPQ__MAX_HEAD_DIM], ch[STEPQ__MAX_HEAD_DIM];
+    float al[STEPQ__MAX_HEAD_DIM], iqr[STEPQ__MAX_HEAD_DIM];
+    int qm[STEPQ__MAX_HEAD_DIM], piv[STEPQ__MAX_HEAD_DIM];
+    uint16_t rh[STEPQ__MAX_HEAD_DIM], ch[STEPQ__MAX_HEAD_DIM], pv[STEPQ__MAX_HEAD_DIM];
     int8_t zc[STEPQ__MAX_HEAD_DIM];
     uint32_t flags = 0;
 
-    /* The old block, read whole before anything is written (out may be in). */
+    /* Per row: width, qmax, RN(1 / qmax), decay (GDN: the head's). */
     for (int i = 0; i < d_k; i++) {
+        piv[i] = hl->row_bits[i] == STEPQ_BITS_PIVOT;
+        qm[i] = piv[i] ? 1 : stepq__qmax(hl->row_bits[i]);
+        iqr[i] = 1.0f / (float)qm[i];
+        al[i] = (float)exp((double)g[kda ? i : 0]);
+    }
+    /* The old block, read whole before anything is written (out may be in). A pivot value
+     * that is not finite (a corrupted page: a fit never stores one) reads as 0, STATE. */
+    for (int i = 0; i < d_k; i++) {
+        float *zr = Z + (size_t)i * d_v;
+        if (piv[i]) {
+            r[i] = 0.0f;
+            for (int j = 0; j < d_v; j++) {
+                zr[j] = rd_h(in + hl->row_bitoff[i] / 8 + 2 * (size_t)j);
+                if (!isfinite(zr[j])) {
+                    zr[j] = 0.0f;
+                    flags |= STEPQ_HEALTH_STATE;
+                }
+            }
+            continue;
+        }
         r[i] = rd_h(in + hl->row_scale_offset + 2 * (size_t)i);
-        stepq__unpack_codes(in, hl->row_bitoff[i], zc, (size_t)d_v, b);
+        stepq__unpack_codes(in, hl->row_bitoff[i], zc, (size_t)d_v, hl->row_bits[i]);
         for (int j = 0; j < d_v; j++)
-            Z[(size_t)i * d_v + j] = (float)zc[j];
+            zr[j] = (float)zc[j];
     }
     for (int j = 0; j < d_v; j++)
         c[j] = rd_h(in + hl->col_scale_offset + 2 * (size_t)j);
-    const float alpha = (float)exp((double)g);
+    const float alpha = al[0];
     double kq_d = 0.0;
     for (int i = 0; i < d_k; i++)
         kq_d += (double)k[i] * (double)q[i];
-    const float kq = (float)kq_d, iq = 1.0f / (float)qmax;
+    const float kq = (float)kq_d, iq = iqr[0];
 
     /* 1. The two dot products in the code domain: half partial sums over each group's rows
-     * (weights r_i k_i and r_i q_i over the group's power of two), fp32 across the groups. */
+     * (weights r_i k_i and r_i q_i over the group's power of two; KDA: e_i k_i, e_i q_i with
+     * e_i = r_i alpha_i / qmax_i, and the group's partial times c_j and plus its pivot rows'
+     * fp32 terms before the sum), fp32 across the groups. */
+    float e[STEPQ__MAX_HEAD_DIM];
+    for (int i = 0; i < d_k; i++)
+        e[i] = kda ? (piv[i] ? 0.0f : r[i] * al[i] * iqr[i]) : r[i];
     for (int j = 0; j < d_v; j++) {
         struct pair_sum sa = { 0.0f, 0.0f }, sb = { 0.0f, 0.0f };
         for (int gi = 0; gi < ng; gi++) {
             const int i0 = 8 * gi, i1 = i0 + 8 < d_k ? i0 + 8 : d_k;
             float mk = 0.0f, mq = 0.0f;
             for (int i = i0; i < i1; i++) {
-                mk = fmaxabs(mk, r[i] * k[i]);
-                mq = fmaxabs(mq, r[i] * q[i]);
+                mk = fmaxabs(mk, e[i] * k[i]);
+                mq = fmaxabs(mq, e[i] * q[i]);
             }
             const float Pk = p2(mk), Pq = p2(mq);
             double ak = 0.0, aq = 0.0;
             for (int i = i0; i < i1; i++) {
+                if (piv[i])
+                    continue;
                 const double z = Z[(size_t)i * d_v + j];
-                ak = half_rn(z * h(r[i] * k[i] * (1.0f / Pk)) + ak);
-                aq = half_rn(z * h(r[i] * q[i] * (1.0f / Pq)) + aq);
+                ak = half_rn(z * h(e[i] * k[i] * (1.0f / Pk)) + ak);
+                aq = half_rn(z * h(e[i] * q[i] * (1.0f / Pq)) + aq);
             }
-            pair_add(&sa, gi, ng, (float)ak * Pk);
-            pair_add(&sb, gi, ng, (float)aq * Pq);
+            float xk = (float)ak * Pk, xq = (float)aq * Pq;
+            if (kda) {
+                xk *= c[j];
+                xq *= c[j];
+                for (int i = i0; i < i1; i++)
+                    if (piv[i]) {
+                        const float xa = Z[(size_t)i * d_v + j] * al[i];
+                        xk = fmaf(xa, k[i], xk);
+                        xq = fmaf(xa, q[i], xq);
+                    }
+            }
+            pair_add(&sa, gi, ng, xk);
+            pair_add(&sb, gi, ng, xq);
         }
-        const float f = c[j] * alpha * iq;
-        const float s = sa.sum * f, t = sb.sum * f;
+        float s = sa.sum, t = sb.sum;
+        if (!kda) {
+            const float f = c[j] * alpha * iq;
+            s = sa.sum * f, t = sb.sum * f;
+        }
         u[j] = beta * (v[j] - s);
         float oj = fmaf(u[j], kq, t);
         if (!isfinite(oj)) {
@@ -152,7 +209,9 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
         o[j] = oj;
     }
 
-    /* 2. The decode and the update in half under the row normalisers N_i. */
+    /* 2. The decode and the update in half under the row normalisers N_i; pivot rows in fp32
+     * as the fp32 step updates them (decay, then plus k_i u_j; not finite: 0, STATE), stored
+     * saturating, and out of every scale below (their X row 0). */
     float cmax = 0.0f, umax = 0.0f;
     for (int j = 0; j < d_v; j++) {
         cmax = fmaxf(cmax, c[j]);
@@ -160,16 +219,37 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
     }
     const float Pc = p2(cmax), Su = p2(umax);
     for (int i = 0; i < d_k; i++) {
-        const float ar = alpha * r[i];
+        float *xr = X + (size_t)i * d_v;
+        const float *zr = Z + (size_t)i * d_v;
+        if (piv[i]) {
+            int sat = 0;
+            for (int j = 0; j < d_v; j++) {
+                float x = zr[j] * al[i] + k[i] * u[j];
+                if (!isfinite(x)) {
+                    x = 0.0f;
+                    flags |= STEPQ_HEALTH_STATE;
+                }
+                pv[j] = stepq__fp16_from_float_sat(x, &sat);
+                xr[j] = 0.0f;
+            }
+            /* the row's stored values, kept in the bytes of its Z row (read no more) */
+            memcpy(Z + (size_t)i * d_v, pv, 2 * (size_t)d_v);
+            if (sat)
+                flags |= STEPQ_HEALTH_SATURATED;
+            rh[i] = 0;
+            rn[i] = A[i] = yb[i] = N[i] = 0.0f;
+            continue;
+        }
+        const float ar = al[i] * r[i];
         N[i] = p2(fmaxf(ar * Pc, fabsf(k[i]) * umax));
         const float iN = 1.0f / N[i];
-        const float F = h(ar * Pc * iq * iN), K = h(k[i] * Su * iN);
+        const float F = h(ar * Pc * iqr[i] * iN), K = h(k[i] * Su * iN);
         float M = 0.0f;
         for (int j = 0; j < d_v; j++) {
             const float C = h(c[j] * (1.0f / Pc)), U = h(u[j] * (1.0f / Su));
-            const float zf = h((double)Z[(size_t)i * d_v + j] * F);
+            const float zf = h((double)zr[j] * F);
             const float x = h((double)K * U + (double)h((double)zf * C));
-            X[(size_t)i * d_v + j] = x;
+            xr[j] = x;
             M = fmaxabs(M, x);
         }
         /* 3. Row scales from the row maxima m_i = M_i N_i (exact). */
@@ -191,14 +271,16 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
         P = fmaxf(P, Pw[wi]);
     }
     for (int i = 0; i < d_k; i++) {
+        if (piv[i])
+            continue;
         const float R = h(fminf(N[i] * (1.0f / Pw[i / 16]) / rn[i], 65504.0f));
         for (int j = 0; j < d_v; j++)
             X[(size_t)i * d_v + j] = h((double)X[(size_t)i * d_v + j] * R);
     }
     /* 5. Column maxima in the scale of P (each block's maxima times P_w / P, a power of two),
-     * the quantize factors qmax / c_j (saturated at 65504) in it and in each block's scale. A
-     * column whose scale would pass 65504 is clamped there, and with it the codes, as the exact
-     * fit clamps them. */
+     * the quantize factors qmax / c_j (KDA: 1 / c_j; saturated at 65504) in it and in each
+     * block's scale. A column whose scale would pass 65504 is clamped there, and with it the
+     * codes, as the exact fit clamps them. */
     int sat = 0;
     for (int j = 0; j < d_v; j++) {
         float mj = 0.0f;
@@ -211,19 +293,21 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
         CM[j] = mj;
         sat |= mj * P > STEPQ__SCALE_MAX;
     }
+    const float qnum = kda ? 1.0f : (float)qm[0];
     for (int j = 0; j < d_v; j++) {
         /* the clamp changes only the columns that saturate */
         const float cj = fminf(CM[j], STEPQ__SCALE_MAX * (1.0f / P));
-        Q[j] = h(cj > 0.0f ? fminf((float)qmax / cj, 65504.0f) : 0.0f);
+        Q[j] = h(cj > 0.0f ? fminf(qnum / cj, 65504.0f) : 0.0f);
     }
     if (sat)
         flags |= STEPQ_HEALTH_SATURATED;
 
-    /* 6. The quantize (T = Y Q_w + 1536 + qmax in half: the code u = z + qmax in its low bits),
-     * the refit's half partial sums over each group of 8 rows, fp32 across the groups. */
-    const float MAG = 1536.0f + (float)qmax;
+    /* 6. The quantize (T = Y Q_w + 1536 + qmax in half: the code u = z + qmax in its low bits;
+     * KDA: T = h(Y Q_w) qmax_i + 1536 + qmax_i), the refit's half partial sums over each group
+     * of 8 rows (KDA: of zt = h(z / qmax_i)), fp32 across the groups. */
     const int refit = hl->decode_fit != STEPQ_DECODE_FIT_NOREFIT; /* kernels/quant.h */
-    const float asc = b == 8 ? 4.0f : 1.0f; /* keeps sum A z^2 of 8 rows below 65504 */
+    /* keeps sum A z^2 of 8 rows below 65504 (GDN at 8 bits; KDA sums zt^2 <= 1) */
+    const float asc = !kda && qm[0] == 127 ? 4.0f : 1.0f;
     float Pa[STEPQ__MAX_HEAD_DIM / 8 + 1];
     for (int gi = 0; gi < ng; gi++) {
         float ma = 0.0f;
@@ -238,33 +322,50 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
             const float pw = Pw[gi / 2] / P, Qw = h((double)Q[j] * pw);
             double an = 0.0, ad = 0.0;
             for (int i = i0; i < i1; i++) {
-                const float y = X[(size_t)i * d_v + j];
-                float T = h((double)y * Qw + MAG);
-                if (targ)
-                    targ[(size_t)i * d_v + j] = y * Qw;
+                if (piv[i])
+                    continue;
+                const float y = X[(size_t)i * d_v + j], qf = (float)qm[i];
+                const float MAG = 1536.0f + qf;
+                float T, zt;
+                if (kda) {
+                    const float G = h((double)y * Qw);
+                    T = h((double)G * qf + MAG);
+                    if (targ)
+                        targ[(size_t)i * d_v + j] = G * qf;
+                } else {
+                    T = h((double)y * Qw + MAG);
+                    if (targ)
+                        targ[(size_t)i * d_v + j] = y * Qw;
+                }
                 if (sat)
-                    T = fminf(fmaxf(T, MAG - (float)qmax), MAG + (float)qmax);
+                    T = fminf(fmaxf(T, MAG - qf), MAG + qf);
                 const float z = T - MAG; /* exact */
                 Z[(size_t)i * d_v + j] = z;
                 if (!refit)
                     continue;
+                zt = kda ? h((double)z * h(iqr[i])) : z;
                 const float a2 = h(A[i] * (1.0f / Pa[gi]));
-                an = half_rn((double)h((double)z * y) * a2 + an);
-                ad = half_rn((double)h((double)z * z) * a2 + ad);
+                an = half_rn((double)h((double)zt * y) * a2 + an);
+                ad = half_rn((double)h((double)zt * zt) * a2 + ad);
             }
             pair_add(&sn, gi, ng, (float)an * Pa[gi] * pw);
             pair_add(&sd, gi, ng, (float)ad * Pa[gi]);
         }
-        const float cj = refit && sd.sum > 0.0f ? (float)qmax * P * sn.sum / sd.sum : CM[j] * P;
+        const float cj = refit && sd.sum > 0.0f ? qnum * P * sn.sum / sd.sum : CM[j] * P;
         (void)stepq__scale_value(cj, &ch[j], &flags);
     }
 
-    /* 7. The new block: codes, row scales, column scales; bytes no field covers are 0. */
+    /* 7. The new block: codes and row scales (pivot rows: their values, row scale 0), column
+     * scales; bytes no field covers are 0. */
     memset(out, 0, hl->block_bytes);
     for (int i = 0; i < d_k; i++) {
+        if (piv[i]) {
+            memcpy(out + hl->row_bitoff[i] / 8, Z + (size_t)i * d_v, 2 * (size_t)d_v);
+            continue;
+        }
         for (int j = 0; j < d_v; j++)
             zc[j] = (int8_t)Z[(size_t)i * d_v + j];
-        stepq__pack_codes(out, hl->row_bitoff[i], zc, (size_t)d_v, b);
+        stepq__pack_codes(out, hl->row_bitoff[i], zc, (size_t)d_v, hl->row_bits[i]);
         wr_h(out + hl->row_scale_offset + 2 * (size_t)i, rh[i]);
     }
     for (int j = 0; j < d_v; j++)

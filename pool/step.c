@@ -148,14 +148,6 @@ static int check_step_shape(stepq_pool_t *pool, const stepq_step_args *a, const 
     if ((a->flags & STEPQ_STEP_GATE_IN_KERNEL) &&
         (ret = check_dtype(pool, a->param_dtype, "param_dtype", fn)) < 0)
         return ret;
-    /* The fp16 decode step is defined for GDN layers only (kernels/quant.h): a KDA map asking
-     * for it is refused (here, so that stepq_pool_supports says so too) rather than stepped in
-     * fp32 under its name. Its pool opens: layouts, packs and unpacks do not depend on it. */
-    if (L->pub.arch == STEPQ_ARCH_KDA && L->heads && L->heads[0].arith == STEPQ_ARITH_FP16)
-        return FAIL(pool, STEPQ_ENOTSUP,
-                    "%s: the map's arith fp16 covers GDN layers only (its decode step has no "
-                    "per-row gates or widths yet); this pool is kda",
-                    fn);
     return STEPQ_OK;
 }
 

@@ -17,7 +17,7 @@
  * A/B of the column refit in one run; "stepq@4 rows" / "stepq@6 rows" the
  * same with the decode fit rows (the old column scales kept: no column
  * reduction; the start pages are the pack's, so every head is served). The
- * "fp16" rows take the map field arith fp16 (GDN only), "fp16 norefit" with
+ * "fp16" rows take the map field arith fp16 (GDN and KDA), "fp16 norefit" with
  * the decode fit norefit as well.
  *
  * Bytes moved = state bytes read + written (packed head blocks incl. their
@@ -331,7 +331,7 @@ struct method {
     stepq_method m;
     int budget;           /* 0 dense */
     stepq_decode_fit fit; /* the map's decode_fit: the norefit / rows rows' A/B against exact */
-    stepq_arith arith;    /* the map's arith: the fp16 rows (GDN only) */
+    stepq_arith arith;    /* the map's arith: the fp16 rows */
 };
 
 static const struct method methods[] = {
@@ -454,7 +454,7 @@ static const struct row rows[] = {
     /* the decode fit rows, likewise: the old column scales kept, no column reduction */
     { "stepq@4 rows", 8, K_PACKED, 0 },
     { "stepq@6 rows", 9, K_PACKED, 0 },
-    /* the map field arith fp16 (GDN only): the fp16 kernel at 4 blocks per SM, and at 3 */
+    /* the map field arith fp16: the fp16 kernel at 4 blocks per SM, and at 3 */
     { "stepq@4 fp16", 10, K_PACKED, 0 },
     { "stepq@6 fp16", 11, K_PACKED, 0 },
     { "stepq@6 fp16 3 blocks/SM", 11, K_PACKED, STEPQ__CUDA_F16_OCC3 },
@@ -832,8 +832,6 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                 const int step = is_step(rw->kind);
                 if (only && strcmp(only, rw->label))
                     continue;
-                if (me->arith == STEPQ_ARITH_FP16 && arch != STEPQ_ARCH_GDN)
-                    continue; /* the fp16 step covers GDN layers only (kernels/quant.h) */
                 struct ctx c;
                 memset(&c, 0, sizeof(c));
                 c.kind = rw->kind;

@@ -123,7 +123,8 @@ static void usage(FILE *f)
                "reference and prints a table of readout errors (a legend follows it).\n"
                "Each store fits as the pool's decode step does: the map's decode_fit\n"
                "(exact unless it says norefit or rows), from a fresh page per stream; a\n"
-               "map whose arith is fp16 steps its GDN integer heads in fp16, as its pool.\n"
+               "map whose arith is fp16 steps in fp16 the heads its pool steps in fp16\n"
+               "(GDN integer heads; KDA heads with an integer row), the others in fp32.\n"
                "  --json         every detail (curves, per-head and per-class errors) as JSON\n"
                "                 on stdout instead of the table\n"
                "  --json FILE    the JSON into FILE and the table on stdout as well\n"
@@ -309,15 +310,6 @@ int stepq_tool_eval(int argc, char **argv)
         }
         stepq_model_shape sh;
         stepq_map_shape(maps[nm], &sh);
-        if (sh.arch == STEPQ_ARCH_KDA && stepq_map_arith(maps[nm]) == STEPQ_ARITH_FP16) {
-            fprintf(stderr,
-                    "stepq eval: %s: arith fp16 covers GDN layers only (its pool refuses the "
-                    "decode step of a kda map)\n",
-                    maps_p[nm]);
-            stepq_map_close(maps[nm]);
-            rc = 1;
-            break;
-        }
         int same = sh.arch == I->arch && sh.n_layers == I->n_layers && sh.num_k_heads == I->H &&
                    sh.num_v_heads == I->HV && sh.head_k_dim == I->K && sh.head_v_dim == I->V;
         for (int l = 0; same && l < sh.n_layers; l++)

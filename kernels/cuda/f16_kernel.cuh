@@ -31,6 +31,11 @@
 
 /* Blocks per SM the launch bounds ask for by default: 4 (64 registers a thread; 3: 80). */
 #define SQ_F16_OCC 4
+/* the launch of a KDA layer (hd->f16 == 3 for every head): its own instantiation, so that the
+ * run-time-width path's registers do not weigh on the GDN widths' allocation */
+#define SQ_V_KDA 256
+/* (4 blocks per SM as GDN; at 64 registers the KDA item spills 480 bytes, at 80 (3 blocks,
+ * STEPQ__CUDA_F16_OCC3) 156, at 2 blocks none (114 registers): the bench rows compare them) */
 
 /* the smallest power of two >= x (x >= 0 finite; 0 gives 2^-126): step_f16.c's p2 */
 __device__ __forceinline__ float sq_p2(float x)
@@ -79,6 +84,7 @@ struct __align__(16) sq_f16_smem
     uint32_t qt[64];    /* their quantize factors qmax / c (half2, scale P) */
     float pw[8];        /* P_w per warp */
     float P, iP;        /* the largest P_w and 1 / P (exact: a power of two) */
+    uint4 rc[SQ_D];     /* KDA: the rows' constants (sq_f16_rowc) */
 };
 
 /* Column sums of a thread's 8 partials a[] and b[] over the block: the other half-warp's, then
@@ -175,15 +181,72 @@ __device__ __forceinline__ void sq_f16_enc(const uint32_t (&T)[4], uint32_t &lo,
 }
 
 /*
- * One (entry e, head hv) work item at width B (hd->f16). V: the input dtype bit (SQ_V_IN32 or
- * SQ_V_IN16). Ends with a barrier.
+ * KDA rows at run-time widths (sq_f16_item<0, V>): row i's constants in shared memory, filled
+ * by thread i before the input phase's barrier. x: byte offset of its codes | b << 16 | pivot
+ * << 24; y: half2 (qmax, 1536 + qmax); z: half2 (1024 + qmax) twice (the decode's offset); w:
+ * RN(1 / qmax) (fp32).
+ */
+__device__ __forceinline__ uint4 sq_f16_rowc(int b, uint32_t roff)
+{
+    if (b < 2 || b > 8) /* a pivot row */
+        return make_uint4(roff | (16u << 16) | (1u << 24), 0u, 0u, 0u);
+    const float qm = (float)((1 << (b - 1)) - 1);
+    return make_uint4(roff | ((uint32_t)b << 16), sq_h2u(__floats2half2_rn(qm, 1536.0f + qm)),
+                      sq_h2u(__float2half2_rn(1024.0f + qm)), __float_as_uint(1.0f / qm));
+}
+
+/* sq_f16_dec at a run-time width b (off: half2 1024 + qmax twice) */
+__device__ __forceinline__ void sq_f16_dec_rt(uint32_t lo, uint32_t hi, int b, uint32_t off,
+                                              half2 (&X)[4])
+{
+    const uint32_t M = (1u << b) - 1u, M16 = M << 16, s = 16u - (uint32_t)b;
+    const uint32_t w2 = __funnelshift_rc(lo, hi, 4u * (uint32_t)b); /* codes 4..7 */
+    const uint32_t F[4] = { lo, lo >> (2 * b), w2, w2 >> (2 * b) };
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+        X[p] = __hsub2(sq_u2h((F[p] & M) | ((F[p] << s) & M16) | 0x64006400u), sq_u2h(off));
+}
+
+/* sq_f16_enc at a run-time width b */
+__device__ __forceinline__ void sq_f16_enc_rt(const uint32_t (&T)[4], int b, uint32_t &lo,
+                                              uint32_t &hi)
+{
+    const uint32_t M = (1u << b) - 1u, Mb = M << b, s = 16u - (uint32_t)b, s4 = 4u * (uint32_t)b;
+    uint32_t P[4];
+#pragma unroll
+    for (int p = 0; p < 4; p++)
+        P[p] = (T[p] & M) | ((T[p] >> s) & Mb);
+    const uint32_t A = P[0] | (P[1] << (2 * b)), Bw = P[2] | (P[3] << (2 * b));
+    lo = A | __funnelshift_lc(0u, Bw, s4);   /* Bw << 4b (0 for b = 8) */
+    hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
+}
+
+/* A pivot row's 4 half2 values with the non-finite ones zeroed (a corrupted page), STATE */
+__device__ __forceinline__ void sq_f16_piv_clean(half2 (&X)[4], unsigned &fl)
+{
+#pragma unroll
+    for (int p = 0; p < 4; p++) {
+        uint32_t u = sq_h2u(X[p]);
+        if ((u & 0x7C00u) == 0x7C00u)
+            u &= 0xFFFF0000u, fl |= STEPQ_HEALTH_STATE;
+        if ((u & 0x7C000000u) == 0x7C000000u)
+            u &= 0x0000FFFFu, fl |= STEPQ_HEALTH_STATE;
+        X[p] = sq_u2h(u);
+    }
+}
+
+/*
+ * One (entry e, head hv) work item at width B (hd->f16 == 1), or of a KDA head at run-time
+ * widths with pivot rows (B == 0, hd->f16 == 3: kernels/quant.h lists what differs). V: the
+ * input dtype bit (SQ_V_IN32 or SQ_V_IN16). Ends with a barrier.
  */
 template <int B, int V>
 __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, int hv, int e,
                                             int HV, int32_t slot, sq_tsmem &sm, sq_f16_smem &fs,
                                             const sq_in &in)
 {
-    constexpr int QM = sq_bw<B>::QM;
+    constexpr bool KDA = B == 0;
+    constexpr int QM = KDA ? 1 : sq_bw < KDA ? 2 : B > ::QM;
     constexpr bool REFIT = !(V & SQ_V_NOREFIT); /* the decode fit norefit: no step-6 refit */
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
@@ -195,16 +258,32 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     unsigned fl = 0;
     if (t == 0)
         sm.fl = 0;
+    if (KDA && t < SQ_D)
+        fs.rc[t] = sq_f16_rowc(hd->bits[t], hd->row_off[t]);
 
-    /* the thread's codes and old scales first: in flight through the input phase */
+    /* the thread's codes and old scales first: in flight through the input phase (a KDA
+     * pivot row: its first 4 values; the other 4 come after the inputs) */
     uint32_t clo[8], chi[8];
 #pragma unroll
-    for (int r = 0; r < 8; r++)
-        sq_ld_codes<B>(codes + (size_t)(R0 + r) * (SQ_D * B / 8), tx, clo[r], chi[r]);
+    for (int r = 0; r < 8; r++) {
+        if constexpr (KDA) {
+            const int b = hd->bits[R0 + r];
+            const uint8_t *row = codes + hd->row_off[R0 + r];
+            if (b == STEPQ_BITS_PIVOT) {
+                const uint2 v = *(const uint2 *)(row + 16 * tx);
+                clo[r] = v.x, chi[r] = v.y;
+            } else {
+                sq_ld_codes_rt(row, tx, b, clo[r], chi[r]);
+            }
+        } else {
+            sq_ld_codes<B>(codes + (size_t)(R0 + r) * (SQ_D * B / 8), tx, clo[r], chi[r]);
+        }
+    }
     const uint4 rr = *(const uint4 *)(blk + hd->row_scale_off + 2 * R0);
     const uint4 cc = *(const uint4 *)(blk + hd->col_scale_off + 2 * C0);
     /* column t's old scale for step 1's u (threads 0..127), off the tail's critical path */
-    const float c_t = sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t & (SQ_D - 1)]);
+    const float c_t =
+        KDA ? 0.0f : sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t & (SQ_D - 1)]);
     const int myl = (tx >> 1) & 7, src0 = lane & 16; /* the row this lane owns: R0 + myl */
 
     float kq;
@@ -214,8 +293,21 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
 
     half2 X[8][4];
 #pragma unroll
-    for (int r = 0; r < 8; r++)
-        sq_f16_dec<B>(clo[r], chi[r], X[r]);
+    for (int r = 0; r < 8; r++) {
+        if constexpr (KDA) {
+            const uint4 rc = fs.rc[R0 + r];
+            if (rc.x >> 24) {
+                const uint2 v = *(const uint2 *)(codes + (rc.x & 0xFFFFu) + 16 * tx + 8);
+                X[r][0] = sq_u2h(clo[r]), X[r][1] = sq_u2h(chi[r]);
+                X[r][2] = sq_u2h(v.x), X[r][3] = sq_u2h(v.y);
+                sq_f16_piv_clean(X[r], fl);
+            } else {
+                sq_f16_dec_rt(clo[r], chi[r], (rc.x >> 16) & 0xFFu, rc.z, X[r]);
+            }
+        } else {
+            sq_f16_dec<B>(clo[r], chi[r], X[r]);
+        }
+    }
     /* the old scales stay packed (4 registers each) and widen where they are used */
     const uint32_t rw[4] = { rr.x, rr.y, rr.z, rr.w }, cw[4] = { cc.x, cc.y, cc.z, cc.w };
     float rf[8];
@@ -224,6 +316,13 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         const float2 a = __half22float2(sq_u2h(rw[p]));
         rf[2 * p] = a.x, rf[2 * p + 1] = a.y;
     }
+    if constexpr (KDA) /* e_i = r_i alpha_i / qmax_i (0 for a pivot row) in place of r_i */
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const uint4 rc = fs.rc[R0 + r];
+            rf[r] = rc.x >> 24 ? 0.0f
+                               : __fmul_rn(__fmul_rn(rf[r], sm.dec[R0 + r]), __uint_as_float(rc.w));
+        }
 
     /* 1. the dot products in the code domain */
     {
@@ -245,19 +344,45 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
             const half2 wq = __float2half2_rn(__fmul_rn(__fmul_rn(rf[r], sm.q[R0 + r]), iPq));
 #pragma unroll
             for (int p = 0; p < 4; p++) {
-                ak[p] = __hfma2(X[r][p], wk, ak[p]);
+                ak[p] = __hfma2(X[r][p], wk, ak[p]); /* a KDA pivot row: + 0 (its values finite) */
                 aq[p] = __hfma2(X[r][p], wq, aq[p]);
             }
         }
         sq_f16_widen(ak, Pk, pk);
         sq_f16_widen(aq, Pq, pq);
+        if constexpr (KDA) {
+            /* the group's partials times c_j, then its pivot rows' fp32 terms, in row order */
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const float2 c = __half22float2(sq_u2h(cw[p]));
+                pk[2 * p] = __fmul_rn(pk[2 * p], c.x),
+                       pk[2 * p + 1] = __fmul_rn(pk[2 * p + 1], c.y);
+                pq[2 * p] = __fmul_rn(pq[2 * p], c.x),
+                       pq[2 * p + 1] = __fmul_rn(pq[2 * p + 1], c.y);
+            }
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                if (fs.rc[R0 + r].x >> 24) {
+                    const float ar = sm.dec[R0 + r], kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+#pragma unroll
+                    for (int p = 0; p < 4; p++) {
+                        const float2 x = __half22float2(X[r][p]);
+                        const float a = __fmul_rn(x.x, ar), b = __fmul_rn(x.y, ar);
+                        pk[2 * p] = __fmaf_rn(a, kr, pk[2 * p]);
+                        pk[2 * p + 1] = __fmaf_rn(b, kr, pk[2 * p + 1]);
+                        pq[2 * p] = __fmaf_rn(a, qr, pq[2 * p]);
+                        pq[2 * p + 1] = __fmaf_rn(b, qr, pq[2 * p + 1]);
+                    }
+                }
+        }
         float s, tq;
         sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
         if (t < SQ_D) {
-            const float f = __fmul_rn(__fmul_rn(c_t, alpha), iq);
-            const float u = __fmul_rn(beta, __fsub_rn(sm.v[t], __fmul_rn(s, f)));
+            const float f = KDA ? 1.0f : __fmul_rn(__fmul_rn(c_t, alpha), iq);
+            const float u = KDA ? __fmul_rn(beta, __fsub_rn(sm.v[t], s))
+                                : __fmul_rn(beta, __fsub_rn(sm.v[t], __fmul_rn(s, f)));
             sm.cola[t] = u;
-            float o = __fmaf_rn(u, kq, __fmul_rn(tq, f));
+            float o = __fmaf_rn(u, kq, KDA ? tq : __fmul_rn(tq, f));
             if (!isfinite(o)) {
                 o = 0.0f;
                 fl |= STEPQ_HEALTH_OUTPUT;
@@ -282,6 +407,9 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     }
     const float r_my = sq_h2f(((const uint16_t *)(blk + hd->row_scale_off))[R0 + myl]);
     const float w_my = hd->w[R0 + myl];
+    /* KDA: the owned row's decay, 1 / qmax and kind (a pivot row: no scale, no N_i) */
+    const uint4 rc_my = KDA ? fs.rc[R0 + myl] : make_uint4(0u, 0u, 0u, 0u);
+    const bool piv_my = KDA && (rc_my.x >> 24);
     float cm = 0.0f, um = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; j++) {
@@ -297,16 +425,43 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         C2[p] = __floats2half2_rn(__fmul_rn(cf[2 * p], iPc), __fmul_rn(cf[2 * p + 1], iPc));
         U2[p] = __floats2half2_rn(__fmul_rn(uc[2 * p], iSu), __fmul_rn(uc[2 * p + 1], iSu));
     }
-    const float k_my = sm.k[R0 + myl], ar = __fmul_rn(alpha, r_my);
-    const float N_my = sq_p2(fmaxf(__fmul_rn(ar, Pc), __fmul_rn(fabsf(k_my), um)));
+    const float k_my = sm.k[R0 + myl];
+    const float ar = __fmul_rn(KDA ? sm.dec[R0 + myl] : alpha, r_my);
+    const float iq_my = KDA ? __uint_as_float(rc_my.w) : iq;
+    const float N_my = piv_my ? 1.0f : sq_p2(fmaxf(__fmul_rn(ar, Pc), __fmul_rn(fabsf(k_my), um)));
     const float iN = sq_p2inv(N_my);
     {
-        const uint32_t FK = sq_h2u(__floats2half2_rn(
-            __fmul_rn(__fmul_rn(__fmul_rn(ar, Pc), iq), iN), __fmul_rn(__fmul_rn(k_my, Su), iN)));
+        const uint32_t FK =
+            sq_h2u(__floats2half2_rn(__fmul_rn(__fmul_rn(__fmul_rn(ar, Pc), iq_my), iN),
+                                     __fmul_rn(__fmul_rn(k_my, Su), iN)));
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const half2 fk = sq_u2h(__shfl_sync(0xffffffffu, FK, src0 | (2 * r)));
             const half2 F2 = __low2half2(fk), K2 = __high2half2(fk);
+            if (KDA && (fs.rc[R0 + r].x >> 24)) {
+                /* a pivot row: the fp32 step's update, stored now (no one reads it since the
+                 * barrier), then zeros in every maximum and sum below */
+                const uint4 rc = fs.rc[R0 + r];
+                const float ai = sm.dec[R0 + r], kr = sm.k[R0 + r];
+                uint32_t yw[4];
+                bool nf = false;
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    const float2 x = __half22float2(X[r][p]);
+                    float a = __fadd_rn(__fmul_rn(x.x, ai), __fmul_rn(kr, uc[2 * p]));
+                    float b = __fadd_rn(__fmul_rn(x.y, ai), __fmul_rn(kr, uc[2 * p + 1]));
+                    nf |= !isfinite(a) || !isfinite(b);
+                    a = isfinite(a) ? a : 0.0f;
+                    b = isfinite(b) ? b : 0.0f;
+                    yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
+                    X[r][p] = __float2half2_rn(0.0f);
+                }
+                if (nf)
+                    fl |= STEPQ_HEALTH_STATE;
+                *(uint4 *)(blk + (rc.x & 0xFFFFu) + 16 * tx) =
+                    make_uint4(yw[0], yw[1], yw[2], yw[3]);
+                continue;
+            }
 #pragma unroll
             for (int p = 0; p < 4; p++)
                 X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
@@ -336,13 +491,14 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         kk = __hmax2(kk, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(kk), 2)));
         kk = __hmax2(kk, sq_u2h(__shfl_xor_sync(0xffffffffu, sq_h2u(kk), 1)));
         const float m = __fmul_rn(__half2float(b1 ? __high2half(kk) : __low2half(kk)), N_my);
-        const uint16_t rh = sq_f16_scale(sq_dual_row_scale(m, w_my, hd->row_split), fl);
+        const uint16_t rh =
+            piv_my ? 0 : sq_f16_scale(sq_dual_row_scale(m, w_my, hd->row_split), fl);
         rn_my = sq_h2f(rh);
-        yb = __fdiv_rn(m, rn_my);
+        yb = piv_my ? 0.0f : __fdiv_rn(m, rn_my);
         if (!(tx & 1))
             ((uint16_t *)(blk + hd->row_scale_off))[R0 + myl] = rh; /* read by no one since */
     }
-    /* 4. P_w over the warp's 16 rows; Y = X R_i; the refit weights A_i / Pa_g */
+    /* 4. P_w over the warp's 16 rows; Y = X R_i; the refit weights A_i / Pa */
     float ybw = fmaxf(yb, __shfl_xor_sync(0xffffffffu, yb, 2));
     ybw = fmaxf(ybw, __shfl_xor_sync(0xffffffffu, ybw, 4));
     ybw = fmaxf(ybw, __shfl_xor_sync(0xffffffffu, ybw, 8));
@@ -351,7 +507,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     uint32_t RA; /* this lane's row: R_i and A_i / Pa (half2), shuffled to the row's lanes */
     float Pa = 0.0f;
     {
-        const float R = fminf(__fdiv_rn(__fmul_rn(N_my, sq_p2inv(Pw)), rn_my), 65504.0f);
+        const float R =
+            piv_my ? 0.0f : fminf(__fdiv_rn(__fmul_rn(N_my, sq_p2inv(Pw)), rn_my), 65504.0f);
         float Ah = 0.0f;
         if constexpr (REFIT) {
             const float A = __fmul_rn(__fmul_rn(__fmul_rn(w_my, w_my), rn_my), rn_my);
@@ -370,7 +527,6 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 X[r][p] = __hmul2(X[r][p], R2);
         }
     }
-
     /* 5. column maxima: 8 rows in-thread, the other half-warp, then the warps in scale P */
     {
         half2 CM[4];
@@ -412,6 +568,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         fs.qt[t] =
             sq_h2u(__floats2half2_rn(c.x > 0.0f ? fminf(__fdiv_rn(QM, c.x), 65504.0f) : 0.0f,
                                      c.y > 0.0f ? fminf(__fdiv_rn(QM, c.y), 65504.0f) : 0.0f));
+        /* (KDA: QM = 1, the rows' qmax_i enter at the codes) */
         if (t == 0)
             fs.P = P, fs.iP = iP;
     }
@@ -442,6 +599,31 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 REFIT ? __high2half2(sq_u2h(__shfl_sync(0xffffffffu, RA, src0 | (2 * r))))
                       : __float2half2_rn(0.0f);
             uint32_t T[4];
+            if constexpr (KDA) {
+                /* T = h(Y Q_w) qmax_i + 1536 + qmax_i; the refit on zt = h(z h(1 / qmax_i)) */
+                const uint4 rc = fs.rc[R0 + r];
+                const half2 qm = __low2half2(sq_u2h(rc.y)), mg = __high2half2(sq_u2h(rc.y));
+                const half2 ih = __float2half2_rn(__uint_as_float(rc.w));
+#pragma unroll
+                for (int p = 0; p < 4; p++) {
+                    half2 Tp = __hfma2(__hmul2(X[r][p], Q2[p]), qm, mg);
+                    if (sat)
+                        Tp = __hmin2(__hmax2(Tp, __float2half2_rn(1536.0f)), __hadd2(mg, qm));
+                    if (REFIT) {
+                        const half2 zt = __hmul2(__hsub2(Tp, mg), ih);
+                        an[p] = __hfma2(__hmul2(zt, X[r][p]), A2, an[p]);
+                        ad[p] = __hfma2(__hmul2(zt, zt), A2, ad[p]);
+                    }
+                    T[p] = sq_h2u(Tp);
+                }
+                if (!(rc.x >> 24)) { /* a pivot row was stored in step 2 */
+                    const int b = (rc.x >> 16) & 0xFF;
+                    uint32_t lo, hi;
+                    sq_f16_enc_rt(T, b, lo, hi);
+                    sq_st_codes_rt(blk + (rc.x & 0xFFFFu), tx, b, lo, hi);
+                }
+                continue;
+            }
 #pragma unroll
             for (int p = 0; p < 4; p++) {
                 half2 Tp = __hfma2(X[r][p], Q2[p], mag);
@@ -456,8 +638,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 T[p] = sq_h2u(Tp);
             }
             uint32_t lo, hi;
-            sq_f16_enc<B>(T, lo, hi);
-            sq_st_codes<B>(blk + (size_t)(R0 + r) * (SQ_D * B / 8), tx, lo, hi);
+            sq_f16_enc<KDA ? 2 : B>(T, lo, hi);
+            sq_st_codes<KDA ? 2 : B>(blk + (size_t)(R0 + r) * (SQ_D * B / 8), tx, lo, hi);
         }
         const float fa = __fmul_rn(Pa, pw);
         sq_f16_widen(an, fa, pn);
@@ -469,7 +651,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     if (t < SQ_D) {
         const float c2 = __half2float(((const half *)fs.ct)[t]);
         const float c = REFIT && d > 0.0f ? __fdiv_rn(__fmul_rn(__fmul_rn((float)QM, P), n), d)
-                                          : __fmul_rn(c2, P);
+                                          : __fmul_rn(c2, P); /* KDA: QM P = P, exact */
         ((uint16_t *)(blk + hd->col_scale_off))[t] = sq_f16_scale(c, fl);
     }
     if (fl)
@@ -610,12 +792,16 @@ __global__ void __launch_bounds__(SQ_THREADS, OCC) sq_f16_kernel(sq_step st, sq_
     const int hv = blockIdx.y, e = blockIdx.x, HV = gridDim.y;
     const int32_t slot = io.slots ? io.slots[e] : e;
     const sq_head_desc *hd = io.heads + hv;
-    if (slot < 0 || slot >= io.n_slots || !hd->f16)
+    if (slot < 0 || slot >= io.n_slots || !hd->f16 || (hd->f16 == 3) != ((V & SQ_V_KDA) != 0))
         return; /* uniform over the block */
     sq_in in;
     sq_load_in<true, V>(in, st, hv, e, HV, threadIdx.x);
     if (hd->f16 == 2) {
         sq_f16_pivot_item<V>(st, io, hv, e, HV, slot, sm, in);
+        return;
+    }
+    if constexpr ((V & SQ_V_KDA) != 0) { /* KDA: run-time widths and pivot rows */
+        sq_f16_item<0, V & ~SQ_V_KDA>(st, io, hv, e, HV, slot, sm, fs, in);
         return;
     }
     /* the head's width (2..6 or 8): the tile kernel's one dispatch per head */

@@ -37,6 +37,7 @@ struct stepq__cuda_layer {
     stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
     int any_f16;          /* an arith fp16 layer: every head's decode step is the fp16 kernel's */
     int f16_occ3;         /* STEPQ__CUDA_F16_OCC3 */
+    int f16_kda;          /* ... of a KDA layer: the kernel's SQ_V_KDA instantiation */
     /*
      * Every head a bf16 block of the same arch, laid out back to back from
      * dense_off (head hv at dense_off + hv * d_k * d_v * 2): the page is a
@@ -141,6 +142,9 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
                 h->ubits = 0;
         /* arith fp16: the heads the C reference steps in fp16 (kernels/step_f16.c) */
         h->f16 = hl->arith == STEPQ_ARITH_FP16 && stepq__step_f16_supports(hl) && h->ubits;
+        /* KDA: every head with an integer row, any mix of widths and pivot rows */
+        if (hl->arith == STEPQ_ARITH_FP16 && hl->arch == STEPQ_ARCH_KDA)
+            h->f16 = stepq__step_f16_supports(hl) ? 3 : 0;
         /* and its GDN pivot heads, in fp32 as the reference steps them, in the same launch */
         if (hl->arith == STEPQ_ARITH_FP16 && hl->arch == STEPQ_ARCH_GDN && hl->quantized &&
             hl->n_pivot_rows == SQ_D && hl->codes_offset == 0) {
@@ -212,11 +216,11 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
             goto fail;
         }
     }
-    /* an arith fp16 layer is one launch of the fp16 kernel: every head must be its (today's
-     * formats always are: GDN integer heads of one width, and pivot heads) */
+    /* an arith fp16 layer is one launch of the fp16 kernel: every head must be its (GDN
+     * integer heads of one width and pivot heads; KDA heads with at least one integer row: a
+     * KDA head whose rows are all pivots is the one a map can hold and the kernel refuses) */
     for (int hv = 0; hv < pl->n_heads; hv++)
-        if (pl->heads[hv].arith == STEPQ_ARITH_FP16 && pl->heads[hv].arch == STEPQ_ARCH_GDN &&
-            !h[hv].f16) {
+        if (pl->heads[hv].arith == STEPQ_ARITH_FP16 && !h[hv].f16) {
             rc = stepq__error(STEPQ_ENOTSUP,
                               "%s: head %d of an arith fp16 layer is not one the fp16 kernel "
                               "steps (kernels/cuda/f16_kernel.cuh)",
@@ -252,6 +256,7 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     L->all_quant = 1;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         L->any_f16 |= h[hv].f16;
+        L->f16_kda |= h[hv].f16 == 3;
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
         L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
@@ -605,6 +610,21 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
                             "tile kernels implements (not the %s)",
                             who,
                             variant != STEPQ__CUDA_FUSED ? "two-stage variant" : "column kernels");
+    if (L->any_f16 && L->f16_kda) {
+        /* KDA: every head on the run-time-width item, its own instantiation (SQ_V_KDA) */
+        const dim3 g2(grid.y, grid.x);
+        constexpr int K = SQ_V_KDA;
+        if (L->fit == STEPQ_DECODE_FIT_NOREFIT)
+            return st.in_bf16 ? launch_k<sq_f16_kernel<K | SQ_V_IN16 | SQ_V_NOREFIT>>(g2, 0, s, who,
+                                                                                      st, io)
+                              : launch_k<sq_f16_kernel<K | SQ_V_IN32 | SQ_V_NOREFIT>>(g2, 0, s, who,
+                                                                                      st, io);
+        if (L->f16_occ3)
+            return st.in_bf16 ? launch_k<sq_f16_kernel<K | SQ_V_IN16, 3>>(g2, 0, s, who, st, io)
+                              : launch_k<sq_f16_kernel<K | SQ_V_IN32, 3>>(g2, 0, s, who, st, io);
+        return st.in_bf16 ? launch_k<sq_f16_kernel<K | SQ_V_IN16>>(g2, 0, s, who, st, io)
+                          : launch_k<sq_f16_kernel<K | SQ_V_IN32>>(g2, 0, s, who, st, io);
+    }
     if (L->any_f16) {
         /* the fp16 kernel takes every head, its pivot heads included, on a (batch, heads) grid */
         const dim3 g2(grid.y, grid.x);

@@ -1275,6 +1275,79 @@ void checkasm_check_decode(void)
         if (!small)
             one((struct params){
                 .arch = G, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
+        /* KDA (the kernel's SQ_V_KDA instantiation): rows of mixed widths with a pivot row per
+         * head, and heads of one width; in-kernel gates, bf16 views, a NaN in q, huge states, a
+         * zero column scale, a NaN in a pivot row, zeroed pages, ids outside 0..slots, a row
+         * split, the decode fit norefit */
+        for (int f = 0; f < 2; f++) {
+            const stepq_decode_fit fit = f ? STEPQ_DECODE_FIT_NOREFIT : STEPQ_DECODE_FIT_EXACT;
+            static const int kw[] = { 0, 2, 3, 5, 6, 8 };
+            for (int w = 0; w < 6; w++)
+                one((struct params){ .arch = K,
+                                     .method = SQ,
+                                     .bits = kw[w],
+                                     .H = 2,
+                                     .HV = 2,
+                                     .batch = B,
+                                     .gate = (w + f + 1) & 1,
+                                     .fit = fit,
+                                     .arith = F16 });
+            one((struct params){ .arch = K,
+                                 .method = SQ,
+                                 .H = 2,
+                                 .HV = 2,
+                                 .batch = B,
+                                 .huge = 1,
+                                 .fit = fit,
+                                 .arith = F16 });
+            one((struct params){ .arch = K,
+                                 .method = SQ,
+                                 .H = 2,
+                                 .HV = 2,
+                                 .batch = B,
+                                 .zero_pages = 1,
+                                 .fit = fit,
+                                 .arith = F16 });
+            one((struct params){ .arch = K,
+                                 .method = SQ,
+                                 .H = 2,
+                                 .HV = 2,
+                                 .batch = B,
+                                 .nan_state = 1,
+                                 .fit = fit,
+                                 .arith = F16 });
+        }
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .gate = 1,
+                             .view = 1,
+                             .arith = F16 });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .nonfinite = 1, .arith = F16 });
+        one((struct params){
+            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .zero_col = 1, .arith = F16 });
+        one((struct params){ .arch = K,
+                             .method = STEPQ_METHOD_DSQ,
+                             .bits = 4,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .wild_ids = 1,
+                             .arith = F16 });
+        one((struct params){ .arch = K,
+                             .method = SQ,
+                             .H = 2,
+                             .HV = 2,
+                             .batch = B,
+                             .gate = 1,
+                             .row_split = 0.75,
+                             .arith = F16 });
+        if (!small)
+            one((struct params){
+                .arch = K, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
         if (checkasm_check("decode arith fp16: the two-stage variant and the column kernels "
                            "refuse (STEPQ_ENOTSUP)"))
             checkasm_report(run_f16_refused());

@@ -854,37 +854,40 @@ static void test_map_decode_fit_is_the_host_pools_step(void **state)
 }
 
 /*
- * The map's arith fp16 on the host pool (GDN dsq, spatial, stepq): pools on an fp16 and an
- * fp32 map pack the same pages; after a decode step every head the fp16 step covers
+ * The map's arith fp16 on the host pool (dsq, spatial, stepq; GDN and KDA): pools on an fp16
+ * and an fp32 map pack the same pages; after a decode step every head the fp16 step covers
  * (stepq__step_f16_supports) holds the C reference's fp16 step of its start block
- * (kernels/step_f16.c on the prepared inputs) and the output row is its readout, bit for bit;
- * every other head (pivot heads) is the fp32 pool's block. Every map has fp16 heads, the stepq
- * map pivot heads too, and the fp16 pages differ from the fp32 ones. With the decode fit exact
- * and with norefit (the heads' layouts carry it, and the reference follows it).
+ * (kernels/step_f16.c on the prepared inputs: KDA's d_k log decays) and the output row is its
+ * readout, bit for bit; every other head (GDN pivot heads) is the fp32 pool's block. Every map
+ * has fp16 heads, the GDN stepq map pivot heads too; on KDA every head is an fp16 one, the
+ * stepq map's with mixed widths and a pivot row among them. The fp16 pages differ from the fp32
+ * ones. With the decode fit exact and with norefit (the heads' layouts carry it, and the
+ * reference follows it).
  */
 static void test_map_arith_fp16_is_the_host_pools_step(void **state)
 {
     static const stepq_method methods[] = { STEPQ_METHOD_DSQ, STEPQ_METHOD_SPATIAL,
                                             STEPQ_METHOD_STEPQ };
+    const size_t nm = sizeof(methods) / sizeof(methods[0]);
 
     (void)state;
-    /* every method with the exact fit, then with norefit (the reference follows hl->decode_fit) */
-    for (size_t kf = 0; kf < 2 * sizeof(methods) / sizeof(methods[0]); kf++) {
-        const size_t k = kf % (sizeof(methods) / sizeof(methods[0]));
-        const stepq_decode_fit fit = kf < sizeof(methods) / sizeof(methods[0])
-                                         ? STEPQ_DECODE_FIT_EXACT
-                                         : STEPQ_DECODE_FIT_NOREFIT;
+    /* GDN then KDA, every method with the exact fit, then with norefit (the reference follows
+     * hl->decode_fit) */
+    for (size_t akf = 0; akf < 4 * nm; akf++) {
+        const stepq_arch arch = akf < 2 * nm ? STEPQ_ARCH_GDN : STEPQ_ARCH_KDA;
+        const size_t kf = akf % (2 * nm), k = kf % nm;
+        const stepq_decode_fit fit = kf < nm ? STEPQ_DECODE_FIT_EXACT : STEPQ_DECODE_FIT_NOREFIT;
         struct fixture a, b;
         size_t n;
         memset(&a, 0, sizeof(a));
         /* the fp16 map: the fixture's map with arith fp16 before its pool opens */
-        fixture_open_bits(&b, STEPQ_ARCH_GDN, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
+        fixture_open_bits(&b, arch, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
         {
             stepq_pool_config cfg = STEPQ_POOL_CONFIG_INITIALIZER;
             a = b;
-            /* dsq and spatial at 4 bits, stepq mixed around 6 bits with pivot heads */
-            a.map =
-                make_map_bits(STEPQ_ARCH_GDN, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
+            /* dsq and spatial at 4 bits, stepq mixed around 6 bits with pivot heads (GDN) or
+             * pivot rows (KDA) */
+            a.map = make_map_bits(arch, methods[k], methods[k] == STEPQ_METHOD_STEPQ ? 6 : 4);
             assert_int_equal(stepq_map_set_decode_fit(a.map, fit), STEPQ_OK);
             assert_int_equal(stepq_map_set_arith(a.map, STEPQ_ARITH_FP16), STEPQ_OK);
             cfg.map = a.map;
@@ -908,7 +911,7 @@ static void test_map_arith_fp16_is_the_host_pools_step(void **state)
         float *scratch = falloc(2 * head), *o_a = falloc((size_t)BATCH * b.HV * b.V);
         uint8_t *blk = malloc(n);
         assert_non_null(blk);
-        int n16 = 0, n32 = 0;
+        int n16 = 0, n32 = 0, n_piv = 0, n_mixed = 0; /* fp16 heads with pivot rows, mixed */
         for (int layer = 0; layer < b.L; layer++) {
             stepq_step_args sb = step_args(&b, b.ids, BATCH);
             fill_inputs(&b, 500 + layer);
@@ -936,15 +939,25 @@ static void test_map_arith_fp16_is_the_host_pools_step(void **state)
                     const float *w = pl.row_impact ? pl.row_impact + (size_t)h * b.K : NULL;
                     assert_int_equal(stepq__prep_step_head(&ka, e, h, b.ids[e], q, kk, v, g, &beta),
                                      0);
-                    (void)stepq__step_head_f16(hl, start + off, w, q, kk, v, g[0], beta, blk, o,
+                    (void)stepq__step_head_f16(hl, start + off, w, q, kk, v, g, beta, blk, o,
                                                scratch, NULL);
                     assert_memory_equal(blk, pg_a + off, hl->block_bytes);
                     assert_memory_equal(o, o_a + ((size_t)e * b.HV + h) * b.V, sizeof(float) * b.V);
                     n16++;
+                    n_piv += hl->n_pivot_rows > 0;
+                    for (int i = 1; i < b.K; i++)
+                        if (hl->row_bits[i] != hl->row_bits[0]) {
+                            n_mixed++;
+                            break;
+                        }
                 }
             memcpy(start, pg_a, n);
         }
-        assert_true(n16 > 0 && (methods[k] != STEPQ_METHOD_STEPQ || n32 > 0));
+        if (arch == STEPQ_ARCH_GDN)
+            assert_true(n16 > 0 && (methods[k] != STEPQ_METHOD_STEPQ || n32 > 0));
+        else
+            assert_true(n16 > 0 && n32 == 0 &&
+                        (methods[k] != STEPQ_METHOD_STEPQ || (n_piv > 0 && n_mixed > 0)));
         assert_true(memcmp(pg_a, pg_b, n) != 0);
         free(blk);
         free(scratch);

@@ -246,9 +246,9 @@ uint32_t stepq__calib_quant_step_f16(struct stepq__calib_quant *qz,
 {
     const int K = h->K, V = h->V;
     const float *g = h->g + (size_t)t * (h->kda ? K : 1);
-    uint32_t fl = stepq__step_head_f16(&qz->hl, qz->block, qz->w, h->q + (size_t)t * K,
-                                       h->k + (size_t)t * K, h->v + (size_t)t * V, g[0], h->beta[t],
-                                       qz->block, o, qz->scratch, NULL);
+    uint32_t fl =
+        stepq__step_head_f16(&qz->hl, qz->block, qz->w, h->q + (size_t)t * K, h->k + (size_t)t * K,
+                             h->v + (size_t)t * V, g, h->beta[t], qz->block, o, qz->scratch, NULL);
     stepq__dequantize_head(&qz->hl, qz->block, x);
     return fl;
 }
