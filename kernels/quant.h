@@ -244,9 +244,9 @@ int stepq__quant_arith_fp16(void);
  *   KDA (per-row decays alpha_i = (float)exp((double)g_i), widths b_i, qmax_i, iq_i = RN(1 /
  *   qmax_i); pivot rows p with fp16 values x_pj, a non-finite one read as 0 with STATE):
  *   1. e_i = r_i alpha_i iq_i (0 for a pivot row); Pk_g, wk_i as above with e_i in place of
- *      r_i (q likewise), the half sums over the integer rows of g; each group's fp32 partial
- *      is (ak_gj Pk_g) c_j, then for each pivot row p of g in order fma(x_pj alpha_p, k_p, .)
- *      (q_p for b); s_j = a_j, t_j = b_j (no f_j); u_j and o_j as above.
+ *      r_i (q likewise), the half sums over the integer rows of g, a_j and b_j as above;
+ *      s_j = a_j c_j, then for each pivot row p in row order s_j = fma(x_pj alpha_p, k_p, s_j)
+ *      (t_j from b_j with q_p likewise; no f_j); u_j and o_j as above.
  *   2. integer rows as above with alpha_i r_i and iq_i; a pivot row is the fp32 step's
  *      (x_pj alpha_p + k_p u_j, each operation rounded; not finite: 0, STATE), stored as its
  *      fp16 saturating (SATURATED where clamped), and is in no maximum, scale or sum below

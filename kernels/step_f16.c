@@ -158,8 +158,8 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
 
     /* 1. The two dot products in the code domain: half partial sums over each group's rows
      * (weights r_i k_i and r_i q_i over the group's power of two; KDA: e_i k_i, e_i q_i with
-     * e_i = r_i alpha_i / qmax_i, and the group's partial times c_j and plus its pivot rows'
-     * fp32 terms before the sum), fp32 across the groups. */
+     * e_i = r_i alpha_i / qmax_i), fp32 across the groups; KDA: the sum times c_j, then the
+     * pivot rows' fp32 terms in row order. */
     float e[STEPQ__MAX_HEAD_DIM];
     for (int i = 0; i < d_k; i++)
         e[i] = kda ? (piv[i] ? 0.0f : r[i] * al[i] * iqr[i]) : r[i];
@@ -181,22 +181,19 @@ uint32_t stepq__step_head_f16(const struct stepq__head_layout *hl, const uint8_t
                 ak = half_rn(z * h(e[i] * k[i] * (1.0f / Pk)) + ak);
                 aq = half_rn(z * h(e[i] * q[i] * (1.0f / Pq)) + aq);
             }
-            float xk = (float)ak * Pk, xq = (float)aq * Pq;
-            if (kda) {
-                xk *= c[j];
-                xq *= c[j];
-                for (int i = i0; i < i1; i++)
-                    if (piv[i]) {
-                        const float xa = Z[(size_t)i * d_v + j] * al[i];
-                        xk = fmaf(xa, k[i], xk);
-                        xq = fmaf(xa, q[i], xq);
-                    }
-            }
-            pair_add(&sa, gi, ng, xk);
-            pair_add(&sb, gi, ng, xq);
+            pair_add(&sa, gi, ng, (float)ak * Pk);
+            pair_add(&sb, gi, ng, (float)aq * Pq);
         }
-        float s = sa.sum, t = sb.sum;
-        if (!kda) {
+        float s, t;
+        if (kda) {
+            s = sa.sum * c[j], t = sb.sum * c[j];
+            for (int i = 0; i < d_k; i++)
+                if (piv[i]) {
+                    const float xa = Z[(size_t)i * d_v + j] * al[i];
+                    s = fmaf(xa, k[i], s);
+                    t = fmaf(xa, q[i], t);
+                }
+        } else {
             const float f = c[j] * alpha * iq;
             s = sa.sum * f, t = sb.sum * f;
         }

@@ -24,7 +24,8 @@ enum { SQ_SRC_PACKED = 0, SQ_SRC_DENSE = 1 };
 enum { SQ_SINK_PACKED = 0, SQ_SINK_DENSE = 1 };
 
 /* Device mirror of one head's layout (kernels/format.h). */
-struct sq_head_desc {
+struct __align__(16) sq_head_desc
+{
     uint32_t block_off;   /* head_offset in the page */
     uint32_t block_bytes; /* multiple of 16 */
     uint32_t row_scale_off, col_scale_off;
@@ -33,6 +34,8 @@ struct sq_head_desc {
     uint8_t any_int, ubits; /* ubits: the one integer width of every row, else 0 */
     uint8_t needs_zero;     /* the block has bytes no field covers (zeroed by the tile kernel) */
     uint8_t f16;            /* the decode step is the fp16 kernel's (f16_kernel.cuh; arith fp16) */
+    uint8_t piv0;           /* the first pivot row (SQ_D: none; the fp16 KDA item's readout) */
+    uint8_t pad_[3];        /* bits at byte 32 and row_off at 160: 8- and 16-byte aligned */
     uint8_t bits[SQ_D];     /* 2..8 or 16 (pivot); 0 for dense methods */
     uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
     float w[SQ_D];          /* row impact used by the fit (1 when unused) */

@@ -85,6 +85,7 @@ struct __align__(16) sq_f16_smem
     float pw[8];        /* P_w per warp */
     float P, iP;        /* the largest P_w and 1 / P (exact: a power of two) */
     uint4 rc[SQ_D];     /* KDA: the rows' constants (sq_f16_rowc) */
+    unsigned pm[4];     /* KDA: the pivot rows (bit i % 32 of word i / 32) */
 };
 
 /* Column sums of a thread's 8 partials a[] and b[] over the block: the other half-warp's, then
@@ -221,20 +222,6 @@ __device__ __forceinline__ void sq_f16_enc_rt(const uint32_t (&T)[4], int b, uin
     hi = __funnelshift_rc(Bw, 0u, 32u - s4); /* Bw >> (32 - 4b) */
 }
 
-/* A pivot row's 4 half2 values with the non-finite ones zeroed (a corrupted page), STATE */
-__device__ __forceinline__ void sq_f16_piv_clean(half2 (&X)[4], unsigned &fl)
-{
-#pragma unroll
-    for (int p = 0; p < 4; p++) {
-        uint32_t u = sq_h2u(X[p]);
-        if ((u & 0x7C00u) == 0x7C00u)
-            u &= 0xFFFF0000u, fl |= STEPQ_HEALTH_STATE;
-        if ((u & 0x7C000000u) == 0x7C000000u)
-            u &= 0x0000FFFFu, fl |= STEPQ_HEALTH_STATE;
-        X[p] = sq_u2h(u);
-    }
-}
-
 /*
  * One (entry e, head hv) work item at width B (hd->f16 == 1), or of a KDA head at run-time
  * widths with pivot rows (B == 0, hd->f16 == 3: kernels/quant.h lists what differs). V: the
@@ -246,7 +233,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                                             const sq_in &in)
 {
     constexpr bool KDA = B == 0;
-    constexpr int QM = KDA ? 1 : sq_bw < KDA ? 2 : B > ::QM;
+    constexpr int BW = KDA ? 2 : B; /* (the width the GDN-only code below compiles at) */
+    constexpr int QM = KDA ? 1 : sq_bw<BW>::QM;
     constexpr bool REFIT = !(V & SQ_V_NOREFIT); /* the decode fit norefit: no step-6 refit */
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
@@ -258,32 +246,45 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     unsigned fl = 0;
     if (t == 0)
         sm.fl = 0;
-    if (KDA && t < SQ_D)
-        fs.rc[t] = sq_f16_rowc(hd->bits[t], hd->row_off[t]);
+    if (KDA && t < SQ_D) {
+        const int b = hd->bits[t];
+        fs.rc[t] = sq_f16_rowc(b, hd->row_off[t]);
+        const unsigned pb = __ballot_sync(0xffffffffu, b == STEPQ_BITS_PIVOT); /* warps 0..3 */
+        if (lane == 0)
+            fs.pm[w] = pb;
+    }
 
-    /* the thread's codes and old scales first: in flight through the input phase (a KDA
-     * pivot row: its first 4 values; the other 4 come after the inputs) */
+    /* the thread's codes and old scales first: in flight through the input phase (KDA: the
+     * widths and offsets of its rows in two vector loads; pivot rows are read in step 2) */
     uint32_t clo[8], chi[8];
+    unsigned pm = 0; /* KDA: which of the thread's 8 rows are pivot rows */
+    if constexpr (KDA) {
+        const uint2 bb = *(const uint2 *)&hd->bits[R0];
+        const uint4 ro = *(const uint4 *)&hd->row_off[R0];
+        const uint32_t rb[2] = { bb.x, bb.y }, rof[4] = { ro.x, ro.y, ro.z, ro.w };
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        if constexpr (KDA) {
-            const int b = hd->bits[R0 + r];
-            const uint8_t *row = codes + hd->row_off[R0 + r];
-            if (b == STEPQ_BITS_PIVOT) {
-                const uint2 v = *(const uint2 *)(row + 16 * tx);
-                clo[r] = v.x, chi[r] = v.y;
-            } else {
-                sq_ld_codes_rt(row, tx, b, clo[r], chi[r]);
-            }
-        } else {
-            sq_ld_codes<B>(codes + (size_t)(R0 + r) * (SQ_D * B / 8), tx, clo[r], chi[r]);
+        for (int r = 0; r < 8; r++) {
+            const int b = (rb[r >> 2] >> (8 * (r & 3))) & 0xFF;
+            const uint32_t off = (rof[r >> 1] >> (16 * (r & 1))) & 0xFFFFu;
+            clo[r] = chi[r] = 0;
+            if (b == STEPQ_BITS_PIVOT)
+                pm |= 1u << r;
+            else
+                sq_ld_codes_rt(codes + off, tx, b, clo[r], chi[r]);
         }
+    } else {
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            sq_ld_codes<B>(codes + (size_t)(R0 + r) * (SQ_D * B / 8), tx, clo[r], chi[r]);
     }
     const uint4 rr = *(const uint4 *)(blk + hd->row_scale_off + 2 * R0);
     const uint4 cc = *(const uint4 *)(blk + hd->col_scale_off + 2 * C0);
-    /* column t's old scale for step 1's u (threads 0..127), off the tail's critical path */
-    const float c_t =
-        KDA ? 0.0f : sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t & (SQ_D - 1)]);
+    /* column t's old scale for step 1's u (threads 0..127), off the tail's critical path;
+     * KDA: and the first pivot row's value in column t, for the readout's pivot terms */
+    const float c_t = sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t & (SQ_D - 1)]);
+    const int piv0 = KDA ? hd->piv0 : SQ_D;
+    const float x0_t =
+        piv0 < SQ_D ? sq_h2f(((const uint16_t *)(blk + hd->row_off[piv0]))[t & (SQ_D - 1)]) : 0.0f;
     const int myl = (tx >> 1) & 7, src0 = lane & 16; /* the row this lane owns: R0 + myl */
 
     float kq;
@@ -296,14 +297,10 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     for (int r = 0; r < 8; r++) {
         if constexpr (KDA) {
             const uint4 rc = fs.rc[R0 + r];
-            if (rc.x >> 24) {
-                const uint2 v = *(const uint2 *)(codes + (rc.x & 0xFFFFu) + 16 * tx + 8);
-                X[r][0] = sq_u2h(clo[r]), X[r][1] = sq_u2h(chi[r]);
-                X[r][2] = sq_u2h(v.x), X[r][3] = sq_u2h(v.y);
-                sq_f16_piv_clean(X[r], fl);
-            } else {
+            if (pm & (1u << r)) /* a pivot row: 0 through step 1, its update is step 2's */
+                X[r][0] = X[r][1] = X[r][2] = X[r][3] = __float2half2_rn(0.0f);
+            else
                 sq_f16_dec_rt(clo[r], chi[r], (rc.x >> 16) & 0xFFu, rc.z, X[r]);
-            }
         } else {
             sq_f16_dec<B>(clo[r], chi[r], X[r]);
         }
@@ -319,9 +316,9 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     if constexpr (KDA) /* e_i = r_i alpha_i / qmax_i (0 for a pivot row) in place of r_i */
 #pragma unroll
         for (int r = 0; r < 8; r++) {
-            const uint4 rc = fs.rc[R0 + r];
-            rf[r] = rc.x >> 24 ? 0.0f
-                               : __fmul_rn(__fmul_rn(rf[r], sm.dec[R0 + r]), __uint_as_float(rc.w));
+            rf[r] = pm & (1u << r) ? 0.0f
+                                   : __fmul_rn(__fmul_rn(rf[r], sm.dec[R0 + r]),
+                                               __uint_as_float(fs.rc[R0 + r].w));
         }
 
     /* 1. the dot products in the code domain */
@@ -350,39 +347,26 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         }
         sq_f16_widen(ak, Pk, pk);
         sq_f16_widen(aq, Pq, pq);
-        if constexpr (KDA) {
-            /* the group's partials times c_j, then its pivot rows' fp32 terms, in row order */
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const float2 c = __half22float2(sq_u2h(cw[p]));
-                pk[2 * p] = __fmul_rn(pk[2 * p], c.x),
-                       pk[2 * p + 1] = __fmul_rn(pk[2 * p + 1], c.y);
-                pq[2 * p] = __fmul_rn(pq[2 * p], c.x),
-                       pq[2 * p + 1] = __fmul_rn(pq[2 * p + 1], c.y);
-            }
-#pragma unroll
-            for (int r = 0; r < 8; r++)
-                if (fs.rc[R0 + r].x >> 24) {
-                    const float ar = sm.dec[R0 + r], kr = sm.k[R0 + r], qr = sm.q[R0 + r];
-#pragma unroll
-                    for (int p = 0; p < 4; p++) {
-                        const float2 x = __half22float2(X[r][p]);
-                        const float a = __fmul_rn(x.x, ar), b = __fmul_rn(x.y, ar);
-                        pk[2 * p] = __fmaf_rn(a, kr, pk[2 * p]);
-                        pk[2 * p + 1] = __fmaf_rn(b, kr, pk[2 * p + 1]);
-                        pq[2 * p] = __fmaf_rn(a, qr, pq[2 * p]);
-                        pq[2 * p + 1] = __fmaf_rn(b, qr, pq[2 * p + 1]);
-                    }
-                }
-        }
         float s, tq;
         sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
         if (t < SQ_D) {
-            const float f = KDA ? 1.0f : __fmul_rn(__fmul_rn(c_t, alpha), iq);
-            const float u = KDA ? __fmul_rn(beta, __fsub_rn(sm.v[t], s))
-                                : __fmul_rn(beta, __fsub_rn(sm.v[t], __fmul_rn(s, f)));
+            const float f = KDA ? c_t : __fmul_rn(__fmul_rn(c_t, alpha), iq);
+            s = __fmul_rn(s, f), tq = __fmul_rn(tq, f);
+            if (KDA && piv0 < SQ_D) /* the pivot rows' fp32 terms, in row order */
+                for (int wd = piv0 >> 5; wd < 4; wd++)
+                    for (unsigned m = fs.pm[wd]; m; m &= m - 1) {
+                        const int i = 32 * wd + __ffs(m) - 1;
+                        float x =
+                            i == piv0
+                                ? x0_t
+                                : sq_h2f(((const uint16_t *)(blk + (fs.rc[i].x & 0xFFFFu)))[t]);
+                        x = isfinite(x) ? __fmul_rn(x, sm.dec[i]) : 0.0f;
+                        s = __fmaf_rn(x, sm.k[i], s);
+                        tq = __fmaf_rn(x, sm.q[i], tq);
+                    }
+            const float u = __fmul_rn(beta, __fsub_rn(sm.v[t], s));
             sm.cola[t] = u;
-            float o = __fmaf_rn(u, kq, KDA ? tq : __fmul_rn(tq, f));
+            float o = __fmaf_rn(u, kq, tq);
             if (!isfinite(o)) {
                 o = 0.0f;
                 fl |= STEPQ_HEALTH_OUTPUT;
@@ -426,7 +410,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         U2[p] = __floats2half2_rn(__fmul_rn(uc[2 * p], iSu), __fmul_rn(uc[2 * p + 1], iSu));
     }
     const float k_my = sm.k[R0 + myl];
-    const float ar = __fmul_rn(KDA ? sm.dec[R0 + myl] : alpha, r_my);
+    const float ar = piv_my ? 0.0f : __fmul_rn(KDA ? sm.dec[R0 + myl] : alpha, r_my);
     const float iq_my = KDA ? __uint_as_float(rc_my.w) : iq;
     const float N_my = piv_my ? 1.0f : sq_p2(fmaxf(__fmul_rn(ar, Pc), __fmul_rn(fabsf(k_my), um)));
     const float iN = sq_p2inv(N_my);
@@ -438,16 +422,30 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         for (int r = 0; r < 8; r++) {
             const half2 fk = sq_u2h(__shfl_sync(0xffffffffu, FK, src0 | (2 * r)));
             const half2 F2 = __low2half2(fk), K2 = __high2half2(fk);
-            if (KDA && (fs.rc[R0 + r].x >> 24)) {
-                /* a pivot row: the fp32 step's update, stored now (no one reads it since the
-                 * barrier), then zeros in every maximum and sum below */
-                const uint4 rc = fs.rc[R0 + r];
+#pragma unroll
+            for (int p = 0; p < 4; p++)
+                X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
+        }
+    }
+    if (KDA && pm) {
+        /* pivot rows: the fp32 step's update of the old values (read again: no registers held
+         * them), stored now (no one reads them since the barrier), then zeros in every maximum
+         * and sum below; a non-finite old value is 0, STATE */
+#pragma unroll
+        for (int r = 0; r < 8; r++)
+            if (pm & (1u << r)) {
+                uint8_t *row = blk + (fs.rc[R0 + r].x & 0xFFFFu) + 16 * tx;
+                const uint4 v = *(const uint4 *)row;
+                const uint32_t xw[4] = { v.x, v.y, v.z, v.w };
                 const float ai = sm.dec[R0 + r], kr = sm.k[R0 + r];
                 uint32_t yw[4];
                 bool nf = false;
 #pragma unroll
                 for (int p = 0; p < 4; p++) {
-                    const float2 x = __half22float2(X[r][p]);
+                    float2 x = __half22float2(sq_u2h(xw[p]));
+                    nf |= !isfinite(x.x) || !isfinite(x.y);
+                    x.x = isfinite(x.x) ? x.x : 0.0f;
+                    x.y = isfinite(x.y) ? x.y : 0.0f;
                     float a = __fadd_rn(__fmul_rn(x.x, ai), __fmul_rn(kr, uc[2 * p]));
                     float b = __fadd_rn(__fmul_rn(x.y, ai), __fmul_rn(kr, uc[2 * p + 1]));
                     nf |= !isfinite(a) || !isfinite(b);
@@ -458,14 +456,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 }
                 if (nf)
                     fl |= STEPQ_HEALTH_STATE;
-                *(uint4 *)(blk + (rc.x & 0xFFFFu) + 16 * tx) =
-                    make_uint4(yw[0], yw[1], yw[2], yw[3]);
-                continue;
+                *(uint4 *)row = make_uint4(yw[0], yw[1], yw[2], yw[3]);
             }
-#pragma unroll
-            for (int p = 0; p < 4; p++)
-                X[r][p] = __hfma2(K2, U2[p], __hmul2(__hmul2(X[r][p], F2), C2[p]));
-        }
     }
 
     /* 3. row maxima (reduce-scatter: lane pair myl ends with row R0 + myl's) and row scales */
@@ -616,7 +608,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                     }
                     T[p] = sq_h2u(Tp);
                 }
-                if (!(rc.x >> 24)) { /* a pivot row was stored in step 2 */
+                if (!(pm & (1u << r))) { /* a pivot row was stored in step 2 */
                     const int b = (rc.x >> 16) & 0xFF;
                     uint32_t lo, hi;
                     sq_f16_enc_rt(T, b, lo, hi);
@@ -638,8 +630,8 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
                 T[p] = sq_h2u(Tp);
             }
             uint32_t lo, hi;
-            sq_f16_enc<KDA ? 2 : B>(T, lo, hi);
-            sq_st_codes<KDA ? 2 : B>(blk + (size_t)(R0 + r) * (SQ_D * B / 8), tx, lo, hi);
+            sq_f16_enc<BW>(T, lo, hi);
+            sq_st_codes<BW>(blk + (size_t)(R0 + r) * (SQ_D * BW / 8), tx, lo, hi);
         }
         const float fa = __fmul_rn(Pa, pw);
         sq_f16_widen(an, fa, pn);

@@ -122,6 +122,10 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         h->row_split = hl->row_split;
         h->any_int = hl->n_pivot_rows < SQ_D;
         int use_w = pl->row_impact && stepq__method_uses_row_impact(hl->method);
+        h->piv0 = SQ_D;
+        for (int i = SQ_D - 1; i >= 0; i--)
+            if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+                h->piv0 = (uint8_t)i;
         for (int i = 0; i < SQ_D; i++) {
             h->bits[i] = hl->row_bits[i];
             h->row_off[i] = (uint16_t)(hl->row_bitoff[i] / 8);
@@ -471,6 +475,10 @@ static size_t pack_smem(size_t max_block, const sq_io &io)
     return blk > dense ? blk : dense;
 }
 static_assert(SQ_STAGE_BYTES(4) <= SQ_DYN_SMEM_MAX, "the staged fp32 head exceeds the attribute");
+/* the fp16 KDA item reads a thread's 8 widths and 8 row offsets as one 8- and one 16-byte load */
+static_assert(offsetof(sq_head_desc, bits) % 8 == 0 && offsetof(sq_head_desc, row_off) % 16 == 0 &&
+                  sizeof(sq_head_desc) % 16 == 0,
+              "sq_head_desc: bits and row_off misaligned");
 
 static int dense_vec_ok(const void *p, size_t stride, stepq_dtype dtype);
 
