@@ -1,15 +1,16 @@
 /*
  * The fused packed decode step in fp16 arithmetic (the map field arith = fp16): one 256-thread
  * block per (entry, value head) of a GDN integer head of one width B with column scales
- * (stepq__step_f16_supports), or of a pivot head of the same layer (sq_f16_pivot_item, fp32):
- * one launch per layer. kernels/quant.h lists its operations and kernels/step_f16.c is its C
- * reference; this file follows the list step by step. The thread mapping is the tile kernel's
- * (thread t: warp w, tx = t % 16 owns columns 8tx..8tx+7, rows 8ty..8ty+7 with ty = 2w +
- * (t % 32) / 16), but a thread's 64 elements are 32 half2 registers (X[row][pair], the pair =
- * two adjacent columns), so that the kernel fits in 64 registers and four blocks (32 warps)
- * share an SM: the occupancy that hides the page loads of one block behind the arithmetic of
- * the others (kernels/cuda/README.md, the fp16 design probe: 2 blocks per SM 371 us, 3 314 us,
- * 4 294 us at B = 512 in the probe's frame).
+ * (stepq__step_f16_supports), or of a pivot head of the same layer (sq_f16_pivot_item, fp32),
+ * or, on the SQ_V_KDA instantiation, of a KDA head of any width mix with pivot rows
+ * (sq_f16_item<0, V>): one launch per layer. kernels/quant.h lists its operations and
+ * kernels/step_f16.c is its C reference; this file follows the list step by step. The thread
+ * mapping is the tile kernel's (thread t: warp w, tx = t % 16 owns columns 8tx..8tx+7, rows
+ * 8ty..8ty+7 with ty = 2w + (t % 32) / 16), but a thread's 64 elements are 32 half2 registers
+ * (X[row][pair], the pair = two adjacent columns), so that the kernel fits in 64 registers and four
+ * blocks (32 warps) share an SM: the occupancy that hides the page loads of one block behind the
+ * arithmetic of the others (kernels/cuda/README.md, the fp16 design probe: 2 blocks per SM 371 us,
+ * 3 314 us, 4 294 us at B = 512 in the probe's frame).
  *
  * Per-row work (normalisers, row scales, refit weights) runs once per row: lanes 2r and 2r + 1
  * of a half-warp own row R0 + r and broadcast its factors by one shuffle per row; the row
