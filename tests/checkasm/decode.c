@@ -864,6 +864,71 @@ static void fit_first(stepq_decode_fit fit, int batch)
     }
 }
 
+/*
+ * The fp16 decode step's cases on one arch at batch B. GDN: dual-axis heads of every width,
+ * the mixed map with a pivot head (the fp16 kernel's pivot item), dsq and spatial; KDA (the
+ * kernel's SQ_V_KDA instantiation): rows of mixed widths with a pivot row per head, and heads of
+ * one width. Both: in-kernel gates, bf16 views, a NaN in q, huge states (saturating scales), a
+ * zero column scale in the start pages, zeroed start pages (fresh slots; GDN with fp32
+ * arithmetic too), ids outside 0..slots, a row split, 40 x 8 heads (not small); KDA a NaN in a
+ * pivot row; the decode fit norefit beside the exact fit.
+ */
+static void f16_cases(stepq_arch arch, int B, int small)
+{
+    static const int gw[] = { 2, 3, 4, 5, 6, 8 }, kw[] = { 0, 2, 3, 5, 6, 8 };
+    const int kda = arch == STEPQ_ARCH_KDA;
+    const stepq_method SQ = STEPQ_METHOD_STEPQ;
+    const struct params base = {
+        .arch = arch, .method = SQ, .H = 2, .HV = kda ? 2 : 4, .batch = B, .arith = STEPQ_ARITH_FP16
+    };
+    struct params p;
+
+    /* with the exact fit and with norefit (no step-6 refit) */
+    for (int f = 0; f < 2; f++) {
+        const stepq_decode_fit fit = f ? STEPQ_DECODE_FIT_NOREFIT : STEPQ_DECODE_FIT_EXACT;
+        for (int w = 0; w < 6; w++) {
+            p = base, p.fit = fit, p.bits = kda ? kw[w] : gw[w], p.gate = (w + f + kda) & 1;
+            one(p);
+        }
+        if (!kda) {
+            p = base, p.fit = fit; /* mixed widths and a pivot head */
+            one(p);
+            p = base, p.fit = fit, p.method = STEPQ_METHOD_DSQ, p.bits = 5, p.view = f;
+            one(p);
+            p = base, p.fit = fit, p.bits = 4, p.zero_col = 1;
+            one(p);
+        }
+        p = base, p.fit = fit, p.bits = kda ? 0 : 6, p.huge = 1;
+        one(p);
+        p = base, p.fit = fit, p.zero_pages = 1;
+        one(p);
+        if (kda) {
+            p = base, p.fit = fit, p.nan_state = 1;
+            one(p);
+        }
+    }
+    p = base, p.gate = 1, p.view = kda;
+    one(p);
+    if (!kda) {
+        p = base, p.method = STEPQ_METHOD_SPATIAL, p.bits = 3, p.gate = 1;
+        one(p);
+        p = base, p.view = 1;
+        one(p);
+    }
+    p = base, p.bits = kda ? 0 : 6, p.nonfinite = 1;
+    one(p);
+    p = base, p.wild_ids = 1, p.method = kda ? STEPQ_METHOD_DSQ : SQ, p.bits = kda ? 4 : 8;
+    one(p);
+    p = base, p.gate = 1, p.row_split = 0.75;
+    one(p);
+    p = base, p.zero_pages = !kda, p.zero_col = kda, p.arith = kda ? base.arith : STEPQ_ARITH_FP32;
+    one(p); /* GDN: zeroed pages in fp32 arithmetic; KDA: a zero column scale */
+    if (!small) {
+        p = base, p.H = 4, p.HV = 8, p.batch = 40, p.gate = 1;
+        one(p);
+    }
+}
+
 void checkasm_check_decode(void)
 {
     static const int widths[] = { 2, 3, 4, 5, 6, 8 };
@@ -1174,180 +1239,12 @@ void checkasm_check_decode(void)
     }
 
     /*
-     * The fp16 decode step (arith fp16, kernels/cuda/f16_kernel.cuh): GDN dual-axis heads of
-     * every width, the mixed map with a pivot head (the tile kernel's, a second launch), dsq and
-     * spatial, in-kernel gates, bf16 views, a NaN in q, huge states (saturating scales), a zero
-     * column scale in the start pages, zeroed start pages (fresh slots; with fp32 arithmetic
-     * too), ids outside 0..slots, a row split; the decode fit norefit; the variants that do not
-     * implement it refuse (run_f16_refused).
+     * The fp16 decode step (arith fp16, kernels/cuda/f16_kernel.cuh) on GDN and KDA (f16_cases);
+     * the variants that do not implement it refuse (run_f16_refused).
      */
     {
-        const stepq_arith F16 = STEPQ_ARITH_FP16;
-        /* with the exact fit and with norefit (no step-6 refit) */
-        for (int f = 0; f < 2; f++) {
-            const stepq_decode_fit fit = f ? STEPQ_DECODE_FIT_NOREFIT : STEPQ_DECODE_FIT_EXACT;
-            for (int w = 0; w < 6; w++)
-                one((struct params){ .arch = G,
-                                     .method = SQ,
-                                     .bits = widths[w],
-                                     .H = 2,
-                                     .HV = 4,
-                                     .batch = B,
-                                     .gate = (w + f) & 1,
-                                     .fit = fit,
-                                     .arith = F16 });
-            one((struct params){
-                .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .fit = fit, .arith = F16 });
-            one((struct params){ .arch = G,
-                                 .method = STEPQ_METHOD_DSQ,
-                                 .bits = 5,
-                                 .H = 2,
-                                 .HV = 4,
-                                 .batch = B,
-                                 .view = f,
-                                 .fit = fit,
-                                 .arith = F16 });
-            one((struct params){ .arch = G,
-                                 .method = SQ,
-                                 .bits = 6,
-                                 .H = 2,
-                                 .HV = 4,
-                                 .batch = B,
-                                 .huge = 1,
-                                 .fit = fit,
-                                 .arith = F16 });
-            one((struct params){ .arch = G,
-                                 .method = SQ,
-                                 .bits = 4,
-                                 .H = 2,
-                                 .HV = 4,
-                                 .batch = B,
-                                 .zero_col = 1,
-                                 .fit = fit,
-                                 .arith = F16 });
-            one((struct params){ .arch = G,
-                                 .method = SQ,
-                                 .H = 2,
-                                 .HV = 4,
-                                 .batch = B,
-                                 .zero_pages = 1,
-                                 .fit = fit,
-                                 .arith = F16 });
-        }
-        one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = STEPQ_METHOD_SPATIAL,
-                             .bits = 3,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .gate = 1,
-                             .arith = F16 });
-        one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .view = 1, .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 6,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .nonfinite = 1,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .bits = 8,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .wild_ids = 1,
-                             .arith = F16 });
-        one((struct params){ .arch = G,
-                             .method = SQ,
-                             .H = 2,
-                             .HV = 4,
-                             .batch = B,
-                             .gate = 1,
-                             .row_split = 0.75,
-                             .arith = F16 });
-        one((struct params){
-            .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .zero_pages = 1 });
-        if (!small)
-            one((struct params){
-                .arch = G, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
-        /* KDA (the kernel's SQ_V_KDA instantiation): rows of mixed widths with a pivot row per
-         * head, and heads of one width; in-kernel gates, bf16 views, a NaN in q, huge states, a
-         * zero column scale, a NaN in a pivot row, zeroed pages, ids outside 0..slots, a row
-         * split, the decode fit norefit */
-        for (int f = 0; f < 2; f++) {
-            const stepq_decode_fit fit = f ? STEPQ_DECODE_FIT_NOREFIT : STEPQ_DECODE_FIT_EXACT;
-            static const int kw[] = { 0, 2, 3, 5, 6, 8 };
-            for (int w = 0; w < 6; w++)
-                one((struct params){ .arch = K,
-                                     .method = SQ,
-                                     .bits = kw[w],
-                                     .H = 2,
-                                     .HV = 2,
-                                     .batch = B,
-                                     .gate = (w + f + 1) & 1,
-                                     .fit = fit,
-                                     .arith = F16 });
-            one((struct params){ .arch = K,
-                                 .method = SQ,
-                                 .H = 2,
-                                 .HV = 2,
-                                 .batch = B,
-                                 .huge = 1,
-                                 .fit = fit,
-                                 .arith = F16 });
-            one((struct params){ .arch = K,
-                                 .method = SQ,
-                                 .H = 2,
-                                 .HV = 2,
-                                 .batch = B,
-                                 .zero_pages = 1,
-                                 .fit = fit,
-                                 .arith = F16 });
-            one((struct params){ .arch = K,
-                                 .method = SQ,
-                                 .H = 2,
-                                 .HV = 2,
-                                 .batch = B,
-                                 .nan_state = 1,
-                                 .fit = fit,
-                                 .arith = F16 });
-        }
-        one((struct params){ .arch = K,
-                             .method = SQ,
-                             .H = 2,
-                             .HV = 2,
-                             .batch = B,
-                             .gate = 1,
-                             .view = 1,
-                             .arith = F16 });
-        one((struct params){
-            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .nonfinite = 1, .arith = F16 });
-        one((struct params){
-            .arch = K, .method = SQ, .H = 2, .HV = 2, .batch = B, .zero_col = 1, .arith = F16 });
-        one((struct params){ .arch = K,
-                             .method = STEPQ_METHOD_DSQ,
-                             .bits = 4,
-                             .H = 2,
-                             .HV = 2,
-                             .batch = B,
-                             .wild_ids = 1,
-                             .arith = F16 });
-        one((struct params){ .arch = K,
-                             .method = SQ,
-                             .H = 2,
-                             .HV = 2,
-                             .batch = B,
-                             .gate = 1,
-                             .row_split = 0.75,
-                             .arith = F16 });
-        if (!small)
-            one((struct params){
-                .arch = K, .method = SQ, .H = 4, .HV = 8, .batch = 40, .gate = 1, .arith = F16 });
+        f16_cases(G, B, small);
+        f16_cases(K, B, small);
         if (checkasm_check("decode arith fp16: the two-stage variant and the column kernels "
                            "refuse (STEPQ_ENOTSUP)"))
             checkasm_report(run_f16_refused());
