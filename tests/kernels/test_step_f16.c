@@ -3,10 +3,10 @@
  * the fp32 step on the same packed heads: its readout and the quantization error of its new
  * state stay within bounds of the fp32 step's for every width and shape, also over many steps,
  * from a zeroed page and for states whose scales saturate; it writes in place as out of place;
- * the reference step routes exactly the heads stepq__step_f16_supports names to it; and the
- * decode fit norefit changes the column scales only. KDA heads (per-row decays, mixed widths,
- * pivot rows) the same, and their pivot rows are the fp32 step's update, a non-finite old pivot
- * value reading as 0 with STATE.
+ * stepq__step_f16_supports' truth table (tests/pool/test_step.c checks that the pool's step
+ * routes exactly those heads to it); and the decode fit norefit changes the column scales only. KDA
+ * heads (per-row decays, mixed widths, pivot rows) the same, and their pivot rows are the fp32
+ * step's update, a non-finite old pivot value reading as 0 with STATE.
  */
 #include <setjmp.h>
 #include <stdarg.h>
