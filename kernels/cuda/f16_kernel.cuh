@@ -285,7 +285,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     const float c_t = sq_h2f(((const uint16_t *)(blk + hd->col_scale_off))[t & (SQ_D - 1)]);
     const int piv0 = KDA ? hd->piv0 : SQ_D;
     const float x0_t =
-        piv0 < SQ_D ? sq_h2f(((const uint16_t *)(blk + hd->row_off[piv0]))[t & (SQ_D - 1)]) : 0.0f;
+        piv0 < SQ_D ? sq_h2f(((const uint16_t *)(blk + hd->piv0_off))[t & (SQ_D - 1)]) : 0.0f;
     const int myl = (tx >> 1) & 7, src0 = lane & 16; /* the row this lane owns: R0 + myl */
 
     float kq;

@@ -124,8 +124,10 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         int use_w = pl->row_impact && stepq__method_uses_row_impact(hl->method);
         h->piv0 = SQ_D;
         for (int i = SQ_D - 1; i >= 0; i--)
-            if (hl->row_bits[i] == STEPQ_BITS_PIVOT)
+            if (hl->row_bits[i] == STEPQ_BITS_PIVOT) {
                 h->piv0 = (uint8_t)i;
+                h->piv0_off = (uint16_t)(hl->row_bitoff[i] / 8);
+            }
         for (int i = 0; i < SQ_D; i++) {
             h->bits[i] = hl->row_bits[i];
             h->row_off[i] = (uint16_t)(hl->row_bitoff[i] / 8);

@@ -39,15 +39,17 @@ struct params {
     int view;   /* bf16 strided inputs with the in-kernel gate */
     int column; /* STEPQ__CUDA_COLUMN: bf16 states on the column kernel */
     int poison; /* NaN, Inf start elements and a NaN in q; health and counters compared */
+    int sat;    /* bf16: one element driven past bf16's largest finite value (SATURATED) */
 };
 
 static int start(const struct params *p)
 {
     return checkasm_check(
-        "dense %s %s states %s H=%d HV=%d B=%d %d step%s%s%s%s", stepq_arch_name(p->arch),
+        "dense %s %s states %s H=%d HV=%d B=%d %d step%s%s%s%s%s", stepq_arch_name(p->arch),
         p->bf16 ? "bf16" : "fp32", p->layout == STEPQ__LAYOUT_KV ? "[K,V]" : "[V,K]", p->H, p->HV,
         p->batch, p->steps, p->steps > 1 ? "s" : "", p->view ? " bf16 strided in-kernel gate" : "",
-        p->column ? " column kernel" : "", p->poison ? " NaN/Inf states, NaN in q" : "");
+        p->column ? " column kernel" : "", p->poison ? " NaN/Inf states, NaN in q" : "",
+        p->sat ? " saturating bf16 store" : "");
 }
 
 struct launch {
@@ -72,6 +74,14 @@ static int launch_new(void *ctx)
 }
 
 /* bf16 states, CUDA (g16) vs the reference's fp32 S rounded (see TOL_BF16_STATE_*); Sg: widened. */
+/* A finite fp32 value as the GPU stores it in a bf16 state: nearest even, saturating to the
+ * largest finite bf16 (kernels/cuda/cuda.h); NaN and Inf as they are. */
+static uint16_t bf16_sat(float x)
+{
+    const uint16_t h = stepq__bf16_from_float(x);
+    return isfinite(x) && (h & 0x7fffu) == 0x7f80u ? (uint16_t)((h & 0x8000u) | 0x7f7fu) : h;
+}
+
 static int compare_bf16_states(const uint16_t *g16, const float *S, float *Sg, size_t n)
 {
     const size_t head = (size_t)FX_D * FX_D;
@@ -81,7 +91,7 @@ static int compare_bf16_states(const uint16_t *g16, const float *S, float *Sg, s
         for (size_t e = h0; e < h0 + head; e++)
             mx = fmax(mx, fabs((double)S[e]));
         for (size_t e = h0; e < h0 + head; e++) {
-            const uint16_t rb = stepq__bf16_from_float(S[e]);
+            const uint16_t rb = bf16_sat(S[e]);
             const double ga = stepq__bf16_to_float(g16[e]), gb = stepq__bf16_to_float(rb);
             const double ulp = ldexp(1.0, ilogb(gb == 0 ? 1e-38 : gb) - 7);
             Sg[e] = (float)ga;
@@ -151,6 +161,41 @@ static int run(const struct params *p)
         CA_OK(fx_buf_alloc(&dh, sizeof(uint32_t) * (size_t)n_slots, 1));
         CA_OK(fx_buf_set(&dh, hh));
     }
+    if (p->sat) {
+        /*
+         * Request 1, value head 0, column 9: rows 3 and 70 start at bf16's largest finite value
+         * M, k is (e_3 - e_70) / sqrt(2) after the l2norm, the decay 1 and beta 1, so S^T k = 0,
+         * u = v = 1.4e36 and row 3 becomes M + 9.9e35 = 3.3994e38: finite in fp32 and past
+         * 3.3961e38, where bf16 rounds to Inf, so the GPU stores M and raises SATURATED; row 70
+         * becomes M - 9.9e35.
+         */
+        const int b = 1, hq = 0, j = 9, r3 = 3, r70 = 70;
+        CA_TRY(p->bf16 && !p->view && p->steps == 1 && p->batch > 1 && in.slots[b] >= 0,
+               "sat: needs bf16 states, one step, raw gates and request 1 live");
+        const float M = stepq__bf16_to_float(0x7f7f);
+        const int rows[2] = { r3, r70 };
+        for (int i = 0; i < 2; i++) {
+            const size_t at = (size_t)in.slots[b] * stride + (p->layout == STEPQ__LAYOUT_KV
+                                                                  ? (size_t)rows[i] * FX_D + j
+                                                                  : (size_t)j * FX_D + rows[i]);
+            S[at] = M;
+            S16[at] = 0x7f7f;
+        }
+        CA_OK(fx_buf_set(&hS, S));
+        CA_OK(fx_buf_set(&dS, S16));
+        float *k = in.k + ((size_t)b * p->H + hq) * FX_D;
+        for (int i = 0; i < FX_D; i++)
+            k[i] = i == r3 ? 1.0f : i == r70 ? -1.0f : 0.0f;
+        in.v[((size_t)b * p->HV + 0) * FX_D + j] = 1.4e36f;
+        for (int i = 0; i < in.ng; i++)
+            in.g[((size_t)b * p->HV + 0) * in.ng + i] = 0.0f;
+        in.beta[(size_t)b * p->HV + 0] = 1.0f;
+        hh = calloc((size_t)n_slots, sizeof(uint32_t));
+        hg = malloc(sizeof(uint32_t) * (size_t)n_slots);
+        CA_TRY(hh && hg, "out of memory");
+        CA_OK(fx_buf_alloc(&dh, sizeof(uint32_t) * (size_t)n_slots, 1));
+        CA_OK(fx_buf_set(&dh, hh));
+    }
     CA_OK(fx_step_io_init(&hio, &in, p->view, 0));
     CA_OK(fx_step_io_init(&dio, &in, p->view, 1));
     o_got = malloc(hio.o.bytes);
@@ -178,7 +223,7 @@ static int run(const struct params *p)
         if (p->bf16) { /* the GPU stores the updated state as bf16 */
             float *h = hS.p;
             for (size_t i = 0; i < n; i++)
-                h[i] = stepq__bf16_to_float(stepq__bf16_from_float(h[i]));
+                h[i] = stepq__bf16_to_float(bf16_sat(h[i]));
         }
         CA_OK(launch_new(&lc));
         if (t == 0 || t == p->steps - 1) {
@@ -215,6 +260,17 @@ static int run(const struct params *p)
                hh[in.slots[1]], slots0[0], hh[slots0[0]]);
         checkasm_note("health of %d slots and counters (%llu input, %llu state) as the reference's",
                       n_slots, (unsigned long long)cr[0], (unsigned long long)cr[1]);
+    }
+    if (p->sat) {
+        /* the fp32 reference does not saturate: only the GPU's word and counter say it */
+        uint64_t cg[STEPQ__HEALTH_NCOUNTS];
+        CA_OK(fx_buf_get(&dh, hg));
+        CA_OK(fx_buf_get(&dio.counts, cg));
+        for (int s = 0; s < n_slots; s++)
+            CA_TRY(!!(hg[s] & STEPQ_HEALTH_SATURATED) == (s == slots0[1]),
+                   "sat: slot %d health 0x%x (the saturating slot is %d)", s, hg[s], slots0[1]);
+        CA_TRY(cg[2] == 1, "sat: saturated counter %llu, want 1", (unsigned long long)cg[2]);
+        checkasm_note("SATURATED on slot %d only, counted once", slots0[1]);
     }
     int64_t bad;
     CA_OK(fx_buf_compare(&hS, 1, &bad));
@@ -378,6 +434,11 @@ void checkasm_check_dense(void)
                          .poison = 1 });
     one((struct params){
         .arch = K, .layout = VK, .H = 2, .HV = 2, .batch = B, .steps = 1, .bf16 = 1, .poison = 1 });
+    /* a bf16 store past bf16's range saturates, SATURATED raised (the warp kernel) */
+    one((struct params){
+        .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = B, .steps = 1, .bf16 = 1, .sat = 1 });
+    one((struct params){
+        .arch = K, .layout = VK, .H = 2, .HV = 2, .batch = B, .steps = 1, .bf16 = 1, .sat = 1 });
     /* the thread-per-column kernel for bf16 states (fp32 states always run there) */
     one((struct params){
         .arch = G, .layout = KV, .H = 2, .HV = 4, .batch = B, .steps = 1, .bf16 = 1, .column = 1 });
