@@ -342,7 +342,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
             const half2 wq = __float2half2_rn(__fmul_rn(__fmul_rn(rf[r], sm.q[R0 + r]), iPq));
 #pragma unroll
             for (int p = 0; p < 4; p++) {
-                ak[p] = __hfma2(X[r][p], wk, ak[p]); /* a KDA pivot row: + 0 (its values finite) */
+                ak[p] = __hfma2(X[r][p], wk, ak[p]); /* a KDA pivot row: + 0 (X and e are 0) */
                 aq[p] = __hfma2(X[r][p], wq, aq[p]);
             }
         }
