@@ -280,6 +280,10 @@ static int launch(void *p)
     case K_PACK:
     case K_PACK_BF16:
     case K_PACK_VK:
+        if (c->prep)
+            return stepq__cuda_pack_prepared(&c->pl, c->L, c->pf.n, c->pf.slot_ids, c->dense,
+                                             c->stride, (stepq__layout)c->pf.layout, c->pf.dtype,
+                                             NULL, NULL, c->s);
         return stepq_pool_prefill_pack(c->pool, 0, &c->pf, c->s);
     case K_UNPACK:
     case K_UNPACK_BF16:
@@ -431,7 +435,7 @@ static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cu
 /*
  * The rows of each batch, in print order. Step rows first (the ones with a "vs fp32"
  * and "vs peer"), then pack and unpack of stepq@6 and of fp8 (SGLang's proposed float8
- * pool, on the column kernel) with each dense side, then the
+ * pool) with each dense side, then the
  * thread-per-column kernels (old: STEPQ__CUDA_COLUMN, on the row's layer handle or dense
  * step) for comparison.
  */
@@ -481,6 +485,12 @@ static const struct row rows[] = {
     { "stepq@6 unpack (old)", 4, K_UNPACK, STEPQ__CUDA_COLUMN },
     { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, STEPQ__CUDA_COLUMN },
     { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, STEPQ__CUDA_COLUMN },
+    { "fp8 pack (old)", 5, K_PACK, STEPQ__CUDA_COLUMN },
+    { "fp8 pack bf16 (old)", 5, K_PACK_BF16, STEPQ__CUDA_COLUMN },
+    { "fp8 pack [V,K] (old)", 5, K_PACK_VK, STEPQ__CUDA_COLUMN },
+    { "fp8 unpack (old)", 5, K_UNPACK, STEPQ__CUDA_COLUMN },
+    { "fp8 unpack bf16 (old)", 5, K_UNPACK_BF16, STEPQ__CUDA_COLUMN },
+    { "fp8 unpack [V,K] (old)", 5, K_UNPACK_VK, STEPQ__CUDA_COLUMN },
 };
 #define N_ROWS ((int)(sizeof(rows) / sizeof(rows[0])))
 

@@ -136,7 +136,19 @@ __device__ __forceinline__ uint16_t sq_f16_sat(float f, unsigned *fl)
     return __half_as_ushort(__float2half_rn(f));
 }
 
-/* bf16 store of kernels/quant.c store_dense: RNE, Inf saturates. */
+/*
+ * stepq__bf16_from_float, an unpack's bf16 store (plugin/include/stepq/step.h): round to nearest
+ * even, values past bf16's range become +-Inf, a NaN stays a NaN (quiet, its high bits kept).
+ */
+__device__ __forceinline__ uint16_t sq_bf16_rn(float f)
+{
+    uint32_t x = __float_as_uint(f);
+    if ((x & 0x7fffffffu) > 0x7f800000u)
+        return (uint16_t)((x >> 16) | 0x0040u);
+    return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
+}
+
+/* bf16 store of kernels/quant.c store_dense (pages, dense steps): RNE, Inf saturates. */
 __device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
 {
     uint32_t x = __float_as_uint(f);

@@ -65,10 +65,10 @@ int stepq__cuda_device_count(void);
  * Kernel choice of stepq__cuda_layer_prepare_ex and stepq__cuda_step_dense_ex:
  * the thread-per-column kernels (head_kernel.cuh) for every launch of that
  * handle or call, instead of the micro-tiled ones (tile_kernel.cuh,
- * unpack_kernel.cuh). For the tests and the benchmark's "(old)" rows, which
- * compare the two; launches that use the column kernels anyway (the dense
- * fp32 step, two-stage stage 1, layers with dense-method or fp8 pages) are the same
- * either way. The choice belongs to the handle (or the call), not to the
+ * unpack_kernel.cuh, fp8_kernel.cuh). For the tests and the benchmark's "(old)"
+ * rows, which compare the two; launches that use the column kernels anyway (the
+ * dense fp32 step, two-stage stage 1, layers with dense-method pages, the decode
+ * step of fp8 pages) are the same either way. The choice belongs to the handle (or the call), not to the
  * process: handles of either kind may be used side by side.
  */
 #define STEPQ__CUDA_COLUMN 1u

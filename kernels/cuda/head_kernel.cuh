@@ -117,11 +117,16 @@ __device__ __forceinline__ void sq_load_tile(float (&x)[SQ_NR], const void *p, s
     }
 }
 
-/* The reverse of sq_load_tile; bf16/fp16 saturate (flag in *fl). */
+/*
+ * The reverse of sq_load_tile; bf16/fp16 saturate (flag in *fl). An unpack's bf16 (RN) rounds as
+ * the reference's unpack instead (sq_bf16_rn: past bf16's range +-Inf).
+ */
 template <int DT>
 __device__ __forceinline__ void sq_store_tile(const float (&x)[SQ_NR], void *p, size_t off, bool vk,
-                                              bool vec, int half, int j, unsigned *fl)
+                                              bool vec, int half, int j, unsigned *fl,
+                                              bool RN = false)
 {
+    const auto bf = [&](float f) -> uint32_t { return RN ? sq_bf16_rn(f) : sq_bf16_sat(f, fl); };
     if (vk && vec && DT != SQ_F16) {
         size_t n0 = off + (size_t)j * SQ_D + half * SQ_NR;
 #pragma unroll
@@ -130,9 +135,8 @@ __device__ __forceinline__ void sq_store_tile(const float (&x)[SQ_NR], void *p, 
                 *(float4 *)((float *)p + n0 + r) = make_float4(x[r], x[r + 1], x[r + 2], x[r + 3]);
             } else {
                 uint2 v;
-                v.x = (uint32_t)sq_bf16_sat(x[r], fl) | ((uint32_t)sq_bf16_sat(x[r + 1], fl) << 16);
-                v.y = (uint32_t)sq_bf16_sat(x[r + 2], fl) |
-                      ((uint32_t)sq_bf16_sat(x[r + 3], fl) << 16);
+                v.x = bf(x[r]) | (bf(x[r + 1]) << 16);
+                v.y = bf(x[r + 2]) | (bf(x[r + 3]) << 16);
                 *(uint2 *)((uint16_t *)p + n0 + r) = v;
             }
         }
@@ -145,7 +149,7 @@ __device__ __forceinline__ void sq_store_tile(const float (&x)[SQ_NR], void *p, 
         if (DT == SQ_F32)
             ((float *)p)[n] = x[r];
         else if (DT == SQ_BF16)
-            ((uint16_t *)p)[n] = sq_bf16_sat(x[r], fl);
+            ((uint16_t *)p)[n] = (uint16_t)bf(x[r]);
         else
             ((uint16_t *)p)[n] = sq_f16_sat(x[r], fl);
     }
@@ -451,7 +455,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
         size_t off =
             (size_t)(io.dense_by_slot ? slot : e) * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
         if (io.bf16)
-            sq_store_tile<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl);
+            sq_store_tile<SQ_BF16>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl,
+                                   !UPDATE); /* an unpack rounds, a step saturates */
         else
             sq_store_tile<SQ_F32>(x, io.dense, off, io.layout_vk, io.dense_vec, half, j, &fl);
     } else if (fp8) {

@@ -19,6 +19,7 @@ extern "C" {
 }
 #include "kernels/cuda/dense_kernel.cuh"
 #include "kernels/cuda/f16_kernel.cuh"
+#include "kernels/cuda/fp8_kernel.cuh"
 #include "kernels/cuda/tile_kernel.cuh"
 #include "kernels/cuda/unpack_kernel.cuh"
 
@@ -29,11 +30,12 @@ extern "C" {
 struct stepq__cuda_layer {
     sq_head_desc *d_heads;
     int n_heads;
-    size_t max_block;     /* largest block_bytes */
-    int offsets16;        /* all head offsets multiples of 16 */
-    int all_quant;        /* every head with integer codes: the tile kernel handles the layer */
-    int column;           /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
-    int any_uniform;      /* some head has one integer width for all rows (ubits) */
+    size_t max_block; /* largest block_bytes */
+    int offsets16;    /* all head offsets multiples of 16 */
+    int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
+    int all_fp8;      /* every head fp8 at a 16-byte offset: packs and unpacks on sq_fp8_kernel */
+    int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
+    int any_uniform;  /* some head has one integer width for all rows (ubits) */
     stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
     int any_f16;          /* an arith fp16 layer: every head's decode step is the fp16 kernel's */
     int f16_occ3;         /* STEPQ__CUDA_F16_OCC3 */
@@ -260,11 +262,13 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     L->fit = decode_fit < 0 ? STEPQ_DECODE_FIT_EXACT
                             : (stepq_decode_fit)decode_fit; /* no dual heads: exact */
     L->all_quant = 1;
+    L->all_fp8 = L->offsets16;
     for (int hv = 0; hv < pl->n_heads; hv++) {
         L->any_f16 |= h[hv].f16;
         L->f16_kda |= h[hv].f16 == 3;
         /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
         L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
+        L->all_fp8 &= pl->heads[hv].method == STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
     }
     L->dense_bf16 = pl->n_heads > 0 && pl->head_offset[0] % 16 == 0 && pl->page_stride % 16 == 0;
@@ -452,6 +456,20 @@ static int launch_unpack(dim3 grid, size_t smem, cudaStream_t s, const sq_io &io
 }
 
 /*
+ * sq_fp8_kernel (fp8_kernel.cuh) for a pack (PACK) or unpack of io's dense side, on a (heads,
+ * batch) grid; the caller has checked fp8_transfer.
+ */
+template <bool PACK>
+static int launch_fp8(dim3 grid, cudaStream_t s, const sq_io &io, const char *who)
+{
+    if (io.bf16)
+        return io.layout_vk ? launch_k<sq_fp8_kernel<SQ_BF16, true, PACK>>(grid, 0, s, who, io)
+                            : launch_k<sq_fp8_kernel<SQ_BF16, false, PACK>>(grid, 0, s, who, io);
+    return io.layout_vk ? launch_k<sq_fp8_kernel<SQ_F32, true, PACK>>(grid, 0, s, who, io)
+                        : launch_k<sq_fp8_kernel<SQ_F32, false, PACK>>(grid, 0, s, who, io);
+}
+
+/*
  * The warp kernel (dense_kernel.cuh) on bf16 dense states of io.layout_vk's layout, grid
  * (heads, batch); the caller has checked io.dense_vec. fp32 states stay on the column kernel:
  * the warp kernel measured 782 us against its 608 at B = 512 (kernels/cuda/README.md).
@@ -488,6 +506,15 @@ static int dense_vec_ok(const void *p, size_t stride, stepq_dtype dtype);
 static int use_tile(const stepq__cuda_layer *L)
 {
     return !L->column && L->all_quant;
+}
+
+/*
+ * fp8 transfers leave the column kernel where the dense side and the pages allow 16-byte
+ * vectors (sq_fp8_kernel's code accesses are 4 to 16 bytes wide).
+ */
+static int fp8_transfer(const stepq__cuda_layer *L, const sq_io &io)
+{
+    return !L->column && L->all_fp8 && io.dense_vec && io.vec16;
 }
 
 /* Template bits of the pack: run-time widths without a uniform-width head; [V,K] staged. */
@@ -700,9 +727,13 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
      * step's fit, so it takes the decode fit (vt's SQ_V_NOREFIT / SQ_V_ROWS: the latter
      * reads the old column scales from the page, which stage 1 left as it was), unlike a
      * prefill pack. */
-    rc = tile ? launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(
-                    grid, pack_smem(L->max_block, io), L->s2, st, io, vt & ~SQ_V_ORDER, who)
-              : launch_fit<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, L, who);
+    if (tile)
+        rc = launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, pack_smem(L->max_block, io),
+                                                              L->s2, st, io, vt & ~SQ_V_ORDER, who);
+    else if (fp8_transfer(L, io))
+        rc = launch_fp8<true>(grid, L->s2, io, who);
+    else
+        rc = launch_fit<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, smem, L->s2, st, io, L, who);
     if (rc < 0)
         return rc;
     SQ_CU(cudaEventRecord(L->ev_b, L->s2), who);
@@ -776,6 +807,8 @@ extern "C" int stepq__cuda_pack_prepared(const struct stepq__packed_layer *pl, s
         return launch_tile<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, pack_smem(L->max_block, io),
                                                                 (cudaStream_t)stream, st, io,
                                                                 pack_variant(L, io), who);
+    if (fp8_transfer(L, io))
+        return launch_fp8<true>(grid, (cudaStream_t)stream, io, who);
     return launch<SQ_SRC_DENSE, false, SQ_SINK_PACKED>(grid, dyn_smem(L->max_block),
                                                        (cudaStream_t)stream, st, io, who);
 }
@@ -806,6 +839,9 @@ extern "C" int stepq__cuda_unpack_prepared(const struct stepq__packed_layer *pl,
         return io.layout_vk ? launch_unpack<SQ_F32, true>(grid, smem, s, io, who)
                             : launch_unpack<SQ_F32, false>(grid, smem, s, io, who);
     }
+    if (fp8_transfer(L, io))
+        return launch_fp8<false>(dim3((unsigned)pl->n_heads, (unsigned)n), (cudaStream_t)stream, io,
+                                 who);
     return launch<SQ_SRC_PACKED, false, SQ_SINK_DENSE>(dim3((unsigned)pl->n_heads, (unsigned)n),
                                                        dyn_smem(L->max_block), (cudaStream_t)stream,
                                                        st, io, who);

@@ -28,8 +28,9 @@
  * in 40 of those 374 cases), and both products are separate roundings. bf16 stores
  * use cvt.rn (round to nearest even, as the reference) when every row and
  * column scale of the block is finite and the row is not a pivot row (values
- * below 65504^2, far from bf16 overflow); otherwise the reference's
- * saturating conversion, as the column kernel.
+ * below 65504^2, far from bf16 overflow); otherwise the reference's scalar
+ * conversion (sq_bf16_rn: past bf16's range +-Inf, a NaN keeps its high bits,
+ * which cvt.rn would replace by the canonical NaN), as the column kernel.
  *
  * Per element: 2 operations to the float code (templates on uniform-width
  * heads; 3 on run-time widths), 3 for z / qmax, 2 multiplies, a quarter
@@ -109,13 +110,12 @@ __device__ __forceinline__ void sq_ustore4(void *dst, size_t n, const float (&v)
         return;
     }
     uint16_t *p = (uint16_t *)dst + n;
-    unsigned fl = 0; /* unpack reports no health */
     if (!sat && vec) {
         *(uint2 *)p = make_uint2(sq_bf16x2(v[0], v[1]), sq_bf16x2(v[2], v[3]));
     } else {
 #pragma unroll
         for (int k = 0; k < 4; k++)
-            p[k] = sq_bf16_sat(v[k], &fl);
+            p[k] = sq_bf16_rn(v[k]);
     }
 }
 
@@ -215,7 +215,7 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
         }
         __syncthreads();
         const int i = 32 * ch + lane;
-        /* bf16: the reference's saturating conversion for pivot rows and non-finite scales */
+        /* bf16: the reference's scalar conversion for pivot rows and non-finite scales */
         const bool sat = slow || (B == 0 && (rows[i].bo & 0xffu) == STEPQ_BITS_PIVOT);
 #pragma unroll
         for (int g = 0; g < 4; g++) {
@@ -228,9 +228,8 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
                 if (DT == SQ_F32) {
                     ((float *)dst)[n] = x[cc];
                 } else {
-                    unsigned fl = 0; /* unpack reports no health */
-                    ((uint16_t *)dst)[n] = sat ? sq_bf16_sat(x[cc], &fl)
-                                               : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
+                    ((uint16_t *)dst)[n] =
+                        sat ? sq_bf16_rn(x[cc]) : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
                 }
             }
         }

@@ -567,9 +567,12 @@ int ca_transfer_check(const struct fx_transfer *p, const char *verb, const char 
     if (p->row_split > 0)
         snprintf(rs, sizeof(rs), " row split %g", p->row_split);
     return checkasm_check(
-        "%s %s %s%s HV=%d n=%d %s %s %s%s%s%s", verb, stepq_arch_name(p->arch),
+        "%s %s %s%s HV=%d n=%d %s %s %s%s%s%s%s", verb, stepq_arch_name(p->arch),
         stepq_method_name(p->method), w, p->HV, p->n, prep, stepq_dtype_name(p->dtype),
         p->layout == STEPQ_STATE_LAYOUT_KV ? "[K,V]" : "[V,K]",
+        p->aligned && p->layout == STEPQ_STATE_LAYOUT_VK && p->dtype == STEPQ_DTYPE_BF16
+            ? " 16-byte stride"
+            : "",
         p->wild_ids ? " cuda ids outside 0..slots" : "", p->column ? " column kernel" : "", rs);
 }
 

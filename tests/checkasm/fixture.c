@@ -775,19 +775,33 @@ void fx_transfer_cases(int small, void (*one)(struct fx_transfer))
     /* an fp32 layer: the column kernel, which the pool's handle picks for dense pages */
     one((struct fx_transfer){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
     /*
-     * fp8 (the column kernel too): both layouts, fp32 and bf16, GDN and KDA, at several
-     * batch sizes; the small mode keeps one size per layout and dtype.
+     * fp8 (sq_fp8_kernel where the dense side allows 16-byte vectors, else the column
+     * kernel): both layouts, fp32 and bf16, GDN and KDA, at several batch sizes, bf16 [V,K]
+     * at an odd stride (the column kernel) and at a 16-byte one (k >= 2; in the small mode
+     * too); the small mode keeps one or two sizes per layout and dtype. Then fp8 on an
+     * explicit column-kernel handle, where the pool would take sq_fp8_kernel.
      */
     static const int fp8_n[] = { 2, 1, 5, 17 };
     for (int lay = 0; lay < 2; lay++)
         for (int dt = 0; dt < 2; dt++)
-            for (int k = 0; k < (small ? 1 : 4); k++)
-                one((struct fx_transfer){ .arch = (lay + dt + k) & 1 ? K : G,
-                                          .method = STEPQ_METHOD_FP8,
-                                          .HV = 2 + 2 * (k & 1),
-                                          .n = fp8_n[k],
-                                          .layout = lay,
-                                          .dtype = dt });
+            for (int k = 0; k < 4; k++)
+                if (!small || k == 0 || (k == 2 && lay && dt))
+                    one((struct fx_transfer){ .arch = (lay + dt + k) & 1 ? K : G,
+                                              .method = STEPQ_METHOD_FP8,
+                                              .HV = 2 + 2 * (k & 1),
+                                              .n = fp8_n[k],
+                                              .layout = lay,
+                                              .dtype = dt,
+                                              .aligned = k >= 2 });
+    for (int lay = 0; lay < 2; lay++)
+        one((struct fx_transfer){ .arch = lay ? K : G,
+                                  .method = STEPQ_METHOD_FP8,
+                                  .HV = 2,
+                                  .n = 5,
+                                  .layout = lay,
+                                  .dtype = lay,
+                                  .aligned = 1,
+                                  .column = 1 });
     /* ids outside 0..slots on the CUDA pool are skipped like -1 (documented) */
     one((struct fx_transfer){ .arch = G, .method = SQ, .HV = 4, .n = 10, .wild_ids = 1 });
     /* the thread-per-column kernel on an explicit handle */

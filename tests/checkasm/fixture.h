@@ -221,6 +221,7 @@ struct fx_transfer {
     int column;       /* the entry on a STEPQ__CUDA_COLUMN handle instead of the pool */
     int wild_ids;     /* the CUDA side's skipped entries are ids outside 0..slots instead of -1 */
     double row_split; /* the map's row_split (fx_map_spec); 0: 0.5 */
+    int aligned;      /* bf16 [V,K]: a 16-byte stride (the vector path) instead of an odd one */
 };
 
 /** Calls one for every configuration the pack and unpack checks share (fewer when small:

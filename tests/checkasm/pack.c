@@ -114,9 +114,11 @@ static int run(const struct params *p)
         .row_split = p->row_split,
     };
     const int bf16 = p->dtype == STEPQ_DTYPE_BF16;
-    /* [V,K] bf16 with an odd stride takes the scalar path, the others the vector path */
+    /* [V,K] bf16 with an odd stride (unless p->aligned) takes the scalar path, the others the
+     * vector path */
     const size_t head = (size_t)FX_D * FX_D,
-                 stride = head * p->HV + (p->layout == STEPQ_STATE_LAYOUT_VK && bf16 ? 1 : 64);
+                 stride = head * p->HV +
+                          (p->layout == STEPQ_STATE_LAYOUT_VK && bf16 && !p->aligned ? 1 : 64);
     const size_t elems = stride * (size_t)p->n;
     struct fx_rng *rng = checkasm_rng();
     struct fx_pools fx = { 0 };
@@ -138,8 +140,28 @@ static int run(const struct params *p)
         src16[e] = stepq__bf16_from_float(AMP * fx_nrand(rng));
         src[e] = bf16 ? stepq__bf16_to_float(src16[e]) : AMP * fx_nrand(rng);
     }
-    src[5] = NAN; /* entry 0 head 0: stored as 0, STEPQ_HEALTH_STATE */
-    src16[5] = 0x7fc0;
+    /*
+     * entry 0 head 0: stored as 0, STEPQ_HEALTH_STATE, counted once for the head although the
+     * second poison sits in another column tile (column 100 of either layout: fp8's tile 3)
+     */
+    const size_t p2 = p->layout == STEPQ_STATE_LAYOUT_VK ? 100 * FX_D + 5 : 100;
+    src[5] = src[p2] = NAN;
+    src16[5] = src16[p2] = 0x7fc0;
+    if (p->method == STEPQ_METHOD_FP8 && !bf16) {
+        /*
+         * entry 0, last head, tile 2 (columns 64..95): a subnormal scale. Its largest element is
+         * 1296 * 2^-149, so s = 1296 / 240 = 5.4 subnormal steps rounds to 5 and x / s = 259.2,
+         * which e4m3 would round to 256: the clamp to +-240 before rounding (kernels/format.h)
+         * decides the code. The others are far smaller. (bf16 cannot hold such values: its
+         * smallest magnitude, 2^-133, keeps s within 0.2% of m / 240.)
+         */
+        float *h = src + (size_t)(p->HV - 1) * head;
+        for (int r = 0; r < FX_D; r++)
+            for (int c = 64; c < 96; c++)
+                h[p->layout == STEPQ_STATE_LAYOUT_VK ? (size_t)c * FX_D + r
+                                                     : (size_t)r * FX_D + c] =
+                    r == 7 && c == 70 ? -ldexpf(1296.0f, -149) : ldexpf(fx_nrand(rng), -142);
+    }
     /* slots from the top down, entry 1 skipped (every third from it with wild ids) */
     const int32_t wild[] = { fx.slots + 1, -7, 1 << 30 };
     for (int e = 0, k = 0; e < p->n; e++) {

@@ -189,7 +189,7 @@ typedef struct stepq_prefill_args {
     const int32_t *slot_ids; /**< [n] slot ids (device memory on CUDA); -1 skipped */
     void *states;            /**< [n][HV][K][V] or [n][HV][V][K]; read by pack, written by unpack */
     int64_t state_stride;    /**< elements between entries (0 = HV*K*V) */
-    stepq_dtype dtype;       /**< fp32 or bf16 (unpack rounds to nearest even) */
+    stepq_dtype dtype;       /**< fp32 or bf16 (unpack rounds to nearest even, past bf16: +-Inf) */
     stepq_state_layout layout; /**< per-head layout of `states` */
     uint64_t *health_counts;   /**< pack: NULL, or 4 counters as in stepq_step_args */
     int32_t num_v_heads;       /**< declared HV (0 = the map's) */
