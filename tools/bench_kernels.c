@@ -482,6 +482,7 @@ static const struct row rows[] = {
     { "fp32 (old)", 0, K_DENSE_F32, STEPQ__CUDA_COLUMN },
     { "bf16 (old)", 1, K_DENSE_BF16, STEPQ__CUDA_COLUMN },
     { "stepq@6 (old)", 4, K_PACKED, STEPQ__CUDA_COLUMN },
+    { "fp8 (old)", 5, K_PACKED, STEPQ__CUDA_COLUMN },
     { "stepq@6 unpack (old)", 4, K_UNPACK, STEPQ__CUDA_COLUMN },
     { "stepq@6 unpack bf16 (old)", 4, K_UNPACK_BF16, STEPQ__CUDA_COLUMN },
     { "stepq@6 unpack [V,K] (old)", 4, K_UNPACK_VK, STEPQ__CUDA_COLUMN },

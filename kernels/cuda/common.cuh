@@ -180,6 +180,24 @@ __device__ __forceinline__ uint8_t sq_e4m3(float y)
     return (uint8_t)__nv_cvt_float_to_fp8(y, __NV_SATFINITE, __NV_E4M3);
 }
 
+/*
+ * Two e4m3 codes (a in the low byte) of quotients x / s with |x| <= the tile's amax m and
+ * s = RN(m / 240), rounded to nearest even as stepq__e4m3_from_float. CLAMP: the reference's
+ * clamp to +-240 first. It decides a code only where s is subnormal (m below 240 * 2^-126):
+ * there s's relative error can reach 1/3 and |x / s| 360, which e4m3 rounds past 240. A normal s
+ * keeps |x / s| within a few ulps of 240, far below 248 (the midpoint of 240 and e4m3's next
+ * value 256), so a bf16 source (sq_fp8_kernel's pack), whose smallest magnitude 2^-133 keeps s
+ * normal or within 0.2% of m / 240, leaves the clamp out.
+ */
+template <bool CLAMP> __device__ __forceinline__ uint32_t sq_e4m3x2(float a, float b)
+{
+    if (CLAMP) {
+        a = fminf(fmaxf(a, -STEPQ__FP8_AMAX), STEPQ__FP8_AMAX);
+        b = fminf(fmaxf(b, -STEPQ__FP8_AMAX), STEPQ__FP8_AMAX);
+    }
+    return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
 /* stepq__e4m3_to_float: exact through half (e4m3's range and steps fit fp16). */
 __device__ __forceinline__ float sq_e4m3_f(uint8_t c)
 {

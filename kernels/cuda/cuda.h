@@ -68,8 +68,8 @@ int stepq__cuda_device_count(void);
  * unpack_kernel.cuh, fp8_kernel.cuh). For the tests and the benchmark's "(old)"
  * rows, which compare the two; launches that use the column kernels anyway (the
  * dense fp32 step, two-stage stage 1, layers with dense-method pages, the decode
- * step of fp8 pages) are the same either way. The choice belongs to the handle (or the call), not to the
- * process: handles of either kind may be used side by side.
+ * step of fp8 pages) are the same either way. The choice belongs to the handle (or the call), not
+ * to the process: handles of either kind may be used side by side.
  */
 #define STEPQ__CUDA_COLUMN 1u
 /*

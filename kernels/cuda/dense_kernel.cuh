@@ -1,7 +1,8 @@
 /*
- * sq_dense_kernel<VK> (the warp kernel): the decode step on dense bf16 states, [K,V] or [V,K],
- * with no barrier between its load and its store (fp32 states run on the column kernel, which
- * measured faster for them).
+ * sq_dense_kernel<VK, FP8> (the warp kernel): the decode step on dense bf16 states, [K,V] or
+ * [V,K], with no barrier between its load and its store (fp32 states run on the column kernel,
+ * which measured faster for them); FP8: on fp8 pages instead (below, at the kernel), whose only
+ * barrier is a tile's pair of warps before the codes are stored.
  *
  * A 128x128 head (one 256-thread block, one (request, value head)) is cut into eight column
  * strips of 16 columns, one per warp: the recurrence is column-independent once k, q, the
@@ -96,12 +97,38 @@ __device__ __forceinline__ void sq_dense_coldot(const float (&x)[64], const floa
 }
 
 /*
- * One (request e, value head hv) per block, grid (HV, batch). VK: [V,K] states. The inputs' dtype
- * is st.in_bf16 (only the input phase and the output store read it).
+ * The lane's 8 x 8 fp8 codes (rows R0.., columns C0..; kernels/format.h: [K][V] bytes) as floats
+ * times the tile's scale s, one rounding (e4m3 -> half2 -> float2 is exact), as dequant_fp8.
  */
-template <bool VK>
+__device__ __forceinline__ void sq_dense_f8dec(float (&x)[64], const uint2 (&cw)[8], float s)
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+#pragma unroll
+        for (int h = 0; h < 4; h++) {
+            const uint32_t w = h < 2 ? cw[r].x : cw[r].y;
+            const __half2_raw hr = __nv_cvt_fp8x2_to_halfraw2(
+                (__nv_fp8x2_storage_t)((w >> (16 * (h & 1))) & 0xffffu), __NV_E4M3);
+            const float2 f = __half22float2(__half2(hr));
+            x[r * 8 + 2 * h] = __fmul_rn(f.x, s);
+            x[r * 8 + 2 * h + 1] = __fmul_rn(f.y, s);
+        }
+}
+
+/*
+ * One (request e, value head hv) per block, grid (HV, batch). VK: [V,K] states. The inputs' dtype
+ * is st.in_bf16 (only the input phase and the output store read it). FP8: the state is an fp8
+ * page instead (kernels/format.h, codes [K][V], always VK false): the lane loads its 8 x 8 codes
+ * (8 bytes of each of its rows) and its tile's scale with the state's loads, decodes them after
+ * the input phase, and stores the fit of kernels/quant.c fit_fp8: fp8 tile t (columns
+ * 32t..32t+31) is the strips of warps 2t and 2t+1, whose |x| maxima meet at a 64-thread named
+ * barrier (id 1 + t, as sq_fp8_kernel's), then s = amax / 240 and the codes as that kernel's
+ * pack of fp32 sources (correctly rounded divisions, the clamp to +-240, cvt.rn.satfinite pairs).
+ */
+template <bool VK, bool FP8 = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq_step st, sq_io io)
 {
+    static_assert(!(VK && FP8), "fp8 pages hold [K][V] codes");
     const unsigned full = 0xffffffffu;
     const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
@@ -114,6 +141,12 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
 
     const size_t off = (size_t)slot * io.dense_stride + (size_t)hv * SQ_D * SQ_D;
     float x[64], kr[8], qr[8], dr[8], vj, beta;
+    /* FP8: the page block, the lane's codes and its tile's scale (tile w / 2) */
+    uint8_t *blk =
+        FP8 ? io.pages + (size_t)slot * io.page_stride + io.heads[hv].block_off : nullptr;
+    float *tscale = FP8 ? (float *)(blk + io.heads[hv].tile_scale_off) + (w >> 1) : nullptr;
+    uint2 cw[FP8 ? 8 : 1];
+    float s8 = 0.0f;
     /*
      * The input phase shared by the block (the tile kernel's division of it): thread t < 128
      * loads channel t of q and k, thread 128 + j channel j of v and its decay (KDA; GDN: j = 0)
@@ -126,7 +159,14 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         const int t = threadIdx.x;
         sq_in in;
         sq_load_in<true, 0>(in, st, hv, e, HV, t);
-        sq_tload<SQ_BF16>(x, io.dense, off, VK, true, R0, C0);
+        if constexpr (FP8) {
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                cw[r] = *(const uint2 *)(blk + (size_t)(R0 + r) * SQ_D + C0);
+            s8 = *tscale;
+        } else {
+            sq_tload<SQ_BF16>(x, io.dense, off, VK, true, R0, C0);
+        }
         bool bad;
         if (t < SQ_D) {
             const float qv = sq_bits_f(in.w[0], bfi), kv = sq_bits_f(in.w[1], bfi);
@@ -193,8 +233,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         vj = sv[col];
         beta = sbeta;
     }
+    if constexpr (FP8)
+        sq_dense_f8dec(x, cw, s8);
 
-    /* decay, S^T k, u */
+        /* decay, S^T k, u */
 #pragma unroll
     for (int r = 0; r < 8; r++)
 #pragma unroll
@@ -243,8 +285,34 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
     }
     if (!(lane & 2))
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + col, o, bfi);
-    const bool sat = __float_as_uint(m) >= 0x7F7F8000u; /* rounds to Inf */
-    sq_tstore<SQ_BF16>(x, io.dense, off, VK, true, R0, C0, sat, &fl);
+    if constexpr (FP8) {
+        /* the tile's amax: the warp's, then its partner's through shared memory */
+#pragma unroll
+        for (int o2 = 16; o2; o2 >>= 1)
+            m = fmaxf(m, __shfl_xor_sync(full, m, o2));
+        __shared__ float smax8[4][2];
+        if (lane == 0)
+            smax8[w >> 1][w & 1] = m;
+        asm volatile("bar.sync %0, 64;\n" ::"r"(1 + (w >> 1)) : "memory");
+        const float sc = __fdiv_rn(fmaxf(smax8[w >> 1][0], smax8[w >> 1][1]), STEPQ__FP8_AMAX);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            uint32_t c[2] = { 0, 0 };
+            if (sc > 0.0f) {
+#pragma unroll
+                for (int h = 0; h < 4; h++)
+                    c[h >> 1] |= sq_e4m3x2<true>(__fdiv_rn(x[r * 8 + 2 * h], sc),
+                                                 __fdiv_rn(x[r * 8 + 2 * h + 1], sc))
+                                 << (16 * (h & 1));
+            }
+            *(uint2 *)(blk + (size_t)(R0 + r) * SQ_D + C0) = make_uint2(c[0], c[1]);
+        }
+        if (lane == 0 && !(w & 1))
+            *tscale = sc;
+    } else {
+        const bool sat = __float_as_uint(m) >= 0x7F7F8000u; /* rounds to Inf */
+        sq_tstore<SQ_BF16>(x, io.dense, off, VK, true, R0, C0, sat, &fl);
+    }
 
     /* health: one report per (request, head), from thread 0, only where a bit was raised */
     if (__syncthreads_or(fl != 0)) {

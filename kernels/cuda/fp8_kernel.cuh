@@ -1,8 +1,8 @@
 /*
  * sq_fp8_kernel<DT, VK, PACK>: pack (dense fp32/bf16 -> fp8 page) and unpack (fp8 page -> dense)
  * of layers whose heads are all fp8 (kernels/format.h: e4m3 codes [K][V], one fp32 scale per tile
- * of 32 columns over all 128 rows), with 16-byte dense accesses and no shared staging. The decode
- * step of fp8 pages stays on the column kernel (head_kernel.cuh).
+ * of 32 columns over all 128 rows), with 16-byte dense accesses and no shared staging. The fused
+ * decode step of fp8 pages is the warp kernel's fp8 instantiation (dense_kernel.cuh).
  *
  * One 256-thread block per (entry, value head), grid (heads, batch). Thread group g = t / 64 (two
  * warps) owns fp8 tile g, columns 32g..32g+31 of every row, so a tile's absmax is one warp max, a
@@ -59,24 +59,6 @@ template <int DT, bool VK> struct sq_f8geo {
     /* [K,V]: lanes per tile row; [V,K]: lanes per row group, one per column slot */
     static constexpr int LPR = VK ? W / 2 : 32 / W;
 };
-
-/*
- * Two e4m3 codes (a in the low byte) of quotients x / s with |x| <= the tile's amax m and
- * s = RN(m / 240), rounded to nearest even as stepq__e4m3_from_float. CLAMP: the reference's
- * clamp to +-240 first. It decides a code only where s is subnormal (m below 240 * 2^-126):
- * there s's relative error can reach 1/3 and |x / s| 360, which e4m3 rounds past 240. A normal s
- * keeps |x / s| within a few ulps of 240, far below 248 (the midpoint of 240 and e4m3's next
- * value 256), so a bf16 source, whose smallest magnitude 2^-133 keeps s normal or within 0.2% of
- * m / 240, leaves the clamp out.
- */
-template <bool CLAMP> __device__ __forceinline__ uint32_t sq_e4m3x2(float a, float b)
-{
-    if (CLAMP) {
-        a = fminf(fmaxf(a, -STEPQ__FP8_AMAX), STEPQ__FP8_AMAX);
-        b = fminf(fmaxf(b, -STEPQ__FP8_AMAX), STEPQ__FP8_AMAX);
-    }
-    return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
-}
 
 /*
  * 16-byte global store (st.global.v4): the compiler split some aggregate ones. No memory clobber:

@@ -266,7 +266,8 @@ extern "C" int stepq__cuda_layer_prepare_ex(const struct stepq__packed_layer *pl
     for (int hv = 0; hv < pl->n_heads; hv++) {
         L->any_f16 |= h[hv].f16;
         L->f16_kda |= h[hv].f16 == 3;
-        /* fp8 pages run on the column kernel, as the dense methods' (kernels/cuda/README.md) */
+        /* fp8 pages are not the tile kernel's: all_fp8 (fp8_step, fp8_transfer) or the column
+         * kernel, as the dense methods' (kernels/cuda/README.md) */
         L->all_quant &= pl->heads[hv].quantized && pl->heads[hv].method != STEPQ_METHOD_FP8;
         L->all_fp8 &= pl->heads[hv].method == STEPQ_METHOD_FP8;
         L->any_uniform |= h[hv].ubits != 0;
@@ -509,12 +510,19 @@ static int use_tile(const stepq__cuda_layer *L)
 }
 
 /*
- * fp8 transfers leave the column kernel where the dense side and the pages allow 16-byte
- * vectors (sq_fp8_kernel's code accesses are 4 to 16 bytes wide).
+ * The fused decode step of an fp8 layer runs on the warp kernel's fp8 instantiation
+ * (dense_kernel.cuh) where the pages allow 8- and 16-byte code accesses; otherwise, and for the
+ * two-stage variant's stage 1, on the column kernel.
  */
+static int fp8_step(const stepq__cuda_layer *L, const sq_io &io)
+{
+    return !L->column && L->all_fp8 && io.vec16;
+}
+
+/* fp8 transfers (sq_fp8_kernel) also need a dense side that allows 16-byte vectors. */
 static int fp8_transfer(const stepq__cuda_layer *L, const sq_io &io)
 {
-    return !L->column && L->all_fp8 && io.dense_vec && io.vec16;
+    return fp8_step(L, io) && io.dense_vec;
 }
 
 /* Template bits of the pack: run-time widths without a uniform-width head; [V,K] staged. */
@@ -638,6 +646,8 @@ extern "C" int stepq__cuda_step_packed_prepared(const struct stepq__step_args *a
             return launch_dense(grid, s, st, io, who);
         return launch_tile<SQ_SRC_DENSE, true, SQ_SINK_DENSE>(grid, 0, s, st, io, 0, who);
     }
+    if (variant == STEPQ__CUDA_FUSED && fp8_step(L, io))
+        return launch_k<sq_dense_kernel<false, true>>(grid, 0, s, who, st, io);
     const int tile = use_tile(L);
     if (tile)
         smem = tile_smem(L->max_block);

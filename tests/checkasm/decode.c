@@ -1217,9 +1217,10 @@ void checkasm_check_decode(void)
                          .via = VIA_COLUMN });
 
     /*
-     * fp8 (the column kernel: its pages move like the dense methods'): GDN and KDA, batches
-     * of 1, B and 40, in-kernel gate, bf16 strided inputs, NaN inputs, huge states, and the
-     * two-stage variant (stage 2 is the fp8 pack of the updated state).
+     * fp8 (the fused step on the warp kernel's fp8 instantiation): GDN and KDA, batches of 1,
+     * B and 40, in-kernel gate, bf16 strided inputs, NaN inputs, huge states, the two-stage
+     * variant (stage 1 on the column kernel, stage 2 the fp8 pack of the updated state) and
+     * the fused step on an explicit column-kernel handle.
      */
     const stepq_method F8 = STEPQ_METHOD_FP8;
     one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = 1 });
@@ -1230,6 +1231,8 @@ void checkasm_check_decode(void)
     one((struct params){ .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .huge = 1 });
     one((struct params){
         .arch = G, .method = F8, .H = 2, .HV = 4, .batch = B, .gate = 1, .via = VIA_TWO_STAGE });
+    one((struct params){
+        .arch = K, .method = F8, .H = 2, .HV = 2, .batch = B, .gate = 1, .via = VIA_COLUMN });
     if (!small) {
         one((struct params){ .arch = G, .method = F8, .H = 4, .HV = 8, .batch = 40, .gate = 1 });
         one((struct params){ .arch = K, .method = F8, .H = 4, .HV = 8, .batch = 40 });
