@@ -233,10 +233,11 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         vj = sv[col];
         beta = sbeta;
     }
-    if constexpr (FP8)
+    if constexpr (FP8) {
         sq_dense_f8dec(x, cw, s8);
+    }
 
-        /* decay, S^T k, u */
+    /* decay, S^T k, u */
 #pragma unroll
     for (int r = 0; r < 8; r++)
 #pragma unroll

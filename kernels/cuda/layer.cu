@@ -30,12 +30,12 @@ extern "C" {
 struct stepq__cuda_layer {
     sq_head_desc *d_heads;
     int n_heads;
-    size_t max_block; /* largest block_bytes */
-    int offsets16;    /* all head offsets multiples of 16 */
-    int all_quant;    /* every head with integer codes: the tile kernel handles the layer */
-    int all_fp8;      /* every head fp8 at a 16-byte offset: packs and unpacks on sq_fp8_kernel */
-    int column;       /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
-    int any_uniform;  /* some head has one integer width for all rows (ubits) */
+    size_t max_block;     /* largest block_bytes */
+    int offsets16;        /* all head offsets multiples of 16 */
+    int all_quant;        /* every head with integer codes: the tile kernel handles the layer */
+    int all_fp8;          /* every head fp8 at a 16-byte offset: fp8_step, fp8_transfer */
+    int column;           /* STEPQ__CUDA_COLUMN: the thread-per-column kernels for every launch */
+    int any_uniform;      /* some head has one integer width for all rows (ubits) */
     stepq_decode_fit fit; /* the dual heads' decode fit: the steps' SQ_V_NOREFIT / SQ_V_ROWS */
     int any_f16;          /* an arith fp16 layer: every head's decode step is the fp16 kernel's */
     int f16_occ3;         /* STEPQ__CUDA_F16_OCC3 */
