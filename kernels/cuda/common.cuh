@@ -198,6 +198,38 @@ template <bool CLAMP> __device__ __forceinline__ uint32_t sq_e4m3x2(float a, flo
     return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
 }
 
+/* Health, reported by one thread: one event per (request, head) and flag, as the reference. */
+__device__ __forceinline__ void sq_tile_report(const sq_io &io, unsigned f, int32_t slot)
+{
+    if (io.health)
+        atomicOr(io.health + slot, f);
+    if (io.counts)
+        for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
+            if (f & (1u << bit))
+                atomicAdd(io.counts + bit, 1ull);
+}
+
+/*
+ * The health of a block's (request, head), called by every thread of the block with its own bits:
+ * a block-wide vote, and only where a thread raised one (rare) a shared word and one report from
+ * thread 0 (sq_tile_report). Used by the kernels that keep their flags in registers (the warp
+ * kernel, sq_fp8_kernel's pack).
+ */
+__device__ __forceinline__ void sq_block_health(const sq_io &io, unsigned fl, int32_t slot)
+{
+    if (__syncthreads_or(fl != 0)) {
+        __shared__ unsigned sfl;
+        if (threadIdx.x == 0)
+            sfl = 0;
+        __syncthreads();
+        if (fl)
+            atomicOr(&sfl, fl);
+        __syncthreads();
+        if (threadIdx.x == 0)
+            sq_tile_report(io, sfl, slot);
+    }
+}
+
 /* stepq__e4m3_to_float: exact through half (e4m3's range and steps fit fp16). */
 __device__ __forceinline__ float sq_e4m3_f(uint8_t c)
 {

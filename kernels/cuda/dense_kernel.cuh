@@ -29,8 +29,8 @@
  * Why: the tile kernel's dense bf16 step holds a head per block between block-wide barriers at
  * two blocks per SM and reached 63-64% of the copy bandwidth; this kernel 72.7-73.5%
  * (kernels/cuda/README.md, "The dense bf16 step on the warp kernel", with what lost).
- * Health: a block-wide vote at the end, and only when a lane raised a bit (rare) a shared
- * word and one report per (request, head), as every kernel counts.
+ * Health: sq_block_health at the end (a block-wide vote, and only when a lane raised a bit, which
+ * is rare, a shared word and one report per (request, head), as every kernel counts).
  */
 #ifndef STEPQ_KERNELS_CUDA_DENSE_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_DENSE_KERNEL_CUH
@@ -315,18 +315,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         sq_tstore<SQ_BF16>(x, io.dense, off, VK, true, R0, C0, sat, &fl);
     }
 
-    /* health: one report per (request, head), from thread 0, only where a bit was raised */
-    if (__syncthreads_or(fl != 0)) {
-        __shared__ unsigned sfl;
-        if (threadIdx.x == 0)
-            sfl = 0;
-        __syncthreads();
-        if (fl)
-            atomicOr(&sfl, fl);
-        __syncthreads();
-        if (threadIdx.x == 0)
-            sq_tile_report(io, sfl, slot);
-    }
+    sq_block_health(io, fl, slot);
 }
 
 #endif /* STEPQ_KERNELS_CUDA_DENSE_KERNEL_CUH */

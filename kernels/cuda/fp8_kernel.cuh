@@ -187,7 +187,6 @@ __global__ void __launch_bounds__(SQ_THREADS, PACK ? SQ_F8MIN_BLOCKS : SQ_F8UMIN
         for (int o = 16; o; o >>= 1)
             m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
         __shared__ float smax[4][2];
-        __shared__ unsigned sfl;
         if ((l & 31) == 0)
             smax[g][l >> 5] = m;
         asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory"); /* the tile's two warps */
@@ -226,23 +225,7 @@ __global__ void __launch_bounds__(SQ_THREADS, PACK ? SQ_F8MIN_BLOCKS : SQ_F8UMIN
         for (uint32_t n = hd->tile_scale_off + 4 * (SQ_D / STEPQ__FP8_TILE) + t;
              n < hd->block_bytes; n += SQ_THREADS)
             blk[n] = 0;
-        /* health: one report per (entry, head), only where a bit was raised */
-        if (__syncthreads_or(fl != 0)) {
-            if (t == 0)
-                sfl = 0;
-            __syncthreads();
-            if (fl)
-                atomicOr(&sfl, fl);
-            __syncthreads();
-            if (t == 0) {
-                if (io.health)
-                    atomicOr(io.health + slot, sfl);
-                if (io.counts)
-                    for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
-                        if (sfl & (1u << bit))
-                            atomicAdd(io.counts + bit, 1ull);
-            }
-        }
+        sq_block_health(io, fl, slot);
         return;
     }
 

@@ -1696,17 +1696,6 @@ __device__ __forceinline__ void sq_tile_store_packed(float (&x)[64], const float
         sq_tile_refit(num, den, hd, dual, ub, clamp, sm, buf, fl, pos);
 }
 
-/* Health, reported by one thread: one event per (request, head) and flag, as the reference. */
-__device__ __forceinline__ void sq_tile_report(const sq_io &io, unsigned f, int32_t slot)
-{
-    if (io.health)
-        atomicOr(io.health + slot, f);
-    if (io.counts)
-        for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
-            if (f & (1u << bit))
-                atomicAdd(io.counts + bit, 1ull);
-}
-
 /*
  * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
  * dense; SINK: packed (quantized) or dense. With a packed source the block
