@@ -222,12 +222,14 @@ enum kind {
     K_DENSE_BF16,
     K_PACKED,
     K_PACKED_2S,
-    K_PACK,        /* from fp32 [K,V] */
-    K_PACK_BF16,   /* from bf16 [K,V] */
-    K_PACK_VK,     /* from fp32 [V,K] */
-    K_UNPACK,      /* to fp32 [K,V] */
-    K_UNPACK_BF16, /* to bf16 [K,V] */
-    K_UNPACK_VK,   /* to fp32 [V,K] */
+    K_PACK,           /* from fp32 [K,V] */
+    K_PACK_BF16,      /* from bf16 [K,V] */
+    K_PACK_VK,        /* from fp32 [V,K] */
+    K_UNPACK,         /* to fp32 [K,V] */
+    K_UNPACK_BF16,    /* to bf16 [K,V] */
+    K_UNPACK_VK,      /* to fp32 [V,K] */
+    K_PACK_BF16_VK,   /* from bf16 [V,K] */
+    K_UNPACK_BF16_VK, /* to bf16 [V,K] */
 };
 
 /* Whether a kind is a decode step (reads q/k/v/g/beta, writes o) rather than a pack / unpack. */
@@ -239,12 +241,16 @@ static int is_step(enum kind k)
 /* The dense side of a pack or unpack kind. */
 static stepq_dtype kind_dtype(enum kind k)
 {
-    return k == K_PACK_BF16 || k == K_UNPACK_BF16 ? STEPQ_DTYPE_BF16 : STEPQ_DTYPE_FP32;
+    return k == K_PACK_BF16 || k == K_UNPACK_BF16 || k == K_PACK_BF16_VK || k == K_UNPACK_BF16_VK
+               ? STEPQ_DTYPE_BF16
+               : STEPQ_DTYPE_FP32;
 }
 
 static stepq_state_layout kind_layout(enum kind k)
 {
-    return k == K_PACK_VK || k == K_UNPACK_VK ? STEPQ_STATE_LAYOUT_VK : STEPQ_STATE_LAYOUT_KV;
+    return k == K_PACK_VK || k == K_UNPACK_VK || k == K_PACK_BF16_VK || k == K_UNPACK_BF16_VK
+               ? STEPQ_STATE_LAYOUT_VK
+               : STEPQ_STATE_LAYOUT_KV;
 }
 
 /* One row's launch, what fx_time_us times. */
@@ -280,6 +286,7 @@ static int launch(void *p)
     case K_PACK:
     case K_PACK_BF16:
     case K_PACK_VK:
+    case K_PACK_BF16_VK:
         if (c->prep)
             return stepq__cuda_pack_prepared(&c->pl, c->L, c->pf.n, c->pf.slot_ids, c->dense,
                                              c->stride, (stepq__layout)c->pf.layout, c->pf.dtype,
@@ -288,6 +295,7 @@ static int launch(void *p)
     case K_UNPACK:
     case K_UNPACK_BF16:
     case K_UNPACK_VK:
+    case K_UNPACK_BF16_VK:
         if (c->prep)
             return stepq__cuda_unpack_prepared(&c->pl, c->L, c->pf.n, c->pf.slot_ids, c->dense,
                                                c->stride, (stepq__layout)c->pf.layout, c->pf.dtype,
@@ -470,15 +478,19 @@ static const struct row rows[] = {
     { "stepq@6 pack", 4, K_PACK, 0 },
     { "stepq@6 pack bf16", 4, K_PACK_BF16, 0 },
     { "stepq@6 pack [V,K]", 4, K_PACK_VK, 0 },
+    { "stepq@6 pack bf16 [V,K]", 4, K_PACK_BF16_VK, 0 },
     { "stepq@6 unpack", 4, K_UNPACK, 0 },
     { "stepq@6 unpack bf16", 4, K_UNPACK_BF16, 0 },
     { "stepq@6 unpack [V,K]", 4, K_UNPACK_VK, 0 },
+    { "stepq@6 unpack bf16 [V,K]", 4, K_UNPACK_BF16_VK, 0 },
     { "fp8 pack", 5, K_PACK, 0 },
     { "fp8 pack bf16", 5, K_PACK_BF16, 0 },
     { "fp8 pack [V,K]", 5, K_PACK_VK, 0 },
+    { "fp8 pack bf16 [V,K]", 5, K_PACK_BF16_VK, 0 },
     { "fp8 unpack", 5, K_UNPACK, 0 },
     { "fp8 unpack bf16", 5, K_UNPACK_BF16, 0 },
     { "fp8 unpack [V,K]", 5, K_UNPACK_VK, 0 },
+    { "fp8 unpack bf16 [V,K]", 5, K_UNPACK_BF16_VK, 0 },
     { "fp32 (old)", 0, K_DENSE_F32, STEPQ__CUDA_COLUMN },
     { "bf16 (old)", 1, K_DENSE_BF16, STEPQ__CUDA_COLUMN },
     { "stepq@6 (old)", 4, K_PACKED, STEPQ__CUDA_COLUMN },
@@ -489,9 +501,11 @@ static const struct row rows[] = {
     { "fp8 pack (old)", 5, K_PACK, STEPQ__CUDA_COLUMN },
     { "fp8 pack bf16 (old)", 5, K_PACK_BF16, STEPQ__CUDA_COLUMN },
     { "fp8 pack [V,K] (old)", 5, K_PACK_VK, STEPQ__CUDA_COLUMN },
+    { "fp8 pack bf16 [V,K] (old)", 5, K_PACK_BF16_VK, STEPQ__CUDA_COLUMN },
     { "fp8 unpack (old)", 5, K_UNPACK, STEPQ__CUDA_COLUMN },
     { "fp8 unpack bf16 (old)", 5, K_UNPACK_BF16, STEPQ__CUDA_COLUMN },
     { "fp8 unpack [V,K] (old)", 5, K_UNPACK_VK, STEPQ__CUDA_COLUMN },
+    { "fp8 unpack bf16 [V,K] (old)", 5, K_UNPACK_BF16_VK, STEPQ__CUDA_COLUMN },
 };
 #define N_ROWS ((int)(sizeof(rows) / sizeof(rows[0])))
 
@@ -899,7 +913,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         !cu_ok(cudaStreamSynchronize(s), "pack"))
                         rc = 1;
                     fill.dtype = STEPQ_DTYPE_BF16;
-                    if (rc == 0 && rw->kind == K_PACK_BF16 &&
+                    if (rc == 0 && (rw->kind == K_PACK_BF16 || rw->kind == K_PACK_BF16_VK) &&
                         (stepq_pool_prefill_unpack(c.pool, 0, &fill, s) < 0 ||
                          !cu_ok(cudaStreamSynchronize(s), "unpack")))
                         rc = 1;
@@ -917,7 +931,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                     if (rc)
                         fprintf(stderr, "stepq bench kernels: %s\n", stepq_last_error());
                     /* A pack or unpack moves the pages one way and the dense states the other. */
-                    const int bf16_side = rw->kind == K_PACK_BF16 || rw->kind == K_UNPACK_BF16;
+                    const int bf16_side = kind_dtype(rw->kind) == STEPQ_DTYPE_BF16;
                     state_rw = (size_t)B * blocks[mi];
                     state_rw += step ? state_rw : bf16_side ? dense_f32 / 2 : dense_f32;
                     if (rw->kind == K_PACKED_2S)

@@ -754,7 +754,8 @@ void fx_transfer_cases(int small, void (*one)(struct fx_transfer))
                                       .HV = 2,
                                       .n = 3,
                                       .layout = !(w & 1),
-                                      .dtype = w >> 1 & 1 });
+                                      .dtype = w >> 1 & 1,
+                                      .aligned = w == 2 }); /* bf16 [V,K], the vector path */
     }
     if (!small)
         one((struct fx_transfer){ .arch = K,
@@ -771,7 +772,8 @@ void fx_transfer_cases(int small, void (*one)(struct fx_transfer))
                               .n = 4,
                               .layout = STEPQ_STATE_LAYOUT_VK,
                               .dtype = STEPQ_DTYPE_BF16,
-                              .row_split = 0.6 });
+                              .row_split = 0.6,
+                              .aligned = 1 });
     /* an fp32 layer: the column kernel, which the pool's handle picks for dense pages */
     one((struct fx_transfer){ .arch = G, .method = STEPQ_METHOD_FP32, .HV = 2, .n = 3 });
     /*
