@@ -147,6 +147,35 @@ static int run(const struct params *p)
     const size_t p2 = p->layout == STEPQ_STATE_LAYOUT_VK ? 100 * FX_D + 5 : 100;
     src[5] = src[p2] = NAN;
     src16[5] = src16[p2] = 0x7fc0;
+    if (p->method == STEPQ_METHOD_FP8) {
+        /*
+         * entry 0, last head, tile 1 (columns 32..63): zeros of both signs, denormals and
+         * elements beside s 2^-10 (the kernel's threshold below which a code is the signed zero
+         * without a division), among normal values; its largest element is 0.5 (s = 0.5 / 240).
+         * bf16 sources take the same values rounded to bf16 (the denormals of bf16's range).
+         */
+        const float s = 0.5f / 240.0f, t = s * 0x1p-10f;
+        const float special[8] = {
+            0.0f, -0.0f, 1e-40f, -3e-39f, t, -nextafterf(t, 0.0f), 0.5f, nextafterf(t, 1.0f)
+        };
+        float *h = src + (size_t)(p->HV - 1) * head;
+        uint16_t *h16 = src16 + (size_t)(p->HV - 1) * head;
+        for (int r = 0; r < FX_D; r++)
+            for (int c = 32; c < 64; c++) {
+                const size_t at = p->layout == STEPQ_STATE_LAYOUT_VK ? (size_t)c * FX_D + r
+                                                                     : (size_t)r * FX_D + c;
+                if ((r + c) % 3 == 0) {
+                    const float v = special[(r * 7 + c) % 8];
+                    h16[at] = stepq__bf16_from_float(v);
+                    h[at] = bf16 ? stepq__bf16_to_float(h16[at]) : v;
+                } else if (bf16) {
+                    h16[at] = stepq__bf16_from_float(0.0625f * fx_nrand(rng));
+                    h[at] = stepq__bf16_to_float(h16[at]);
+                } else {
+                    h[at] = 0.0625f * fx_nrand(rng);
+                }
+            }
+    }
     if (p->method == STEPQ_METHOD_FP8 && !bf16) {
         /*
          * entry 0, last head, tile 2 (columns 64..95): a subnormal scale. Its largest element is
