@@ -741,14 +741,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
     for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
         if (__syncthreads_or(fl & (1u << bit)))
             f |= 1u << bit;
-    if (t == 0 && f) {
-        if (io.health)
-            atomicOr(io.health + slot, f);
-        if (io.counts)
-            for (int bit = 0; bit < STEPQ__HEALTH_NCOUNTS; bit++)
-                if (f & (1u << bit))
-                    atomicAdd(io.counts + bit, 1ull);
-    }
+    if (t == 0 && f)
+        sq_tile_report(io, f, slot);
 }
 
 #endif /* STEPQ_KERNELS_CUDA_HEAD_KERNEL_CUH */
