@@ -254,6 +254,47 @@ static void e4m3_rounds_to_nearest_even_and_saturates(void **state)
     assert_int_equal(stepq__e4m3_from_float(nextafterf(0x1p-10f, 1.0f)), 0x01); /* above it */
 }
 
+/*
+ * The zero threshold of the CUDA fp8 pack (kernels/cuda/fp8_kernel.cuh): for a tile scale
+ * s >= 2^-116, thr = s * 2^-10 is exact, and every x with |x| < thr gets the code of x * 0
+ * (the signed zero) there without a division. Checked against the reference's code of the
+ * correctly rounded x / s (fit_fp8) over scales across the whole range, with zeros, denormals,
+ * the floats beside thr and random values below it; and at thr itself the division is taken
+ * (its code may be zero or not: 2^-10 exactly is a tie to zero).
+ */
+static void e4m3_zero_threshold_of_the_cuda_pack_matches_the_reference(void **state)
+{
+    (void)state;
+    uint64_t rng = 0x9e3779b97f4a7c15ull;
+    for (int i = 0; i < 20000; i++) {
+        rng = rng * 6364136223846793005ull + 1442695040888963407ull;
+        /* s: the edge 2^-116, then random exponents in [-116, 30] and random mantissas */
+        const int ex = -116 + (int)((rng >> 33) % 147);
+        const float s =
+            i == 0 ? 0x1p-116f : ldexpf(1.0f + (float)((rng >> 11) & 0xfffff) / 0x1p20f, ex);
+        const float thr = s * 0x1p-10f;
+        assert_true((double)thr == (double)s * 0x1p-10); /* exact */
+        const float xs[] = { 0.0f,
+                             -0.0f,
+                             0x1p-149f,
+                             -0x1p-130f,
+                             nextafterf(thr, 0.0f),
+                             -nextafterf(thr, 0.0f),
+                             thr * (float)((rng >> 40) & 0xffff) / 0x1p16f,
+                             -thr * (float)((rng >> 24) & 0xffff) / 0x1p16f };
+        for (size_t k = 0; k < sizeof(xs) / sizeof(xs[0]); k++) {
+            const float x = xs[k];
+            if (!(fabsf(x) < thr))
+                continue;
+            assert_int_equal(stepq__e4m3_from_float(x / s), signbit(x) ? 0x80 : 0x00);
+            assert_int_equal(stepq__e4m3_from_float(x * 0.0f), signbit(x) ? 0x80 : 0x00);
+        }
+        /* just above thr the quotient rounds to the first subnormal code */
+        const float up = nextafterf(thr, 1.0f);
+        assert_int_equal(stepq__e4m3_from_float(up / s), up / s > 0x1p-10f ? 0x01 : 0x00);
+    }
+}
+
 static void layout_rejects_bad_bits_methods_and_alignment(void **state)
 {
     (void)state;
@@ -437,6 +478,7 @@ int main(void)
         cmocka_unit_test(layout_rejects_bad_bits_methods_and_alignment),
         cmocka_unit_test(fp16_round_trips_every_finite_half),
         cmocka_unit_test(fp16_rounds_to_nearest_even_and_overflows_to_inf),
+        cmocka_unit_test(e4m3_zero_threshold_of_the_cuda_pack_matches_the_reference),
         cmocka_unit_test(bf16_rounds_to_nearest_even),
         cmocka_unit_test(scales_are_clamped_to_the_fp16_normal_range),
         cmocka_unit_test(pack_writes_the_documented_bit_image),
