@@ -148,7 +148,10 @@ __device__ __forceinline__ uint16_t sq_bf16_rn(float f)
     return (uint16_t)((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
 }
 
-/* bf16 store of kernels/quant.c store_dense (pages, dense steps): RNE, Inf saturates. */
+/*
+ * bf16 store of kernels/quant.c store_dense (pages, dense steps): sq_bf16_rn, but what would be
+ * +-Inf saturates to bf16's largest finite value (flag in *fl).
+ */
 __device__ __forceinline__ uint16_t sq_bf16_sat(float f, unsigned *fl)
 {
     uint32_t x = __float_as_uint(f);
@@ -196,6 +199,24 @@ template <bool CLAMP> __device__ __forceinline__ uint32_t sq_e4m3x2(float a, flo
         b = fminf(fmaxf(b, -STEPQ__FP8_AMAX), STEPQ__FP8_AMAX);
     }
     return (uint32_t)__nv_cvt_float2_to_fp8x2(make_float2(a, b), __NV_SATFINITE, __NV_E4M3);
+}
+
+/*
+ * The scale s = amax / 240 of fp8 tile t (kernels/quant.c fit_fp8) from the |x| maxima m of the
+ * two warps that hold it (u = 0, 1: which of the pair), called by every thread of both: a warp
+ * max, a pair in shared memory and a 64-thread named barrier (id 1 + t, so one tile's wait does
+ * not hold the others), then the correctly rounded division.
+ */
+__device__ __forceinline__ float sq_fp8_tile_scale(float m, int t, int u)
+{
+#pragma unroll
+    for (int o = 16; o; o >>= 1)
+        m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
+    __shared__ float smax[4][2];
+    if ((threadIdx.x & 31) == 0)
+        smax[t][u] = m;
+    asm volatile("bar.sync %0, 64;\n" ::"r"(1 + t) : "memory");
+    return __fdiv_rn(fmaxf(smax[t][0], smax[t][1]), STEPQ__FP8_AMAX);
 }
 
 /* Health, reported by one thread: one event per (request, head) and flag, as the reference. */

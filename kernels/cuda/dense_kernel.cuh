@@ -122,8 +122,9 @@ __device__ __forceinline__ void sq_dense_f8dec(float (&x)[64], const uint2 (&cw)
  * (8 bytes of each of its rows) and its tile's scale with the state's loads, decodes them after
  * the input phase, and stores the fit of kernels/quant.c fit_fp8: fp8 tile t (columns
  * 32t..32t+31) is the strips of warps 2t and 2t+1, whose |x| maxima meet at a 64-thread named
- * barrier (id 1 + t, as sq_fp8_kernel's), then s = amax / 240 and the codes as that kernel's
- * pack of fp32 sources (correctly rounded divisions, the clamp to +-240, cvt.rn.satfinite pairs).
+ * barrier (sq_fp8_tile_scale, as in sq_fp8_kernel), then s = amax / 240 and the codes as that
+ * kernel's pack of fp32 sources (correctly rounded divisions, the clamp to +-240, cvt.rn.satfinite
+ * pairs).
  */
 template <bool VK, bool FP8 = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq_step st, sq_io io)
@@ -287,15 +288,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
     if (!(lane & 2))
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + col, o, bfi);
     if constexpr (FP8) {
-        /* the tile's amax: the warp's, then its partner's through shared memory */
-#pragma unroll
-        for (int o2 = 16; o2; o2 >>= 1)
-            m = fmaxf(m, __shfl_xor_sync(full, m, o2));
-        __shared__ float smax8[4][2];
-        if (lane == 0)
-            smax8[w >> 1][w & 1] = m;
-        asm volatile("bar.sync %0, 64;\n" ::"r"(1 + (w >> 1)) : "memory");
-        const float sc = __fdiv_rn(fmaxf(smax8[w >> 1][0], smax8[w >> 1][1]), STEPQ__FP8_AMAX);
+        const float sc = sq_fp8_tile_scale(m, w >> 1, w & 1);
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             uint32_t c[2] = { 0, 0 };

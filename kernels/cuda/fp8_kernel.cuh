@@ -183,14 +183,7 @@ __global__ void __launch_bounds__(SQ_THREADS, PACK ? SQ_F8MIN_BLOCKS : SQ_F8UMIN
                 }
             fl = STEPQ_HEALTH_STATE;
         }
-#pragma unroll
-        for (int o = 16; o; o >>= 1)
-            m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, o));
-        __shared__ float smax[4][2];
-        if ((l & 31) == 0)
-            smax[g][l >> 5] = m;
-        asm volatile("bar.sync %0, 64;\n" ::"r"(1 + g) : "memory"); /* the tile's two warps */
-        const float sc = __fdiv_rn(fmaxf(smax[g][0], smax[g][1]), STEPQ__FP8_AMAX);
+        const float sc = sq_fp8_tile_scale(m, g, l >> 5);
         /*
          * Two codes. Where |x| < thr = s 2^-10, |x / s| < 2^-10 rounds to e4m3's signed zero (2^-10
          * is the midpoint of 0 and 2^-9, a tie to even), so the code is x * 0's: no division.

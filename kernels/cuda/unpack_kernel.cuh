@@ -93,10 +93,13 @@ __device__ __forceinline__ void sq_uquad(float (&v)[4], const uint8_t *buf, uint
     }
 }
 
-/* Four dense values at element n of dst (16-byte fp32 / 8-byte bf16 store when `vec`). */
+/*
+ * Four dense values at element n of dst (16-byte fp32 / 8-byte bf16 store when `vec`); bf16 by
+ * the reference's scalar conversion where `scalar` (sq_bf16_rn: NaNs keep their bits).
+ */
 template <int DT>
 __device__ __forceinline__ void sq_ustore4(void *dst, size_t n, const float (&v)[4], bool vec,
-                                           bool sat)
+                                           bool scalar)
 {
     if (DT == SQ_F32) {
         float *p = (float *)dst + n;
@@ -110,7 +113,7 @@ __device__ __forceinline__ void sq_ustore4(void *dst, size_t n, const float (&v)
         return;
     }
     uint16_t *p = (uint16_t *)dst + n;
-    if (!sat && vec) {
+    if (!scalar && vec) {
         *(uint2 *)p = make_uint2(sq_bf16x2(v[0], v[1]), sq_bf16x2(v[2], v[3]));
     } else {
 #pragma unroll
@@ -216,7 +219,7 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
         __syncthreads();
         const int i = 32 * ch + lane;
         /* bf16: the reference's scalar conversion for pivot rows and non-finite scales */
-        const bool sat = slow || (B == 0 && (rows[i].bo & 0xffu) == STEPQ_BITS_PIVOT);
+        const bool scalar = slow || (B == 0 && (rows[i].bo & 0xffu) == STEPQ_BITS_PIVOT);
 #pragma unroll
         for (int g = 0; g < 4; g++) {
             const int q = 4 * w + g;
@@ -228,8 +231,9 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
                 if (DT == SQ_F32) {
                     ((float *)dst)[n] = x[cc];
                 } else {
-                    ((uint16_t *)dst)[n] =
-                        sat ? sq_bf16_rn(x[cc]) : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
+                    ((uint16_t *)dst)[n] = scalar
+                                               ? sq_bf16_rn(x[cc])
+                                               : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
                 }
             }
         }
