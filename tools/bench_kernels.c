@@ -929,7 +929,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                                     !cu_ok(cudaStreamSynchronize(s), "pack")))
                         rc = 1;
                     fill.dtype = STEPQ_DTYPE_BF16;
-                    if (rc == 0 && (rw->kind == K_PACK_BF16 || rw->kind == K_PACK_BF16_VK) &&
+                    if (rc == 0 && is_pack(rw->kind) && kind_dtype(rw->kind) == STEPQ_DTYPE_BF16 &&
                         (stepq_pool_prefill_unpack(c.pool, 0, &fill, s) < 0 ||
                          !cu_ok(cudaStreamSynchronize(s), "unpack")))
                         rc = 1;

@@ -101,6 +101,12 @@ static void prefill_args(const struct params *p, const struct side *s, size_t st
     a->health_counts = s->counts.p;
 }
 
+/* Element (row r, column c) of one head of the dense side in p's layout. */
+static size_t head_at(const struct params *p, int r, int c)
+{
+    return p->layout == STEPQ_STATE_LAYOUT_VK ? (size_t)c * FX_D + r : (size_t)r * FX_D + c;
+}
+
 static int run(const struct params *p)
 {
     const struct fx_map_spec spec = {
@@ -148,22 +154,22 @@ static int run(const struct params *p)
     src[5] = src[p2] = NAN;
     src16[5] = src16[p2] = 0x7fc0;
     if (p->method == STEPQ_METHOD_FP8) {
+        /* two special tiles of entry 0's last head (head 0 holds the NaNs) */
+        float *h = src + (size_t)(p->HV - 1) * head;
+        uint16_t *h16 = src16 + (size_t)(p->HV - 1) * head;
         /*
-         * entry 0, last head, tile 1 (columns 32..63): zeros of both signs, denormals and
-         * elements beside s 2^-10 (the kernel's threshold below which a code is the signed zero
-         * without a division), among normal values; its largest element is 0.5 (s = 0.5 / 240).
-         * bf16 sources take the same values rounded to bf16 (the denormals of bf16's range).
+         * Tile 1 (columns 32..63): zeros of both signs, denormals and elements beside s 2^-10
+         * (the kernel's threshold below which a code is the signed zero without a division),
+         * among normal values; its largest element is 0.5 (s = 0.5 / 240). bf16 sources take the
+         * same values rounded to bf16 (the denormals of bf16's range).
          */
         const float s = 0.5f / 240.0f, t = s * 0x1p-10f;
         const float special[8] = {
             0.0f, -0.0f, 1e-40f, -3e-39f, t, -nextafterf(t, 0.0f), 0.5f, nextafterf(t, 1.0f)
         };
-        float *h = src + (size_t)(p->HV - 1) * head;
-        uint16_t *h16 = src16 + (size_t)(p->HV - 1) * head;
         for (int r = 0; r < FX_D; r++)
             for (int c = 32; c < 64; c++) {
-                const size_t at = p->layout == STEPQ_STATE_LAYOUT_VK ? (size_t)c * FX_D + r
-                                                                     : (size_t)r * FX_D + c;
+                const size_t at = head_at(p, r, c);
                 if ((r + c) % 3 == 0) {
                     const float v = special[(r * 7 + c) % 8];
                     h16[at] = stepq__bf16_from_float(v);
@@ -175,21 +181,18 @@ static int run(const struct params *p)
                     h[at] = 0.0625f * fx_nrand(rng);
                 }
             }
-    }
-    if (p->method == STEPQ_METHOD_FP8 && !bf16) {
         /*
-         * entry 0, last head, tile 2 (columns 64..95): a subnormal scale. Its largest element is
+         * Tile 2 (columns 64..95), fp32 sources: a subnormal scale. Its largest element is
          * 1296 * 2^-149, so s = 1296 / 240 = 5.4 subnormal steps rounds to 5 and x / s = 259.2,
          * which e4m3 would round to 256: the clamp to +-240 before rounding (kernels/format.h)
          * decides the code. The others are far smaller. (bf16 cannot hold such values: its
          * smallest magnitude, 2^-133, keeps s within 0.2% of m / 240.)
          */
-        float *h = src + (size_t)(p->HV - 1) * head;
-        for (int r = 0; r < FX_D; r++)
-            for (int c = 64; c < 96; c++)
-                h[p->layout == STEPQ_STATE_LAYOUT_VK ? (size_t)c * FX_D + r
-                                                     : (size_t)r * FX_D + c] =
-                    r == 7 && c == 70 ? -ldexpf(1296.0f, -149) : ldexpf(fx_nrand(rng), -142);
+        if (!bf16)
+            for (int r = 0; r < FX_D; r++)
+                for (int c = 64; c < 96; c++)
+                    h[head_at(p, r, c)] =
+                        r == 7 && c == 70 ? -ldexpf(1296.0f, -149) : ldexpf(fx_nrand(rng), -142);
     }
     /* slots from the top down, entry 1 skipped (every third from it with wild ids) */
     const int32_t wild[] = { fx.slots + 1, -7, 1 << 30 };
