@@ -380,8 +380,11 @@ __device__ __forceinline__ void sq_input_failed(const sq_step &st, const sq_io &
 
 /*
  * a / b from b and RN(1/b) (Markstein): the residual is exact and the
- * corrected quotient is the correctly rounded a / b outside the subnormal
- * range (where codes are 0 anyway); 3 operations instead of an IEEE division.
+ * corrected quotient is the correctly rounded a / b (Markstein's theorem,
+ * given a faithful first quotient; tests/kernels/test_format.c checks a
+ * sample of significand pairs on the host, kernels/cuda/probe/div_exhaustive.cu
+ * all 2^46 on a GPU) wherever 1/b, the residual (about 2^-24 |a|) and the
+ * quotient are normal floats; 3 operations instead of an IEEE division.
  */
 __device__ __forceinline__ float sq_div(float a, float b, float binv)
 {
@@ -390,11 +393,74 @@ __device__ __forceinline__ float sq_div(float a, float b, float binv)
     return fmaf(e, binv, q);
 }
 
+/*
+ * The division of an fp8 tile's elements by its scale s > 0 (kernels/quant.c fit_fp8: x / s
+ * correctly rounded, then e4m3), set up once per tile. By default __fdiv_rn. In SQ_FP8_SQDIV
+ * builds, where s is in [2^-80, 2^120], sq_div with si = RN(1/s) instead (3 operations): exact
+ * where sq_div is exact for the reduced pair of significands (kernels/cuda/probe/div_exhaustive.cu
+ * checks all 2^46 of them; its header gives the scaling argument, which holds for every element
+ * that keeps its quotient, |x| >= thr >= 2^-90: 1/s, the residual and the quotient stay normal).
+ * Either way an element with |x| < thr = s 2^-10 takes the code of x * 0: |x / s| < 2^-10 rounds
+ * to e4m3's signed zero (2^-10 is the midpoint of 0 and 2^-9, a tie to even), which keeps zeros
+ * and denormals out of the divisions (__fdiv_rn's slow path; sq_div's exactness needs normal
+ * residuals; -0 / s is -0). thr is exact where s 2^-10 is a normal float; below that (s < 2^-116)
+ * thr = 0 sends every element through __fdiv_rn.
+ */
+#ifndef SQ_FP8_SQDIV
+/* sq_div in the fp8 fits: not yet run on a GPU (kernels/cuda/README.md) */
+#define SQ_FP8_SQDIV 0
+#endif
+
+struct sq_fp8_div {
+    float s, si, thr;
+    bool fast;
+};
+
+__device__ __forceinline__ sq_fp8_div sq_fp8_div_of(float s)
+{
+    sq_fp8_div d;
+    d.s = s;
+    d.fast = SQ_FP8_SQDIV && s >= 0x1p-80f && s <= 0x1p120f;
+    d.si = d.fast ? __frcp_rn(s) : 0.0f;
+    d.thr = s >= 0x1p-116f ? s * 0x1p-10f : 0.0f;
+    return d;
+}
+
+/*
+ * Two e4m3 codes (a in the low byte) of a / s and b / s (sq_fp8_div). FAST: d.fast, the caller's
+ * tile-uniform branch; then s is normal and |x / s| stays within a few ulps of 240, so the clamp
+ * is moot (sq_e4m3x2). CLAMP: the clamp to +-240 of fp32 sources on the __fdiv_rn path.
+ */
+template <bool FAST, bool CLAMP>
+__device__ __forceinline__ uint32_t sq_fp8_codes2(const sq_fp8_div &d, float a, float b)
+{
+    const bool za = fabsf(a) < d.thr, zb = fabsf(b) < d.thr;
+    float qa, qb;
+    if (FAST) {
+        qa = sq_div(a, d.s, d.si);
+        qb = sq_div(b, d.s, d.si);
+    } else { /* a zero's division divides s by s instead */
+        qa = __fdiv_rn(za ? d.s : a, d.s);
+        qb = __fdiv_rn(zb ? d.s : b, d.s);
+    }
+    return sq_e4m3x2 < CLAMP && !FAST > (za ? a * 0.0f : qa, zb ? b * 0.0f : qb);
+}
+
 /* Two values as bf16, rounded to nearest even by one cvt; no saturation: callers rule out Inf. */
 __device__ __forceinline__ uint32_t sq_bf16x2(float a, float b)
 {
     __nv_bfloat162 h = __floats2bfloat162_rn(a, b);
     return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/*
+ * 16-byte global store (st.global.v4): the compiler split some aggregate ones. No memory clobber:
+ * the kernel's stores never alias its loads, so later loads may still be issued before it.
+ */
+__device__ __forceinline__ void sq_st16(void *p, uint32_t a, uint32_t b, uint32_t c, uint32_t d)
+{
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c),
+                 "r"(d));
 }
 
 /* qmax and code mask of a B-bit width, as constants for the templated decode and pack. */

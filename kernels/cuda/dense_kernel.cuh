@@ -124,7 +124,7 @@ __device__ __forceinline__ void sq_dense_f8dec(float (&x)[64], const uint2 (&cw)
  * 32t..32t+31) is the strips of warps 2t and 2t+1, whose |x| maxima meet at a 64-thread named
  * barrier (sq_fp8_tile_scale, as in sq_fp8_kernel), then s = amax / 240 and the codes as that
  * kernel's pack of fp32 sources (correctly rounded divisions, the clamp to +-240, cvt.rn.satfinite
- * pairs).
+ * pairs; SQ_FP8_SQDIV builds: sq_fp8_codes2, sq_div quotients and the zero threshold).
  */
 template <bool VK, bool FP8 = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq_step st, sq_io io)
@@ -289,6 +289,28 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + col, o, bfi);
     if constexpr (FP8) {
         const float sc = sq_fp8_tile_scale(m, w >> 1, w & 1);
+#if SQ_FP8_SQDIV
+        const sq_fp8_div dv = sq_fp8_div_of(sc);
+        const auto emit = [&](auto fast) {
+            constexpr bool FAST = decltype(fast)::value;
+#pragma unroll
+            for (int r = 0; r < 8; r++) {
+                uint32_t c[2] = { 0, 0 };
+                if (sc > 0.0f) {
+#pragma unroll
+                    for (int h = 0; h < 4; h++)
+                        c[h >> 1] |=
+                            sq_fp8_codes2<FAST, true>(dv, x[r * 8 + 2 * h], x[r * 8 + 2 * h + 1])
+                            << (16 * (h & 1));
+                }
+                *(uint2 *)(blk + (size_t)(R0 + r) * SQ_D + C0) = make_uint2(c[0], c[1]);
+            }
+        };
+        if (dv.fast) /* uniform over the tile's two warps */
+            emit(std::true_type{});
+        else
+            emit(std::false_type{});
+#else
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             uint32_t c[2] = { 0, 0 };
@@ -301,6 +323,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
             }
             *(uint2 *)(blk + (size_t)(R0 + r) * SQ_D + C0) = make_uint2(c[0], c[1]);
         }
+#endif
         if (lane == 0 && !(w & 1))
             *tscale = sc;
     } else {

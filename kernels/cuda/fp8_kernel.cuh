@@ -19,11 +19,12 @@
  *          32g + NV (l % (W/2)) + a; a warp load covers 256 (fp32) or 128 (bf16) contiguous bytes
  *          of each of 2 or 4 columns, and the codes of each of the thread's W rows are its NV
  *          contiguous columns, which the lanes of one row group complete to the tile's sector.
- * 16-byte stores go through st.global.v4 (sq_st16): the compiler split some aggregate ones.
+ * 16-byte stores go through st.global.v4 (sq_st16, common.cuh): the compiler split some aggregate
+ * ones.
  *
  * Exactness, as the reference (kernels/quant.c fit_fp8 / dequant_fp8) and checkasm's bytewise
- * pack compare: s = amax / 240 and x / s by correctly rounded divisions (__fdiv_rn; sq_div's
- * Markstein correction is proven only for small integer numerators), the clamp to +-240 for fp32
+ * pack compare: s = amax / 240 and x / s correctly rounded (sq_fp8_codes2 in common.cuh:
+ * __fdiv_rn, or sq_div in SQ_FP8_SQDIV builds), the clamp to +-240 for fp32
  * sources (sq_e4m3x2 says why bf16 ones need none), then cvt.rn.satfinite.e4m3x2 on pairs (round
  * to nearest even, the sign of a zero kept); s = 0 keeps the codes +0. A non-finite dense element
  * becomes 0 before the fit (health STATE, one report per (entry, head) after a block-wide vote, as
@@ -37,6 +38,8 @@
 #ifndef STEPQ_KERNELS_CUDA_FP8_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_FP8_KERNEL_CUH
 
+#include <type_traits>
+
 #include "kernels/cuda/common.cuh"
 
 /*
@@ -44,9 +47,12 @@
  * pack holds its 64 elements across the tile's barrier, the unpack only its 16 code words. The
  * fp32 pack at 3 blocks (80 registers) spilled 16-24 bytes and ran 2-5% slower than at 2 (H100,
  * B = 512: [K,V] 458-460 against 451-452 us, [V,K] 484-488 against 459-463; kernels/cuda/
- * README.md); the bf16 pack needs about 60 registers either way.
+ * README.md). The bf16 pack holds its 64 elements in 32 words (62-63 registers); with
+ * SQ_FP8_SQDIV it is held to 4 blocks (64 registers): left free, the compiler took 128 for the
+ * interleaved sq_div quotients.
  */
 #define SQ_F8MIN_BLOCKS  2
+#define SQ_F8BMIN_BLOCKS (SQ_FP8_SQDIV ? 4 : 2) /* the pack from bf16 */
 #define SQ_F8UMIN_BLOCKS 4
 
 static_assert(SQ_D / STEPQ__FP8_TILE == 4 && SQ_THREADS == 256,
@@ -59,16 +65,6 @@ template <int DT, bool VK> struct sq_f8geo {
     /* [K,V]: lanes per tile row; [V,K]: lanes per row group, one per column slot */
     static constexpr int LPR = VK ? W / 2 : 32 / W;
 };
-
-/*
- * 16-byte global store (st.global.v4): the compiler split some aggregate ones. No memory clobber:
- * the kernel's stores never alias its loads, so later loads may still be issued before it.
- */
-__device__ __forceinline__ void sq_st16(void *p, uint32_t a, uint32_t b, uint32_t c, uint32_t d)
-{
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c),
-                 "r"(d));
-}
 
 /* The two codes of the low 16 bits of c as floats (exact through half2). */
 __device__ __forceinline__ float2 sq_e4m3x2_f(uint32_t c)
@@ -107,7 +103,9 @@ template <int N> __device__ __forceinline__ void sq_f8ld(const uint8_t *p, uint3
  * (SQ_F32 or SQ_BF16), VK: its layout, PACK: dense -> page, else page -> dense.
  */
 template <int DT, bool VK, bool PACK>
-__global__ void __launch_bounds__(SQ_THREADS, PACK ? SQ_F8MIN_BLOCKS : SQ_F8UMIN_BLOCKS)
+__global__ void __launch_bounds__(SQ_THREADS, !PACK           ? SQ_F8UMIN_BLOCKS
+                                              : DT == SQ_BF16 ? SQ_F8BMIN_BLOCKS
+                                                              : SQ_F8MIN_BLOCKS)
     sq_fp8_kernel(sq_io io)
 {
     using G = sq_f8geo<DT, VK>;
@@ -184,44 +182,42 @@ __global__ void __launch_bounds__(SQ_THREADS, PACK ? SQ_F8MIN_BLOCKS : SQ_F8UMIN
             fl = STEPQ_HEALTH_STATE;
         }
         const float sc = sq_fp8_tile_scale(m, g, l >> 5);
-        /*
-         * Two codes. Where |x| < thr = s 2^-10, |x / s| < 2^-10 rounds to e4m3's signed zero (2^-10
-         * is the midpoint of 0 and 2^-9, a tie to even), so the code is x * 0's: no division.
-         * That keeps zeros and denormals, whose correctly rounded division takes its slow path
-         * and holds the warp (1.4-2.1x slower packs, kernels/cuda/README.md), out of __fdiv_rn:
-         * it divides s by s instead. thr is exact where s 2^-10 is a normal float; below that
-         * (s < 2^-116) thr = 0 sends every element through the division.
-         */
-        const float thr = sc >= 0x1p-116f ? sc * 0x1p-10f : 0.0f;
-        const auto codes = [&](float a, float b) -> uint32_t {
-            const bool za = fabsf(a) < thr, zb = fabsf(b) < thr;
-            const float qa = __fdiv_rn(za ? sc : a, sc), qb = __fdiv_rn(zb ? sc : b, sc);
-            return sq_e4m3x2<DT == SQ_F32>(za ? a * 0.0f : qa, zb ? b * 0.0f : qb);
-        };
+        const sq_fp8_div dv = sq_fp8_div_of(sc);
         /* the codes: [K,V] vector a is W bytes of one row; [V,K] row b is the NV columns */
-        if (!VK) {
+        const auto emit = [&](auto fast) {
+            constexpr bool FAST = decltype(fast)::value;
+            if (!VK) {
 #pragma unroll
-            for (int a = 0; a < NV; a++) {
-                uint32_t c[4] = { 0, 0, 0, 0 };
-                if (sc > 0.0f) {
+                for (int a = 0; a < NV; a++) {
+                    uint32_t c[4] = { 0, 0, 0, 0 };
+                    if (sc > 0.0f) {
 #pragma unroll
-                    for (int b = 0; b < W; b += 2)
-                        c[b >> 2] |= codes(el(a, b), el(a, b + 1)) << (8 * (b & 3));
+                        for (int b = 0; b < W; b += 2)
+                            c[b >> 2] |=
+                                sq_fp8_codes2<FAST, DT == SQ_F32>(dv, el(a, b), el(a, b + 1))
+                                << (8 * (b & 3));
+                    }
+                    sq_f8st<W>(blk + (size_t)(r0 + 2 * W * a) * SQ_D + c0, c);
                 }
-                sq_f8st<W>(blk + (size_t)(r0 + 2 * W * a) * SQ_D + c0, c);
-            }
-        } else {
+            } else {
 #pragma unroll
-            for (int b = 0; b < W; b++) {
-                uint32_t c[4] = { 0, 0, 0, 0 };
-                if (sc > 0.0f) {
+                for (int b = 0; b < W; b++) {
+                    uint32_t c[4] = { 0, 0, 0, 0 };
+                    if (sc > 0.0f) {
 #pragma unroll
-                    for (int a = 0; a < NV; a += 2)
-                        c[a >> 2] |= codes(el(a, b), el(a + 1, b)) << (8 * (a & 3));
+                        for (int a = 0; a < NV; a += 2)
+                            c[a >> 2] |=
+                                sq_fp8_codes2<FAST, DT == SQ_F32>(dv, el(a, b), el(a + 1, b))
+                                << (8 * (a & 3));
+                    }
+                    sq_f8st<NV>(blk + (size_t)(r0 + b) * SQ_D + c0, c);
                 }
-                sq_f8st<NV>(blk + (size_t)(r0 + b) * SQ_D + c0, c);
             }
-        }
+        };
+        if (dv.fast) /* uniform over the tile's two warps */
+            emit(std::true_type{});
+        else
+            emit(std::false_type{});
         if (l == 0)
             scales[g] = sc;
         /* alignment padding after the scales (a block_align above 16), written as 0 */

@@ -10,12 +10,12 @@
  * 64-register tile that an unpack does not need (no reductions). Here warp w
  * owns rows 16w..16w+15 and lane l columns 4l..4l+3 (all lanes of a warp
  * read the same row's codes: no bank conflicts). bf16 [K,V] rows leave as
- * one 256-byte warp store per row (86% of copy bandwidth). fp32 [K,V] and
- * [V,K] go through a 16 KiB shared buffer, 32 rows at a time, so that every
- * warp store writes 128 contiguous bytes (sq_unpack_rows_t): measured on the
- * H200 at B = 512, 16-byte-per-lane stores ran fp32 [K,V] at 53-74% and
- * [V,K] columns at 8-24% of copy bandwidth, 128-byte warp stores [V,K] at
- * 83-85% (and the column kernel's [K,V] rows at 82%).
+ * one 256-byte warp store per row (86% of copy bandwidth). fp32 [K,V] goes
+ * through a 16 KiB shared buffer, 32 rows at a time, so that every warp store
+ * writes 128 contiguous bytes (sq_unpack_rows_t): measured on the H200 at
+ * B = 512, 16-byte-per-lane stores ran fp32 [K,V] at 53-74% of copy
+ * bandwidth. [V,K] goes through a 32 KiB buffer by column (sq_unpack_vk), so
+ * that each lane stores 16 bytes and a warp whole 128-byte column pieces.
  * About 16 values live per thread, so 4 blocks share an SM and hide the
  * staging latency of each other's blocks.
  *
@@ -169,28 +169,24 @@ __device__ __forceinline__ void sq_unpack_rows(const uint8_t *buf, const sq_urow
 }
 
 /*
- * Through the shared buffer T (32 rows x 128 columns, float4 granules
- * swizzled by row: granule q of row r sits at q ^ (r & 7), so the row
- * writes, the column-quad reads and the row reads by lane are all
- * conflict-free). Chunk ch holds rows 32ch..32ch+31: warp w decodes rows
- * 4w..4w+3 of it (lane l columns 4l..4l+3). Then every warp store is 128
- * contiguous bytes (fp32; 64 for bf16), the pattern that measured 82-85% of
- * copy bandwidth where 16-byte-per-lane stores measured 53% (fp32 [K,V],
- * GDN) and 8-24% ([V,K] columns):
- *   [V,K] (VK): after a barrier lane l reads row l's granules 4w..4w+3
- *   (columns 16w..16w+15) and writes each column's 32 rows with one store;
- *   [K,V] (fp32 only): warp w writes back its own 4 rows, lane l columns
- *   l + 32m (m = 0..3), after a warp barrier only.
- * No vector stores, so any stride works.
+ * fp32 [K,V] through the shared buffer T (32 rows x 128 columns, float4
+ * granules swizzled by row: granule q of row r sits at q ^ (r & 7), so the
+ * row writes and the row reads by lane are conflict-free). Chunk ch holds
+ * rows 32ch..32ch+31: warp w decodes rows 4w..4w+3 of it (lane l columns
+ * 4l..4l+3), then writes back its own 4 rows, lane l columns l + 32m (m =
+ * 0..3), after a warp barrier only: every warp store is 128 contiguous bytes,
+ * the pattern that measured 82-85% of copy bandwidth where 16-byte-per-lane
+ * stores measured 53% (GDN). No vector stores, so any stride works.
  */
-template <int B, int DT, bool VK>
+template <int B>
 __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_urow *rows,
                                                  const float *cs, float4 *T, void *dst, size_t off,
-                                                 bool slow, int w, int lane)
+                                                 int w, int lane)
 {
     const int j0 = 4 * lane;
     const float4 c4 = *(const float4 *)(cs + j0);
     const float c[4] = { c4.x, c4.y, c4.z, c4.w };
+    const float *Tf = (const float *)T;
 #pragma unroll 1
     for (int ch = 0; ch < 4; ch++) {
 #pragma unroll
@@ -200,55 +196,128 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
             sq_urow_quad<B>(v, buf, rows[32 * ch + rr], j0, c);
             T[rr * 32 + (lane ^ (rr & 7))] = make_float4(v[0], v[1], v[2], v[3]);
         }
-        if (!VK) { /* fp32 [K,V]: the warp's own rows, 128-byte stores */
-            __syncwarp();
-            const float *Tf = (const float *)T;
+        __syncwarp();
 #pragma unroll
-            for (int k = 0; k < 4; k++) {
-                const int rr = 4 * w + k;
-                float *d = (float *)dst + off + (size_t)(32 * ch + rr) * SQ_D;
+        for (int k = 0; k < 4; k++) {
+            const int rr = 4 * w + k;
+            float *d = (float *)dst + off + (size_t)(32 * ch + rr) * SQ_D;
 #pragma unroll
-                for (int m = 0; m < 4; m++) {
-                    const int q = 8 * m + (lane >> 2);
-                    d[32 * m + lane] = Tf[rr * SQ_D + 4 * (q ^ (rr & 7)) + (lane & 3)];
-                }
-            }
-            __syncwarp(); /* T's rows are rewritten by the next chunk */
-            continue;
-        }
-        __syncthreads();
-        const int i = 32 * ch + lane;
-        /* bf16: the reference's scalar conversion for pivot rows and non-finite scales */
-        const bool scalar = slow || (B == 0 && (rows[i].bo & 0xffu) == STEPQ_BITS_PIVOT);
-#pragma unroll
-        for (int g = 0; g < 4; g++) {
-            const int q = 4 * w + g;
-            const float4 f = T[lane * 32 + (q ^ (lane & 7))];
-            const float x[4] = { f.x, f.y, f.z, f.w };
-#pragma unroll
-            for (int cc = 0; cc < 4; cc++) {
-                const size_t n = off + (size_t)(4 * q + cc) * SQ_D + i;
-                if (DT == SQ_F32) {
-                    ((float *)dst)[n] = x[cc];
-                } else {
-                    ((uint16_t *)dst)[n] = scalar
-                                               ? sq_bf16_rn(x[cc])
-                                               : __bfloat16_as_ushort(__float2bfloat16_rn(x[cc]));
-                }
+            for (int m = 0; m < 4; m++) {
+                const int q = 8 * m + (lane >> 2);
+                d[32 * m + lane] = Tf[rr * SQ_D + 4 * (q ^ (rr & 7)) + (lane & 3)];
             }
         }
-        __syncthreads(); /* T is rewritten by the next chunk */
+        __syncwarp(); /* T's rows are rewritten by the next chunk */
     }
 }
 
-/* The block's 128 rows into dst: through T where the stores need it (sq_unpack_rows_t). */
+/*
+ * [V,K] through the shared buffer U (UB bytes), by column: a chunk of RC rows
+ * (UB / 128 / element bytes: 128 bf16 or 64 fp32 rows in 32 KiB), whose NP
+ * 16-byte pieces per column leave as NP lanes' 16-byte stores (one barrier
+ * per chunk, instead of a 2- or 4-byte store per element and two barriers per
+ * 32 rows, which held bf16 [V,K] at 49-59% of copy bandwidth on the H200).
+ *   Decode: warp w takes RC / 32 groups of 4 rows (group q: rows 4q..4q+3 of
+ *   the chunk), lane l columns 4l..4l+3, as sq_unpack_rows; each column's 4
+ *   values (16 bytes fp32, 8 bf16: the unit of group q) go to U in one store.
+ *   bf16 rounds here, by the reference's scalar conversion where a row of the
+ *   group is a pivot row or `slow` (sq_bf16_rn and cvt.rn agree except on
+ *   NaNs, so the group's other rows lose nothing).
+ *   Store: pass p, thread t: column 256 / NP p + t / NP, piece h = t % NP.
+ * Swizzle, within a column's NP pieces: piece h sits at h ^ f, f = (column / 4)
+ * % NP; bf16 units (half pieces) swap halves where column / 32 is odd. So
+ * the decode's stores (lanes' columns 4 apart) and the pieces' reads are
+ * conflict-free. U's size (SQ_UVK_BYTES): 32 KiB is what ran on the H200
+ * (kernels/cuda/README.md); it costs the GDN layer, whose pivot head makes
+ * every block's staging 32 KiB, a block per SM (3 fit). 16 KiB (64 bf16 or 32
+ * fp32 rows, 8 pieces per column) keeps 4 and is not yet measured.
+ */
+template <int B, int DT, int UB>
+__device__ __forceinline__ void sq_unpack_vk(const uint8_t *buf, const sq_urow *rows,
+                                             const float *cs, uint8_t *U, void *dst, size_t off,
+                                             bool vec, bool slow, int w, int lane)
+{
+    constexpr int ES = DT == SQ_F32 ? 4 : 2; /* element bytes */
+    constexpr int CB = UB / SQ_D;            /* a column's bytes per chunk */
+    constexpr int RC = CB / ES;              /* rows per chunk */
+    constexpr int NP = CB / 16;              /* 16-byte pieces per column and chunk */
+    constexpr int G = RC / 32;               /* 4-row groups per warp and chunk */
+    constexpr int PE = 16 / ES;              /* elements per piece */
+    constexpr int LNP = NP == 8 ? 3 : 4;     /* log2 NP */
+    static_assert(G >= 1 && (NP == 8 || NP == 16), "sq_unpack_vk: chunk shape");
+    const int j0 = 4 * lane, t = 32 * w + lane, h = t & (NP - 1);
+    const float4 c4 = *(const float4 *)(cs + j0);
+    const float c[4] = { c4.x, c4.y, c4.z, c4.w };
+#pragma unroll 1
+    for (int ch = 0; ch < SQ_D / RC; ch++) {
+        if (ch)
+            __syncthreads(); /* U is rewritten */
+#pragma unroll
+        for (int g = 0; g < G; g++) {
+            const int q = G * w + g;
+            float v[4][4];
+            bool sc = slow;
+#pragma unroll
+            for (int k = 0; k < 4; k++)
+                sc |= sq_urow_quad<B>(v[k], buf, rows[RC * ch + 4 * q + k], j0, c);
+#pragma unroll
+            for (int cc = 0; cc < 4; cc++) {
+                const int col = j0 + cc, f = (col >> 2) & (NP - 1);
+                if (DT == SQ_F32) {
+                    *(float4 *)(U + col * CB + (q ^ f) * 16) =
+                        make_float4(v[0][cc], v[1][cc], v[2][cc], v[3][cc]);
+                } else {
+                    const int at = ((q >> 1) ^ f) * 16 + ((q & 1) ^ ((col >> 5) & 1)) * 8;
+                    const uint2 u =
+                        sc ? make_uint2(sq_bf16_rn(v[0][cc]) | (uint32_t)sq_bf16_rn(v[1][cc]) << 16,
+                                        sq_bf16_rn(v[2][cc]) | (uint32_t)sq_bf16_rn(v[3][cc]) << 16)
+                           : make_uint2(sq_bf16x2(v[0][cc], v[1][cc]),
+                                        sq_bf16x2(v[2][cc], v[3][cc]));
+                    *(uint2 *)(U + col * CB + at) = u;
+                }
+            }
+        }
+        __syncthreads();
+#pragma unroll 2
+        for (int p = 0; p < NP / 2; p++) {
+            const int col = SQ_THREADS / NP * p + (t >> LNP), f = (col >> 2) & (NP - 1);
+            uint4 x = *(const uint4 *)(U + col * CB + (h ^ f) * 16);
+            if (DT == SQ_BF16 && ((col >> 5) & 1))
+                x = make_uint4(x.z, x.w, x.x, x.y);
+            const size_t n = off + (size_t)col * SQ_D + RC * ch + PE * h;
+            if (vec) {
+                sq_st16((uint8_t *)dst + n * ES, x.x, x.y, x.z, x.w);
+            } else {
+                const uint32_t wd[4] = { x.x, x.y, x.z, x.w };
+#pragma unroll
+                for (int k = 0; k < 4; k++) {
+                    if (DT == SQ_F32) {
+                        ((uint32_t *)dst)[n + k] = wd[k];
+                    } else {
+                        ((uint16_t *)dst)[n + 2 * k] = (uint16_t)wd[k];
+                        ((uint16_t *)dst)[n + 2 * k + 1] = (uint16_t)(wd[k] >> 16);
+                    }
+                }
+            }
+        }
+    }
+}
+
+#ifndef SQ_UVK_BYTES
+#define SQ_UVK_BYTES 32768 /* sq_unpack_vk's U: 32768 or 16384 */
+#endif
+
+/* The block's 128 rows into dst: [V,K] through U, fp32 [K,V] through T, bf16 [K,V] directly. */
 template <int B, int DT, bool VK>
 __device__ __forceinline__ void sq_unpack_head(const uint8_t *buf, const sq_urow *rows,
-                                               const float *cs, float4 *T, void *dst, size_t off,
+                                               const float *cs, void *T, void *dst, size_t off,
                                                bool vec, bool slow, int w, int lane)
 {
-    if constexpr (VK || DT == SQ_F32)
-        sq_unpack_rows_t<B, DT, VK>(buf, rows, cs, T, dst, off, slow, w, lane);
+    if constexpr (VK)
+        sq_unpack_vk<B, DT, SQ_UVK_BYTES>(buf, rows, cs, (uint8_t *)T, dst, off, vec, slow, w,
+                                          lane);
+    else if constexpr (DT == SQ_F32)
+        sq_unpack_rows_t<B>(buf, rows, cs, (float4 *)T, dst, off, w, lane);
     else
         sq_unpack_rows<B, DT>(buf, rows, cs, dst, off, vec, slow, w, lane);
 }
@@ -264,8 +333,11 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     extern __shared__ __align__(16) uint8_t sq_dyn[];
     __shared__ sq_urow rows[SQ_D];
     __shared__ __align__(16) float cs[SQ_D];
-    float4 *T = nullptr; /* [V,K] and fp32 [K,V]: 32 x 128 staging (16 KiB) */
-    if constexpr (VK || DT == SQ_F32) {
+    void *T = nullptr; /* [V,K]: U of sq_unpack_vk; fp32 [K,V]: 32 x 128 (16 KiB) */
+    if constexpr (VK) {
+        __shared__ uint4 u[SQ_UVK_BYTES / 16];
+        T = u;
+    } else if constexpr (DT == SQ_F32) {
         __shared__ float4 tr[32 * 32];
         T = tr;
     }

@@ -295,6 +295,54 @@ static void e4m3_zero_threshold_of_the_cuda_pack_matches_the_reference(void **st
     }
 }
 
+/*
+ * sq_div (kernels/cuda/common.cuh), the CUDA fp8 fits' quotient: q = RN(a RN(1/b)), then one
+ * Markstein correction q + RN(a - q b) RN(1/b) with two FMAs, equals the correctly rounded a / b.
+ * kernels/cuda/probe/div_exhaustive.cu checks every pair of significands on a GPU; this is the
+ * same comparison in the host's IEEE float arithmetic on a sample that runs in CI: the first and
+ * last 1024 significands of b (the last ones are where RN(1/b) is least accurate) against every
+ * 97th significand of a, and scaled copies of each pair at both ends of the range the fp8 fits
+ * use (|a| >= 2^-90, 2^-80 <= b <= 2^120). A plain product a RN(1/b) differs from a / b in a
+ * fraction of these pairs, so the correction is what the check sees.
+ */
+static float markstein_div(float a, float b)
+{
+    const float bi = 1.0f / b, q = a * bi;
+    return fmaf(fmaf(-q, b, a), bi, q);
+}
+
+static void markstein_quotient_of_the_cuda_fp8_fits_is_correctly_rounded(void **state)
+{
+    (void)state;
+    long plain = 0, pairs = 0;
+    for (int k = 0; k < 2048; k++) {
+        const uint32_t mb = k < 1024 ? (uint32_t)k : (1u << 23) - 2048u + (uint32_t)k;
+        float b;
+        const uint32_t ib = 0x3f800000u | mb;
+        memcpy(&b, &ib, 4);
+        for (uint32_t ma = (uint32_t)k % 97; ma < (1u << 23); ma += 97) {
+            float a;
+            const uint32_t ia = 0x3f800000u | ma;
+            memcpy(&a, &ia, 4);
+            const float q = markstein_div(a, b), r = a / b;
+            if (q != r)
+                fail_msg("a = %a, b = %a: %a, correctly rounded %a", (double)a, (double)b,
+                         (double)q, (double)r);
+            plain += a * (1.0f / b) != r;
+            pairs++;
+            if (ma % 4096 == k % 97) { /* scaled: the ends of the fp8 fits' range, signs */
+                const float a2 = ldexpf(-a, -90), b2 = ldexpf(b, -80), a3 = ldexpf(a, 100),
+                            b3 = ldexpf(-b, 120);
+                assert_true(markstein_div(a2, b2) == a2 / b2);
+                assert_true(markstein_div(a3, b3) == a3 / b3);
+                assert_true(markstein_div(a2, b3) == a2 / b3);
+            }
+        }
+    }
+    assert_true(pairs > 150000);
+    assert_true(plain > 0); /* the uncorrected product is not enough */
+}
+
 static void layout_rejects_bad_bits_methods_and_alignment(void **state)
 {
     (void)state;
@@ -479,6 +527,7 @@ int main(void)
         cmocka_unit_test(fp16_round_trips_every_finite_half),
         cmocka_unit_test(fp16_rounds_to_nearest_even_and_overflows_to_inf),
         cmocka_unit_test(e4m3_zero_threshold_of_the_cuda_pack_matches_the_reference),
+        cmocka_unit_test(markstein_quotient_of_the_cuda_fp8_fits_is_correctly_rounded),
         cmocka_unit_test(bf16_rounds_to_nearest_even),
         cmocka_unit_test(scales_are_clamped_to_the_fp16_normal_range),
         cmocka_unit_test(pack_writes_the_documented_bit_image),
