@@ -15,7 +15,7 @@
  * writes 128 contiguous bytes (sq_unpack_rows_t): measured on the H200 at
  * B = 512, 16-byte-per-lane stores ran fp32 [K,V] at 53-74% of copy
  * bandwidth. [V,K] goes through a 32 KiB buffer by column (sq_unpack_vk), so
- * that each lane stores 16 bytes and a warp whole 128-byte column pieces.
+ * that each lane stores 16 bytes and a warp two whole 256-byte column chunks.
  * About 16 values live per thread, so 4 blocks share an SM and hide the
  * staging latency of each other's blocks.
  *
