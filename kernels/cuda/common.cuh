@@ -463,6 +463,69 @@ __device__ __forceinline__ void sq_st16(void *p, uint32_t a, uint32_t b, uint32_
                  "r"(d));
 }
 
+/*
+ * L2 prefetch of a later block's state (SQ_L2_PREFETCH builds, an experiment of session 20:
+ * kernels/cuda/README.md). Every kernel here runs one block per (entry, value head) on a
+ * (heads, batch) grid, and the hardware starts blocks in linear order as resident ones retire,
+ * so the block SQ_L2_PREFETCH x %nsmid places after this one starts about SQ_L2_PREFETCH / (blocks
+ * per SM) waves later. sq_pf_of (at the kernel's start, beside its own slot load) finds that
+ * block's slot; sq_pf_dense / sq_pf_page (after the kernel's own loads are issued) prefetch its
+ * dense head or its page block into L2, one 128-byte line per thread and pass. Prefetches change
+ * no data and raise no fault, so a slot the later block will skip costs only the bytes.
+ */
+#ifndef SQ_L2_PREFETCH
+#define SQ_L2_PREFETCH 0
+#endif
+
+struct sq_pf {
+    int32_t slot; /* -1: none */
+    int e, hv;
+};
+
+/* ORD: grid (batch, heads) instead (x the entry) */
+template <bool ORD = false> __device__ __forceinline__ sq_pf sq_pf_of(const sq_io &io)
+{
+    sq_pf p = { -1, 0, 0 };
+    if (SQ_L2_PREFETCH) {
+        unsigned nsm;
+        asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
+        const unsigned long long b = (unsigned long long)blockIdx.y * gridDim.x + blockIdx.x +
+                                     (unsigned long long)nsm * SQ_L2_PREFETCH;
+        if (b < (unsigned long long)gridDim.x * gridDim.y) {
+            p.e = (int)(ORD ? b % gridDim.x : b / gridDim.x);
+            p.hv = (int)(ORD ? b / gridDim.x : b % gridDim.x);
+            p.slot = io.slots ? io.slots[p.e] : p.e;
+        }
+    }
+    return p;
+}
+
+__device__ __forceinline__ void sq_pf_lines(const uint8_t *p, uint32_t bytes)
+{
+    for (uint32_t o = threadIdx.x * 128u; o < bytes; o += SQ_THREADS * 128u)
+        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+}
+
+/* The dense head (bf16 or fp32) of the prefetched block; BY_SLOT: indexed by slot, else entry. */
+__device__ __forceinline__ void sq_pf_dense(const sq_io &io, const sq_pf &p, bool by_slot)
+{
+    if (SQ_L2_PREFETCH && p.slot >= 0 && p.slot < io.n_slots) {
+        const size_t es = io.bf16 ? 2 : 4;
+        const size_t off =
+            (size_t)(by_slot ? p.slot : p.e) * io.dense_stride + (size_t)p.hv * SQ_D * SQ_D;
+        sq_pf_lines((const uint8_t *)io.dense + off * es, (uint32_t)(SQ_D * SQ_D * es));
+    }
+}
+
+/* The page block of the prefetched block's head. */
+__device__ __forceinline__ void sq_pf_page(const sq_io &io, const sq_pf &p)
+{
+    if (SQ_L2_PREFETCH && p.slot >= 0 && p.slot < io.n_slots) {
+        const sq_head_desc *hd = io.heads + p.hv;
+        sq_pf_lines(io.pages + (size_t)p.slot * io.page_stride + hd->block_off, hd->block_bytes);
+    }
+}
+
 /* qmax and code mask of a B-bit width, as constants for the templated decode and pack. */
 template <int B> struct sq_bw {
     static constexpr int QM = (1 << (B - 1)) - 1;

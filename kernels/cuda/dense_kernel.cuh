@@ -133,8 +133,13 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
     const unsigned full = 0xffffffffu;
     const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
+    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
+    if (FP8)
+        sq_pf_page(io, pf);
+    else
+        sq_pf_dense(io, pf, true);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int cg = lane & 1, rg = lane >> 1, R0 = 8 * rg, C0 = 16 * w + 8 * cg;
     const int jc = sq_dense_col(lane), col = C0 + jc; /* the column whose totals the lane holds */

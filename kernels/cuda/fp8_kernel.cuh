@@ -113,10 +113,15 @@ __global__ void __launch_bounds__(SQ_THREADS, !PACK           ? SQ_F8UMIN_BLOCKS
     const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
     const int t = threadIdx.x, g = t >> 6, l = t & 63;
     const int32_t slot = io.slots ? io.slots[e] : e;
+    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
     if (PACK && io.skip && io.skip[(size_t)e * HV + hv])
         return;
+    if (PACK)
+        sq_pf_dense(io, pf, io.dense_by_slot);
+    else
+        sq_pf_page(io, pf);
 
     const sq_head_desc *hd = io.heads + hv;
     uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;

@@ -20,6 +20,7 @@ extern "C" {
 #include "kernels/cuda/dense_kernel.cuh"
 #include "kernels/cuda/f16_kernel.cuh"
 #include "kernels/cuda/fp8_kernel.cuh"
+#include "kernels/cuda/strip_kernel.cuh"
 #include "kernels/cuda/tile_kernel.cuh"
 #include "kernels/cuda/unpack_kernel.cuh"
 
@@ -396,6 +397,16 @@ static int launch_step_tile(dim3 g2, size_t smem, cudaStream_t s, const sq_step 
 {
     constexpr int SRC = SQ_SRC_PACKED, SINK = SQ_SINK_PACKED;
     constexpr int O = SQ_V_ORDER | N, R = SQ_V_ORDER | SQ_V_RTU | N;
+#if SQ_STRIP
+    /* the column-strip experiment (strip_kernel.cuh): the exact fit of layers with uniform heads */
+    if constexpr (N == 0) {
+        if (!(v & SQ_V_RTU))
+            return st.in_bf16 ? launch_k<sq_strip_kernel<O | SQ_V_IN16>>(g2, smem + SQ_STRIP_PAD, s,
+                                                                         who, st, io)
+                              : launch_k<sq_strip_kernel<O | SQ_V_IN32>>(g2, smem + SQ_STRIP_PAD, s,
+                                                                         who, st, io);
+    }
+#endif
     if ((v & SQ_V_RTU) && st.in_bf16)
         return launch_tile_v<SRC, true, SINK, R | SQ_V_IN16>(g2, smem, s, st, io, who);
     if (v & SQ_V_RTU)

@@ -343,10 +343,12 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     }
     const int hv = blockIdx.x, e = blockIdx.y, t = threadIdx.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
+    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
     const sq_head_desc *hd = io.heads + hv;
     const uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
+    sq_pf_page(io, pf);
     sq_stage_block(sq_dyn, blk, hd->block_bytes);
     /* row and column scales straight from the page while the block travels: one barrier */
     bool bad = false;

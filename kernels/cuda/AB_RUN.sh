@@ -1,0 +1,182 @@
+#!/bin/bash
+# Same-run A/B of compile-time kernel variants on the GPU host.
+#
+#   kernels/cuda/AB_RUN.sh build     on the development machine (nvcc, no GPU needed): builds the
+#                                    default tree and each variant below in release, in
+#                                    build-ab-NAME, and copies what the device needs into the
+#                                    ignored out/ab/NAME/ (stepq; checkasm where san_tests names
+#                                    checks; base also stepq-div-probe). About 3.5 minutes a
+#                                    variant on 2 cores. One variant is about 10-20 MB and a run
+#                                    carries 64 MiB at most, so carry the variants of one call
+#                                    only: ["out/ab/base", "out/ab/sqdiv", "out/ab/strip", ...].
+#   On the device (the `run` tool, carry ".devdeps" and the variants' folders), each under its
+#   10-minute limit, over the variants of VARIANTS that were carried (out/ab/NAME present):
+#   kernels/cuda/AB_RUN.sh checks    stepq-div-probe (all 2^46 pairs), checkasm and
+#                                    compute-sanitizer memcheck / racecheck (SANITIZE=1) over the
+#                                    checks san_tests names, for each variant that has them;
+#   kernels/cuda/AB_RUN.sh ab        B = 512, every row rows_of names, on base and on each variant
+#                                    naming it, interleaved, two rounds;
+#   kernels/cuda/AB_RUN.sh batches   every batch of the BATCH_ROWS pairs (variant|shape|row);
+#   kernels/cuda/AB_RUN.sh run       all three.
+#   Results in $OUT (checks.txt, ab512.txt, batches.txt; at most 8 files come back), key lines
+#   and timestamps on stdout. VARIANTS picks a subset ("base strip": base first).
+#
+# The variants are the switches the kernels carry until a GPU run decides them
+# (kernels/cuda/README.md names each one's section):
+#   base  the default build
+#   sqdiv -DSQ_FP8_SQDIV=1 -DSQ_UVK_BYTES=16384: sq_div in the fp8 fits, a 16 KiB [V,K] unpack buffer
+#   pf2   -DSQ_L2_PREFETCH=2: L2 prefetch of the head two blocks per SM ahead (one wave at 2 blocks/SM)
+#   pf4   -DSQ_L2_PREFETCH=4: four blocks per SM ahead
+#   strip -DSQ_STRIP=1: the fused packed step (exact fit, uniform-width heads) on column strips
+set -o pipefail
+VARIANTS=${VARIANTS:-"base sqdiv pf2 pf4 strip"}
+flags_of() {
+    case $1 in
+    base) echo "" ;;
+    sqdiv) echo "-DSQ_FP8_SQDIV=1 -DSQ_UVK_BYTES=16384" ;;
+    pf2) echo "-DSQ_L2_PREFETCH=2" ;;
+    pf4) echo "-DSQ_L2_PREFETCH=4" ;;
+    strip) echo "-DSQ_STRIP=1" ;;
+    *) echo "AB_RUN.sh: unknown variant '$1'" >&2; exit 2 ;;
+    esac
+}
+# variants whose arithmetic or data path differs get checkasm and the sanitizers over these checks
+san_tests() {
+    case $1 in
+    sqdiv) echo "unpack fp8" ;;
+    strip) echo "decode_gdn" ;; # decode gdn (a space would split it; the run turns _ back)
+    esac
+}
+checked() { [ -n "$(san_tests "$1")" ]; }
+# the variants of VARIANTS whose binaries were carried to the device
+present() { for v in $VARIANTS; do if [ -x "out/ab/$v/stepq" ]; then printf '%s ' "$v"; fi; done; }
+
+build() {
+    export PATH=/usr/local/cuda/bin:$PATH
+    for v in $VARIANTS; do
+        f=$(flags_of "$v") || exit 2
+        d=build-ab-$v
+        [ -d "$d" ] || meson setup "$d" -Dcuda=enabled --buildtype=release > /dev/null || exit 1
+        touch kernels/cuda/layer.cu # the flags are not part of ninja's command line
+        echo "building $v ($f)" >&2
+        NVCC_APPEND_FLAGS="$f" meson compile -C "$d" tools/stepq tests/checkasm/checkasm \
+            kernels/cuda/stepq-div-probe > "$d.log" 2>&1 || { tail -20 "$d.log"; exit 1; }
+        mkdir -p "out/ab/$v"
+        cp "$d/tools/stepq" "out/ab/$v/"
+        if checked "$v"; then cp "$d/tests/checkasm/checkasm" "out/ab/$v/"; fi
+        if [ "$v" = base ]; then cp "$d/kernels/cuda/stepq-div-probe" out/ab/base/; fi
+    done
+    du -sh out/ab/* >&2
+}
+
+checks() {
+    . .devdeps/env.sh
+    OUT=${OUT:-out/ab-results}
+    mkdir -p "$OUT"
+    B=out/ab
+    VARIANTS=$(present)
+    echo "variants here: $VARIANTS"
+    T0=$(date +%s)
+    ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
+    C=$OUT/checks.txt
+    nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$C"
+    if [ -x $B/base/stepq-div-probe ]; then
+        timeout 240 $B/base/stepq-div-probe >> "$C" 2>&1
+        echo "stepq-div-probe rc $?" | tee -a "$C"
+        ts probe
+    fi
+    for v in $VARIANTS; do
+        [ -x $B/$v/checkasm ] || continue
+        timeout 150 $B/$v/checkasm > /tmp/ck.txt 2>&1
+        echo "checkasm-$v rc $?" >> /tmp/ck.txt
+        tail -3 /tmp/ck.txt | tee -a "$C"
+        for t in $(san_tests "$v"); do for tool in memcheck racecheck; do
+            SANITIZE=1 timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 \
+                $B/$v/checkasm --test "${t//_/ }" > /tmp/san.txt 2>&1
+            echo "$tool $v --test $t rc $?" >> /tmp/san.txt
+            tail -2 /tmp/san.txt | tee -a "$C"
+        done; done
+        ts "checks $v"
+    done
+    ts checks-done
+}
+
+# The bench rows each variant changes (the A/B runs them on base and on every variant naming them).
+rows_of() {
+    case $1 in
+    sqdiv) printf '%s\n' "stepq@6 unpack [V,K]" "stepq@6 unpack bf16 [V,K]" "fp8" "fp8 pack" \
+        "fp8 pack bf16" "fp8 pack bf16 [V,K]" ;;
+    pf2 | pf4) printf '%s\n' "bf16" "fp32" "stepq@6" "stepq@6 pack" "stepq@6 unpack bf16 [V,K]" \
+        "fp8 pack bf16" ;;
+    strip) printf '%s\n' "stepq@6" "stepq@4" "uniform@6" ;;
+    esac
+}
+shapes_of() { if [ "$1" = strip ]; then echo gdn; else echo "gdn kda"; fi; } # KDA maps: no strip heads
+
+ab() {
+    . .devdeps/env.sh
+    OUT=${OUT:-out/ab-results}
+    mkdir -p "$OUT"
+    B=out/ab
+    VARIANTS=$(present)
+    echo "variants here: $VARIANTS"
+    T0=$(date +%s)
+    ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
+    declare -A who
+    local order=()
+    for v in $VARIANTS; do
+        [ "$v" = base ] && continue
+        for sh in $(shapes_of "$v"); do
+            while IFS= read -r L; do
+                k="$sh|$L"
+                [ -n "${who[$k]}" ] || order+=("$k")
+                who[$k]="${who[$k]} $v"
+            done < <(rows_of "$v")
+        done
+    done
+    R=$OUT/ab512.txt
+    for round in 1 2; do
+        for k in "${order[@]}"; do
+            sh=${k%%|*} L=${k#*|}
+            for v in base ${who[$k]}; do
+                $B/$v/stepq bench kernels --only "$L" --shape $sh --batch 512 | grep " 512 " |
+                    sed "s/^/$sh $v r$round /" | tee -a "$R"
+            done
+        done
+        ts "ab512 round $round"
+    done
+}
+
+# Every batch (1..512) of the rows where a variant must be no slower anywhere: "variant|shape|row".
+batches() {
+    . .devdeps/env.sh
+    OUT=${OUT:-out/ab-results}
+    mkdir -p "$OUT"
+    B=out/ab
+    VARIANTS=$(present)
+    echo "variants here: $VARIANTS"
+    T0=$(date +%s)
+    while IFS= read -r k; do
+        [ -n "$k" ] || continue
+        v=${k%%|*} rest=${k#*|}
+        sh=${rest%%|*} L=${rest#*|}
+        case " $VARIANTS " in *" $v "*) ;; *) continue ;; esac
+        for b in base $v; do
+            $B/$b/stepq bench kernels --only "$L" --shape $sh | grep -E "^device|[0-9]%" |
+                sed "s/^/$sh $b /" >> "$OUT/batches.txt"
+        done
+        echo "[t+$(($(date +%s) - T0))s] batches $k"
+    done <<< "${BATCH_ROWS:-strip|gdn|stepq@6
+pf2|gdn|bf16
+pf2|gdn|fp32}"
+}
+
+
+case $1 in
+build) build ;;
+checks) checks ;;
+ab) ab ;;
+batches) batches ;;
+run) checks && ab && batches ;;
+*) echo "usage: kernels/cuda/AB_RUN.sh build|checks|ab|batches|run (VARIANTS, BATCH_ROWS: see the header)" >&2; exit 2 ;;
+esac
