@@ -60,7 +60,7 @@ build() {
         touch kernels/cuda/layer.cu # the flags are not part of ninja's command line
         echo "building $v ($f)" >&2
         NVCC_APPEND_FLAGS="$f" meson compile -C "$d" tools/stepq tests/checkasm/checkasm \
-            kernels/cuda/stepq-div-probe > "$d.log" 2>&1 || { tail -20 "$d.log"; exit 1; }
+            kernels/cuda/stepq-div-probe > "$d/ab-build.log" 2>&1 || { tail -20 "$d/ab-build.log"; exit 1; }
         mkdir -p "out/ab/$v"
         cp "$d/tools/stepq" "out/ab/$v/"
         if checked "$v"; then cp "$d/tests/checkasm/checkasm" "out/ab/$v/"; fi
