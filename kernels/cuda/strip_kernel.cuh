@@ -26,11 +26,15 @@
  * before. The arithmetic per element is the tile kernel's (its file comment lists it); the sums
  * run in another order (lane rows, then the warp's 16 row groups), so the state may differ from
  * the tile kernel's in the last ulp, which moves codes only at ties, as against the reference.
- * Two differences of structure, both exact: a warp whose state has a non-finite element (rare)
- * zeroes it and recomputes its own columns' readout from the sanitised state (the tile kernel
- * does it for the whole block when any warp has one), and the clamp of the codes is decided per
- * warp (a saturated row scale, seen by all, or a saturated column scale of the warp's own
- * columns: clamping elsewhere changes no code).
+ * Two differences of structure, both the reference's arithmetic up to rounding (so they too may
+ * differ from the tile kernel by an ulp, or a code at a tie), and both rare: a warp whose state
+ * has a non-finite element zeroes it and recomputes its own columns' readout from the sanitised
+ * state (the tile kernel recomputes every column's when any warp has one; the others keep
+ * S_dec^T q + u (k.q)), and the clamped quantize (sq_quant_row_rt, when a scale saturated) is
+ * chosen per warp: a saturated row scale, seen by all, or a saturated column of the warp's own
+ * (the tile kernel takes it for the whole block; elsewhere the clamp would bind on no code, but
+ * the unclamped path rounds y (qmax / c_j) instead of (y / c_j) qmax). No L2 prefetch
+ * (SQ_L2_PREFETCH) here.
  */
 #ifndef STEPQ_KERNELS_CUDA_STRIP_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_STRIP_KERNEL_CUH
