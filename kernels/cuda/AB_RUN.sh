@@ -11,15 +11,16 @@
 #                                    only: ["out/ab/base", "out/ab/sqdiv", "out/ab/strip", ...].
 #   On the device (the `run` tool, carry ".devdeps" and the variants' folders), each under its
 #   10-minute limit, over the variants of VARIANTS that were carried (out/ab/NAME present):
-#   kernels/cuda/AB_RUN.sh checks    stepq-div-probe (all 2^46 pairs), checkasm and
+#   kernels/cuda/AB_RUN.sh checks    checkasm (all; its output in checkasm-NAME.txt) and
 #                                    compute-sanitizer memcheck / racecheck (SANITIZE=1) over the
-#                                    checks san_tests names, for each variant that has them;
+#                                    checks san_tests names, for each variant that has them, then
+#                                    stepq-div-probe (all 2^46 pairs; PROBE=0 skips it);
 #   kernels/cuda/AB_RUN.sh ab        B = 512, every row rows_of names, on base and on each variant
 #                                    naming it, interleaved, two rounds;
 #   kernels/cuda/AB_RUN.sh batches   every batch of the BATCH_ROWS pairs (variant|shape|row);
 #   kernels/cuda/AB_RUN.sh run       all three.
-#   Results in $OUT (checks.txt, ab512.txt, batches.txt; at most 8 files come back), key lines
-#   and timestamps on stdout. VARIANTS picks a subset ("base strip": base first).
+#   Results in $OUT (checks.txt, checkasm-NAME.txt, ab512.txt, batches.txt; at most 8 files come
+#   back), key lines and timestamps on stdout. VARIANTS picks a subset ("base strip": base first).
 #
 # The variants are the switches the kernels carry until a GPU run decides them
 # (kernels/cuda/README.md names each one's section):
@@ -65,6 +66,7 @@ build() {
         cp "$d/tools/stepq" "out/ab/$v/"
         if checked "$v"; then cp "$d/tests/checkasm/checkasm" "out/ab/$v/"; fi
         if [ "$v" = base ]; then cp "$d/kernels/cuda/stepq-div-probe" out/ab/base/; fi
+        strip out/ab/"$v"/* # host symbols only: the carry limit is tight
     done
     du -sh out/ab/* >&2
 }
@@ -80,16 +82,11 @@ checks() {
     ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
     C=$OUT/checks.txt
     nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$C"
-    if [ -x $B/base/stepq-div-probe ]; then
-        timeout 240 $B/base/stepq-div-probe >> "$C" 2>&1
-        echo "stepq-div-probe rc $?" | tee -a "$C"
-        ts probe
-    fi
     for v in $VARIANTS; do
         [ -x $B/$v/checkasm ] || continue
-        timeout 150 $B/$v/checkasm > /tmp/ck.txt 2>&1
-        echo "checkasm-$v rc $?" >> /tmp/ck.txt
-        tail -3 /tmp/ck.txt | tee -a "$C"
+        timeout 150 $B/$v/checkasm > "$OUT/checkasm-$v.txt" 2>&1
+        echo "checkasm-$v rc $?" >> "$OUT/checkasm-$v.txt"
+        grep -v "^ok\|^  \|^$" "$OUT/checkasm-$v.txt" | head -40 | tee -a "$C"
         for t in $(san_tests "$v"); do for tool in memcheck racecheck; do
             SANITIZE=1 timeout 100 compute-sanitizer --tool $tool --error-exitcode 9 \
                 $B/$v/checkasm --test "${t//_/ }" > /tmp/san.txt 2>&1
@@ -98,6 +95,11 @@ checks() {
         done; done
         ts "checks $v"
     done
+    if [ "${PROBE:-1}" = 1 ] && [ -x $B/base/stepq-div-probe ]; then
+        timeout 240 $B/base/stepq-div-probe >> "$C" 2>&1
+        echo "stepq-div-probe rc $?" | tee -a "$C"
+        ts probe
+    fi
     ts checks-done
 }
 
