@@ -71,7 +71,8 @@ build() {
     du -sh out/ab/* >&2
 }
 
-checks() {
+# The device modes' common start: the environment, $OUT, the carried variants, the clock.
+device_setup() {
     . .devdeps/env.sh
     OUT=${OUT:-out/ab-results}
     mkdir -p "$OUT"
@@ -79,6 +80,10 @@ checks() {
     VARIANTS=$(present)
     echo "variants here: $VARIANTS"
     T0=$(date +%s)
+}
+
+checks() {
+    device_setup
     ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
     C=$OUT/checks.txt
     nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$C"
@@ -116,13 +121,7 @@ rows_of() {
 shapes_of() { if [ "$1" = strip ]; then echo gdn; else echo "gdn kda"; fi; } # KDA maps: no strip heads
 
 ab() {
-    . .devdeps/env.sh
-    OUT=${OUT:-out/ab-results}
-    mkdir -p "$OUT"
-    B=out/ab
-    VARIANTS=$(present)
-    echo "variants here: $VARIANTS"
-    T0=$(date +%s)
+    device_setup
     ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
     declare -A who
     local order=()
@@ -151,13 +150,7 @@ ab() {
 
 # Every batch (1..512) of the rows where a variant must be no slower anywhere: "variant|shape|row".
 batches() {
-    . .devdeps/env.sh
-    OUT=${OUT:-out/ab-results}
-    mkdir -p "$OUT"
-    B=out/ab
-    VARIANTS=$(present)
-    echo "variants here: $VARIANTS"
-    T0=$(date +%s)
+    device_setup
     while IFS= read -r k; do
         [ -n "$k" ] || continue
         v=${k%%|*} rest=${k#*|}

@@ -8,7 +8,7 @@
  * (S^T k, S^T q, u, the column maxima, the refit sums) crosses the eight warps through shared
  * memory and a barrier, with the per-column tails on threads 0..127 while the others wait. In a
  * strip, warp w holds columns 16w..16w+15 over all 128 rows: those quantities are warp
- * reduce-scatters (sq_dense_rs8 and its max twin) and only the row maxima are block-wide. Per
+ * reduce-scatters (sq_dense_rs8, sums and maxima) and only the row maxima are block-wide. Per
  * item: the input phase (two barriers, the tile kernel's), one barrier for the row maxima, one
  * after the row fit, one before the copy-out: 5 against the tile kernel's 11.
  *
@@ -53,26 +53,6 @@ template <int B> __device__ __forceinline__ uint32_t sq_sp_off(uint32_t o)
 {
     constexpr uint32_t CODE = SQ_D * 16u * B, GROUP = 8u * 16u * B;
     return o < CODE ? o + 16u * (o / GROUP) : o + SQ_STRIP_PAD;
-}
-
-/* sq_dense_rs8 with max instead of sum: the maximum of column sq_dense_col(lane). */
-__device__ __forceinline__ float sq_strip_rs8max(const float (&p)[8], int lane)
-{
-    const unsigned full = 0xffffffffu;
-    const bool h4 = lane & 16, h3 = lane & 8, h2 = lane & 4;
-    float a[4], b[2];
-#pragma unroll
-    for (int i = 0; i < 4; i++) {
-        const float send = h4 ? p[i] : p[i + 4], keep = h4 ? p[i + 4] : p[i];
-        a[i] = fmaxf(keep, __shfl_xor_sync(full, send, 16));
-    }
-#pragma unroll
-    for (int i = 0; i < 2; i++) {
-        const float send = h3 ? a[i] : a[i + 2], keep = h3 ? a[i + 2] : a[i];
-        b[i] = fmaxf(keep, __shfl_xor_sync(full, send, 8));
-    }
-    float s = fmaxf(h2 ? b[1] : b[0], __shfl_xor_sync(full, h2 ? b[0] : b[1], 4));
-    return fmaxf(s, __shfl_xor_sync(full, s, 2));
 }
 
 /* The 8 values of v at lane row group R0.. (shared memory, 16-byte aligned). */
@@ -183,17 +163,7 @@ __device__ __forceinline__ void sq_strip_item(const sq_step &st, const sq_io &io
             fl |= STEPQ_HEALTH_STATE;
         float qr[8], pq[8];
         sq_strip_ld8(qr, sm.q + R0);
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            float mm = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 8; c++) {
-                if (!isfinite(x[r * 8 + c]))
-                    x[r * 8 + c] = 0.0f;
-                mm = fmaxf(mm, fabsf(x[r * 8 + c]));
-            }
-            m[r] = mm;
-        }
+        sq_tile_zero_nf(x, m);
         sq_dense_coldot(x, qr, pq);
         o = sq_dense_rs8(pq, lane);
     } else {
@@ -262,7 +232,7 @@ __device__ __forceinline__ void sq_strip_item(const sq_step &st, const sq_io &io
             const float f = fmaxf(fabsf(x[48 + c]), fabsf(x[56 + c]));
             pc[c] = fmaxf(fmaxf(a, b), fmaxf(d, f));
         }
-        const float cm = sq_strip_rs8max(pc, lane);
+        const float cm = sq_dense_rs8<true>(pc, lane);
         const bool csat = cm > STEPQ__SCALE_MAX;
         if (csat)
             fl |= STEPQ_HEALTH_SATURATED;

@@ -1170,6 +1170,22 @@ __device__ __forceinline__ void sq_tile_update(float (&x)[64], sq_tsmem &sm, con
     }
 }
 
+/* The tile's non-finite elements become 0; m: its rows' maxima of |x| after that. */
+__device__ __forceinline__ void sq_tile_zero_nf(float (&x)[64], float (&m)[8])
+{
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        float mm = 0.0f;
+#pragma unroll
+        for (int c = 0; c < 8; c++) {
+            if (!isfinite(x[r * 8 + c]))
+                x[r * 8 + c] = 0.0f;
+            mm = fmaxf(mm, fabsf(x[r * 8 + c]));
+        }
+        m[r] = mm;
+    }
+}
+
 /*
  * The row maxima m of |x| that the row scales need, NaN-propagating so that
  * they also detect non-finite elements. A block with one (rare) sets them to
@@ -1198,17 +1214,7 @@ __device__ __forceinline__ bool sq_tile_finite(float (&x)[64], float (&m)[8], sq
         /* rare: non-finite elements become 0; the readout is recomputed */
         if (nf)
             fl |= STEPQ_HEALTH_STATE;
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            float mm = 0.0f;
-#pragma unroll
-            for (int c = 0; c < 8; c++) {
-                if (!isfinite(x[r * 8 + c]))
-                    x[r * 8 + c] = 0.0f;
-                mm = fmaxf(mm, fabsf(x[r * 8 + c]));
-            }
-            m[r] = mm;
-        }
+        sq_tile_zero_nf(x, m);
         if (UPDATE) {
             float pq[8];
 #pragma unroll
