@@ -469,7 +469,8 @@ __device__ __forceinline__ void sq_st16(void *p, uint32_t a, uint32_t b, uint32_
  * (heads, batch) grid, and the hardware starts blocks in linear order as resident ones retire,
  * so the block SQ_L2_PREFETCH x %nsmid places after this one starts about SQ_L2_PREFETCH / (blocks
  * per SM) waves later. sq_pf_of (at the kernel's start, beside its own slot load) finds that
- * block's slot; sq_pf_dense / sq_pf_page (after the kernel's own loads are issued) prefetch its
+ * block's slot; sq_pf_dense / sq_pf_page (right after the block's early return, before its own
+ * loads: held across them, the later block's slot cost registers in the fp8 pack) prefetch its
  * dense head or its page block into L2, one 128-byte line per thread and pass. Prefetches change
  * no data and raise no fault, so a slot the later block will skip costs only the bytes.
  */
