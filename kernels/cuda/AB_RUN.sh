@@ -8,7 +8,7 @@
 #                                    checks; base also stepq-div-probe). About 3.5 minutes a
 #                                    variant on 2 cores. One variant is about 10-20 MB and a run
 #                                    carries 64 MiB at most, so carry the variants of one call
-#                                    only: ["out/ab/base", "out/ab/sqdiv", "out/ab/strip", ...].
+#                                    only: ["out/ab/base", "out/ab/strip", ...].
 #   On the device (the `run` tool, carry ".devdeps" and the variants' folders), each under its
 #   10-minute limit, over the variants of VARIANTS that were carried (out/ab/NAME present):
 #   kernels/cuda/AB_RUN.sh checks    checkasm (all; its output in checkasm-NAME.txt) and
@@ -26,18 +26,17 @@
 # The variants are the switches the kernels carry until a GPU run decides them
 # (kernels/cuda/README.md names each one's section):
 #   base  the default build
-#   sqdiv -DSQ_FP8_SQDIV=1 -DSQ_UVK_BYTES=16384: sq_div in the fp8 fits, a 16 KiB [V,K] unpack buffer
-#   pf2   -DSQ_L2_PREFETCH=2: L2 prefetch of the head two blocks per SM ahead (one wave at 2 blocks/SM)
-#   pf4   -DSQ_L2_PREFETCH=4: four blocks per SM ahead
-#   strip -DSQ_STRIP=1: the fused packed step (exact fit, uniform-width heads) on column strips
+#   packdiv -DSQ_FP8_PACK_SQDIV=1: sq_div in the fp8 pack too (fp8_kernel.cuh)
+#   strip   -DSQ_STRIP=1: the fused packed step (exact fit, uniform-width heads) on column strips
+# (Session 20 ran this script's first version on an H100: sq_div in the fp8 step and the 16 KiB
+# bf16 [V,K] unpack buffer became the default, the L2 prefetch was removed; the files are in
+# tools/results/bench-h100/session20/.)
 set -o pipefail
-VARIANTS=${VARIANTS:-"base sqdiv pf2 pf4 strip"}
+VARIANTS=${VARIANTS:-"base packdiv strip"}
 flags_of() {
     case $1 in
     base) echo "" ;;
-    sqdiv) echo "-DSQ_FP8_SQDIV=1 -DSQ_UVK_BYTES=16384" ;;
-    pf2) echo "-DSQ_L2_PREFETCH=2" ;;
-    pf4) echo "-DSQ_L2_PREFETCH=4" ;;
+    packdiv) echo "-DSQ_FP8_PACK_SQDIV=1" ;;
     strip) echo "-DSQ_STRIP=1" ;;
     *) echo "AB_RUN.sh: unknown variant '$1'" >&2; exit 2 ;;
     esac
@@ -45,7 +44,7 @@ flags_of() {
 # variants whose arithmetic or data path differs get checkasm and the sanitizers over these checks
 san_tests() {
     case $1 in
-    sqdiv) echo "unpack fp8" ;;
+    packdiv) echo "fp8" ;;
     strip) echo "decode_gdn" ;; # decode gdn (a space would split it; the run turns _ back)
     esac
 }
@@ -115,10 +114,7 @@ checks() {
 # The bench rows each variant changes (the A/B runs them on base and on every variant naming them).
 rows_of() {
     case $1 in
-    sqdiv) printf '%s\n' "stepq@6 unpack [V,K]" "stepq@6 unpack bf16 [V,K]" "fp8" "fp8 pack" \
-        "fp8 pack bf16" "fp8 pack bf16 [V,K]" ;;
-    pf2 | pf4) printf '%s\n' "bf16" "fp32" "stepq@6" "stepq@6 pack" "stepq@6 unpack bf16 [V,K]" \
-        "fp8 pack bf16" ;;
+    packdiv) printf '%s\n' "fp8 pack" "fp8 pack bf16" "fp8 pack [V,K]" "fp8 pack bf16 [V,K]" ;;
     strip) printf '%s\n' "stepq@6" "stepq@4" "uniform@6" ;;
     esac
 }
@@ -166,8 +162,7 @@ batches() {
         done
         echo "[t+$(($(date +%s) - T0))s] batches $k"
     done <<< "${BATCH_ROWS:-strip|gdn|stepq@6
-pf2|gdn|bf16
-pf2|gdn|fp32}"
+packdiv|gdn|fp8 pack bf16}"
 }
 
 

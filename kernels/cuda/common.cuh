@@ -395,32 +395,29 @@ __device__ __forceinline__ float sq_div(float a, float b, float binv)
 
 /*
  * The division of an fp8 tile's elements by its scale s > 0 (kernels/quant.c fit_fp8: x / s
- * correctly rounded, then e4m3), set up once per tile. By default __fdiv_rn. In SQ_FP8_SQDIV
- * builds, where s is in [2^-80, 2^120], sq_div with si = RN(1/s) instead (3 operations): exact
+ * correctly rounded, then e4m3), set up once per tile. SQDIV (the fp8 decode step; the pack only
+ * in SQ_FP8_PACK_SQDIV builds, fp8_kernel.cuh): where s is in [2^-80, 2^120], sq_div with
+ * si = RN(1/s) (3 operations), elsewhere __fdiv_rn; else __fdiv_rn everywhere. sq_div is exact
  * where sq_div is exact for the reduced pair of significands (kernels/cuda/probe/div_exhaustive.cu
- * checks all 2^46 of them; its header gives the scaling argument, which holds for every element
- * that keeps its quotient, |x| >= thr >= 2^-90: 1/s, the residual and the quotient stay normal).
+ * checks all 2^46 of them, none differs (H100, session 20); its header gives the scaling
+ * argument, which holds for every element that keeps its quotient, |x| >= thr >= 2^-90: 1/s,
+ * the residual and the quotient stay normal).
  * Either way an element with |x| < thr = s 2^-10 takes the code of x * 0: |x / s| < 2^-10 rounds
  * to e4m3's signed zero (2^-10 is the midpoint of 0 and 2^-9, a tie to even), which keeps zeros
  * and denormals out of the divisions (__fdiv_rn's slow path; sq_div's exactness needs normal
  * residuals; -0 / s is -0). thr is exact where s 2^-10 is a normal float; below that (s < 2^-116)
  * thr = 0 sends every element through __fdiv_rn.
  */
-#ifndef SQ_FP8_SQDIV
-/* sq_div in the fp8 fits: not yet run on a GPU (kernels/cuda/README.md) */
-#define SQ_FP8_SQDIV 0
-#endif
-
 struct sq_fp8_div {
     float s, si, thr;
     bool fast;
 };
 
-__device__ __forceinline__ sq_fp8_div sq_fp8_div_of(float s)
+template <bool SQDIV> __device__ __forceinline__ sq_fp8_div sq_fp8_div_of(float s)
 {
     sq_fp8_div d;
     d.s = s;
-    d.fast = SQ_FP8_SQDIV && s >= 0x1p-80f && s <= 0x1p120f;
+    d.fast = SQDIV && s >= 0x1p-80f && s <= 0x1p120f;
     d.si = d.fast ? __frcp_rn(s) : 0.0f;
     d.thr = s >= 0x1p-116f ? s * 0x1p-10f : 0.0f;
     return d;
@@ -461,70 +458,6 @@ __device__ __forceinline__ void sq_st16(void *p, uint32_t a, uint32_t b, uint32_
 {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "r"(a), "r"(b), "r"(c),
                  "r"(d));
-}
-
-/*
- * L2 prefetch of a later block's state (SQ_L2_PREFETCH builds, an experiment of session 20:
- * kernels/cuda/README.md). Every kernel here runs one block per (entry, value head) on a
- * (heads, batch) grid, and the hardware starts blocks in linear order as resident ones retire,
- * so the block SQ_L2_PREFETCH x %nsmid places after this one starts about SQ_L2_PREFETCH / (blocks
- * per SM) waves later. sq_pf_of (at the kernel's start, beside its own slot load) finds that
- * block's slot; sq_pf_dense / sq_pf_page (right after the block's early return, before its own
- * loads: held across them, the later block's slot cost registers in the fp8 pack) prefetch its
- * dense head or its page block into L2, one 128-byte line per thread and pass. Prefetches change
- * no data and raise no fault, so a slot the later block will skip costs only the bytes.
- */
-#ifndef SQ_L2_PREFETCH
-#define SQ_L2_PREFETCH 0
-#endif
-
-struct sq_pf {
-    int32_t slot; /* -1: none */
-    int e, hv;
-};
-
-/* ORD: grid (batch, heads) instead (x the entry) */
-template <bool ORD = false> __device__ __forceinline__ sq_pf sq_pf_of(const sq_io &io)
-{
-    sq_pf p = { -1, 0, 0 };
-    if (SQ_L2_PREFETCH) {
-        unsigned nsm;
-        asm("mov.u32 %0, %%nsmid;" : "=r"(nsm));
-        const unsigned long long b = (unsigned long long)blockIdx.y * gridDim.x + blockIdx.x +
-                                     (unsigned long long)nsm * SQ_L2_PREFETCH;
-        if (b < (unsigned long long)gridDim.x * gridDim.y) {
-            p.e = (int)(ORD ? b % gridDim.x : b / gridDim.x);
-            p.hv = (int)(ORD ? b / gridDim.x : b % gridDim.x);
-            p.slot = io.slots ? io.slots[p.e] : p.e;
-        }
-    }
-    return p;
-}
-
-__device__ __forceinline__ void sq_pf_lines(const uint8_t *p, uint32_t bytes)
-{
-    for (uint32_t o = threadIdx.x * 128u; o < bytes; o += SQ_THREADS * 128u)
-        asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-}
-
-/* The dense head (bf16 or fp32) of the prefetched block; BY_SLOT: indexed by slot, else entry. */
-__device__ __forceinline__ void sq_pf_dense(const sq_io &io, const sq_pf &p, bool by_slot)
-{
-    if (SQ_L2_PREFETCH && p.slot >= 0 && p.slot < io.n_slots) {
-        const size_t es = io.bf16 ? 2 : 4;
-        const size_t off =
-            (size_t)(by_slot ? p.slot : p.e) * io.dense_stride + (size_t)p.hv * SQ_D * SQ_D;
-        sq_pf_lines((const uint8_t *)io.dense + off * es, (uint32_t)(SQ_D * SQ_D * es));
-    }
-}
-
-/* The page block of the prefetched block's head. */
-__device__ __forceinline__ void sq_pf_page(const sq_io &io, const sq_pf &p)
-{
-    if (SQ_L2_PREFETCH && p.slot >= 0 && p.slot < io.n_slots) {
-        const sq_head_desc *hd = io.heads + p.hv;
-        sq_pf_lines(io.pages + (size_t)p.slot * io.page_stride + hd->block_off, hd->block_bytes);
-    }
 }
 
 /* qmax and code mask of a B-bit width, as constants for the templated decode and pack. */

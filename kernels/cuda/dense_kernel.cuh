@@ -126,7 +126,7 @@ __device__ __forceinline__ void sq_dense_f8dec(float (&x)[64], const uint2 (&cw)
  * 32t..32t+31) is the strips of warps 2t and 2t+1, whose |x| maxima meet at a 64-thread named
  * barrier (sq_fp8_tile_scale, as in sq_fp8_kernel), then s = amax / 240 and the codes as that
  * kernel's pack of fp32 sources (correctly rounded divisions, the clamp to +-240, cvt.rn.satfinite
- * pairs; SQ_FP8_SQDIV builds: sq_fp8_codes2, sq_div quotients and the zero threshold).
+ * pairs; the quotients by sq_fp8_codes2: sq_div where the scale allows, and the zero threshold).
  */
 template <bool VK, bool FP8 = false>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq_step st, sq_io io)
@@ -135,13 +135,8 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
     const unsigned full = 0xffffffffu;
     const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
-    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
-    if (FP8)
-        sq_pf_page(io, pf);
-    else
-        sq_pf_dense(io, pf, true);
     const int lane = threadIdx.x & 31, w = threadIdx.x >> 5;
     const int cg = lane & 1, rg = lane >> 1, R0 = 8 * rg, C0 = 16 * w + 8 * cg;
     const int jc = sq_dense_col(lane), col = C0 + jc; /* the column whose totals the lane holds */
@@ -296,8 +291,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
         sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + col, o, bfi);
     if constexpr (FP8) {
         const float sc = sq_fp8_tile_scale(m, w >> 1, w & 1);
-#if SQ_FP8_SQDIV
-        const sq_fp8_div dv = sq_fp8_div_of(sc);
+        const sq_fp8_div dv = sq_fp8_div_of<true>(sc);
         const auto emit = [&](auto fast) {
             constexpr bool FAST = decltype(fast)::value;
 #pragma unroll
@@ -317,20 +311,6 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_DMIN_BLOCKS) sq_dense_kernel(sq
             emit(std::true_type{});
         else
             emit(std::false_type{});
-#else
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            uint32_t c[2] = { 0, 0 };
-            if (sc > 0.0f) {
-#pragma unroll
-                for (int h = 0; h < 4; h++)
-                    c[h >> 1] |= sq_e4m3x2<true>(__fdiv_rn(x[r * 8 + 2 * h], sc),
-                                                 __fdiv_rn(x[r * 8 + 2 * h + 1], sc))
-                                 << (16 * (h & 1));
-            }
-            *(uint2 *)(blk + (size_t)(R0 + r) * SQ_D + C0) = make_uint2(c[0], c[1]);
-        }
-#endif
         if (lane == 0 && !(w & 1))
             *tscale = sc;
     } else {

@@ -24,7 +24,7 @@
  *
  * Exactness, as the reference (kernels/quant.c fit_fp8 / dequant_fp8) and checkasm's bytewise
  * pack compare: s = amax / 240 and x / s correctly rounded (sq_fp8_codes2 in common.cuh:
- * __fdiv_rn, or sq_div in SQ_FP8_SQDIV builds), the clamp to +-240 for fp32
+ * __fdiv_rn, or sq_div in SQ_FP8_PACK_SQDIV builds), the clamp to +-240 for fp32
  * sources (sq_e4m3x2 says why bf16 ones need none), then cvt.rn.satfinite.e4m3x2 on pairs (round
  * to nearest even, the sign of a zero kept); s = 0 keeps the codes +0. A non-finite dense element
  * becomes 0 before the fit (health STATE, one report per (entry, head) after a block-wide vote, as
@@ -48,11 +48,19 @@
  * fp32 pack at 3 blocks (80 registers) spilled 16-24 bytes and ran 2-5% slower than at 2 (H100,
  * B = 512: [K,V] 458-460 against 451-452 us, [V,K] 484-488 against 459-463; kernels/cuda/
  * README.md). The bf16 pack holds its 64 elements in 32 words (62-63 registers); with
- * SQ_FP8_SQDIV it is held to 4 blocks (64 registers): left free, the compiler took 128 for the
- * interleaved sq_div quotients.
+ * SQ_FP8_PACK_SQDIV it is held to 4 blocks (64 registers): left free, the compiler took 128 for
+ * the interleaved sq_div quotients.
+ *
+ * SQ_FP8_PACK_SQDIV (default 0): the pack's divisions by sq_div where the tile's scale allows
+ * (sq_fp8_div_of). The fp8 decode step always takes them (dense_kernel.cuh: 9.8-10.3% faster);
+ * the pack did not gain (H100, B = 512: fp32 sources within 1%, bf16 sources 1-6% slower at 4
+ * blocks per SM; the same at 2 blocks per SM is not measured; kernels/cuda/README.md).
  */
+#ifndef SQ_FP8_PACK_SQDIV
+#define SQ_FP8_PACK_SQDIV 0
+#endif
 #define SQ_F8MIN_BLOCKS  2
-#define SQ_F8BMIN_BLOCKS (SQ_FP8_SQDIV ? 4 : 2) /* the pack from bf16 */
+#define SQ_F8BMIN_BLOCKS (SQ_FP8_PACK_SQDIV ? 4 : 2) /* the pack from bf16 */
 #define SQ_F8UMIN_BLOCKS 4
 
 static_assert(SQ_D / STEPQ__FP8_TILE == 4 && SQ_THREADS == 256,
@@ -113,15 +121,10 @@ __global__ void __launch_bounds__(SQ_THREADS, !PACK           ? SQ_F8UMIN_BLOCKS
     const int hv = blockIdx.x, e = blockIdx.y, HV = gridDim.x;
     const int t = threadIdx.x, g = t >> 6, l = t & 63;
     const int32_t slot = io.slots ? io.slots[e] : e;
-    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
     if (PACK && io.skip && io.skip[(size_t)e * HV + hv])
         return;
-    if (PACK)
-        sq_pf_dense(io, pf, io.dense_by_slot);
-    else
-        sq_pf_page(io, pf);
 
     const sq_head_desc *hd = io.heads + hv;
     uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
@@ -187,7 +190,7 @@ __global__ void __launch_bounds__(SQ_THREADS, !PACK           ? SQ_F8UMIN_BLOCKS
             fl = STEPQ_HEALTH_STATE;
         }
         const float sc = sq_fp8_tile_scale(m, g, l >> 5);
-        const sq_fp8_div dv = sq_fp8_div_of(sc);
+        const sq_fp8_div dv = sq_fp8_div_of<SQ_FP8_PACK_SQDIV != 0>(sc);
         /* the codes: [K,V] vector a is W bytes of one row; [V,K] row b is the NV columns */
         const auto emit = [&](auto fast) {
             constexpr bool FAST = decltype(fast)::value;

@@ -216,15 +216,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_MIN_BLOCKS) sq_head_kernel(sq_s
     const int t = threadIdx.x, j = t & (SQ_D - 1), half = t >> 7, lane = t & 31;
     const int wih = (t >> 5) & 3; /* warp index within the half */
     const int32_t slot = io.slots ? io.slots[e] : e;
-    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
     if (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])
         return;
-    if (SRC == SQ_SRC_PACKED)
-        sq_pf_page(io, pf);
-    else
-        sq_pf_dense(io, pf, io.dense_by_slot);
 
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
     const sq_head_desc *hd = packed ? io.heads + hv : nullptr;

@@ -33,8 +33,7 @@
  * S_dec^T q + u (k.q)), and the clamped quantize (sq_quant_row_rt, when a scale saturated) is
  * chosen per warp: a saturated row scale, seen by all, or a saturated column of the warp's own
  * (the tile kernel takes it for the whole block; elsewhere the clamp would bind on no code, but
- * the unclamped path rounds y (qmax / c_j) instead of (y / c_j) qmax). No L2 prefetch
- * (SQ_L2_PREFETCH) here.
+ * the unclamped path rounds y (qmax / c_j) instead of (y / c_j) qmax).
  */
 #ifndef STEPQ_KERNELS_CUDA_STRIP_KERNEL_CUH
 #define STEPQ_KERNELS_CUDA_STRIP_KERNEL_CUH

@@ -1828,16 +1828,11 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
         }
     }
     const int32_t slot = io.slots ? io.slots[e] : e;
-    const sq_pf pf = sq_pf_of<ORD>(io);
     if (slot < 0 || slot >= io.n_slots || (!UPDATE && io.skip && io.skip[(size_t)e * HV + hv])) {
         if (STAGE)
             sq_cp_async_wait_all(); /* no copy may land after the block has gone */
         return;                     /* uniform over the block */
     }
-    if (SRC == SQ_SRC_PACKED)
-        sq_pf_page(io, pf);
-    else
-        sq_pf_dense(io, pf, io.dense_by_slot);
     if (SRC == SQ_SRC_PACKED) {
         const sq_head_desc *hd = io.heads + hv;
         sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,

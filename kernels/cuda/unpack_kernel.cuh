@@ -227,10 +227,11 @@ __device__ __forceinline__ void sq_unpack_rows_t(const uint8_t *buf, const sq_ur
  * Swizzle, within a column's NP pieces: piece h sits at h ^ f, f = (column / 4)
  * % NP; bf16 units (half pieces) swap halves where column / 32 is odd. So
  * the decode's stores (lanes' columns 4 apart) and the pieces' reads are
- * conflict-free. U's size (SQ_UVK_BYTES): 32 KiB is what ran on the H200
- * (kernels/cuda/README.md); it costs the GDN layer, whose pivot head makes
- * every block's staging 32 KiB, a block per SM (3 fit). 16 KiB (64 bf16 or 32
- * fp32 rows, 8 pieces per column) keeps 4 and is not yet measured.
+ * conflict-free. U's size (sq_uvk_bytes): 16 KiB for bf16 (64 rows, 8 pieces
+ * per column), 32 KiB for fp32 (64 rows). At 32 KiB the GDN layer, whose
+ * pivot head makes every block's staging 32 KiB, fits 3 blocks per SM, at 16
+ * KiB 4; measured on the H100 at B = 512 (kernels/cuda/README.md): bf16 7%
+ * faster at 16 KiB (GDN; KDA equal), fp32 5-7% slower (32 fp32 rows a chunk).
  */
 template <int B, int DT, int UB>
 __device__ __forceinline__ void sq_unpack_vk(const uint8_t *buf, const sq_urow *rows,
@@ -303,9 +304,11 @@ __device__ __forceinline__ void sq_unpack_vk(const uint8_t *buf, const sq_urow *
     }
 }
 
-#ifndef SQ_UVK_BYTES
-#define SQ_UVK_BYTES 32768 /* sq_unpack_vk's U: 32768 or 16384 */
-#endif
+/* sq_unpack_vk's U for dense dtype DT (above) */
+template <int DT> constexpr int sq_uvk_bytes()
+{
+    return DT == SQ_BF16 ? 16384 : 32768;
+}
 
 /* The block's 128 rows into dst: [V,K] through U, fp32 [K,V] through T, bf16 [K,V] directly. */
 template <int B, int DT, bool VK>
@@ -314,8 +317,8 @@ __device__ __forceinline__ void sq_unpack_head(const uint8_t *buf, const sq_urow
                                                bool vec, bool slow, int w, int lane)
 {
     if constexpr (VK)
-        sq_unpack_vk<B, DT, SQ_UVK_BYTES>(buf, rows, cs, (uint8_t *)T, dst, off, vec, slow, w,
-                                          lane);
+        sq_unpack_vk<B, DT, sq_uvk_bytes<DT>()>(buf, rows, cs, (uint8_t *)T, dst, off, vec, slow, w,
+                                                lane);
     else if constexpr (DT == SQ_F32)
         sq_unpack_rows_t<B>(buf, rows, cs, (float4 *)T, dst, off, w, lane);
     else
@@ -335,7 +338,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     __shared__ __align__(16) float cs[SQ_D];
     void *T = nullptr; /* [V,K]: U of sq_unpack_vk; fp32 [K,V]: 32 x 128 (16 KiB) */
     if constexpr (VK) {
-        __shared__ uint4 u[SQ_UVK_BYTES / 16];
+        __shared__ uint4 u[sq_uvk_bytes<DT>() / 16];
         T = u;
     } else if constexpr (DT == SQ_F32) {
         __shared__ float4 tr[32 * 32];
@@ -343,12 +346,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_UMIN_BLOCKS) sq_unpack_kernel(s
     }
     const int hv = blockIdx.x, e = blockIdx.y, t = threadIdx.x;
     const int32_t slot = io.slots ? io.slots[e] : e;
-    const sq_pf pf = sq_pf_of(io);
     if (slot < 0 || slot >= io.n_slots)
         return; /* uniform over the block */
     const sq_head_desc *hd = io.heads + hv;
     const uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
-    sq_pf_page(io, pf);
     sq_stage_block(sq_dyn, blk, hd->block_bytes);
     /* row and column scales straight from the page while the block travels: one barrier */
     bool bad = false;
