@@ -1,8 +1,9 @@
 /*
  * sq_strip_kernel: the fused packed decode step (exact fit, fp32 arithmetic) with the head cut
  * into column strips, one per warp, as the dense warp kernel (dense_kernel.cuh) cuts a bf16 head.
- * An experiment of session 20, built behind SQ_STRIP (default 0, then layer.cu never launches it),
- * written without a GPU: not yet run (kernels/cuda/README.md, "The packed step on column strips").
+ * An experiment of session 20, built behind SQ_STRIP (default 0, then layer.cu never launches it):
+ * on an H100 it passes checkasm and is 3-9% slower than the tile kernel at B = 512
+ * (kernels/cuda/README.md, "The packed step on column strips").
  *
  * Why: the tile kernel gives each warp 16 complete rows, so every column quantity of the step
  * (S^T k, S^T q, u, the column maxima, the refit sums) crosses the eight warps through shared
