@@ -81,10 +81,10 @@ device_setup() {
     echo "variants here: $VARIANTS"
     T0=$(date +%s)
 }
+ts() { echo "[t+$(($(date +%s) - T0))s] $*"; } # a timestamped progress line
 
 checks() {
     device_setup
-    ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
     C=$OUT/checks.txt
     nvidia-smi --query-gpu=name,clocks.max.sm --format=csv,noheader | tee "$C"
     for v in $VARIANTS; do
@@ -122,7 +122,6 @@ shapes_of() { if [ "$1" = strip ]; then echo gdn; else echo "gdn kda"; fi; } # K
 
 ab() {
     device_setup
-    ts() { echo "[t+$(($(date +%s) - T0))s] $*"; }
     declare -A who
     local order=()
     for v in $VARIANTS; do
@@ -160,7 +159,7 @@ batches() {
             $B/$b/stepq bench kernels --only "$L" --shape $sh | grep -E "^device|[0-9]%" |
                 sed "s/^/$sh $b /" >> "$OUT/batches.txt"
         done
-        echo "[t+$(($(date +%s) - T0))s] batches $k"
+        ts "batches $k"
     done <<< "${BATCH_ROWS:-strip|gdn|stepq@6
 packdiv|gdn|fp8 pack bf16}"
 }

@@ -188,26 +188,18 @@ __device__ __forceinline__ void sq_strip_item(const sq_step &st, const sq_io &io
     }
     __syncthreads();
     if (t < SQ_D) {
-        /* the row fit of row t (sq_tile_fit_rows' arithmetic) */
+        /* the row fit of row t (sq_tile_fit_rows') */
         float mr = sm.part[0][t];
 #pragma unroll
         for (int k = 1; k < 8; k++)
             mr = fmaxf(mr, sm.part[0][k * SQ_D + t]);
         const float wi = hd->w[t];
-        const float s = sq_dual_row_scale(mr, wi, hd->row_split);
-        if (s > STEPQ__SCALE_MAX) {
-            fl |= STEPQ_HEALTH_SATURATED;
-            sm.sat = 1;
-        }
-        const uint16_t h = sq_scale_h(s);
-        const float r = sq_h2f(h);
-        const float iq = __fdividef(1.0f, (float)QM);
-        const float w2r2 = wi * wi * r * r;
-        sm.rinv[t] = __frcp_rn(r);
-        sm.ar[t] = w2r2 * iq;
-        sm.ad[t] = (w2r2 * iq) * iq;
-        sm.aw[t] = w2r2;
-        rsc[t] = h; /* every warp read the old row scales before the row barrier */
+        const sq_row_fit f = sq_fit_row(sq_dual_row_scale(mr, wi, hd->row_split), wi, B, sm, fl);
+        sm.rinv[t] = f.ri;
+        sm.ar[t] = f.ar;
+        sm.ad[t] = f.ad;
+        sm.aw[t] = f.aw;
+        rsc[t] = f.h; /* every warp read the old row scales before the row barrier */
     }
     __syncthreads();
 

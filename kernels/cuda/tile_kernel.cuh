@@ -1339,6 +1339,37 @@ __device__ __forceinline__ void sq_tile_store_dense(const float (&x)[64], const 
     }
 }
 
+/* An integer row's fit: its fp16 scale, the reciprocal and the refit weights (sq_fit_row). */
+struct sq_row_fit {
+    uint16_t h;
+    float ri, ar, ad, aw;
+};
+
+/*
+ * The fit of an integer row of width b and row impact wi from s, its scale before rounding (the
+ * dual split of its maximum, or the maximum): h = fp16(s) (saturation raises SATURATED and
+ * sm.sat), ri = RN(1/r), and the refit weights ar = w^2 r^2 / qmax, ad = ar / qmax and, for
+ * uniform-width heads (qmax goes to the column scale), aw = w^2 r^2.
+ */
+__device__ __forceinline__ sq_row_fit sq_fit_row(float s, float wi, int b, sq_tsmem &sm,
+                                                 unsigned &fl)
+{
+    if (s > STEPQ__SCALE_MAX) {
+        fl |= STEPQ_HEALTH_SATURATED;
+        sm.sat = 1;
+    }
+    sq_row_fit f;
+    f.h = sq_scale_h(s);
+    const float r = sq_h2f(f.h);
+    const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
+    const float w2r2 = wi * wi * r * r;
+    f.ri = __frcp_rn(r);
+    f.ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
+    f.ad = f.ar * iq;
+    f.aw = w2r2;
+    return f;
+}
+
 /*
  * Fit, rows: the scale of row R0 + tx/2 from its maximum mr on lanes tx
  * even (fp16 into the block; saturation raises SATURATED and sm.sat), with
@@ -1357,19 +1388,13 @@ __device__ __forceinline__ void sq_tile_fit_rows(const float (&m)[8], const sq_h
         uint16_t h = 0;
         if (b != STEPQ_BITS_PIVOT) {
             const float wi = hd->w[i];
-            float s = dual ? sq_dual_row_scale(mr, wi, hd->row_split) : mr;
-            if (s > STEPQ__SCALE_MAX) {
-                fl |= STEPQ_HEALTH_SATURATED;
-                sm.sat = 1;
-            }
-            h = sq_scale_h(s);
-            float r = sq_h2f(h);
-            const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
-            const float w2r2 = wi * wi * r * r;
-            ri = __frcp_rn(r);
-            ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
-            ad = ar * iq;
-            aw = w2r2; /* uniform-width heads: qmax goes to the column scale */
+            const sq_row_fit f =
+                sq_fit_row(dual ? sq_dual_row_scale(mr, wi, hd->row_split) : mr, wi, b, sm, fl);
+            h = f.h;
+            ri = f.ri;
+            ar = f.ar;
+            ad = f.ad;
+            aw = f.aw;
         }
         sm.rinv[i] = ri;
         sm.ar[i] = ar;
