@@ -47,6 +47,7 @@ static const int batches[] = { 1, 8, 32, 64, 128, 256, 512 };
 struct kopts {
     const char *json, *out, *only, *peer; /* json: --json FILE */
     int json_stdout, quick, graph, only_b, only_shape, help;
+    int no_pivots; /* --no-pivots: the stepq maps' pivot units at 6 bits instead */
 };
 
 /*
@@ -70,6 +71,9 @@ static int parse_opts(int argc, char **argv, struct kopts *k)
             continue;
         } else if (!strcmp(a, "--graph")) {
             k->graph = 1;
+            continue;
+        } else if (!strcmp(a, "--no-pivots")) {
+            k->no_pivots = 1;
             continue;
         } else if (!strcmp(a, "--json")) {
             /* --json FILE: the JSON into FILE next to the tables; --json alone: on stdout. */
@@ -149,6 +153,8 @@ static const double peer_us_quoted[2][N_BATCHES] = { { 82, 75, 113, 158, 245, 43
                                                      { 0, 0, 0, 0, 0, 0, 742 } };
 
 static uint64_t rng = 88172645463325252ull;
+/* --no-pivots: unit_bits gives the pivot units (GDN's pivot head, KDA's pivot rows) 6 bits */
+static int no_pivots;
 static float frand(void)
 {
     rng ^= rng << 13;
@@ -384,7 +390,7 @@ static const uint8_t *unit_bits(uint8_t *out, const struct method *me, stepq_arc
         static const int w6[] = { 8, 4, 6 }, c6[] = { 7, 8, 16 };
         static const int w4[] = { 8, 6, 4, 3, 2 }, c4[] = { 3, 4, 8, 8, 8 };
         uint8_t hb[32];
-        hb[0] = STEPQ_BITS_PIVOT;
+        hb[0] = no_pivots ? 6 : STEPQ_BITS_PIVOT;
         if (me->budget == 6)
             make_bits(hb + 1, 31, w6, c6, 3);
         else
@@ -397,7 +403,7 @@ static const uint8_t *unit_bits(uint8_t *out, const struct method *me, stepq_arc
     static const int w4[] = { 8, 6, 4, 3, 2 }, c4[] = { 10, 20, 40, 30, 27 };
     for (int h = 0; h < HV; h++) {
         uint8_t *rb = out + (size_t)h * D;
-        rb[0] = STEPQ_BITS_PIVOT;
+        rb[0] = no_pivots ? 6 : STEPQ_BITS_PIVOT;
         if (me->budget == 6)
             make_bits(rb + 1, 127, w6, c6, 3);
         else
@@ -623,7 +629,7 @@ static int usage(FILE *f)
 {
     fprintf(f, "usage: stepq bench kernels [--json [FILE]] [-o FILE] [--quick] [--graph]\n"
                "                           [--peer FILE] [--only LABEL] [--batch B]\n"
-               "                           [--shape gdn|kda]\n"
+               "                           [--shape gdn|kda] [--no-pivots]\n"
                "  Times the CUDA decode step, pack and unpack of one layer (Qwen3-Next GDN,\n"
                "  Kimi-Linear KDA) at batch 1..512 and prints us, bytes, GB/s, the fraction of\n"
                "  the device copy bandwidth measured in the same run and the speedup vs fp32.\n"
@@ -635,6 +641,8 @@ static int usage(FILE *f)
                "  512), --shape: one batch / one layer shape (for profilers). --json: every row,\n"
                "  machine-readable, on stdout instead of the tables; --json FILE: into FILE, the\n"
                "  tables on stdout too; -o: stdout into FILE.\n"
+               "  --no-pivots: the stepq rows' maps without pivots (GDN's pivot head and each\n"
+               "  KDA head's pivot row at 6 bits instead): what the pivots cost.\n"
                "  --peer: the JSON of tools/bench_peer_fla.py (flash-linear-attention's fp32\n"
                "  kernels, timed in a separate process): adds 'peer us' and 'vs peer' (peer us /\n"
                "  us) to the step rows at the batches it has. Without it the fp32 rows show the\n"
@@ -664,6 +672,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         return usage(stdout);
     const char *json = ko.json, *only = ko.only, *peer_file = ko.peer;
     const int quick = ko.quick, graph = ko.graph, only_b = ko.only_b, only_shape = ko.only_shape;
+    no_pivots = ko.no_pivots;
     if (only) {
         int known = 0;
         for (int ri = 0; ri < N_ROWS; ri++)
@@ -735,6 +744,9 @@ int stepq_tool_bench_kernels(int argc, char **argv)
             tout,
             "timing: CUDA events, %d warm-up, median of %d; one layer, one token per request\n",
             FX_TIME_WARMUP, FX_TIME_RUNS);
+    if (no_pivots)
+        stepq_tool_printf(tout,
+                          "maps: --no-pivots (the stepq maps' pivot head / rows at 6 bits)\n");
     if (measured) {
         stepq_tool_printf(
             tout,
@@ -752,9 +764,9 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         stepq_tool_json_str(jf, prop.name);
         fprintf(jf,
                 ", \"copy_gbs\": %.1f, \"runs\": %d, \"timing\": \"%s\", \"graph_launches\": %d,\n "
-                "\"peer\": ",
+                "\"no_pivots\": %s, \"peer\": ",
                 copy_gbs, FX_TIME_RUNS, graph ? "graph" : "events",
-                graph ? FX_TIME_GRAPH_LAUNCHES : 0);
+                graph ? FX_TIME_GRAPH_LAUNCHES : 0, no_pivots ? "true" : "false");
         if (measured) {
             fprintf(jf, "{\"source\": \"measured\", \"file\": ");
             stepq_tool_json_str(jf, peer.file);
