@@ -8,7 +8,7 @@
 #                                    checks; base also stepq-div-probe). About 3.5 minutes a
 #                                    variant on 2 cores. One variant is about 10-20 MB and a run
 #                                    carries 64 MiB at most, so carry the variants of one call
-#                                    only: ["out/ab/base", "out/ab/strip", ...].
+#                                    only: ["out/ab/base", "out/ab/packdiv", ...].
 #   On the device (the `run` tool, carry ".devdeps" and the variants' folders), each under its
 #   10-minute limit, over the variants of VARIANTS that were carried (out/ab/NAME present):
 #   kernels/cuda/AB_RUN.sh checks    checkasm (all; its output in checkasm-NAME.txt) and
@@ -21,23 +21,22 @@
 #   kernels/cuda/AB_RUN.sh batches   every batch of the BATCH_ROWS pairs (variant|shape|row);
 #   kernels/cuda/AB_RUN.sh run       all three.
 #   Results in $OUT (checks.txt, checkasm-NAME.txt, ab512.txt, batches.txt; at most 8 files come
-#   back), key lines and timestamps on stdout. VARIANTS picks a subset ("base strip": base first).
+#   back), key lines and timestamps on stdout. VARIANTS picks a subset ("base packdiv": base first).
 #
 # The variants are the switches the kernels carry until a GPU run decides them
 # (kernels/cuda/README.md names each one's section):
 #   base  the default build
 #   packdiv -DSQ_FP8_PACK_SQDIV=1: sq_div in the fp8 pack too (fp8_kernel.cuh)
-#   strip   -DSQ_STRIP=1: the fused packed step (exact fit, uniform-width heads) on column strips
 # (Session 20 ran this script's first version on an H100: sq_div in the fp8 step and the 16 KiB
 # bf16 [V,K] unpack buffer became the default, the L2 prefetch was removed; the files are in
-# tools/results/bench-h100/session20/.)
+# tools/results/bench-h100/session20/. Session 21 removed its column-strip variant, strip, after
+# ncu: kernels/cuda/README.md, "Tried and removed: the packed step on column strips".)
 set -o pipefail
-VARIANTS=${VARIANTS:-"base packdiv strip"}
+VARIANTS=${VARIANTS:-"base packdiv"}
 flags_of() {
     case $1 in
     base) echo "" ;;
     packdiv) echo "-DSQ_FP8_PACK_SQDIV=1" ;;
-    strip) echo "-DSQ_STRIP=1" ;;
     *) echo "AB_RUN.sh: unknown variant '$1'" >&2; exit 2 ;;
     esac
 }
@@ -45,7 +44,6 @@ flags_of() {
 san_tests() {
     case $1 in
     packdiv) echo "fp8" ;;
-    strip) echo "decode_gdn" ;; # decode gdn (a space would split it; the run turns _ back)
     esac
 }
 checked() { [ -n "$(san_tests "$1")" ]; }
@@ -115,10 +113,9 @@ checks() {
 rows_of() {
     case $1 in
     packdiv) printf '%s\n' "fp8 pack" "fp8 pack bf16" "fp8 pack [V,K]" "fp8 pack bf16 [V,K]" ;;
-    strip) printf '%s\n' "stepq@6" "stepq@4" "uniform@6" ;;
     esac
 }
-shapes_of() { if [ "$1" = strip ]; then echo gdn; else echo "gdn kda"; fi; } # KDA maps: no strip heads
+shapes_of() { echo "gdn kda"; } # the layer shapes of a variant's rows
 
 ab() {
     device_setup
@@ -160,8 +157,7 @@ batches() {
                 sed "s/^/$sh $b /" >> "$OUT/batches.txt"
         done
         ts "batches $k"
-    done <<< "${BATCH_ROWS:-strip|gdn|stepq@6
-packdiv|gdn|fp8 pack bf16}"
+    done <<< "${BATCH_ROWS:-packdiv|gdn|fp8 pack bf16}"
 }
 
 

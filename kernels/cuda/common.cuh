@@ -34,9 +34,11 @@ struct __align__(16) sq_head_desc
     uint8_t any_int, ubits; /* ubits: the one integer width of every row, else 0 */
     uint8_t needs_zero;     /* the block has bytes no field covers (zeroed by the tile kernel) */
     uint8_t f16;            /* the decode step is the fp16 kernel's (f16_kernel.cuh; arith fp16) */
-    uint8_t piv0;           /* the first pivot row (SQ_D: none) and, in piv0_off, its row_off: */
-    uint8_t pad_;           /* the fp16 KDA item's readout reads them with the descriptor's */
-    uint16_t piv0_off;      /* first 32 bytes; bits sit at byte 32, row_off at 160 (aligned) */
+    uint8_t piv0;           /* the first pivot row (SQ_D: none); piv0_off its row_off (the fp16
+                               KDA item's readout reads both with the descriptor's first 32
+                               bytes; bits sit at byte 32, row_off at 160, aligned) */
+    uint8_t pivh;           /* a GDN pivot head: fp16 rows only (sq_pivot_head_step) */
+    uint16_t piv0_off;
     uint8_t bits[SQ_D];     /* 2..8 or 16 (pivot); 0 for dense methods */
     uint16_t row_off[SQ_D]; /* byte offset of row i's codes (a multiple of 16 at d_v = 128) */
     float w[SQ_D];          /* row impact used by the fit (1 when unused) */
@@ -117,6 +119,12 @@ __device__ __forceinline__ uint16_t sq_scale_h(float s)
 }
 
 /* stepq__fp16_from_float_sat */
+/* The half2 whose bits are u */
+__device__ __forceinline__ half2 sq_u2h(uint32_t u)
+{
+    return *reinterpret_cast<half2 *>(&u);
+}
+
 __device__ __forceinline__ uint16_t sq_f16_sat(float f, unsigned *fl)
 {
     if (f != f) {

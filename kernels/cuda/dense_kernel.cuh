@@ -61,27 +61,25 @@ __device__ __forceinline__ int sq_dense_src(int cg, int c)
 /*
  * Sums p[0..7] over the 16 row groups of the lane's column group (lanes xor 2, 4, 8, 16) as a
  * reduce-scatter: every exchange sends the half the partner keeps. Returns the total of
- * column sq_dense_col(lane); MAX: the maximum instead (the strip kernel's column maxima).
+ * column sq_dense_col(lane).
  */
-template <bool MAX = false>
 __device__ __forceinline__ float sq_dense_rs8(const float (&p)[8], int lane)
 {
     const unsigned full = 0xffffffffu;
-    const auto op = [](float a, float b) { return MAX ? fmaxf(a, b) : a + b; };
     const bool h4 = lane & 16, h3 = lane & 8, h2 = lane & 4;
     float a[4], b[2];
 #pragma unroll
     for (int i = 0; i < 4; i++) {
         const float send = h4 ? p[i] : p[i + 4], keep = h4 ? p[i + 4] : p[i];
-        a[i] = op(keep, __shfl_xor_sync(full, send, 16));
+        a[i] = keep + __shfl_xor_sync(full, send, 16);
     }
 #pragma unroll
     for (int i = 0; i < 2; i++) {
         const float send = h3 ? a[i] : a[i + 2], keep = h3 ? a[i + 2] : a[i];
-        b[i] = op(keep, __shfl_xor_sync(full, send, 8));
+        b[i] = keep + __shfl_xor_sync(full, send, 8);
     }
-    const float s = op(h2 ? b[1] : b[0], __shfl_xor_sync(full, h2 ? b[0] : b[1], 4));
-    return op(s, __shfl_xor_sync(full, s, 2));
+    const float s = (h2 ? b[1] : b[0]) + __shfl_xor_sync(full, h2 ? b[0] : b[1], 4);
+    return s + __shfl_xor_sync(full, s, 2);
 }
 
 /* The lane's column partials of a product with a key-row vector: p_c = sum_r x_rc y_r. */

@@ -51,11 +51,6 @@ __device__ __forceinline__ float sq_p2inv(float p)
     return __uint_as_float(0x7F000000u - __float_as_uint(p));
 }
 
-__device__ __forceinline__ half2 sq_u2h(uint32_t u)
-{
-    return *reinterpret_cast<half2 *>(&u);
-}
-
 __device__ __forceinline__ uint32_t sq_h2u(half2 h)
 {
     return *reinterpret_cast<uint32_t *>(&h);
@@ -88,37 +83,6 @@ struct __align__(16) sq_f16_smem
     uint4 rc[SQ_D];     /* KDA: the rows' constants (sq_f16_rowc) */
     unsigned pm[4];     /* KDA: the pivot rows (bit i % 32 of word i / 32) */
 };
-
-/* Column sums of a thread's 8 partials a[] and b[] over the block: the other half-warp's, then
- * the 8 warps in order (part: [2][8 warps][128]); after the barrier, thread t < 128 gets column
- * t's in *sa, *sb. */
-__device__ __forceinline__ void sq_f16_colsums(float *part, float (&a)[8], float (&b)[8],
-                                               const sq_tpos &pos, float *sa, float *sb)
-{
-    const int w = pos.w, C0 = pos.C0;
-#pragma unroll
-    for (int j = 0; j < 8; j++) {
-        a[j] += __shfl_xor_sync(0xffffffffu, a[j], 16);
-        b[j] += __shfl_xor_sync(0xffffffffu, b[j], 16);
-    }
-    if (pos.lane < 16) {
-        float *pa = part + w * SQ_D + C0, *pb = part + 8 * SQ_D + w * SQ_D + C0;
-        *(float4 *)pa = make_float4(a[0], a[1], a[2], a[3]);
-        *(float4 *)(pa + 4) = make_float4(a[4], a[5], a[6], a[7]);
-        *(float4 *)pb = make_float4(b[0], b[1], b[2], b[3]);
-        *(float4 *)(pb + 4) = make_float4(b[4], b[5], b[6], b[7]);
-    }
-    __syncthreads();
-    float x = 0.0f, y = 0.0f;
-    if (pos.t < SQ_D)
-#pragma unroll
-        for (int wi = 0; wi < 8; wi++) {
-            x += part[wi * SQ_D + pos.t];
-            y += part[8 * SQ_D + wi * SQ_D + pos.t];
-        }
-    *sa = x;
-    *sb = y;
-}
 
 /*
  * The input phase of both items: the tile kernel's (sq_tile_in_qk, sq_tile_in_vgb,
@@ -349,7 +313,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
         sq_f16_widen(ak, Pk, pk);
         sq_f16_widen(aq, Pq, pq);
         float s, tq;
-        sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
+        sq_colsums(sm.part[0], pk, pq, pos, &s, &tq);
         if (t < SQ_D) {
             const float f = KDA ? c_t : __fmul_rn(__fmul_rn(c_t, alpha), iq);
             s = __fmul_rn(s, f), tq = __fmul_rn(tq, f);
@@ -640,7 +604,7 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
     }
     float n = 0.0f, d = 0.0f;
     if (REFIT) /* norefit: no sums, and no barrier before the column scales */
-        sq_f16_colsums(sm.part[0], pn, pd, pos, &n, &d);
+        sq_colsums(sm.part[0], pn, pd, pos, &n, &d);
     if (t < SQ_D) {
         const float c2 = __half2float(((const half *)fs.ct)[t]);
         const float c = REFIT && d > 0.0f ? __fdiv_rn(__fmul_rn(__fmul_rn((float)QM, P), n), d)
@@ -655,12 +619,11 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
 }
 
 /*
- * A pivot head of an fp16 layer (hd->f16 == 2: every row fp16 values, GDN) in the same launch,
- * so that a layer is one kernel: the C reference steps pivot heads in fp32 (kernels/step.c), and
- * so does this, as the tile kernel's pivot rows do (decode x alpha, the two dot products with
- * fp32 partial sums, the update by one FFMA, non-finite elements zeroed with the readout
- * recomputed, the store saturating at +-65504), the thread's 64 values held as the 32 half2
- * words they are stored as (a GDN pivot head's rows lie back to back, 2 d_v bytes each).
+ * A pivot head of an fp16 layer (hd->f16 == 2, hd->pivh) in the same launch, so that a layer
+ * is one kernel: the C reference steps pivot heads in fp32 (kernels/step.c), and so does
+ * sq_pivot_head_step (tile_kernel.cuh), the tile kernel's pivot head item too. This kernel
+ * stages no block, so the rows are read after the input phase (its registers and the values'
+ * 32 do not fit together).
  */
 template <int V>
 __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io &io, int hv, int e,
@@ -670,106 +633,17 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
-    const int R0 = pos.R0, C0 = pos.C0;
-    const sq_head_desc *hd = io.heads + hv;
-    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
-    unsigned fl = 0;
+    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + io.heads[hv].block_off;
     if (t == 0)
         sm.fl = 0;
-
     float kq;
     if (!sq_f16_inputs(st, io, hv, e, HV, slot, sm, in, bfi, pos, kq))
         return;
-    const float alpha = sm.dec0;
-    /* loaded after the input phase: its registers and the values' 32 do not fit together */
     uint4 X[8];
 #pragma unroll
     for (int r = 0; r < 8; r++)
-        X[r] = *(const uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx);
-
-    /* the decayed state's S^T k and S^T q */
-    float pk[8], pq[8];
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-        pk[j] = pq[j] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
-        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const float2 x = __half22float2(sq_u2h(xw[p]));
-            const float a = __fmul_rn(x.x, alpha), b = __fmul_rn(x.y, alpha);
-            pk[2 * p] = fmaf(a, kr, pk[2 * p]), pk[2 * p + 1] = fmaf(b, kr, pk[2 * p + 1]);
-            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
-        }
-    }
-    float s, tq;
-    sq_f16_colsums(sm.part[0], pk, pq, pos, &s, &tq);
-    if (t < SQ_D) {
-        sm.cola[t] = (sm.v[t] - s) * sm.beta;
-        sm.colb[t] = tq;
-    }
-    __syncthreads();
-
-    /* the update, in place (no other thread reads this thread's values); non-finite elements
-     * zeroed, and the sanitised fp32 state's S'^T q summed alongside for the readout they need */
-    float u[8];
-    {
-        const float4 a = *(const float4 *)&sm.cola[C0], b = *(const float4 *)&sm.cola[C0 + 4];
-        u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z;
-        u[7] = b.w;
-    }
-    bool nf = false;
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-        pk[j] = pq[j] = 0.0f;
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
-        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
-        uint32_t yw[4];
-#pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const float2 x = __half22float2(sq_u2h(xw[p]));
-            float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
-            float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
-            if (!isfinite(a) || !isfinite(b)) {
-                nf = true;
-                a = isfinite(a) ? a : 0.0f;
-                b = isfinite(b) ? b : 0.0f;
-            }
-            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
-            yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
-        }
-        *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
-            make_uint4(yw[0], yw[1], yw[2], yw[3]);
-    }
-    if (__syncthreads_or(nf)) {
-        /* rare: the readout of the sanitised state, as the reference reads it */
-        if (nf)
-            fl |= STEPQ_HEALTH_STATE;
-        float o2, unused;
-        sq_f16_colsums(sm.part[0], pq, pk, pos, &o2, &unused);
-        if (t < SQ_D) {
-            sm.colb[t] = o2;
-            sm.cola[t] = 0.0f; /* o = S'^T q: no u (k.q) term */
-        }
-        __syncthreads();
-    }
-    if (t < SQ_D) {
-        float o = fmaf(sm.cola[t], kq, sm.colb[t]);
-        if (!isfinite(o)) {
-            o = 0.0f;
-            fl |= STEPQ_HEALTH_OUTPUT;
-        }
-        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
-    }
-    if (fl)
-        atomicOr(&sm.fl, fl);
-    __syncthreads();
-    if (t == 0 && sm.fl)
-        sq_tile_report(io, sm.fl, slot);
+        X[r] = *(const uint4 *)(blk + (size_t)(pos.R0 + r) * (2 * SQ_D) + 16 * tx);
+    sq_pivot_head_step(st, io, hv, e, slot, sm, kq, bfi, X, blk, pos);
 }
 
 /*

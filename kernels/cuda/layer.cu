@@ -20,7 +20,6 @@ extern "C" {
 #include "kernels/cuda/dense_kernel.cuh"
 #include "kernels/cuda/f16_kernel.cuh"
 #include "kernels/cuda/fp8_kernel.cuh"
-#include "kernels/cuda/strip_kernel.cuh"
 #include "kernels/cuda/tile_kernel.cuh"
 #include "kernels/cuda/unpack_kernel.cuh"
 
@@ -154,14 +153,6 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
         /* KDA: every head with an integer row, any mix of widths and pivot rows */
         if (hl->arith == STEPQ_ARITH_FP16 && hl->arch == STEPQ_ARCH_KDA)
             h->f16 = stepq__step_f16_supports(hl) ? 3 : 0;
-        /* and its GDN pivot heads, in fp32 as the reference steps them, in the same launch */
-        if (hl->arith == STEPQ_ARITH_FP16 && hl->arch == STEPQ_ARCH_GDN && hl->quantized &&
-            hl->n_pivot_rows == SQ_D && hl->codes_offset == 0) {
-            h->f16 = 2; /* sq_f16_pivot_item: rows back to back, 2 d_v bytes each */
-            for (int i = 0; i < SQ_D; i++)
-                if (hl->row_bitoff[i] != (uint64_t)i * 16 * SQ_D)
-                    h->f16 = 0;
-        }
         {
             size_t covered = hl->codes_bytes + (hl->quantized ? 2 * (size_t)SQ_D : 0) +
                              (hl->has_col ? 2 * (size_t)SQ_D : 0);
@@ -169,6 +160,20 @@ static int build_desc(const struct stepq__packed_layer *pl, sq_head_desc *d, siz
                 hl->quantized &&
                 (covered != hl->block_bytes || hl->row_scale_offset != hl->codes_bytes ||
                  (hl->has_col && hl->col_scale_offset != hl->row_scale_offset + 2 * SQ_D));
+        }
+        /*
+         * A GDN pivot head (fp16 rows back to back, 2 d_v bytes each, every byte of the block a
+         * field): the fused step runs sq_pivot_head_step on it (tile and fp16 kernels; the
+         * reference writes only its rows), and an fp16 layer steps it in the same launch.
+         */
+        if (hl->arch == STEPQ_ARCH_GDN && hl->quantized && hl->n_pivot_rows == SQ_D &&
+            hl->codes_offset == 0 && !h->needs_zero) {
+            h->pivh = 1;
+            for (int i = 0; i < SQ_D; i++)
+                if (hl->row_bitoff[i] != (uint64_t)i * 16 * SQ_D)
+                    h->pivh = 0;
+            if (h->pivh && hl->arith == STEPQ_ARITH_FP16)
+                h->f16 = 2; /* sq_f16_pivot_item */
         }
         if (h->f16 && h->needs_zero) /* not at 128x128 with the pools' alignments */
             return stepq__error(STEPQ_ENOTSUP,
@@ -397,16 +402,6 @@ static int launch_step_tile(dim3 g2, size_t smem, cudaStream_t s, const sq_step 
 {
     constexpr int SRC = SQ_SRC_PACKED, SINK = SQ_SINK_PACKED;
     constexpr int O = SQ_V_ORDER | N, R = SQ_V_ORDER | SQ_V_RTU | N;
-#if SQ_STRIP
-    /* the column-strip experiment (strip_kernel.cuh): the exact fit of layers with uniform heads */
-    if constexpr (N == 0) {
-        if (!(v & SQ_V_RTU))
-            return st.in_bf16 ? launch_k<sq_strip_kernel<O | SQ_V_IN16>>(g2, smem + SQ_STRIP_PAD, s,
-                                                                         who, st, io)
-                              : launch_k<sq_strip_kernel<O | SQ_V_IN32>>(g2, smem + SQ_STRIP_PAD, s,
-                                                                         who, st, io);
-    }
-#endif
     if ((v & SQ_V_RTU) && st.in_bf16)
         return launch_tile_v<SRC, true, SINK, R | SQ_V_IN16>(g2, smem, s, st, io, who);
     if (v & SQ_V_RTU)

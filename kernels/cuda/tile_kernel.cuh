@@ -1820,6 +1820,179 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     __syncthreads(); /* buf and sm are free when it returns */
 }
 
+/* Column sums of a thread's 8 partials a[] and b[] over the block: the other half-warp's, then
+ * the 8 warps in order (part: [2][8 warps][128]); after the barrier, thread t < 128 gets column
+ * t's in *sa, *sb. */
+__device__ __forceinline__ void sq_colsums(float *part, float (&a)[8], float (&b)[8],
+                                           const sq_tpos &pos, float *sa, float *sb)
+{
+    const int w = pos.w, C0 = pos.C0;
+#pragma unroll
+    for (int j = 0; j < 8; j++) {
+        a[j] += __shfl_xor_sync(0xffffffffu, a[j], 16);
+        b[j] += __shfl_xor_sync(0xffffffffu, b[j], 16);
+    }
+    if (pos.lane < 16) {
+        float *pa = part + w * SQ_D + C0, *pb = part + 8 * SQ_D + w * SQ_D + C0;
+        *(float4 *)pa = make_float4(a[0], a[1], a[2], a[3]);
+        *(float4 *)(pa + 4) = make_float4(a[4], a[5], a[6], a[7]);
+        *(float4 *)pb = make_float4(b[0], b[1], b[2], b[3]);
+        *(float4 *)(pb + 4) = make_float4(b[4], b[5], b[6], b[7]);
+    }
+    __syncthreads();
+    float x = 0.0f, y = 0.0f;
+    if (pos.t < SQ_D)
+#pragma unroll
+        for (int wi = 0; wi < 8; wi++) {
+            x += part[wi * SQ_D + pos.t];
+            y += part[8 * SQ_D + wi * SQ_D + pos.t];
+        }
+    *sa = x;
+    *sb = y;
+}
+
+/*
+ * The decode step of a GDN pivot head (sq_head_desc.pivh: its 128 rows fp16 values back to back,
+ * 2 d_v bytes each, and nothing else the step writes: the reference leaves a head without integer
+ * rows' scale fields as they were) once the input phase has filled sm and given k.q: in fp32, as
+ * the reference steps pivot rows (kernels/step.c) and the tile item's pivot rows do: decode x
+ * alpha, the two dot products with fp32 partial sums, the update by one FFMA, non-finite elements
+ * zeroed with the readout recomputed from the sanitised state, the store saturating at +-65504.
+ * X: the thread's 8 rows R0.. of 8 values from column C0, as the block holds them (half2 words);
+ * the new rows go to blk (the block in its page) in place, the readout to st.o, the health word
+ * reported. No fit, no column or row scales: in the tile kernel's general item this head ran
+ * every phase of the packed store for nothing, and at B = 1 it was the layer's slowest block.
+ */
+__device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_io &io, int hv,
+                                                   int e, int32_t slot, sq_tsmem &sm, float kq,
+                                                   int bfi, const uint4 (&X)[8], uint8_t *blk,
+                                                   const sq_tpos &pos)
+{
+    const int t = pos.t, tx = pos.tx, R0 = pos.R0, C0 = pos.C0;
+    const float alpha = sm.dec0;
+    unsigned fl = 0;
+    /* the decayed state's S^T k and S^T q */
+    float pk[8], pq[8];
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        pk[j] = pq[j] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 x = __half22float2(sq_u2h(xw[p]));
+            const float a = __fmul_rn(x.x, alpha), b = __fmul_rn(x.y, alpha);
+            pk[2 * p] = fmaf(a, kr, pk[2 * p]), pk[2 * p + 1] = fmaf(b, kr, pk[2 * p + 1]);
+            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+        }
+    }
+    float s, tq;
+    sq_colsums(sm.part[0], pk, pq, pos, &s, &tq);
+    if (t < SQ_D) {
+        sm.cola[t] = (sm.v[t] - s) * sm.beta;
+        sm.colb[t] = tq;
+    }
+    __syncthreads();
+
+    /* the update, in place (no other thread reads this thread's values); non-finite elements
+     * zeroed, and the sanitised fp32 state's S'^T q summed alongside for the readout they need */
+    float u[8];
+    {
+        const float4 a = *(const float4 *)&sm.cola[C0], b = *(const float4 *)&sm.cola[C0 + 4];
+        u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z;
+        u[7] = b.w;
+    }
+    bool nf = false;
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        pk[j] = pq[j] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+        uint32_t yw[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 x = __half22float2(sq_u2h(xw[p]));
+            float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
+            float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
+            if (!isfinite(a) || !isfinite(b)) {
+                nf = true;
+                a = isfinite(a) ? a : 0.0f;
+                b = isfinite(b) ? b : 0.0f;
+            }
+            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+            yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
+        }
+        *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
+            make_uint4(yw[0], yw[1], yw[2], yw[3]);
+    }
+    if (__syncthreads_or(nf)) {
+        /* rare: the readout of the sanitised state, as the reference reads it */
+        if (nf)
+            fl |= STEPQ_HEALTH_STATE;
+        float o2, unused;
+        sq_colsums(sm.part[0], pq, pk, pos, &o2, &unused);
+        if (t < SQ_D) {
+            sm.colb[t] = o2;
+            sm.cola[t] = 0.0f; /* o = S'^T q: no u (k.q) term */
+        }
+        __syncthreads();
+    }
+    if (t < SQ_D) {
+        float o = fmaf(sm.cola[t], kq, sm.colb[t]);
+        if (!isfinite(o)) {
+            o = 0.0f;
+            fl |= STEPQ_HEALTH_OUTPUT;
+        }
+        sq_st_out(st.o, (size_t)e * st.o_stride + (size_t)hv * SQ_D + t, o, bfi);
+    }
+    if (fl)
+        atomicOr(&sm.fl, fl);
+    __syncthreads();
+    if (t == 0 && sm.fl)
+        sq_tile_report(io, sm.fl, slot);
+}
+
+/*
+ * The tile kernel's item for a GDN pivot head (hd->pivh) in the fused packed step: the block
+ * has been staged into buf (sq_stage_block) while the input phase (the tile item's) runs; the
+ * step is sq_pivot_head_step's, the thread's rows read from the staged copy. Ends with a
+ * barrier, as sq_tile_item.
+ */
+template <int V>
+__device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_io &io, int hv,
+                                                   int e, int HV, int32_t slot, const uint8_t *buf,
+                                                   sq_tsmem &sm, const sq_in &in)
+{
+    const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
+    const int lane = t & 31, w = t >> 5, tx = lane & 15;
+    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + io.heads[hv].block_off;
+    if (t == 0)
+        sm.fl = 0;
+    bool bad = false;
+    if (t < SQ_D)
+        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
+    else
+        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
+    if (__syncthreads_or(bad)) {
+        sq_cp_async_wait_all(); /* nothing may land in a finished block */
+        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
+        __syncthreads();
+        return;
+    }
+    const float kq = sq_tile_in_norm<SQ_SRC_PACKED>(st, io, sm, hv, e, HV, pos);
+    uint4 X[8];
+#pragma unroll
+    for (int r = 0; r < 8; r++)
+        X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * tx);
+    sq_pivot_head_step(st, io, hv, e, slot, sm, kq, bfi, X, blk, pos);
+    __syncthreads(); /* buf and sm are free when it returns */
+}
+
 template <int SRC, bool UPDATE, int SINK, int V = 0>
 __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_step st, sq_io io)
 {
@@ -1865,7 +2038,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     }
     sq_in in;
     sq_load_in<UPDATE, V>(in, st, hv, e, HV, threadIdx.x);
-    sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in);
+    if (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED && io.heads[hv].pivh)
+        sq_tile_pivot_item<V>(st, io, hv, e, HV, slot, sq_dyn, sm, in); /* uniform over the block */
+    else
+        sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in);
 }
 
 #endif /* STEPQ_KERNELS_CUDA_TILE_KERNEL_CUH */

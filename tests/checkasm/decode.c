@@ -870,8 +870,9 @@ static void fit_first(stepq_decode_fit fit, int batch)
  * kernel's SQ_V_KDA instantiation): rows of mixed widths with a pivot row per head, and heads of
  * one width. Both: in-kernel gates, bf16 views, a NaN in q, huge states (saturating scales), a
  * zero column scale in the start pages, zeroed start pages (fresh slots; GDN with fp32
- * arithmetic too), ids outside 0..slots, a row split, 40 x 8 heads (not small); KDA a NaN in a
- * pivot row; the decode fit norefit beside the exact fit.
+ * arithmetic too), ids outside 0..slots, a row split, 40 x 8 heads (not small); a NaN in a
+ * pivot row (GDN: the pivot head), GDN a huge state in the mixed map (the pivot head's values
+ * saturating); the decode fit norefit beside the exact fit.
  */
 static void f16_cases(stepq_arch arch, int B, int small)
 {
@@ -902,8 +903,10 @@ static void f16_cases(stepq_arch arch, int B, int small)
         one(p);
         p = base, p.fit = fit, p.zero_pages = 1;
         one(p);
-        if (kda) {
-            p = base, p.fit = fit, p.nan_state = 1;
+        p = base, p.fit = fit, p.nan_state = 1; /* GDN: in the pivot head (its fp32 item) */
+        one(p);
+        if (!kda) {
+            p = base, p.fit = fit, p.huge = 1; /* the pivot head's values saturating */
             one(p);
         }
     }
@@ -1178,6 +1181,13 @@ void checkasm_check_decode(void)
                          .HV = 4,
                          .batch = B,
                          .huge = 1 });
+    /*
+     * The GDN pivot head (sq_pivot_head_step, its own item in the tile kernel): huge states
+     * (fp16 values saturating at +-65504, health SATURATED) and a NaN in its rows (zeroed, the
+     * readout recomputed, health STATE).
+     */
+    one((struct params){ .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .huge = 1 });
+    one((struct params){ .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .nan_state = 1 });
     /* ids outside 0..slots on the CUDA pool are skipped like -1 (documented) */
     one((struct params){
         .arch = G, .method = SQ, .H = 2, .HV = 4, .batch = B, .gate = 1, .wild_ids = 1 });
