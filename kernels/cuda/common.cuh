@@ -118,13 +118,18 @@ __device__ __forceinline__ uint16_t sq_scale_h(float s)
     return __half_as_ushort(__float2half_rn(s));
 }
 
-/* stepq__fp16_from_float_sat */
-/* The half2 whose bits are u */
+/* The half2 whose bits are u, and the bits of a half2 */
 __device__ __forceinline__ half2 sq_u2h(uint32_t u)
 {
     return *reinterpret_cast<half2 *>(&u);
 }
 
+__device__ __forceinline__ uint32_t sq_h2u(half2 h)
+{
+    return *reinterpret_cast<uint32_t *>(&h);
+}
+
+/* stepq__fp16_from_float_sat */
 __device__ __forceinline__ uint16_t sq_f16_sat(float f, unsigned *fl)
 {
     if (f != f) {

@@ -51,11 +51,6 @@ __device__ __forceinline__ float sq_p2inv(float p)
     return __uint_as_float(0x7F000000u - __float_as_uint(p));
 }
 
-__device__ __forceinline__ uint32_t sq_h2u(half2 h)
-{
-    return *reinterpret_cast<uint32_t *>(&h);
-}
-
 __device__ __forceinline__ float sq_max16(float x)
 {
 #pragma unroll

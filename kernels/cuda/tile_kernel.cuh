@@ -1896,15 +1896,21 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
     }
     __syncthreads();
 
-    /* the update, in place (no other thread reads this thread's values); non-finite elements
-     * zeroed, and the sanitised fp32 state's S'^T q summed alongside for the readout they need */
+    /*
+     * The update, in place (no other thread reads this thread's values), stored as the RN fp16
+     * of each value: exact where every new value is finite and within +-65504, which the
+     * readout partials (a non-finite value makes its column's partial non-finite) and the
+     * thread's |x'| maximum tell after the pass. Else (rare) the pass again from X, as the
+     * reference: non-finite elements zeroed, the store saturating with its health bit, and the
+     * sanitised state's S'^T q summed for the readout it needs.
+     */
     float u[8];
     {
         const float4 a = *(const float4 *)&sm.cola[C0], b = *(const float4 *)&sm.cola[C0 + 4];
         u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z;
         u[7] = b.w;
     }
-    bool nf = false;
+    float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; j++)
         pk[j] = pq[j] = 0.0f;
@@ -1916,18 +1922,45 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
 #pragma unroll
         for (int p = 0; p < 4; p++) {
             const float2 x = __half22float2(sq_u2h(xw[p]));
-            float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
-            float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
-            if (!isfinite(a) || !isfinite(b)) {
-                nf = true;
-                a = isfinite(a) ? a : 0.0f;
-                b = isfinite(b) ? b : 0.0f;
-            }
+            const float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
+            const float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
             pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
-            yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
+            amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b))); /* NaN: the partials tell */
+            yw[p] = sq_h2u(__floats2half2_rn(a, b));
         }
         *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
             make_uint4(yw[0], yw[1], yw[2], yw[3]);
+    }
+    bool slow = !(amax <= 65504.0f);
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        slow |= !isfinite(pq[j]);
+    bool nf = false;
+    if (slow) {
+#pragma unroll
+        for (int j = 0; j < 8; j++)
+            pq[j] = 0.0f;
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+            const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+            uint32_t yw[4];
+#pragma unroll
+            for (int p = 0; p < 4; p++) {
+                const float2 x = __half22float2(sq_u2h(xw[p]));
+                float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
+                float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
+                if (!isfinite(a) || !isfinite(b)) {
+                    nf = true;
+                    a = isfinite(a) ? a : 0.0f;
+                    b = isfinite(b) ? b : 0.0f;
+                }
+                pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+                yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
+            }
+            *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
+                make_uint4(yw[0], yw[1], yw[2], yw[3]);
+        }
     }
     if (__syncthreads_or(nf)) {
         /* rare: the readout of the sanitised state, as the reference reads it */
