@@ -638,7 +638,7 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
 #pragma unroll
     for (int r = 0; r < 8; r++)
         X[r] = *(const uint4 *)(blk + (size_t)(pos.R0 + r) * (2 * SQ_D) + 16 * tx);
-    sq_pivot_head_step(st, io, hv, e, slot, sm, kq, bfi, X, blk, pos);
+    sq_pivot_head_step<false>(st, io, hv, e, slot, sm, kq, bfi, X, nullptr, blk, pos);
 }
 
 /*

@@ -1863,10 +1863,11 @@ __device__ __forceinline__ void sq_colsums(float *part, float (&a)[8], float (&b
  * reported. No fit, no column or row scales: in the tile kernel's general item this head ran
  * every phase of the packed store for nothing, and at B = 1 it was the layer's slowest block.
  */
+template <bool FAST>
 __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_io &io, int hv,
                                                    int e, int32_t slot, sq_tsmem &sm, float kq,
-                                                   int bfi, const uint4 (&X)[8], uint8_t *blk,
-                                                   const sq_tpos &pos)
+                                                   int bfi, uint4 (&X)[8], const uint8_t *old,
+                                                   uint8_t *blk, const sq_tpos &pos)
 {
     const int t = pos.t, tx = pos.tx, R0 = pos.R0, C0 = pos.C0;
     const float alpha = sm.dec0;
@@ -1897,12 +1898,14 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
     __syncthreads();
 
     /*
-     * The update, in place (no other thread reads this thread's values), stored as the RN fp16
-     * of each value: exact where every new value is finite and within +-65504, which the
-     * readout partials (a non-finite value makes its column's partial non-finite) and the
-     * thread's |x'| maximum tell after the pass. Else (rare) the pass again from X, as the
-     * reference: non-finite elements zeroed, the store saturating with its health bit, and the
-     * sanitised state's S'^T q summed for the readout it needs.
+     * The update, in place (no other thread reads this thread's values). FAST (the tile
+     * kernel, whose staged copy `old` of the block this step does not write): a pass that
+     * stores each value's RN fp16, exact where every new value is finite and within +-65504,
+     * which the readout partials (a non-finite value makes its column's partial non-finite)
+     * and the thread's |x'| maximum tell after it; else (rare), and always without FAST (the
+     * fp16 kernel, whose 64 registers do not hold the old rows for a second pass), the pass of
+     * the reference: non-finite elements zeroed, the store saturating with its health bit, and
+     * the sanitised state's S'^T q summed for the readout it needs.
      */
     float u[8];
     {
@@ -1910,36 +1913,43 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
         u[0] = a.x, u[1] = a.y, u[2] = a.z, u[3] = a.w, u[4] = b.x, u[5] = b.y, u[6] = b.z;
         u[7] = b.w;
     }
-    float amax = 0.0f;
 #pragma unroll
     for (int j = 0; j < 8; j++)
         pk[j] = pq[j] = 0.0f;
+    bool slow = !FAST, nf = false;
+    if constexpr (FAST) {
+        float amax = 0.0f;
 #pragma unroll
-    for (int r = 0; r < 8; r++) {
-        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
-        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
-        uint32_t yw[4];
+        for (int r = 0; r < 8; r++) {
+            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+            const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+            uint32_t yw[4];
 #pragma unroll
-        for (int p = 0; p < 4; p++) {
-            const float2 x = __half22float2(sq_u2h(xw[p]));
-            const float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
-            const float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
-            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
-            amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b))); /* NaN: the partials tell */
-            yw[p] = sq_h2u(__floats2half2_rn(a, b));
+            for (int p = 0; p < 4; p++) {
+                const float2 x = __half22float2(sq_u2h(xw[p]));
+                const float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
+                const float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
+                pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+                amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b))); /* NaN: the partials tell */
+                yw[p] = sq_h2u(__floats2half2_rn(a, b));
+            }
+            *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
+                make_uint4(yw[0], yw[1], yw[2], yw[3]);
         }
-        *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
-            make_uint4(yw[0], yw[1], yw[2], yw[3]);
-    }
-    bool slow = !(amax <= 65504.0f);
-#pragma unroll
-    for (int j = 0; j < 8; j++)
-        slow |= !isfinite(pq[j]);
-    bool nf = false;
-    if (slow) {
+        slow = !(amax <= 65504.0f);
 #pragma unroll
         for (int j = 0; j < 8; j++)
-            pq[j] = 0.0f;
+            slow |= !isfinite(pq[j]);
+        if (slow) { /* the old rows again, for the reference's pass */
+#pragma unroll
+            for (int j = 0; j < 8; j++)
+                pq[j] = 0.0f;
+#pragma unroll
+            for (int r = 0; r < 8; r++)
+                X[r] = *(const uint4 *)(old + (R0 + r) * (2 * SQ_D) + 16 * tx);
+        }
+    }
+    if (slow) {
 #pragma unroll
         for (int r = 0; r < 8; r++) {
             const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
@@ -2022,7 +2032,7 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
 #pragma unroll
     for (int r = 0; r < 8; r++)
         X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * tx);
-    sq_pivot_head_step(st, io, hv, e, slot, sm, kq, bfi, X, blk, pos);
+    sq_pivot_head_step<true>(st, io, hv, e, slot, sm, kq, bfi, X, buf, blk, pos);
     __syncthreads(); /* buf and sm are free when it returns */
 }
 
