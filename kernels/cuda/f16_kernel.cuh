@@ -628,17 +628,19 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
-    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + io.heads[hv].block_off;
+    const sq_head_desc *hd = io.heads + hv;
+    uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
     if (t == 0)
         sm.fl = 0;
     float kq;
     if (!sq_f16_inputs(st, io, hv, e, HV, slot, sm, in, bfi, pos, kq))
         return;
+    const float alpha = sm.dec0;
     uint4 X[8];
 #pragma unroll
     for (int r = 0; r < 8; r++)
         X[r] = *(const uint4 *)(blk + (size_t)(pos.R0 + r) * (2 * SQ_D) + 16 * tx);
-    sq_pivot_head_step<false>(st, io, hv, e, slot, sm, kq, bfi, X, nullptr, blk, pos);
+    sq_pivot_head_step<false>(st, io, hv, e, slot, sm, kq, bfi, alpha, X, blk, pos);
 }
 
 /*

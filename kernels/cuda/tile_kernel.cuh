@@ -1866,11 +1866,10 @@ __device__ __forceinline__ void sq_colsums(float *part, float (&a)[8], float (&b
 template <bool FAST>
 __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_io &io, int hv,
                                                    int e, int32_t slot, sq_tsmem &sm, float kq,
-                                                   int bfi, uint4 (&X)[8], const uint8_t *old,
+                                                   int bfi, float alpha, const uint4 (&X)[8],
                                                    uint8_t *blk, const sq_tpos &pos)
 {
     const int t = pos.t, tx = pos.tx, R0 = pos.R0, C0 = pos.C0;
-    const float alpha = sm.dec0;
     unsigned fl = 0;
     /* the decayed state's S^T k and S^T q */
     float pk[8], pq[8];
@@ -1899,13 +1898,13 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
 
     /*
      * The update, in place (no other thread reads this thread's values). FAST (the tile
-     * kernel, whose staged copy `old` of the block this step does not write): a pass that
-     * stores each value's RN fp16, exact where every new value is finite and within +-65504,
-     * which the readout partials (a non-finite value makes its column's partial non-finite)
-     * and the thread's |x'| maximum tell after it; else (rare), and always without FAST (the
-     * fp16 kernel, whose 64 registers do not hold the old rows for a second pass), the pass of
-     * the reference: non-finite elements zeroed, the store saturating with its health bit, and
-     * the sanitised state's S'^T q summed for the readout it needs.
+     * kernel, whose 128 registers keep X for a second pass): a pass that stores each value's RN
+     * fp16, exact where every new value is finite and within +-65504, which the readout
+     * partials (a non-finite value makes its column's partial non-finite) and the thread's
+     * |x'| maximum tell after it; else (rare), and always without FAST (the fp16 kernel, whose
+     * 64 registers spilled more with the second pass and ran 1.6-2.1% slower at B = 256-512),
+     * the pass of the reference: non-finite elements zeroed, the store saturating with its
+     * health bit, and the sanitised state's S'^T q summed for the readout it needs.
      */
     float u[8];
     {
@@ -1940,14 +1939,10 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
 #pragma unroll
         for (int j = 0; j < 8; j++)
             slow |= !isfinite(pq[j]);
-        if (slow) { /* the old rows again, for the reference's pass */
+        if (slow) /* the reference's pass, from the old rows the pass did not touch */
 #pragma unroll
             for (int j = 0; j < 8; j++)
                 pq[j] = 0.0f;
-#pragma unroll
-            for (int r = 0; r < 8; r++)
-                X[r] = *(const uint4 *)(old + (R0 + r) * (2 * SQ_D) + 16 * tx);
-        }
     }
     if (slow) {
 #pragma unroll
@@ -2032,7 +2027,7 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
 #pragma unroll
     for (int r = 0; r < 8; r++)
         X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * tx);
-    sq_pivot_head_step<true>(st, io, hv, e, slot, sm, kq, bfi, X, buf, blk, pos);
+    sq_pivot_head_step<true>(st, io, hv, e, slot, sm, kq, bfi, sm.dec0, X, blk, pos);
     __syncthreads(); /* buf and sm are free when it returns */
 }
 
