@@ -16,8 +16,8 @@
 #                                    checks san_tests names, for each variant that has them, then
 #                                    stepq-div-probe (all 2^46 pairs); CHECKASM=0, SAN=0 and PROBE=0
 #                                    skip a part (to put the A/B between them in a short call);
-#   kernels/cuda/AB_RUN.sh ab        B = 512, every row rows_of names, on base and on each variant
-#                                    naming it, interleaved, two rounds;
+#   kernels/cuda/AB_RUN.sh ab        B = 512 and B = 1 in a CUDA graph, every row rows_of names, on
+#                                    base and on each variant naming it, interleaved, two rounds;
 #   kernels/cuda/AB_RUN.sh batches   every batch of the BATCH_ROWS pairs (variant|shape|row);
 #   kernels/cuda/AB_RUN.sh run       all three.
 #   Results in $OUT (checks.txt, checkasm-NAME.txt, ab512.txt, batches.txt; at most 8 files come
@@ -27,16 +27,18 @@
 # (kernels/cuda/README.md names each one's section):
 #   base  the default build
 #   packdiv -DSQ_FP8_PACK_SQDIV=1: sq_div in the fp8 pack too (fp8_kernel.cuh)
+#   pivdirect -DSQ_PIVOT_DIRECT=1: the GDN pivot head's rows straight into registers (tile_kernel.cuh)
 # (Session 20 ran this script's first version on an H100: sq_div in the fp8 step and the 16 KiB
 # bf16 [V,K] unpack buffer became the default, the L2 prefetch was removed; the files are in
 # tools/results/bench-h100/session20/. Session 21 removed its column-strip variant, strip, after
 # ncu: kernels/cuda/README.md, "Tried and removed: the packed step on column strips".)
 set -o pipefail
-VARIANTS=${VARIANTS:-"base packdiv"}
+VARIANTS=${VARIANTS:-"base packdiv pivdirect"}
 flags_of() {
     case $1 in
     base) echo "" ;;
     packdiv) echo "-DSQ_FP8_PACK_SQDIV=1" ;;
+    pivdirect) echo "-DSQ_PIVOT_DIRECT=1" ;;
     *) echo "AB_RUN.sh: unknown variant '$1'" >&2; exit 2 ;;
     esac
 }
@@ -44,6 +46,7 @@ flags_of() {
 san_tests() {
     case $1 in
     packdiv) echo "fp8" ;;
+    pivdirect) echo "pivot" ;;
     esac
 }
 checked() { [ -n "$(san_tests "$1")" ]; }
@@ -113,9 +116,10 @@ checks() {
 rows_of() {
     case $1 in
     packdiv) printf '%s\n' "fp8 pack" "fp8 pack bf16" "fp8 pack [V,K]" "fp8 pack bf16 [V,K]" ;;
+    pivdirect) printf '%s\n' "stepq@6" "stepq@4" ;;
     esac
 }
-shapes_of() { echo "gdn kda"; } # the layer shapes of a variant's rows
+shapes_of() { if [ "$1" = pivdirect ]; then echo gdn; else echo "gdn kda"; fi; } # KDA: no pivot head
 
 ab() {
     device_setup
@@ -138,6 +142,8 @@ ab() {
             for v in base ${who[$k]}; do
                 $B/$v/stepq bench kernels --only "$L" --shape $sh --batch 512 | grep " 512 " |
                     sed "s/^/$sh $v r$round /" | tee -a "$R"
+                $B/$v/stepq bench kernels --only "$L" --shape $sh --batch 1 --graph | grep " 1 " |
+                    sed "s/^/$sh $v r$round graph /" | tee -a "$R"
             done
         done
         ts "ab512 round $round"
@@ -157,7 +163,8 @@ batches() {
                 sed "s/^/$sh $b /" >> "$OUT/batches.txt"
         done
         ts "batches $k"
-    done <<< "${BATCH_ROWS:-packdiv|gdn|fp8 pack bf16}"
+    done <<< "${BATCH_ROWS:-packdiv|gdn|fp8 pack bf16
+pivdirect|gdn|stepq@6}"
 }
 
 
