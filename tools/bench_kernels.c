@@ -153,8 +153,6 @@ static const double peer_us_quoted[2][N_BATCHES] = { { 82, 75, 113, 158, 245, 43
                                                      { 0, 0, 0, 0, 0, 0, 742 } };
 
 static uint64_t rng = 88172645463325252ull;
-/* --no-pivots: unit_bits gives the pivot units (GDN's pivot head, KDA's pivot rows) 6 bits */
-static int no_pivots;
 static float frand(void)
 {
     rng ^= rng << 13;
@@ -380,9 +378,11 @@ static const struct method methods[] = {
  * key row (KDA): one pivot head per GDN layer (1.39% of 32 heads rounds to
  * 0.44: one is the conservative choice), one pivot row per KDA head (0.625%
  * of 128 rows), and a {4,6,8} (@6) or {2..8} (@4) mix at exactly the budget
- * sum(b) = bbar*N - 8*N_piv. NULL where the method has one width.
+ * sum(b) = bbar*N - 8*N_piv. NULL where the method has one width. no_pivots (--no-pivots):
+ * the pivot units at 6 bits instead.
  */
-static const uint8_t *unit_bits(uint8_t *out, const struct method *me, stepq_arch arch, int HV)
+static const uint8_t *unit_bits(uint8_t *out, const struct method *me, stepq_arch arch, int HV,
+                                int no_pivots)
 {
     if (me->m != STEPQ_METHOD_STEPQ)
         return NULL;
@@ -414,11 +414,11 @@ static const uint8_t *unit_bits(uint8_t *out, const struct method *me, stepq_arc
 
 /*
  * A CUDA pool of MAX_B slots (ids 1..MAX_B, all allocated) on a one-layer map
- * of the method for the shape; *blocks gets the bytes of the layer's head
- * blocks as the pool lays them out.
+ * of the method for the shape (no_pivots: unit_bits'); *blocks gets the bytes of
+ * the layer's head blocks as the pool lays them out.
  */
-static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cudaStream_t s,
-                     stepq_map_t **map, stepq_pool_t **pool, size_t *blocks)
+static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, int no_pivots,
+                     cudaStream_t s, stepq_map_t **map, stepq_pool_t **pool, size_t *blocks)
 {
     static uint8_t ub[32 * D];
     struct fx_rng r = { 0x2545f4914f6cdd1dull };
@@ -426,7 +426,7 @@ static int open_pool(const struct method *me, stepq_arch arch, int H, int HV, cu
         .arch = arch,
         .method = me->m,
         .bits = me->m == STEPQ_METHOD_STEPQ ? 0 : me->budget,
-        .unit_bits = unit_bits(ub, me, arch, HV),
+        .unit_bits = unit_bits(ub, me, arch, HV, no_pivots),
         .budget = me->budget,
         .H = H,
         .HV = HV,
@@ -672,7 +672,7 @@ int stepq_tool_bench_kernels(int argc, char **argv)
         return usage(stdout);
     const char *json = ko.json, *only = ko.only, *peer_file = ko.peer;
     const int quick = ko.quick, graph = ko.graph, only_b = ko.only_b, only_shape = ko.only_shape;
-    no_pivots = ko.no_pivots;
+    const int no_pivots = ko.no_pivots;
     if (only) {
         int known = 0;
         for (int ri = 0; ri < N_ROWS; ri++)
@@ -913,8 +913,8 @@ int stepq_tool_bench_kernels(int argc, char **argv)
                         rc = 1;
                 } else {
                     const int mi = rw->method;
-                    if (!pools[mi] &&
-                        open_pool(me, arch, H, HV, s, &maps[mi], &pools[mi], &blocks[mi]) < 0) {
+                    if (!pools[mi] && open_pool(me, arch, H, HV, no_pivots, s, &maps[mi],
+                                                &pools[mi], &blocks[mi]) < 0) {
                         rc = 1;
                         break;
                     }
