@@ -1170,22 +1170,6 @@ __device__ __forceinline__ void sq_tile_update(float (&x)[64], sq_tsmem &sm, con
     }
 }
 
-/* The tile's non-finite elements become 0; m: its rows' maxima of |x| after that. */
-__device__ __forceinline__ void sq_tile_zero_nf(float (&x)[64], float (&m)[8])
-{
-#pragma unroll
-    for (int r = 0; r < 8; r++) {
-        float mm = 0.0f;
-#pragma unroll
-        for (int c = 0; c < 8; c++) {
-            if (!isfinite(x[r * 8 + c]))
-                x[r * 8 + c] = 0.0f;
-            mm = fmaxf(mm, fabsf(x[r * 8 + c]));
-        }
-        m[r] = mm;
-    }
-}
-
 /*
  * The row maxima m of |x| that the row scales need, NaN-propagating so that
  * they also detect non-finite elements. A block with one (rare) sets them to
@@ -1214,7 +1198,17 @@ __device__ __forceinline__ bool sq_tile_finite(float (&x)[64], float (&m)[8], sq
         /* rare: non-finite elements become 0; the readout is recomputed */
         if (nf)
             fl |= STEPQ_HEALTH_STATE;
-        sq_tile_zero_nf(x, m);
+#pragma unroll
+        for (int r = 0; r < 8; r++) {
+            float mm = 0.0f;
+#pragma unroll
+            for (int c = 0; c < 8; c++) {
+                if (!isfinite(x[r * 8 + c]))
+                    x[r * 8 + c] = 0.0f;
+                mm = fmaxf(mm, fabsf(x[r * 8 + c]));
+            }
+            m[r] = mm;
+        }
         if (UPDATE) {
             float pq[8];
 #pragma unroll
@@ -1339,37 +1333,6 @@ __device__ __forceinline__ void sq_tile_store_dense(const float (&x)[64], const 
     }
 }
 
-/* An integer row's fit: its fp16 scale, the reciprocal and the refit weights (sq_fit_row). */
-struct sq_row_fit {
-    uint16_t h;
-    float ri, ar, ad, aw;
-};
-
-/*
- * The fit of an integer row of width b and row impact wi from s, its scale before rounding (the
- * dual split of its maximum, or the maximum): h = fp16(s) (saturation raises SATURATED and
- * sm.sat), ri = RN(1/r), and the refit weights ar = w^2 r^2 / qmax, ad = ar / qmax and, for
- * uniform-width heads (qmax goes to the column scale), aw = w^2 r^2.
- */
-__device__ __forceinline__ sq_row_fit sq_fit_row(float s, float wi, int b, sq_tsmem &sm,
-                                                 unsigned &fl)
-{
-    if (s > STEPQ__SCALE_MAX) {
-        fl |= STEPQ_HEALTH_SATURATED;
-        sm.sat = 1;
-    }
-    sq_row_fit f;
-    f.h = sq_scale_h(s);
-    const float r = sq_h2f(f.h);
-    const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
-    const float w2r2 = wi * wi * r * r;
-    f.ri = __frcp_rn(r);
-    f.ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
-    f.ad = f.ar * iq;
-    f.aw = w2r2;
-    return f;
-}
-
 /*
  * Fit, rows: the scale of row R0 + tx/2 from its maximum mr on lanes tx
  * even (fp16 into the block; saturation raises SATURATED and sm.sat), with
@@ -1388,13 +1351,19 @@ __device__ __forceinline__ void sq_tile_fit_rows(const float (&m)[8], const sq_h
         uint16_t h = 0;
         if (b != STEPQ_BITS_PIVOT) {
             const float wi = hd->w[i];
-            const sq_row_fit f =
-                sq_fit_row(dual ? sq_dual_row_scale(mr, wi, hd->row_split) : mr, wi, b, sm, fl);
-            h = f.h;
-            ri = f.ri;
-            ar = f.ar;
-            ad = f.ad;
-            aw = f.aw;
+            float s = dual ? sq_dual_row_scale(mr, wi, hd->row_split) : mr;
+            if (s > STEPQ__SCALE_MAX) {
+                fl |= STEPQ_HEALTH_SATURATED;
+                sm.sat = 1;
+            }
+            h = sq_scale_h(s);
+            float r = sq_h2f(h);
+            const float iq = __fdividef(1.0f, (float)((1 << (b - 1)) - 1));
+            const float w2r2 = wi * wi * r * r;
+            ri = __frcp_rn(r);
+            ar = w2r2 * iq; /* refit weights: a relative 1e-7 is immaterial */
+            ad = ar * iq;
+            aw = w2r2; /* uniform-width heads: qmax goes to the column scale */
         }
         sm.rinv[i] = ri;
         sm.ar[i] = ar;
@@ -1728,6 +1697,33 @@ __device__ __forceinline__ void sq_tile_store_packed(float (&x)[64], const float
 }
 
 /*
+ * The input phase of a step's item: the inputs into sm (sq_tile_in_qk, sq_tile_in_vgb), then,
+ * once all are finite, sq_tile_in_norm (which waits for a staged block) and *kq = k.q. false
+ * where one is not finite: sq_input_failed has handled the head, and buf and sm are free.
+ */
+template <int SRC>
+__device__ __forceinline__ bool sq_tile_inputs(const sq_step &st, const sq_io &io, const sq_in &in,
+                                               sq_tsmem &sm, int bfi, int hv, int e, int HV,
+                                               int32_t slot, const sq_tpos &pos, float &kq)
+{
+    const int t = pos.t;
+    bool bad = false;
+    if (t < SQ_D)
+        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
+    else
+        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
+    if (__syncthreads_or(bad)) {
+        if (SRC != SQ_SRC_DENSE)
+            sq_cp_async_wait_all(); /* nothing may land in a finished block */
+        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
+        __syncthreads();
+        return false;
+    }
+    kq = sq_tile_in_norm<SRC>(st, io, sm, hv, e, HV, pos);
+    return true;
+}
+
+/*
  * One (entry e, head hv) work item. SRC: packed (quantized pages only) or
  * dense; SINK: packed (quantized) or dense. With a packed source the block
  * has been staged into buf by the caller (sq_stage_block), and so has the
@@ -1763,19 +1759,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     float kq = 0.0f;
     if (UPDATE) {
         /* the recurrence inputs (as sq_head_kernel), from their bits (sq_load_in) */
-        bool bad = false;
-        if (t < SQ_D)
-            bad = sq_tile_in_qk(st, in, sm, bfi, pos);
-        else
-            bad = sq_tile_in_vgb(st, in, sm, bfi, t);
-        if (__syncthreads_or(bad)) {
-            if (SRC != SQ_SRC_DENSE)
-                sq_cp_async_wait_all(); /* nothing may land in a finished block */
-            sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
-            __syncthreads(); /* buf and sm are free when it returns */
+        if (!sq_tile_inputs<SRC>(st, io, in, sm, bfi, hv, e, HV, slot, pos, kq))
             return;
-        }
-        kq = sq_tile_in_norm<SRC>(st, io, sm, hv, e, HV, pos);
     } else if (SRC == SQ_SRC_PACKED) {
         sq_cp_async_wait_all();
         __syncthreads();
@@ -1852,6 +1837,48 @@ __device__ __forceinline__ void sq_colsums(float *part, float (&a)[8], float (&b
 }
 
 /*
+ * One update pass of sq_pivot_head_step over the thread's rows: x' = x alpha + k_i u_j stored
+ * in place as fp16 and the S'^T q partials into pq. REF: the reference's pass (non-finite
+ * values zeroed, raising *nf, the store saturating with its health bit into fl); else RN fp16
+ * pairs and the |x'| maximum into amax (a NaN leaves it: the partials tell).
+ */
+template <bool REF>
+__device__ __forceinline__ void sq_pivot_pass(const uint4 (&X)[8], const float (&u)[8], float alpha,
+                                              const sq_tsmem &sm, int R0, int tx, uint8_t *blk,
+                                              float (&pq)[8], float &amax, bool &nf, unsigned &fl)
+{
+#pragma unroll
+    for (int j = 0; j < 8; j++)
+        pq[j] = 0.0f;
+#pragma unroll
+    for (int r = 0; r < 8; r++) {
+        const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
+        const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
+        uint32_t yw[4];
+#pragma unroll
+        for (int p = 0; p < 4; p++) {
+            const float2 x = __half22float2(sq_u2h(xw[p]));
+            float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
+            float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
+            if (REF && (!isfinite(a) || !isfinite(b))) {
+                nf = true;
+                a = isfinite(a) ? a : 0.0f;
+                b = isfinite(b) ? b : 0.0f;
+            }
+            pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
+            if (REF) {
+                yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
+            } else {
+                amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b)));
+                yw[p] = sq_h2u(__floats2half2_rn(a, b));
+            }
+        }
+        *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
+            make_uint4(yw[0], yw[1], yw[2], yw[3]);
+    }
+}
+
+/*
  * The decode step of a GDN pivot head (sq_head_desc.pivh: its 128 rows fp16 values back to back,
  * 2 d_v bytes each, and nothing else the step writes: the reference leaves a head without integer
  * rows' scale fields as they were) once the input phase has filled sm and given k.q: in fp32, as
@@ -1914,58 +1941,19 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
     }
 #pragma unroll
     for (int j = 0; j < 8; j++)
-        pk[j] = pq[j] = 0.0f;
+        pk[j] = 0.0f;
     bool slow = !FAST, nf = false;
     if constexpr (FAST) {
         float amax = 0.0f;
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
-            const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
-            uint32_t yw[4];
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const float2 x = __half22float2(sq_u2h(xw[p]));
-                const float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
-                const float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
-                pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
-                amax = fmaxf(amax, fmaxf(fabsf(a), fabsf(b))); /* NaN: the partials tell */
-                yw[p] = sq_h2u(__floats2half2_rn(a, b));
-            }
-            *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
-                make_uint4(yw[0], yw[1], yw[2], yw[3]);
-        }
+        sq_pivot_pass<false>(X, u, alpha, sm, R0, tx, blk, pq, amax, nf, fl);
         slow = !(amax <= 65504.0f);
 #pragma unroll
         for (int j = 0; j < 8; j++)
             slow |= !isfinite(pq[j]);
-        if (slow) /* the reference's pass, from the old rows the pass did not touch */
-#pragma unroll
-            for (int j = 0; j < 8; j++)
-                pq[j] = 0.0f;
     }
-    if (slow) {
-#pragma unroll
-        for (int r = 0; r < 8; r++) {
-            const float kr = sm.k[R0 + r], qr = sm.q[R0 + r];
-            const uint32_t xw[4] = { X[r].x, X[r].y, X[r].z, X[r].w };
-            uint32_t yw[4];
-#pragma unroll
-            for (int p = 0; p < 4; p++) {
-                const float2 x = __half22float2(sq_u2h(xw[p]));
-                float a = fmaf(kr, u[2 * p], __fmul_rn(x.x, alpha));
-                float b = fmaf(kr, u[2 * p + 1], __fmul_rn(x.y, alpha));
-                if (!isfinite(a) || !isfinite(b)) {
-                    nf = true;
-                    a = isfinite(a) ? a : 0.0f;
-                    b = isfinite(b) ? b : 0.0f;
-                }
-                pq[2 * p] = fmaf(a, qr, pq[2 * p]), pq[2 * p + 1] = fmaf(b, qr, pq[2 * p + 1]);
-                yw[p] = (uint32_t)sq_f16_sat(a, &fl) | ((uint32_t)sq_f16_sat(b, &fl) << 16);
-            }
-            *(uint4 *)(blk + (size_t)(R0 + r) * (2 * SQ_D) + 16 * tx) =
-                make_uint4(yw[0], yw[1], yw[2], yw[3]);
-        }
+    if (slow) { /* the reference's pass, from the old rows the fast one did not touch */
+        float unused = 0.0f;
+        sq_pivot_pass<true>(X, u, alpha, sm, R0, tx, blk, pq, unused, nf, fl);
     }
     if (__syncthreads_or(nf)) {
         /* rare: the readout of the sanitised state, as the reference reads it */
@@ -2028,18 +2016,9 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
             X[r] = *(const uint4 *)(blk + (size_t)(pos.R0 + r) * (2 * SQ_D) + 16 * tx);
     if (t == 0)
         sm.fl = 0;
-    bool bad = false;
-    if (t < SQ_D)
-        bad = sq_tile_in_qk(st, in, sm, bfi, pos);
-    else
-        bad = sq_tile_in_vgb(st, in, sm, bfi, t);
-    if (__syncthreads_or(bad)) {
-        sq_cp_async_wait_all(); /* nothing may land in a finished block */
-        sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
-        __syncthreads();
+    float kq;
+    if (!sq_tile_inputs<SQ_SRC_PACKED>(st, io, in, sm, bfi, hv, e, HV, slot, pos, kq))
         return;
-    }
-    const float kq = sq_tile_in_norm<SQ_SRC_PACKED>(st, io, sm, hv, e, HV, pos);
     if (!SQ_PIVOT_DIRECT)
 #pragma unroll
         for (int r = 0; r < 8; r++)
@@ -2086,9 +2065,10 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
             sq_cp_async_wait_all(); /* no copy may land after the block has gone */
         return;                     /* uniform over the block */
     }
+    /* the fused packed step, where a GDN pivot head takes its own item */
+    constexpr bool STEP = SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED;
 #if SQ_PIVOT_DIRECT
-    const bool direct =
-        SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED && io.heads[hv].pivh;
+    const bool direct = STEP && io.heads[hv].pivh;
 #else
     constexpr bool direct = false;
 #endif
@@ -2099,7 +2079,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     }
     sq_in in;
     sq_load_in<UPDATE, V>(in, st, hv, e, HV, threadIdx.x);
-    if (SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED && io.heads[hv].pivh)
+    if (STEP && io.heads[hv].pivh)
         sq_tile_pivot_item<V>(st, io, hv, e, HV, slot, sq_dyn, sm, in); /* uniform over the block */
     else
         sq_tile_item<SRC, UPDATE, SINK, V>(st, io, hv, e, HV, slot, sq_dyn, sm, in);
