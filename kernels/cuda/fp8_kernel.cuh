@@ -59,8 +59,10 @@
 #ifndef SQ_FP8_PACK_SQDIV
 #define SQ_FP8_PACK_SQDIV 0
 #endif
-#define SQ_F8MIN_BLOCKS  2
+#define SQ_F8MIN_BLOCKS 2
+#ifndef SQ_F8BMIN_BLOCKS
 #define SQ_F8BMIN_BLOCKS (SQ_FP8_PACK_SQDIV ? 4 : 2) /* the pack from bf16 */
+#endif
 #define SQ_F8UMIN_BLOCKS 4
 
 static_assert(SQ_D / STEPQ__FP8_TILE == 4 && SQ_THREADS == 256,

@@ -1983,22 +1983,12 @@ __device__ __forceinline__ void sq_pivot_head_step(const sq_step &st, const sq_i
 }
 
 /*
- * SQ_PIVOT_DIRECT (default 0; kernels/cuda/README.md, "The GDN pivot head's own item"): the
- * pivot head's rows straight from the page into registers, loaded before the input phase, and
- * no staged copy of its block, in place of the staged copy read after the input phase.
- * Written in session 21 for B = 1, where the pivot item is still the slowest block; not yet
- * measured (kernels/cuda/AB_RUN.sh variant pivdirect).
- */
-#ifndef SQ_PIVOT_DIRECT
-#define SQ_PIVOT_DIRECT 0
-#endif
-
-/*
  * The tile kernel's item for a GDN pivot head (hd->pivh) in the fused packed step: the block
  * has been staged into buf (sq_stage_block) while the input phase (the tile item's) runs; the
- * step is sq_pivot_head_step's, the thread's rows read from the staged copy (SQ_PIVOT_DIRECT:
- * from the page, before the input phase; nothing staged). Ends with a barrier, as
- * sq_tile_item.
+ * step is sq_pivot_head_step's, the thread's rows read from the staged copy (loading them straight
+ * into registers before the input phase instead measured 1.5-2.3% slower at B = 512 and no
+ * faster at B = 1: kernels/cuda/README.md, "The GDN pivot head's own item"). Ends with a
+ * barrier, as sq_tile_item.
  */
 template <int V>
 __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_io &io, int hv,
@@ -2009,20 +1999,15 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
     const int lane = t & 31, w = t >> 5, tx = lane & 15;
     const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
     uint8_t *blk = io.pages + (size_t)slot * io.page_stride + io.heads[hv].block_off;
-    uint4 X[8];
-    if (SQ_PIVOT_DIRECT)
-#pragma unroll
-        for (int r = 0; r < 8; r++)
-            X[r] = *(const uint4 *)(blk + (size_t)(pos.R0 + r) * (2 * SQ_D) + 16 * tx);
     if (t == 0)
         sm.fl = 0;
     float kq;
     if (!sq_tile_inputs<SQ_SRC_PACKED>(st, io, in, sm, bfi, hv, e, HV, slot, pos, kq))
         return;
-    if (!SQ_PIVOT_DIRECT)
+    uint4 X[8];
 #pragma unroll
-        for (int r = 0; r < 8; r++)
-            X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * tx);
+    for (int r = 0; r < 8; r++)
+        X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * tx);
     sq_pivot_head_step<true>(st, io, hv, e, slot, sm, kq, bfi, sm.dec0, X, blk, pos);
     __syncthreads(); /* buf and sm are free when it returns */
 }
@@ -2067,12 +2052,7 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     }
     /* the fused packed step, where a GDN pivot head takes its own item */
     constexpr bool STEP = SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED;
-#if SQ_PIVOT_DIRECT
-    const bool direct = STEP && io.heads[hv].pivh;
-#else
-    constexpr bool direct = false;
-#endif
-    if (SRC == SQ_SRC_PACKED && !direct) {
+    if (SRC == SQ_SRC_PACKED) {
         const sq_head_desc *hd = io.heads + hv;
         sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,
                        hd->block_bytes);
