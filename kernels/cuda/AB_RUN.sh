@@ -29,6 +29,8 @@
 #   packdiv -DSQ_FP8_PACK_SQDIV=1: sq_div in the fp8 pack too (fp8_kernel.cuh)
 #   packdiv2 -DSQ_FP8_PACK_SQDIV=1 -DSQ_F8BMIN_BLOCKS=2: the same, the pack from bf16 at 2 blocks
 #             per SM (128 registers) instead of 4
+#   f16pref -DSQ_F16_PIVOT_PREFETCH=1: the fp16 kernel's pivot head rows asked of L2 before its
+#             input phase (f16_kernel.cuh)
 # (Session 20 ran this script's first version on an H100: sq_div in the fp8 step and the 16 KiB
 # bf16 [V,K] unpack buffer became the default, the L2 prefetch was removed; the files are in
 # tools/results/bench-h100/session20/. Session 21 removed its column-strip variant, strip, after
@@ -36,12 +38,13 @@
 # its variant pivdirect, the GDN pivot head's rows unstaged, 1.5-2.7% slower: "The GDN pivot
 # head's own item".)
 set -o pipefail
-VARIANTS=${VARIANTS:-"base packdiv packdiv2"}
+VARIANTS=${VARIANTS:-"base packdiv packdiv2 f16pref"}
 flags_of() {
     case $1 in
     base) echo "" ;;
     packdiv) echo "-DSQ_FP8_PACK_SQDIV=1" ;;
     packdiv2) echo "-DSQ_FP8_PACK_SQDIV=1 -DSQ_F8BMIN_BLOCKS=2" ;;
+    f16pref) echo "-DSQ_F16_PIVOT_PREFETCH=1" ;;
     *) echo "AB_RUN.sh: unknown variant '$1'" >&2; exit 2 ;;
     esac
 }
@@ -50,6 +53,7 @@ san_tests() {
     case $1 in
     packdiv) echo "fp8" ;;
     packdiv2) echo "fp8" ;;
+    f16pref) echo "pivot" ;;
     esac
 }
 checked() { [ -n "$(san_tests "$1")" ]; }
@@ -119,9 +123,10 @@ checks() {
 rows_of() {
     case $1 in
     packdiv | packdiv2) printf '%s\n' "fp8 pack" "fp8 pack bf16" "fp8 pack [V,K]" "fp8 pack bf16 [V,K]" ;;
+    f16pref) printf '%s\n' "stepq@6 fp16" "stepq@4 fp16" ;;
     esac
 }
-shapes_of() { echo "gdn kda"; }
+shapes_of() { if [ "$1" = f16pref ]; then echo gdn; else echo "gdn kda"; fi; } # KDA: no pivot head
 
 ab() {
     device_setup
@@ -166,7 +171,8 @@ batches() {
         done
         ts "batches $k"
     done <<< "${BATCH_ROWS:-packdiv|gdn|fp8 pack bf16
-packdiv2|gdn|fp8 pack bf16}"
+packdiv2|gdn|fp8 pack bf16
+f16pref|gdn|stepq@6 fp16}"
 }
 
 

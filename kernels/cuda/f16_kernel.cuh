@@ -619,7 +619,17 @@ __device__ __forceinline__ void sq_f16_item(const sq_step &st, const sq_io &io, 
  * sq_pivot_head_step (tile_kernel.cuh), the tile kernel's pivot head item too. This kernel
  * stages no block, so the rows are read after the input phase (its registers and the values'
  * 32 do not fit together).
+ *
+ * SQ_F16_PIVOT_PREFETCH (default 0; kernels/cuda/AB_RUN.sh variant f16pref): before the input
+ * phase each thread asks L2 for one 128-byte line of the head's 32 KiB of rows (no register is
+ * held), so that the loads after it find them in L2 rather than in DRAM. For B = 1, where this
+ * item is the fp16 layer's slowest block (10.7 us in a graph against 8.8 without the pivot
+ * head, H100, session 21); written in session 22 without a device, not yet measured.
  */
+#ifndef SQ_F16_PIVOT_PREFETCH
+#define SQ_F16_PIVOT_PREFETCH 0
+#endif
+
 template <int V>
 __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io &io, int hv, int e,
                                                   int HV, int32_t slot, sq_tsmem &sm,
@@ -630,6 +640,10 @@ __device__ __forceinline__ void sq_f16_pivot_item(const sq_step &st, const sq_io
     const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
     const sq_head_desc *hd = io.heads + hv;
     uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
+#if SQ_F16_PIVOT_PREFETCH
+    static_assert(SQ_THREADS * 128 == SQ_D * 2 * SQ_D, "one line of the rows per thread");
+    asm volatile("prefetch.global.L2 [%0];" ::"l"(blk + 128 * t));
+#endif
     if (t == 0)
         sm.fl = 0;
     float kq;
