@@ -31,6 +31,8 @@
 #             per SM (128 registers) instead of 4
 #   f16pref -DSQ_F16_PIVOT_PREFETCH=1: the fp16 kernel's pivot head rows asked of L2 before its
 #             input phase (f16_kernel.cuh)
+#   bulk  -DSQ_STAGE_BULK=1: the fused packed step stages its head block by one bulk copy (TMA)
+#             from thread 0 (tile_kernel.cuh, common.cuh sq_bulk_stage)
 # (Session 20 ran this script's first version on an H100: sq_div in the fp8 step and the 16 KiB
 # bf16 [V,K] unpack buffer became the default, the L2 prefetch was removed; the files are in
 # tools/results/bench-h100/session20/. Session 21 removed its column-strip variant, strip, after
@@ -38,13 +40,14 @@
 # its variant pivdirect, the GDN pivot head's rows unstaged, 1.5-2.7% slower: "The GDN pivot
 # head's own item".)
 set -o pipefail
-VARIANTS=${VARIANTS:-"base packdiv packdiv2 f16pref"}
+VARIANTS=${VARIANTS:-"base packdiv packdiv2 f16pref bulk"}
 flags_of() {
     case $1 in
     base) echo "" ;;
     packdiv) echo "-DSQ_FP8_PACK_SQDIV=1" ;;
     packdiv2) echo "-DSQ_FP8_PACK_SQDIV=1 -DSQ_F8BMIN_BLOCKS=2" ;;
     f16pref) echo "-DSQ_F16_PIVOT_PREFETCH=1" ;;
+    bulk) echo "-DSQ_STAGE_BULK=1" ;;
     *) echo "AB_RUN.sh: unknown variant '$1'" >&2; exit 2 ;;
     esac
 }
@@ -54,6 +57,7 @@ san_tests() {
     packdiv) echo "fp8" ;;
     packdiv2) echo "fp8" ;;
     f16pref) echo "pivot" ;;
+    bulk) echo "decode" ;;
     esac
 }
 checked() { [ -n "$(san_tests "$1")" ]; }
@@ -124,6 +128,7 @@ rows_of() {
     case $1 in
     packdiv | packdiv2) printf '%s\n' "fp8 pack" "fp8 pack bf16" "fp8 pack [V,K]" "fp8 pack bf16 [V,K]" ;;
     f16pref) printf '%s\n' "stepq@6 fp16" "stepq@4 fp16" ;;
+    bulk) printf '%s\n' "stepq@6" "stepq@4" "uniform@6" ;;
     esac
 }
 shapes_of() { if [ "$1" = f16pref ]; then echo gdn; else echo "gdn kda"; fi; } # KDA: no pivot head
@@ -172,7 +177,9 @@ batches() {
         ts "batches $k"
     done <<< "${BATCH_ROWS:-packdiv|gdn|fp8 pack bf16
 packdiv2|gdn|fp8 pack bf16
-f16pref|gdn|stepq@6 fp16}"
+f16pref|gdn|stepq@6 fp16
+bulk|gdn|stepq@6
+bulk|kda|stepq@6}"
 }
 
 

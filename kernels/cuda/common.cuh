@@ -323,6 +323,47 @@ __device__ __forceinline__ void sq_stage_block(uint8_t *buf, const uint8_t *blk,
     sq_cp_commit();
 }
 
+/*
+ * The head block staged by one bulk copy (cp.async.bulk, the TMA engine of sm_90) instead of
+ * 16-byte cp.async by every thread: thread 0 initialises the block's one mbarrier, announces the
+ * bytes and issues the copy; every thread waits on the barrier's phase 0 (sq_bulk_wait) after a
+ * __syncthreads has ordered the initialisation before its wait. buf, blk and bytes are multiples
+ * of 16, as for sq_stage_block. The tile kernel's fused step under SQ_STAGE_BULK
+ * (tile_kernel.cuh), not yet measured.
+ */
+__device__ __forceinline__ uint64_t *sq_bulk_mbar()
+{
+    __shared__ uint64_t mbar;
+    return &mbar;
+}
+
+__device__ __forceinline__ void sq_bulk_stage(uint8_t *buf, const uint8_t *blk, uint32_t bytes)
+{
+    const unsigned m = (unsigned)__cvta_generic_to_shared(sq_bulk_mbar());
+    const unsigned d = (unsigned)__cvta_generic_to_shared(buf);
+    asm volatile(
+        "mbarrier.init.shared::cta.b64 [%0], 1;\n"
+        "fence.mbarrier_init.release.cluster;\n"
+        "fence.proxy.async.shared::cta;\n"
+        "mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n"
+        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%2], [%3], %1, "
+        "[%0];\n" ::"r"(m),
+        "r"(bytes), "r"(d), "l"(blk)
+        : "memory");
+}
+
+__device__ __forceinline__ void sq_bulk_wait()
+{
+    const unsigned m = (unsigned)__cvta_generic_to_shared(sq_bulk_mbar());
+    asm volatile("{\n"
+                 ".reg .pred p;\n"
+                 "SQ_BULK_WAIT:\n"
+                 "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], 0;\n"
+                 "@!p bra SQ_BULK_WAIT;\n"
+                 "}\n" ::"r"(m)
+                 : "memory");
+}
+
 enum { SQ_F32 = 0, SQ_BF16 = 1, SQ_F16 = 2 };
 
 /*

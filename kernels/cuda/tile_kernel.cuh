@@ -193,6 +193,21 @@ __device__ __forceinline__ void sq_st_codes_rt(uint8_t *row, int tx, int b, uint
  */
 #define SQ_V_ROWS 128
 
+/*
+ * SQ_STAGE_BULK (default 0; kernels/cuda/AB_RUN.sh variant bulk): the fused packed step stages
+ * its head block by one bulk copy from thread 0 (sq_bulk_stage, common.cuh) instead of 16-byte
+ * cp.async from every thread. Written in session 22 without a device, for B = 1 (does one SM
+ * take in a block faster through the TMA engine? the GDN pivot head's 32 KiB is the layer's
+ * slowest block there) and B = 512 (about 3-4 fewer instructions and a loop per thread); not
+ * yet measured.
+ */
+#ifndef SQ_STAGE_BULK
+#define SQ_STAGE_BULK 0
+#endif
+template <int SRC, bool UPDATE, int SINK>
+constexpr bool sq_bulk_step =
+    SQ_STAGE_BULK &&SRC == SQ_SRC_PACKED &&UPDATE &&SINK == SQ_SINK_PACKED;
+
 /* Whether the step's inputs are bf16: fixed by the variant bits V, else st.in_bf16. */
 template <int V> __device__ __forceinline__ int sq_in_bf16(const sq_step &st)
 {
@@ -965,7 +980,7 @@ __device__ __forceinline__ bool sq_tile_in_vgb(const sq_step &st, const sq_in &i
  * decay copied to every row, the head left to two-stage stage 2 (io.skip);
  * waits for a staged packed block. Returns k.q for the readout.
  */
-template <int SRC, bool DBL = false>
+template <int SRC, bool DBL = false, bool BULK = false>
 __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io &io, sq_tsmem &sm,
                                                  int hv, int e, int HV, const sq_tpos &pos)
 {
@@ -995,7 +1010,9 @@ __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io 
     }
     if (io.skip && t == 0)
         io.skip[(size_t)e * HV + hv] = 0;
-    if (SRC != SQ_SRC_DENSE)
+    if (BULK)
+        sq_bulk_wait(); /* the block staged by sq_bulk_stage (SQ_STAGE_BULK) */
+    else if (SRC != SQ_SRC_DENSE)
         sq_cp_async_wait_all();
     __syncthreads();
     return (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
@@ -1701,7 +1718,7 @@ __device__ __forceinline__ void sq_tile_store_packed(float (&x)[64], const float
  * once all are finite, sq_tile_in_norm (which waits for a staged block) and *kq = k.q. false
  * where one is not finite: sq_input_failed has handled the head, and buf and sm are free.
  */
-template <int SRC>
+template <int SRC, bool BULK = false>
 __device__ __forceinline__ bool sq_tile_inputs(const sq_step &st, const sq_io &io, const sq_in &in,
                                                sq_tsmem &sm, int bfi, int hv, int e, int HV,
                                                int32_t slot, const sq_tpos &pos, float &kq)
@@ -1713,13 +1730,15 @@ __device__ __forceinline__ bool sq_tile_inputs(const sq_step &st, const sq_io &i
     else
         bad = sq_tile_in_vgb(st, in, sm, bfi, t);
     if (__syncthreads_or(bad)) {
-        if (SRC != SQ_SRC_DENSE)
+        if (BULK)
+            sq_bulk_wait(); /* nothing may land in a finished block */
+        else if (SRC != SQ_SRC_DENSE)
             sq_cp_async_wait_all(); /* nothing may land in a finished block */
         sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
         __syncthreads();
         return false;
     }
-    kq = sq_tile_in_norm<SRC>(st, io, sm, hv, e, HV, pos);
+    kq = sq_tile_in_norm<SRC, false, BULK>(st, io, sm, hv, e, HV, pos);
     return true;
 }
 
@@ -1759,7 +1778,8 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
     float kq = 0.0f;
     if (UPDATE) {
         /* the recurrence inputs (as sq_head_kernel), from their bits (sq_load_in) */
-        if (!sq_tile_inputs<SRC>(st, io, in, sm, bfi, hv, e, HV, slot, pos, kq))
+        if (!sq_tile_inputs<SRC, sq_bulk_step<SRC, UPDATE, SINK>>(st, io, in, sm, bfi, hv, e, HV,
+                                                                  slot, pos, kq))
             return;
     } else if (SRC == SQ_SRC_PACKED) {
         sq_cp_async_wait_all();
@@ -2002,7 +2022,8 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
     if (t == 0)
         sm.fl = 0;
     float kq;
-    if (!sq_tile_inputs<SQ_SRC_PACKED>(st, io, in, sm, bfi, hv, e, HV, slot, pos, kq))
+    constexpr bool BULK = sq_bulk_step<SQ_SRC_PACKED, true, SQ_SINK_PACKED>;
+    if (!sq_tile_inputs<SQ_SRC_PACKED, BULK>(st, io, in, sm, bfi, hv, e, HV, slot, pos, kq))
         return;
     uint4 X[8];
 #pragma unroll
@@ -2054,8 +2075,11 @@ __global__ void __launch_bounds__(SQ_THREADS, SQ_TMIN_BLOCKS) sq_tile_kernel(sq_
     constexpr bool STEP = SRC == SQ_SRC_PACKED && UPDATE && SINK == SQ_SINK_PACKED;
     if (SRC == SQ_SRC_PACKED) {
         const sq_head_desc *hd = io.heads + hv;
-        sq_stage_block(sq_dyn, io.pages + (size_t)slot * io.page_stride + hd->block_off,
-                       hd->block_bytes);
+        const uint8_t *blk = io.pages + (size_t)slot * io.page_stride + hd->block_off;
+        if (!sq_bulk_step<SRC, UPDATE, SINK>)
+            sq_stage_block(sq_dyn, blk, hd->block_bytes);
+        else if (threadIdx.x == 0)
+            sq_bulk_stage(sq_dyn, blk, hd->block_bytes);
     }
     sq_in in;
     sq_load_in<UPDATE, V>(in, st, hv, e, HV, threadIdx.x);
