@@ -54,7 +54,8 @@
  * SQ_FP8_PACK_SQDIV (default 0): the pack's divisions by sq_div where the tile's scale allows
  * (sq_fp8_div_of). The fp8 decode step always takes them (dense_kernel.cuh: 9.8-10.3% faster);
  * the pack did not gain (H100, B = 512: fp32 sources within 1%, bf16 sources 1-6% slower at 4
- * blocks per SM; the same at 2 blocks per SM is not measured; kernels/cuda/README.md).
+ * blocks per SM; the same at 2 blocks per SM is not measured: AB_RUN.sh's variant packdiv2
+ * sets SQ_F8BMIN_BLOCKS to 2; kernels/cuda/README.md).
  */
 #ifndef SQ_FP8_PACK_SQDIV
 #define SQ_FP8_PACK_SQDIV 0

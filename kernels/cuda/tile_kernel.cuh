@@ -856,6 +856,22 @@ struct sq_tpos {
     int t, lane, w, tx, R0, C0;
 };
 
+/* Thread t's place: warp w, tx = t % 16, rows R0 = 8 (2 w + (t % 32) / 16) .., columns 8 tx .. */
+__device__ __forceinline__ sq_tpos sq_tile_pos(int t)
+{
+    const int lane = t & 31, w = t >> 5, tx = lane & 15;
+    return { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+}
+
+/* Waits for the head block the kernel staged: sq_bulk_stage's under BULK, else any cp.async. */
+template <int SRC, bool BULK> __device__ __forceinline__ void sq_tile_stage_wait()
+{
+    if (BULK)
+        sq_bulk_wait();
+    else if (SRC != SQ_SRC_DENSE)
+        sq_cp_async_wait_all();
+}
+
 /*
  * Load: the rows' widths and code offsets (and with SQ_V_RTU their table,
  * rowc) into shared memory, and a dense source into x. A packed source is
@@ -1010,10 +1026,7 @@ __device__ __forceinline__ float sq_tile_in_norm(const sq_step &st, const sq_io 
     }
     if (io.skip && t == 0)
         io.skip[(size_t)e * HV + hv] = 0;
-    if (BULK)
-        sq_bulk_wait(); /* the block staged by sq_bulk_stage (SQ_STAGE_BULK) */
-    else if (SRC != SQ_SRC_DENSE)
-        sq_cp_async_wait_all();
+    sq_tile_stage_wait<SRC, BULK>();
     __syncthreads();
     return (sm.kqp[0] + sm.kqp[1]) + (sm.kqp[2] + sm.kqp[3]);
 }
@@ -1730,10 +1743,7 @@ __device__ __forceinline__ bool sq_tile_inputs(const sq_step &st, const sq_io &i
     else
         bad = sq_tile_in_vgb(st, in, sm, bfi, t);
     if (__syncthreads_or(bad)) {
-        if (BULK)
-            sq_bulk_wait(); /* nothing may land in a finished block */
-        else if (SRC != SQ_SRC_DENSE)
-            sq_cp_async_wait_all(); /* nothing may land in a finished block */
+        sq_tile_stage_wait<SRC, BULK>(); /* nothing may land in a finished block */
         sq_input_failed(st, io, e, HV, hv, slot, t, bfi);
         __syncthreads();
         return false;
@@ -1755,8 +1765,7 @@ __device__ __forceinline__ void sq_tile_item(const sq_step &st, const sq_io &io,
                                              const sq_in &in)
 {
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
-    const int lane = t & 31, w = t >> 5, tx = lane & 15;
-    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    const sq_tpos pos = sq_tile_pos(t);
     const bool packed = SRC == SQ_SRC_PACKED || SINK == SQ_SINK_PACKED;
     const sq_head_desc *hd = packed ? io.heads + hv : nullptr;
     uint8_t *blk = packed ? io.pages + (size_t)slot * io.page_stride + hd->block_off : nullptr;
@@ -2016,8 +2025,7 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
                                                    sq_tsmem &sm, const sq_in &in)
 {
     const int t = threadIdx.x, bfi = sq_in_bf16<V>(st);
-    const int lane = t & 31, w = t >> 5, tx = lane & 15;
-    const sq_tpos pos = { t, lane, w, tx, 8 * (2 * w + (lane >> 4)), 8 * tx };
+    const sq_tpos pos = sq_tile_pos(t);
     uint8_t *blk = io.pages + (size_t)slot * io.page_stride + io.heads[hv].block_off;
     if (t == 0)
         sm.fl = 0;
@@ -2028,7 +2036,7 @@ __device__ __forceinline__ void sq_tile_pivot_item(const sq_step &st, const sq_i
     uint4 X[8];
 #pragma unroll
     for (int r = 0; r < 8; r++)
-        X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * tx);
+        X[r] = *(const uint4 *)(buf + (pos.R0 + r) * (2 * SQ_D) + 16 * pos.tx);
     sq_pivot_head_step<true>(st, io, hv, e, slot, sm, kq, bfi, sm.dec0, X, blk, pos);
     __syncthreads(); /* buf and sm are free when it returns */
 }
